@@ -1,0 +1,52 @@
+# hpc_ddp developer interface; CI (.ci/run) calls these same targets.
+#
+#   make local-test            train the default config on NPROC local CPU ranks (gloo)
+#   make test                  the test suite (Slurm tests skip unless a cluster is up)
+#   make install TORCH=...     (re)install; TORCH is the pip requirement for torch
+#   make lint / make format
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build by default. On a GPU cluster pass the CUDA build, e.g.
+#   make install TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
+TORCH ?= torch==2.13.0
+NPROC ?= 2
+CONFIG ?= configs/digits.yaml
+ARGS ?=
+PYTEST_ARGS ?=
+
+STAMP := $(VENV)/.installed
+
+.PHONY: install local-test test test-slurm lint format clean cluster-up cluster-down
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and pinned, so the package's unpinned `torch` requirement is already met
+	# and pip never fetches the multi-GB CUDA wheels on a CPU machine.
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+install:
+	rm -f $(STAMP)
+	$(MAKE) $(STAMP) TORCH="$(TORCH)"
+
+local-test: $(STAMP)
+	$(BIN)/hpc-ddp local --nproc $(NPROC) --config $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

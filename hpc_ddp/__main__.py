@@ -1,0 +1,5 @@
+import sys
+
+from hpc_ddp.cli import main
+
+sys.exit(main())

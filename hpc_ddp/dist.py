@@ -1,0 +1,91 @@
+"""Process group up and down, with bounded waits and errors that say which side is missing."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import HashStore, Store, TCPStore  # type: ignore[attr-defined]
+
+from hpc_ddp.config import DistConfig
+from hpc_ddp.env import DistEnv
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.plan import DevicePlan
+
+
+def _first_line(text: str) -> str:
+    return text.splitlines()[0] if text else "timeout"
+
+
+def _rendezvous_store(dist_env: DistEnv, init_timeout_s: float) -> Store:
+    """The store all ranks meet in; every wait on it is bounded by ``init_timeout_s``."""
+    if dist_env.world_size == 1:
+        return HashStore()
+    hosts_store = dist_env.rank == 0 and not dist_env.store_hosted_by_launcher
+    where = f"{dist_env.master_addr}:{dist_env.master_port}"
+    try:
+        return TCPStore(
+            host_name=dist_env.master_addr,
+            port=dist_env.master_port,
+            world_size=dist_env.world_size,
+            is_master=hosts_store,
+            timeout=timedelta(seconds=init_timeout_s),
+            wait_for_workers=True,
+        )
+    except (RuntimeError, dist.DistError) as error:
+        text = str(error)
+        if "address already in use" in text.lower() or "EADDRINUSE" in text:
+            raise HpcDdpError(
+                f"rank 0 cannot listen on rendezvous port {where}: it is already in use",
+                "another job on this node holds the port; set dist.master_port=<free port> "
+                "(or export MASTER_PORT) to pick another",
+            ) from None
+        if hosts_store:
+            raise HpcDdpError(
+                f"rank 0 waited {init_timeout_s:.0f} s at {where} and not all "
+                f"{dist_env.world_size} ranks arrived",
+                "some ranks never started or cannot reach this host: check the job's other "
+                "tasks' logs, that every task was started by the same srun, and "
+                "dist.init_timeout_s",
+            ) from None
+        raise HpcDdpError(
+            f"rank {dist_env.rank} on {dist_env.hostname} could not reach the rendezvous at "
+            f"{where} within {init_timeout_s:.0f} s ({_first_line(text)})",
+            "check that rank 0 is running, that MASTER_ADDR resolves from this node and that the "
+            "port is not firewalled; raise dist.init_timeout_s if nodes start slowly",
+        ) from None
+
+
+def init_distributed(dist_env: DistEnv, device: DevicePlan, config: DistConfig) -> None:
+    """Select the GPU (before NCCL starts), meet the other ranks, build the process group."""
+    if device.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device.device))
+    store = _rendezvous_store(dist_env, config.init_timeout_s)
+    dist.init_process_group(
+        backend=device.backend,
+        store=store,
+        rank=dist_env.rank,
+        world_size=dist_env.world_size,
+        timeout=timedelta(seconds=config.timeout_s),
+        device_id=torch.device(device.device) if device.backend == "nccl" else None,
+    )
+
+
+def shutdown_distributed() -> None:
+    """Destroy the process group if one exists (on the clean path)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum ``values`` over all ranks in place and return it (a no-op without a group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return values
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is true on at least one."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    return bool(all_reduce_sum(value).item() > 0)

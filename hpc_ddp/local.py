@@ -1,0 +1,117 @@
+"""`hpc-ddp local`: N CPU ranks on this machine through the same entry point Slurm runs.
+
+Ranks meet on 127.0.0.1 at a free port. If one rank fails, the others are stopped at once
+and the launcher exits with that rank's code, naming it, instead of leaving the rest to
+wait for a collective timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from types import FrameType
+
+from hpc_ddp.env import LOCAL_RUN_ID_VAR
+
+STOP_GRACE_S = 10.0
+POLL_INTERVAL_S = 0.1
+
+
+def free_loopback_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def rank_environments(
+    nproc: int, base: Mapping[str, str], port: int, run_id: str, cpu_count: int
+) -> list[dict[str, str]]:
+    """The environment of each local rank (pure: ``base`` is copied, never changed)."""
+    threads = str(max(1, cpu_count // nproc))
+    environments = []
+    for rank in range(nproc):
+        environment = dict(base)
+        environment.update(
+            {
+                LOCAL_RUN_ID_VAR: run_id,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
+        # Keep gloo on loopback, and N ranks from each starting one thread per core.
+        environment.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        environment.setdefault("OMP_NUM_THREADS", threads)
+        environments.append(environment)
+    return environments
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
+    """Wait for all ranks; on the first failure stop the rest and return its exit code."""
+    while True:
+        running = False
+        for rank, process in enumerate(processes):
+            code = process.poll()
+            if code is None:
+                running = True
+            elif code != 0:
+                print(
+                    f"hpc-ddp local: rank {rank} exited with code {code}; stopping the other ranks",
+                    file=sys.stderr,
+                )
+                _stop(processes)
+                return code if code > 0 else 128 - code
+        if not running:
+            return 0
+        time.sleep(POLL_INTERVAL_S)
+
+
+def launch_local(
+    nproc: int, train_args: Sequence[str], environ: Mapping[str, str] | None = None
+) -> int:
+    """Start ``nproc`` ranks of ``python -m hpc_ddp.train <train_args>`` and supervise them."""
+    if nproc < 1:
+        print("hpc-ddp local: error: --nproc must be >= 1\nHINT: e.g. --nproc 2", file=sys.stderr)
+        return 2
+    base = dict(os.environ if environ is None else environ)
+    run_id = time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())
+    environments = rank_environments(nproc, base, free_loopback_port(), run_id, os.cpu_count() or 1)
+    command = [sys.executable, "-m", "hpc_ddp.train", *train_args]
+    processes = [subprocess.Popen(command, env=environment) for environment in environments]
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        return supervise(processes)
+    except KeyboardInterrupt:
+        _stop(processes)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

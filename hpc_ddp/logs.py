@@ -1,0 +1,62 @@
+"""Logging: the rank in every line; progress from rank 0 only (a bar on a TTY, else lines)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TextIO
+
+LOGGER_NAME = "hpc_ddp"
+
+
+def setup_logging(rank: int, world_size: int, level: int = logging.INFO) -> logging.Logger:
+    """Configure the package logger so that every line says which rank wrote it."""
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.handlers.clear()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s [rank {rank}/{world_size}] %(levelname)s %(message)s", "%H:%M:%S"
+        )
+    )
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    return logger
+
+
+def get_logger() -> logging.Logger:
+    return logging.getLogger(LOGGER_NAME)
+
+
+class Progress:
+    """Rank 0's progress: a redrawn bar on a terminal, one log line per interval otherwise.
+
+    Batch logs stay readable because the bar is never written when stderr is not a TTY.
+    """
+
+    def __init__(self, total_steps: int, enabled: bool, stream: TextIO | None = None) -> None:
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.is_tty = enabled and self.stream.isatty()
+
+    def update(self, step: int, epoch: int, loss: float, samples_per_s: float) -> None:
+        if not self.enabled:
+            return
+        text = (
+            f"epoch {epoch} step {step}/{self.total_steps} loss {loss:.4f} "
+            f"{samples_per_s:,.0f} samples/s"
+        )
+        if self.is_tty:
+            width = 30
+            filled = int(width * step / max(1, self.total_steps))
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
+            self.stream.flush()
+        else:
+            get_logger().info(text)
+
+    def close(self) -> None:
+        if self.is_tty:
+            self.stream.write("\n")
+            self.stream.flush()

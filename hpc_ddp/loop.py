@@ -1,0 +1,286 @@
+"""The training loop: sharded DDP steps, exact cross-rank metrics, one summary at the end.
+
+Metrics are kept as device tensors and reduced only at log intervals and epoch ends, so the
+hot loop has no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from hpc_ddp.config import Config
+from hpc_ddp.data import Datasets, eval_loader, train_loader
+from hpc_ddp.dist import all_reduce_sum
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.logs import Progress, get_logger
+from hpc_ddp.plan import RunPlan
+from hpc_ddp.tracking import Tracker
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """Multiplier on the peak lr at optimizer step ``step`` (0-based)."""
+    if warmup_steps and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    progress = min(1.0, max(0.0, progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
+    optim = config.optim
+    if optim.name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+    return torch.optim.SGD(
+        model.parameters(), lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay
+    )
+
+
+def weights_sha256(model: nn.Module) -> str:
+    """A fingerprint of the state_dict: names, dtypes, shapes and bytes, in sorted order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        value = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+@dataclass
+class Totals:
+    """Summed loss, correct predictions and sample count, as one device tensor for one reduce."""
+
+    values: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device: torch.device) -> Totals:
+        return cls(torch.zeros(3, dtype=torch.float64, device=device))
+
+    def add(self, logits: torch.Tensor, labels: torch.Tensor, mean_loss: torch.Tensor) -> None:
+        count = labels.numel()
+        correct = (logits.argmax(dim=1) == labels).sum()
+        self.values += torch.stack(
+            [mean_loss.detach().double() * count, correct.double(), self.values.new_tensor(count)]
+        )
+
+    def reduced(self) -> tuple[float, float, int]:
+        """(mean loss, accuracy, samples) over all ranks; a collective every rank must call."""
+        loss_sum, correct, count = all_reduce_sum(self.values.clone()).tolist()
+        if count == 0:
+            return float("nan"), float("nan"), 0
+        return loss_sum / count, correct / count, int(count)
+
+
+def evaluate(
+    model: nn.Module, loader: DataLoader[Any], device: torch.device, bf16: bool
+) -> tuple[float, float, int]:
+    """Loss, accuracy and count over the WHOLE validation set, reduced across ranks."""
+    totals = Totals.zeros(device)
+    model.eval()
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        for features, labels in loader:
+            features = features.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            logits = model(features).float()
+            totals.add(logits, labels, nn.functional.cross_entropy(logits, labels))
+    model.train()
+    return totals.reduced()
+
+
+@dataclass
+class LoopState:
+    """Where the loop is; what a summary reports."""
+
+    epoch: int = 0
+    global_step: int = 0
+    train_time_s: float = 0.0
+    last_train: tuple[float, float, int] = (float("nan"), float("nan"), 0)
+    last_val: tuple[float, float, int] = (float("nan"), float("nan"), 0)
+
+
+class Trainer:
+    """DDP training for one rank under a resolved :class:`RunPlan`."""
+
+    def __init__(
+        self, config: Config, plan: RunPlan, datasets: Datasets, model: nn.Module, tracker: Tracker
+    ) -> None:
+        self.config = config
+        self.plan = plan
+        self.tracker = tracker
+        self.device = torch.device(plan.device.device)
+        env = plan.dist_env
+        pin = self.device.type == "cuda"
+        self.loader, self.sampler = train_loader(
+            datasets.train,
+            env.rank,
+            env.world_size,
+            plan.micro_batch_size,
+            config.run.seed,
+            plan.num_workers,
+            pin,
+        )
+        self.val_loader = eval_loader(
+            datasets.val,
+            env.rank,
+            env.world_size,
+            max(plan.micro_batch_size, 256),
+            plan.num_workers,
+            pin,
+        )
+        self.steps_per_epoch = len(self.loader) // plan.grad_accum_steps
+        if self.steps_per_epoch == 0:
+            raise HpcDdpError(
+                f"the training set ({len(self.loader.dataset)} samples) is smaller than one "  # type: ignore[arg-type]
+                f"global batch (data.batch_size={plan.global_batch_size})",
+                "lower data.batch_size or use more training data",
+            )
+        self.total_steps = config.train.epochs * self.steps_per_epoch
+        if config.train.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.train.max_steps)
+        module = model.to(self.device)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self.model = DistributedDataParallel(module, device_ids=device_ids)
+        self.optimizer = make_optimizer(config, self.model)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_factor(
+                step, config.optim.warmup_steps, self.total_steps, config.optim.schedule
+            ),
+        )
+        self.state = LoopState()
+        self.bf16 = config.train.precision == "bf16"
+
+    def _optimizer_step(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], totals: Totals
+    ) -> None:
+        """One optimizer step over ``grad_accum_steps`` micro-batches; all-reduce on the last."""
+        last = len(micro_batches) - 1
+        for index, (features, labels) in enumerate(micro_batches):
+            features = features.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            sync = contextlib.nullcontext() if index == last else self.model.no_sync()
+            with sync:
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                    logits = self.model(features).float()
+                    loss = nn.functional.cross_entropy(logits, labels)
+                (loss / len(micro_batches)).backward()
+            totals.add(logits, labels, loss)
+        if self.config.optim.grad_clip_norm is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _log_interval(self, interval: Totals, started: float, progress: Progress) -> None:
+        loss, accuracy, count = interval.reduced()
+        elapsed = max(1e-9, time.perf_counter() - started)
+        samples_per_s = count / elapsed
+        step = self.state.global_step
+        progress.update(step, self.state.epoch, loss, samples_per_s)
+        self.tracker.log_metrics(
+            {
+                "interval/train_loss": loss,
+                "interval/train_accuracy": accuracy,
+                "interval/samples_per_s": samples_per_s,
+                "lr": float(self.scheduler.get_last_lr()[0]),
+            },
+            step,
+        )
+
+    def _run_epoch(self, progress: Progress) -> Totals:
+        accum = self.plan.grad_accum_steps
+        epoch_totals = Totals.zeros(self.device)
+        interval = Totals.zeros(self.device)
+        interval_started = time.perf_counter()
+        micro: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for batch in self.loader:
+            micro.append(batch)
+            if len(micro) < accum:
+                continue
+            self._optimizer_step(micro, interval)
+            micro = []
+            self.state.global_step += 1
+            if self.state.global_step % self.config.train.log_interval == 0:
+                epoch_totals.values += interval.values
+                self._log_interval(interval, interval_started, progress)
+                interval = Totals.zeros(self.device)
+                interval_started = time.perf_counter()
+            if self.state.global_step >= self.total_steps:
+                break
+        epoch_totals.values += interval.values
+        return epoch_totals
+
+    def fit(self) -> LoopState:
+        """Train all epochs (or until train.max_steps), validating after each."""
+        log = get_logger()
+        progress = Progress(self.total_steps, enabled=self.plan.dist_env.is_main)
+        self.model.train()
+        while self.state.global_step < self.total_steps:
+            self.sampler.set_epoch(self.state.epoch)
+            started = time.perf_counter()
+            epoch_totals = self._run_epoch(progress)
+            self.state.train_time_s += time.perf_counter() - started
+            self.state.last_train = epoch_totals.reduced()
+            self.state.last_val = evaluate(
+                self.model.module, self.val_loader, self.device, self.bf16
+            )
+            self.state.epoch += 1
+            train_loss, train_acc, _ = self.state.last_train
+            val_loss, val_acc, val_count = self.state.last_val
+            if self.plan.dist_env.is_main:
+                log.info(
+                    f"epoch {self.state.epoch} step {self.state.global_step} train_loss "
+                    f"{train_loss:.4f} train_acc {train_acc:.4f} val_loss {val_loss:.4f} "
+                    f"val_acc {val_acc:.4f} (val samples {val_count})"
+                )
+            self.tracker.log_metrics(
+                {
+                    "train_loss": train_loss,
+                    "train_accuracy": train_acc,
+                    "val_loss": val_loss,
+                    "val_accuracy": val_acc,
+                },
+                self.state.epoch,
+            )
+        progress.close()
+        return self.state
+
+    def summary(self, wall_time_s: float) -> dict[str, Any]:
+        """The facts summary.json records; identical on every rank except timings."""
+        env = self.plan.dist_env
+        state = self.state
+        samples_seen = state.global_step * self.plan.global_batch_size
+        return {
+            "world_size": env.world_size,
+            "num_nodes": env.num_nodes,
+            "launcher": env.launcher,
+            "job_id": env.job_id,
+            "restart_count": env.restart_count,
+            "device": self.plan.device.device,
+            "backend": self.plan.device.backend,
+            "epochs": state.epoch,
+            "global_step": state.global_step,
+            "samples_seen": samples_seen,
+            "train_loss": state.last_train[0],
+            "train_accuracy": state.last_train[1],
+            "val_loss": state.last_val[0],
+            "val_accuracy": state.last_val[1],
+            "val_samples": state.last_val[2],
+            "wall_time_s": round(wall_time_s, 3),
+            "train_time_s": round(state.train_time_s, 3),
+            "samples_per_s": round(samples_seen / max(1e-9, state.train_time_s), 1),
+            "weights_sha256": weights_sha256(self.model.module),
+        }

@@ -1,0 +1,173 @@
+"""The resolved plan of a run: batch division, device, workers, run directory.
+
+Pure arithmetic over the config and the :class:`~hpc_ddp.env.DistEnv`. Everything that can
+be wrong about a launch is checked here, before any process group exists, so a bad request
+fails in seconds with a HINT instead of hanging inside NCCL or gloo.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc_ddp.config import Config
+from hpc_ddp.env import DistEnv
+from hpc_ddp.errors import HpcDdpError
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """The torch device this rank uses and the process-group backend."""
+
+    device: str
+    backend: str
+    #: Why this device: shown by `hpc-ddp doctor`.
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything derived for one rank before training starts."""
+
+    dist_env: DistEnv
+    device: DevicePlan
+    global_batch_size: int
+    micro_batch_size: int
+    grad_accum_steps: int
+    num_workers: int
+    run_dir: Path
+
+
+def micro_batch_size(global_batch: int, world_size: int, grad_accum_steps: int) -> int:
+    """Samples each rank loads per micro-step; refuses a global batch that does not divide."""
+    shares = world_size * grad_accum_steps
+    if global_batch % shares:
+        working = [
+            w
+            for w in range(1, min(global_batch, 1024) + 1)
+            if global_batch % (w * grad_accum_steps) == 0
+        ]
+        raise HpcDdpError(
+            f"data.batch_size={global_batch} (global) does not divide over world_size="
+            f"{world_size} x train.grad_accum_steps={grad_accum_steps}",
+            f"world sizes that work with this batch: {', '.join(map(str, working)) or 'none'}; "
+            f"or pick data.batch_size as a multiple of {shares}",
+        )
+    return global_batch // shares
+
+
+def resolve_num_workers(
+    setting: int | str, cpus_per_task: int | None, cpu_count: int, local_world_size: int
+) -> int:
+    """DataLoader workers per rank; 'auto' gives each rank its CPU share minus the main process."""
+    if setting != "auto":
+        return int(setting)
+    cpus_for_this_rank = cpus_per_task or max(1, cpu_count // max(1, local_world_size))
+    return max(0, cpus_for_this_rank - 1)
+
+
+def visible_gpu_count(cuda_visible_devices: str | None, cuda_device_count: int) -> int:
+    """GPUs this process can use: torch's count, else what CUDA_VISIBLE_DEVICES names.
+
+    The second form lets `hpc-ddp doctor` plan GPU placement on a node whose torch build
+    cannot see the devices (or before CUDA is initialised).
+    """
+    if cuda_device_count > 0:
+        return cuda_device_count
+    if cuda_visible_devices is None:
+        return 0
+    return len([item for item in cuda_visible_devices.split(",") if item.strip() and item != "-1"])
+
+
+def _cuda_index(dist_env: DistEnv, visible: int) -> tuple[int, str]:
+    """Which of the visible GPUs this rank drives (see the README's GPU section)."""
+    per_node = dist_env.local_world_size
+    if dist_env.gpus_per_task is not None:
+        if dist_env.gpus_per_task != 1 or visible != 1:
+            raise HpcDdpError(
+                f"this task sees {visible} GPU(s) with --gpus-per-task={dist_env.gpus_per_task}; "
+                "DDP drives exactly one GPU per task",
+                "request --gpus-per-task=1 with one task per GPU (--ntasks-per-node=GPUs per node)",
+            )
+        return 0, "--gpus-per-task=1: this task's own GPU is cuda:0"
+    if visible == per_node:
+        return dist_env.local_rank, f"{visible} GPUs shared by {per_node} tasks: cuda:LOCAL_RANK"
+    if visible == 1 and per_node == 1:
+        return 0, "one task, one GPU"
+    if visible < per_node:
+        raise HpcDdpError(
+            f"{per_node} tasks on node {dist_env.hostname} but only {visible} visible GPU(s)",
+            "run one task per GPU: --ntasks-per-node equal to the GPUs per node "
+            "(slurm/train.sh derives it from --gpus-per-node)",
+        )
+    if dist_env.launcher == "slurm":
+        raise HpcDdpError(
+            f"{visible} GPUs visible to each of the {per_node} task(s) on node "
+            f"{dist_env.hostname}: {visible - per_node} would sit idle, and the task-to-GPU "
+            "mapping is ambiguous",
+            f"use --ntasks-per-node={visible} with --gres=gpu:{visible}, or --gpus-per-task=1",
+        )
+    return dist_env.local_rank, f"{visible} GPUs visible, {per_node} local ranks: cuda:LOCAL_RANK"
+
+
+def plan_device(config: Config, dist_env: DistEnv, cuda_device_count: int) -> DevicePlan:
+    """Choose the device and backend. ``cuda_device_count`` is torch.cuda.device_count()."""
+    wanted = config.dist.device
+    visible = visible_gpu_count(dist_env.cuda_visible_devices, cuda_device_count)
+    use_cuda = wanted == "cuda" or (wanted == "auto" and cuda_device_count > 0)
+    if use_cuda and visible == 0:
+        raise HpcDdpError(
+            "dist.device=cuda but no GPU is visible to this process",
+            "request GPUs from Slurm (--gpus-per-node / --gres=gpu:N), check CUDA_VISIBLE_DEVICES, "
+            "or use dist.device=cpu",
+        )
+    if config.dist.backend == "nccl" and not use_cuda:
+        raise HpcDdpError(
+            "dist.backend=nccl needs CUDA devices, and this process has none",
+            "use dist.backend=auto (gloo on CPU)",
+        )
+    if not use_cuda:
+        backend = "gloo" if config.dist.backend == "auto" else config.dist.backend
+        return DevicePlan(
+            "cpu", backend, "no GPU visible" if wanted == "auto" else "dist.device=cpu"
+        )
+    index, reason = _cuda_index(dist_env, visible)
+    backend = "nccl" if config.dist.backend == "auto" else config.dist.backend
+    return DevicePlan(f"cuda:{index}", backend, reason)
+
+
+def run_directory(config: Config, dist_env: DistEnv) -> Path:
+    """<output_dir>/<name>/<id>: the id is the Slurm job id, so a requeued job finds its files."""
+    return Path(config.run.output_dir) / config.run.name / (config.run.id or dist_env.job_id)
+
+
+def make_plan(config: Config, dist_env: DistEnv, cuda_device_count: int, cpu_count: int) -> RunPlan:
+    """Derive and check the whole plan; raises HpcDdpError with a HINT on any bad request."""
+    micro = micro_batch_size(
+        config.data.batch_size, dist_env.world_size, config.train.grad_accum_steps
+    )
+    return RunPlan(
+        dist_env=dist_env,
+        device=plan_device(config, dist_env, cuda_device_count),
+        global_batch_size=config.data.batch_size,
+        micro_batch_size=micro,
+        grad_accum_steps=config.train.grad_accum_steps,
+        num_workers=resolve_num_workers(
+            config.data.num_workers, dist_env.cpus_per_task, cpu_count, dist_env.local_world_size
+        ),
+        run_dir=run_directory(config, dist_env),
+    )
+
+
+def describe_plan(plan: RunPlan) -> str:
+    """One line per fact, for `--dry-run` and `hpc-ddp doctor`."""
+    env = plan.dist_env
+    return (
+        f"launcher={env.launcher} job={env.job_id} host={env.hostname} rank={env.rank}/"
+        f"{env.world_size} local_rank={env.local_rank}/{env.local_world_size} node={env.node_rank}/"
+        f"{env.num_nodes} master={env.master_addr}:{env.master_port} device={plan.device.device} "
+        f"({plan.device.reason}) backend={plan.device.backend} cuda_visible="
+        f"{env.cuda_visible_devices or '-'} global_batch={plan.global_batch_size} "
+        f"per_rank_batch={plan.micro_batch_size} x accum {plan.grad_accum_steps} "
+        f"workers={plan.num_workers} run_dir={plan.run_dir}"
+    )

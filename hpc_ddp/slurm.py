@@ -1,0 +1,143 @@
+"""Pure arithmetic on Slurm's notations: host lists, tasks-per-node, and the rendezvous port.
+
+Nothing here reads the environment; every function takes its inputs as arguments.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+from hpc_ddp.errors import HpcDdpError
+
+#: Ports derived from the job id lie in [PORT_BASE, PORT_BASE + PORT_SPAN). The range stays
+#: below Linux's default ephemeral range (32768-60999), so an outgoing connection on the
+#: master node can never already hold the port we derive.
+PORT_BASE = 10000
+PORT_SPAN = 20000
+#: Concurrent job steps of one job get neighbouring ports (step id modulo this), so two
+#: `srun` launched side by side in one allocation do not clash either.
+PORT_STEP_SLOTS = 10
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_TASKS_ITEM = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    parts: list[str] = []
+    depth = 0
+    current: list[str] = []
+    for char in text:
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise HpcDdpError(
+                    f"unbalanced ']' in Slurm host list {text!r}",
+                    "host lists look like 'gpu[001-004,010]' or 'a,b[1-3],c'",
+                )
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth != 0:
+        raise HpcDdpError(
+            f"unbalanced '[' in Slurm host list {text!r}",
+            "host lists look like 'gpu[001-004,010]' or 'a,b[1-3],c'",
+        )
+    parts.append("".join(current))
+    return parts
+
+
+def _expand_bracket(body: str, whole: str) -> list[str]:
+    """Expand the inside of one bracket, e.g. '001-004,010', keeping zero padding."""
+    values: list[str] = []
+    for item in body.split(","):
+        match = _RANGE.match(item.strip())
+        if not match:
+            raise HpcDdpError(
+                f"cannot read range {item!r} in Slurm host list {whole!r}",
+                "a bracket holds numbers and ranges, e.g. 'node[01-04,07]'",
+            )
+        low_text, high_text = match.group(1), match.group(2)
+        if high_text is None:
+            values.append(low_text)
+            continue
+        low, high = int(low_text), int(high_text)
+        if high < low:
+            raise HpcDdpError(
+                f"range {item!r} in Slurm host list {whole!r} runs backwards",
+                "write ranges low-high, e.g. 'node[1-4]'",
+            )
+        width = len(low_text)
+        values.extend(str(number).zfill(width) for number in range(low, high + 1))
+    return values
+
+
+def _expand_host_pattern(pattern: str, whole: str) -> list[str]:
+    """Expand one comma-free pattern that may hold several bracket groups."""
+    pieces: list[list[str]] = []
+    position = 0
+    for match in re.finditer(r"\[([^\[\]]*)\]", pattern):
+        pieces.append([pattern[position : match.start()]])
+        pieces.append(_expand_bracket(match.group(1), whole))
+        position = match.end()
+    pieces.append([pattern[position:]])
+    if any("[" in piece or "]" in piece for group in pieces for piece in group):
+        raise HpcDdpError(
+            f"nested brackets in Slurm host list {whole!r}",
+            "host lists look like 'gpu[001-004,010]' or 'rack[1-2]-node[01-02]'",
+        )
+    return ["".join(combination) for combination in itertools.product(*pieces)]
+
+
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand a Slurm host list ('gpu[001-004,010]', 'rack[1-2]-node[01-02]', 'a,b[1-3],c').
+
+    Hosts come back in Slurm's order; the first host is where rank 0 runs.
+    """
+    text = hostlist.strip()
+    if not text:
+        raise HpcDdpError(
+            "the Slurm host list is empty", "check SLURM_STEP_NODELIST / SLURM_JOB_NODELIST"
+        )
+    hosts: list[str] = []
+    for part in _split_top_level(text):
+        part = part.strip()
+        if not part:
+            raise HpcDdpError(
+                f"empty entry in Slurm host list {hostlist!r}",
+                "host lists look like 'a,b[1-3],c' with no empty items",
+            )
+        hosts.extend(_expand_host_pattern(part, hostlist))
+    return hosts
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """Expand Slurm's tasks-per-node notation ('4', '2(x3)', '2(x3),1') to one count per node."""
+    counts: list[int] = []
+    for item in spec.strip().split(","):
+        match = _TASKS_ITEM.match(item.strip())
+        if not match:
+            raise HpcDdpError(
+                f"cannot read tasks-per-node {spec!r} (at {item!r})",
+                "Slurm writes it as '4', '2(x3)' or '2(x3),1'",
+            )
+        count = int(match.group(1))
+        repeat = int(match.group(2)) if match.group(2) else 1
+        counts.extend([count] * repeat)
+    return counts
+
+
+def derive_master_port(job_id: int, step_id: int = 0) -> int:
+    """The rendezvous port every rank of a job step computes alike, without talking.
+
+    ``PORT_BASE + (job_id % (PORT_SPAN // PORT_STEP_SLOTS)) * PORT_STEP_SLOTS + step_id %
+    PORT_STEP_SLOTS``: range 10000-29999. Two jobs clash only if their ids are congruent
+    modulo 2000 and their first nodes coincide while both run.
+    """
+    job_slots = PORT_SPAN // PORT_STEP_SLOTS
+    return PORT_BASE + (job_id % job_slots) * PORT_STEP_SLOTS + step_id % PORT_STEP_SLOTS

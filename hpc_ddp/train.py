@@ -1,0 +1,176 @@
+"""The training entry point every launcher runs: srun, hpc-ddp local, torchrun and submitit.
+
+python -m hpc_ddp.train --config configs/digits.yaml train.epochs=3 data.batch_size=128
+srun python -m hpc_ddp.train --config configs/digits.yaml          # inside sbatch/salloc
+python -m hpc_ddp.train --config configs/digits.yaml --dry-run     # the plan, no training
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from hpc_ddp.config import Config, config_to_dict, flatten, load_config
+from hpc_ddp.data import build_datasets
+from hpc_ddp.dist import init_distributed, shutdown_distributed
+from hpc_ddp.env import DistEnv, export_dist_env, resolve_dist_env
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.logs import get_logger, setup_logging
+from hpc_ddp.loop import Trainer
+from hpc_ddp.models import build_model
+from hpc_ddp.plan import RunPlan, describe_plan, make_plan
+from hpc_ddp.tracking import NullTracker, Tracker, run_tags, start_tracker
+
+EXIT_USER_ERROR = 2
+EXIT_FAILURE = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hpc_ddp.train",
+        description="Train with DDP on the ranks the launcher started (srun, torchrun, "
+        "hpc-ddp local, submitit) or as one process.",
+    )
+    parser.add_argument("--config", help="YAML config file (default: built-in defaults)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve the config, the launcher environment and the plan, build data and model "
+        "and run one forward pass, without any process group",
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=3")
+    return parser
+
+
+def resolve(
+    config_path: str | None, overrides: Sequence[str], environ: Mapping[str, str]
+) -> tuple[Config, RunPlan]:
+    """Config, environment and plan: everything checked before any process group exists."""
+    config = load_config(config_path, overrides)
+    dist_env = resolve_dist_env(
+        environ, config.dist.master_port, single_run_id=time.strftime("single-%Y%m%d-%H%M%S")
+    )
+    cuda_count = torch.cuda.device_count() if config.dist.device != "cpu" else 0
+    plan = make_plan(config, dist_env, cuda_count, os.cpu_count() or 1)
+    return config, plan
+
+
+def dry_run(config: Config, plan: RunPlan) -> dict[str, Any]:
+    """Build the data and the model and push one batch through it: no process group."""
+    datasets = build_datasets(config)
+    torch.manual_seed(config.run.seed)
+    model = build_model(config, datasets.num_features, datasets.num_classes)
+    features, _ = datasets.val[0]
+    logits = model(features.unsqueeze(0))
+    return {
+        "plan": describe_plan(plan),
+        "train_samples": len(datasets.train),  # type: ignore[arg-type]
+        "val_samples": len(datasets.val),  # type: ignore[arg-type]
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "logits_shape": list(logits.shape),
+    }
+
+
+def _start_tracker(config: Config, plan: RunPlan) -> Tracker:
+    env = plan.dist_env
+    return start_tracker(
+        enabled=config.tracking.enabled,
+        is_main=env.is_main,
+        tracking_uri=config.tracking.uri,
+        output_dir=config.run.output_dir,
+        experiment=config.tracking.experiment,
+        run_name=config.run.name,
+        params=flatten(config),
+        tags=run_tags(env.launcher, env.world_size, env.num_nodes, env.job_id, env.restart_count),
+    )
+
+
+def write_outputs(run_dir: Path, summary: dict[str, Any], model: torch.nn.Module) -> Path:
+    """summary.json and the final weights (model.pt, a plain state_dict), each replaced
+    atomically so a reader never sees half a file.
+    """
+    run_dir.mkdir(parents=True, exist_ok=True)
+    weights = run_dir / "model.pt"
+    torch.save(model.state_dict(), weights.with_suffix(".pt.tmp"))
+    os.replace(weights.with_suffix(".pt.tmp"), weights)
+    path = run_dir / "summary.json"
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    os.replace(temporary, path)
+    return path
+
+
+def train(config: Config, plan: RunPlan, started: float) -> dict[str, Any]:
+    """Run the whole training on this rank; returns the summary (written by rank 0)."""
+    env: DistEnv = plan.dist_env
+    log = get_logger()
+    init_distributed(env, plan.device, config.dist)
+    tracker: Tracker = NullTracker()
+    try:
+        tracker = _start_tracker(config, plan)
+        datasets = build_datasets(config)
+        torch.manual_seed(config.run.seed)  # identical initial weights on every rank
+        model = build_model(config, datasets.num_features, datasets.num_classes)
+        torch.manual_seed(config.run.seed + env.rank)  # per-rank stream for dropout etc.
+        trainer = Trainer(config, plan, datasets, model, tracker)
+        trainer.fit()
+        summary = trainer.summary(time.perf_counter() - started)
+        if env.is_main:
+            summary["mlflow_run_id"] = tracker.run_id
+            path = write_outputs(plan.run_dir, summary, trainer.model.module)
+            tracker.log_json_artifact("summary.json", summary)
+            tracker.log_text_artifact("config.yaml", yaml.safe_dump(config_to_dict(config)))
+            summary["summary_path"] = str(path)
+            log.info(f"summary: {path}")
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    tracker.finish("FINISHED")
+    shutdown_distributed()
+    return summary
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """Parse, resolve, train; prints errors with a HINT and returns the exit code."""
+    started = time.perf_counter()
+    args = build_parser().parse_args(argv)
+    environment = os.environ if environ is None else environ
+    rank_label = environment.get("SLURM_PROCID") or environment.get("RANK") or "0"
+    try:
+        config, plan = resolve(args.config, args.overrides, environment)
+        log = setup_logging(plan.dist_env.rank, plan.dist_env.world_size)
+        if args.dry_run:
+            print(json.dumps(dry_run(config, plan), indent=2))
+            return 0
+        if environ is None:
+            for name, previous in export_dist_env(plan.dist_env, os.environ).items():
+                log.debug(f"exported {name}, replacing {previous!r}")
+        if plan.dist_env.is_main:
+            log.info(describe_plan(plan))
+        summary = train(config, plan, started)
+        if plan.dist_env.is_main:
+            print(json.dumps(summary, indent=2, sort_keys=True))
+        return 0
+    except HpcDdpError as error:
+        print(f"[rank {rank_label}] error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"[rank {rank_label}] interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        print(f"[rank {rank_label}] failed:\n{traceback.format_exc()}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Shared test helpers: run the real entry points as subprocesses with a clean environment."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Variables a launcher sets; a test process must never pass its own to the ranks it starts.
+LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "HPC_DDP_LOCAL_", "SBATCH_", "SRUN_", "SALLOC_")
+LAUNCHER_NAMES = {
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "CUDA_VISIBLE_DEVICES",
+    "SLURMD_NODENAME",
+}
+
+
+def clean_environ(**extra: str) -> dict[str, str]:
+    """os.environ without launcher variables, plus ``extra``; runs on loopback, 1 thread."""
+    environment = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in LAUNCHER_NAMES and not key.startswith(LAUNCHER_PREFIXES)
+    }
+    environment.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    environment["PYTHONPATH"] = str(REPO)
+    environment.update(extra)
+    return environment
+
+
+def run_local(
+    nproc: int,
+    output_dir: Path,
+    overrides: list[str],
+    config: str = "configs/synthetic.yaml",
+    timeout: float = 240,
+    environment: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`hpc-ddp local --nproc N` exactly as a user runs it."""
+    command = [
+        sys.executable,
+        "-m",
+        "hpc_ddp",
+        "local",
+        "--nproc",
+        str(nproc),
+        "--config",
+        str(REPO / config),
+        f"run.output_dir={output_dir}",
+        *overrides,
+    ]
+    return subprocess.run(
+        command,
+        cwd=REPO,
+        env=environment or clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def run_train(
+    args: list[str], environment: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """`python -m hpc_ddp.train ...` in one process, with the given environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "hpc_ddp.train", *args],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def read_summary(output_dir: Path) -> dict[str, Any]:
+    """The one summary.json a run wrote under ``output_dir``."""
+    paths = sorted(output_dir.glob("*/*/summary.json"))
+    assert len(paths) == 1, f"expected one summary.json under {output_dir}, found {paths}"
+    return json.loads(paths[0].read_text())  # type: ignore[no-any-return]
+
+
+def summary_path(output_dir: Path) -> Path:
+    paths = sorted(output_dir.glob("*/*/summary.json"))
+    assert len(paths) == 1, paths
+    return paths[0]

@@ -1,0 +1,48 @@
+"""MLflow tracking from rank 0, read back from the real embedded store with MlflowClient."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from hpc_ddp.tracking import default_tracking_uri
+from tests.helpers import read_summary, run_local
+
+
+def test_two_rank_run_is_tracked_once_with_params_metrics_tags_artifacts(tmp_path: Path) -> None:
+    result = run_local(
+        2,
+        tmp_path,
+        ["train.epochs=3", "tracking.experiment=tracked", "train.log_interval=5"],
+        config="configs/digits.yaml",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path)
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    experiment = client.get_experiment_by_name("tracked")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1, "only rank 0 creates a run"
+    run = runs[0]
+    assert run.info.run_id == summary["mlflow_run_id"]
+    assert run.info.status == "FINISHED"
+    assert run.data.params["data.batch_size"] == "64"
+    assert run.data.params["train.epochs"] == "3"
+    assert run.data.params["model.hidden_sizes"] == "[128, 128]"
+    tags = run.data.tags
+    assert tags["hpc_ddp.launcher"] == "local"
+    assert tags["hpc_ddp.world_size"] == "2"
+    assert tags["hpc_ddp.num_nodes"] == "1"
+    assert tags["hpc_ddp.job_id"] == summary["job_id"]
+    assert tags["mlflow.runName"] == "digits-mlp"
+    history = client.get_metric_history(run.info.run_id, "val_loss")
+    assert [m.step for m in history] == [1, 2, 3]
+    assert history[-1].value == summary["val_loss"]
+    interval = client.get_metric_history(run.info.run_id, "interval/train_loss")
+    assert len(interval) == summary["global_step"] // 5
+    artifacts = {item.path for item in client.list_artifacts(run.info.run_id)}
+    assert {"summary.json", "config.yaml"} <= artifacts
+    local = client.download_artifacts(run.info.run_id, "summary.json", str(tmp_path / "dl"))
+    assert json.loads(Path(local).read_text())["weights_sha256"] == summary["weights_sha256"]

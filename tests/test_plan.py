@@ -1,0 +1,106 @@
+"""Batch division, worker counts and GPU choice: the fail-fast checks before any process group."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpc_ddp.config import Config, load_config
+from hpc_ddp.env import DistEnv
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.plan import make_plan, micro_batch_size, plan_device, resolve_num_workers
+
+
+def dist_env(**fields: Any) -> DistEnv:
+    base = DistEnv(
+        rank=1,
+        local_rank=1,
+        world_size=4,
+        local_world_size=2,
+        node_rank=0,
+        num_nodes=2,
+        master_addr="node1",
+        master_port=12345,
+        launcher="slurm",
+        job_id="7",
+        restart_count=0,
+        hostname="node1",
+    )
+    return replace(base, **fields)
+
+
+def test_batch_divides_over_ranks_and_accumulation() -> None:
+    assert micro_batch_size(256, 4, 2) == 32
+    assert micro_batch_size(96, 3, 1) == 32
+
+
+def test_batch_that_does_not_divide_lists_the_world_sizes_that_work() -> None:
+    with pytest.raises(HpcDdpError) as caught:
+        micro_batch_size(100, 3, 1)
+    message = str(caught.value)
+    assert "data.batch_size=100 (global) does not divide over world_size=3" in message
+    assert "world sizes that work with this batch: 1, 2, 4, 5, 10, 20, 25, 50, 100" in message
+
+
+def test_workers() -> None:
+    assert resolve_num_workers(3, 8, 64, 4) == 3
+    assert resolve_num_workers("auto", 8, 64, 4) == 7
+    assert resolve_num_workers("auto", None, 16, 4) == 3
+    assert resolve_num_workers("auto", None, 2, 4) == 0
+
+
+def cuda_config() -> Config:
+    return load_config(None, ["dist.device=cuda"])
+
+
+def test_gpus_per_task_uses_cuda0_and_nccl() -> None:
+    """Mocked GPU count: a GPU cannot exist on the test machines."""
+    env = dist_env(gpus_per_task=1, cuda_visible_devices="1")
+    plan = plan_device(load_config(None), env, cuda_device_count=1)
+    assert (plan.device, plan.backend) == ("cuda:0", "nccl")
+
+
+def test_gres_with_one_gpu_per_local_task_uses_local_rank() -> None:
+    plan = plan_device(cuda_config(), dist_env(cuda_visible_devices="0,1"), cuda_device_count=0)
+    assert (plan.device, plan.backend) == ("cuda:1", "nccl")
+
+
+def test_more_tasks_than_gpus_fails_fast() -> None:
+    env = dist_env(local_world_size=4, local_rank=3, cuda_visible_devices="0,1")
+    with pytest.raises(HpcDdpError, match="4 tasks on node node1 but only 2 visible GPU"):
+        plan_device(cuda_config(), env, cuda_device_count=2)
+
+
+def test_idle_gpus_under_slurm_are_an_error() -> None:
+    with pytest.raises(HpcDdpError, match="2 would sit idle") as caught:
+        plan_device(cuda_config(), dist_env(), cuda_device_count=4)
+    assert "--ntasks-per-node=4" in str(caught.value)
+
+
+def test_torchrun_with_more_gpus_uses_local_rank() -> None:
+    plan = plan_device(cuda_config(), dist_env(launcher="torchelastic"), cuda_device_count=8)
+    assert plan.device == "cuda:1"
+
+
+def test_several_gpus_per_task_is_refused() -> None:
+    with pytest.raises(HpcDdpError, match="exactly one GPU per task"):
+        plan_device(cuda_config(), dist_env(gpus_per_task=2), cuda_device_count=2)
+
+
+def test_cpu_and_gloo_without_gpus_and_errors_when_cuda_is_forced() -> None:
+    plan = plan_device(load_config(None), dist_env(), cuda_device_count=0)
+    assert (plan.device, plan.backend) == ("cpu", "gloo")
+    with pytest.raises(HpcDdpError, match="no GPU is visible"):
+        plan_device(cuda_config(), dist_env(), cuda_device_count=0)
+    with pytest.raises(HpcDdpError, match="nccl needs CUDA"):
+        plan_device(load_config(None, ["dist.backend=nccl"]), dist_env(), cuda_device_count=0)
+
+
+def test_make_plan_run_dir_uses_job_id(tmp_path: Path) -> None:
+    config = load_config(None, [f"run.output_dir={tmp_path}", "data.batch_size=64"])
+    plan = make_plan(config, dist_env(), cuda_device_count=0, cpu_count=2)
+    assert plan.run_dir == tmp_path / "digits-mlp" / "7"
+    assert plan.micro_batch_size == 16

@@ -1,0 +1,269 @@
+"""Real multi-process DDP training on local CPU ranks (gloo on 127.0.0.1).
+
+Every run goes through `hpc-ddp local`, the same entry point Slurm starts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_ddp.data import ShardedEvalSampler
+from hpc_ddp.loop import lr_factor
+from tests.helpers import clean_environ, read_summary, run_local, run_train, summary_path
+
+EXACT = [
+    "train.max_steps=20",
+    "train.epochs=1",
+    "data.batch_size=96",
+    "data.num_samples=2400",
+    "data.num_val_samples=1001",
+    "tracking.enabled=false",
+    "train.log_interval=5",
+]
+
+
+@pytest.fixture(scope="module")
+def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same global batch of 96 at world sizes 1, 2 and 3, and W=1 with accumulation."""
+    runs = {
+        "w1": (1, []),
+        "w2": (2, []),
+        "w3": (3, []),
+        "w1_accum2": (1, ["train.grad_accum_steps=2"]),
+    }
+    outputs = {}
+    for name, (nproc, extra) in runs.items():
+        output = tmp_path_factory.mktemp(name)
+        result = run_local(nproc, output, EXACT + extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs[name] = output
+    return outputs
+
+
+def weights(output: Path) -> dict[str, torch.Tensor]:
+    return torch.load(summary_path(output).parent / "model.pt", weights_only=True)  # type: ignore[no-any-return]
+
+
+def test_every_world_size_sees_each_validation_sample_exactly_once(equivalence_runs) -> None:
+    summaries = {name: read_summary(path) for name, path in equivalence_runs.items()}
+    for name, summary in summaries.items():
+        assert summary["val_samples"] == 1001, name
+        assert summary["global_step"] == 20 and summary["samples_seen"] == 20 * 96
+    assert [summaries[n]["world_size"] for n in ("w1", "w2", "w3")] == [1, 2, 3]
+    reference = summaries["w1"]["val_loss"]
+    for name in ("w2", "w3", "w1_accum2"):
+        assert summaries[name]["val_loss"] == pytest.approx(reference, rel=1e-5), name
+        assert summaries[name]["val_accuracy"] == pytest.approx(summaries["w1"]["val_accuracy"])
+        assert summaries[name]["train_loss"] == pytest.approx(
+            summaries["w1"]["train_loss"], rel=1e-5
+        )
+
+
+def test_w1_and_w2_give_the_same_final_weights(equivalence_runs) -> None:
+    reference = weights(equivalence_runs["w1"])
+    for name in ("w2", "w3", "w1_accum2"):
+        other = weights(equivalence_runs[name])
+        assert reference.keys() == other.keys()
+        for key in reference:
+            torch.testing.assert_close(
+                other[key], reference[key], rtol=1e-5, atol=1e-6, msg=f"{name}:{key}"
+            )
+    initial = torch.nn.Linear(64, 256)
+    assert not torch.allclose(reference["layers.0.weight"][:, :64], initial.weight), "weights moved"
+
+
+def test_digits_learns_on_two_ranks_and_reports_progress(tmp_path: Path) -> None:
+    result = run_local(
+        2, tmp_path, ["train.epochs=6", "tracking.enabled=false"], config="configs/digits.yaml"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path)
+    assert summary["world_size"] == 2 and summary["launcher"] == "local"
+    assert summary["val_samples"] == 359
+    assert summary["val_accuracy"] > 0.85
+    assert len(summary["weights_sha256"]) == 64
+    epoch_losses = [
+        float(x) for x in re.findall(r"epoch \d+ step \d+ train_loss ([0-9.]+)", result.stderr)
+    ]
+    assert len(epoch_losses) == 6 and epoch_losses[-1] < epoch_losses[0] / 2
+    assert "[rank 0/2]" in result.stderr
+    assert "[rank 1/2] INFO epoch" not in result.stderr, "progress comes from rank 0 only"
+    assert re.search(r"samples/s", result.stderr)
+
+
+def test_bf16_and_three_ranks_with_workers(tmp_path: Path) -> None:
+    result = run_local(
+        3,
+        tmp_path,
+        [
+            "train.precision=bf16",
+            "data.batch_size=96",
+            "data.num_workers=1",
+            "train.max_steps=12",
+            "tracking.enabled=false",
+            "optim.schedule=cosine",
+            "optim.warmup_steps=3",
+        ],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path)
+    assert summary["world_size"] == 3 and summary["val_samples"] == 1001
+    assert math.isfinite(summary["val_loss"]) and summary["global_step"] == 12
+
+
+def test_failed_rank_ends_the_job_fast_naming_it(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = run_local(
+        2,
+        tmp_path,
+        [
+            "model.kind=custom",
+            "model.factory=tests.factories:failing_model",
+            "tracking.enabled=false",
+        ],
+    )
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0
+    assert "injected failure on rank 1" in result.stderr
+    assert "rank 1 exited with code 1; stopping the other ranks" in result.stderr
+    assert elapsed < 60
+
+
+def test_rendezvous_timeout_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    """Rank 0 of 2 is started alone: it must give up after dist.init_timeout_s."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    environment = clean_environ(
+        HPC_DDP_LOCAL_RUN_ID="lonely",
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    started = time.monotonic()
+    result = run_train(
+        [
+            "--config",
+            "configs/synthetic.yaml",
+            "dist.init_timeout_s=3",
+            f"run.output_dir={tmp_path}",
+        ],
+        environment,
+    )
+    assert result.returncode == 2
+    assert "waited 3 s" in result.stderr and "not all 2 ranks arrived" in result.stderr
+    assert "HINT:" in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_rendezvous_port_in_use_is_reported(tmp_path: Path) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = run_local(
+            2,
+            tmp_path,
+            [f"dist.master_port={port}", "dist.init_timeout_s=10", "tracking.enabled=false"],
+        )
+    assert result.returncode == 2
+    assert f"rendezvous port 127.0.0.1:{port}: it is already in use" in result.stderr
+    assert "HINT: another job on this node holds the port" in result.stderr
+
+
+def test_user_errors_exit_2_with_a_hint_and_no_traceback(tmp_path: Path) -> None:
+    result = run_train(["--config", "configs/digits.yaml", "train.epochz=3"], clean_environ())
+    assert result.returncode == 2
+    assert "unknown key 'train.epochz'" in result.stderr and "HINT: valid keys" in result.stderr
+    assert "Traceback" not in result.stderr
+
+    result = run_local(3, tmp_path, ["data.batch_size=64"], config="configs/digits.yaml")
+    assert result.returncode == 2
+    assert "world sizes that work with this batch: 1, 2, 4, 8, 16, 32, 64" in result.stderr
+
+
+def test_python_without_srun_in_a_two_task_allocation_fails_in_seconds(tmp_path: Path) -> None:
+    environment = clean_environ(
+        SLURM_JOB_ID="99",
+        SLURM_NTASKS="2",
+        SLURM_TASKS_PER_NODE="2",
+        SLURMD_NODENAME="node1",
+        SLURM_JOB_NODELIST="node1",
+    )
+    started = time.monotonic()
+    result = run_train(["--config", "configs/digits.yaml"], environment)
+    assert result.returncode == 2
+    assert (
+        "not started by srun" in result.stderr
+        and "HINT: start training with `srun" in result.stderr
+    )
+    assert time.monotonic() - started < 30
+
+
+def test_custom_dataset_and_model_by_import_path(tmp_path: Path) -> None:
+    result = run_local(
+        1,
+        tmp_path,
+        [
+            "data.kind=custom",
+            "data.factory=tests.factories:tiny_dataset",
+            "model.kind=custom",
+            "model.factory=tests.factories:linear_model",
+            "data.batch_size=32",
+            "train.epochs=2",
+            "tracking.enabled=false",
+        ],
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = read_summary(tmp_path)
+    assert summary["val_samples"] == 44 and summary["global_step"] == 16
+
+
+def test_bad_model_factory_is_a_clear_error(tmp_path: Path) -> None:
+    result = run_train(
+        [
+            "--config",
+            "configs/synthetic.yaml",
+            "model.kind=custom",
+            "model.factory=tests.factories:not_a_module",
+            f"run.output_dir={tmp_path}",
+            "tracking.enabled=false",
+        ],
+        clean_environ(),
+    )
+    assert result.returncode == 2 and "returned str, not a torch.nn.Module" in result.stderr
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
+def test_eval_shards_cover_every_index_once(world_size: int) -> None:
+    seen = [i for rank in range(world_size) for i in ShardedEvalSampler(1001, rank, world_size)]
+    assert sorted(seen) == list(range(1001))
+    assert sum(len(ShardedEvalSampler(1001, r, world_size)) for r in range(world_size)) == 1001
+
+
+def test_lr_schedule_shapes() -> None:
+    assert [lr_factor(s, 4, 100, "constant") for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert lr_factor(100, 0, 100, "linear") == 0.0
+    assert lr_factor(50, 0, 100, "cosine") == pytest.approx(0.5)
+
+
+def test_local_launcher_rejects_zero_ranks() -> None:
+    result = subprocess.run(
+        ["python", "-m", "hpc_ddp", "local", "--nproc", "0"],
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 2 and "--nproc must be >= 1" in result.stderr
