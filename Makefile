@@ -2,6 +2,9 @@
 #
 #   make local-test            train the default config on NPROC local CPU ranks (gloo)
 #   make test                  the test suite (Slurm tests skip unless a cluster is up)
+#   make cluster-up            start the test Slurm cluster (root; installs Debian packages)
+#   make test-slurm            only the Slurm tests, failing if no cluster is up
+#   make cluster-down          stop the test cluster
 #   make install TORCH=...     (re)install; TORCH is the pip requirement for torch
 #   make lint / make format
 
@@ -39,6 +42,15 @@ local-test: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+test-slurm: $(STAMP)
+	HPC_DDP_REQUIRE_SLURM=1 $(BIN)/python -m pytest -m slurm $(PYTEST_ARGS)
+
+cluster-up:
+	$(PYTHON) tests/cluster/cluster.py up
+
+cluster-down:
+	$(PYTHON) tests/cluster/cluster.py down
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -49,4 +61,4 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache .cluster

@@ -357,8 +357,8 @@ def parse_override(text: str) -> tuple[str, str, Any]:
         )
     try:
         value = yaml.safe_load(raw_value) if raw_value.strip() else ""
-    except yaml.YAMLError as error:
-        raise HpcDdpError(f"cannot read the value of override {text!r}: {error}") from None
+    except yaml.YAMLError:
+        value = raw_value  # not YAML (e.g. a path with a backquote): keep it as text
     return section, key, value
 
 

@@ -167,9 +167,15 @@ def _reject_unlaunched_allocation(environ: Mapping[str, str], job_tasks: int) ->
     )
 
 
-def _reject_interactive_pty_step(environ: Mapping[str, str], step_tasks: int) -> None:
-    """An `srun --pty bash` shell is a one-task step; training started in it runs on one rank."""
-    job_tasks = _job_task_count(environ)
+def _reject_interactive_pty_step(
+    environ: Mapping[str, str], step_tasks: int, allocation_tasks: int | None
+) -> None:
+    """An `srun --pty bash` shell is a one-task step; training started in it runs on one rank.
+
+    Inside that step Slurm reports SLURM_NTASKS=1, so the allocation's real task count comes
+    from ``allocation_tasks`` (asked of scontrol at the edge) when known.
+    """
+    job_tasks = allocation_tasks or _job_task_count(environ)
     if environ.get("SLURM_PTY_PORT") and step_tasks == 1 and job_tasks > 1:
         raise HpcDdpError(
             f"this is an interactive `srun --pty` shell (a job step of 1 task) inside Slurm job "
@@ -181,7 +187,10 @@ def _reject_interactive_pty_step(environ: Mapping[str, str], step_tasks: int) ->
 
 
 def _resolve_slurm(
-    environ: Mapping[str, str], hostname: str, configured_port: int | None
+    environ: Mapping[str, str],
+    hostname: str,
+    configured_port: int | None,
+    allocation_tasks: int | None,
 ) -> DistEnv:
     job_id = environ["SLURM_JOB_ID"]
     restart_count = _int(environ, "SLURM_RESTART_COUNT", 0)
@@ -190,7 +199,7 @@ def _resolve_slurm(
         return _single(environ, hostname, "slurm", job_id, restart_count)
 
     world_size = _int(environ, "SLURM_STEP_NUM_TASKS", _job_task_count(environ))
-    _reject_interactive_pty_step(environ, world_size)
+    _reject_interactive_pty_step(environ, world_size, allocation_tasks)
     nodelist = (
         environ.get("SLURM_STEP_NODELIST")
         or environ.get("SLURM_JOB_NODELIST")
@@ -258,6 +267,11 @@ def _single(
     )
 
 
+def needs_allocation_task_count(environ: Mapping[str, str]) -> bool:
+    """True inside an interactive `srun --pty` step, whose variables hide the job's task count."""
+    return bool(environ.get("SLURM_PTY_PORT") and environ.get("SLURM_JOB_ID"))
+
+
 def detect_launcher(environ: Mapping[str, str]) -> str:
     """Name the launcher that started this process, by the priority in the module docstring."""
     if environ.get("TORCHELASTIC_RUN_ID"):
@@ -274,11 +288,14 @@ def resolve_dist_env(
     configured_port: int | None = None,
     hostname: str | None = None,
     single_run_id: str = "single",
+    allocation_tasks: int | None = None,
 ) -> DistEnv:
     """Resolve this process's place in the job from ``environ`` (never written to).
 
     ``configured_port`` is ``dist.master_port`` from the config; it wins over ``MASTER_PORT``
     and the port derived from the Slurm job id. ``single_run_id`` names a run with no launcher.
+    ``allocation_tasks`` is the Slurm job's task count when the caller asked Slurm for it
+    (see :func:`needs_allocation_task_count`).
     """
     host = hostname or socket.gethostname()
     launcher = detect_launcher(environ)
@@ -287,7 +304,7 @@ def resolve_dist_env(
     if launcher == "local":
         return _resolve_local(environ, host, configured_port)
     if launcher == "slurm":
-        return _resolve_slurm(environ, host, configured_port)
+        return _resolve_slurm(environ, host, configured_port, allocation_tasks)
     return _single(environ, host, "single", single_run_id, 0)
 
 

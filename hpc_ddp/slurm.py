@@ -1,12 +1,14 @@
-"""Pure arithmetic on Slurm's notations: host lists, tasks-per-node, and the rendezvous port.
+"""Slurm's notations (host lists, tasks-per-node), the rendezvous port, and one query.
 
-Nothing here reads the environment; every function takes its inputs as arguments.
+Nothing here reads the environment; every function takes its inputs as arguments. Only
+:func:`allocation_task_count` talks to Slurm, and the caller decides when.
 """
 
 from __future__ import annotations
 
 import itertools
 import re
+import subprocess
 
 from hpc_ddp.errors import HpcDdpError
 
@@ -141,3 +143,19 @@ def derive_master_port(job_id: int, step_id: int = 0) -> int:
     """
     job_slots = PORT_SPAN // PORT_STEP_SLOTS
     return PORT_BASE + (job_id % job_slots) * PORT_STEP_SLOTS + step_id % PORT_STEP_SLOTS
+
+
+def allocation_task_count(job_id: str, timeout_s: float = 10.0) -> int | None:
+    """NumTasks of a job, asked of `scontrol`; None when Slurm cannot be asked."""
+    try:
+        result = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    match = re.search(r"\bNumTasks=(\d+)", result.stdout)
+    return int(match.group(1)) if match else None

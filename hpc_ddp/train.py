@@ -13,7 +13,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,18 @@ import yaml
 from hpc_ddp.config import Config, config_to_dict, flatten, load_config
 from hpc_ddp.data import build_datasets
 from hpc_ddp.dist import init_distributed, shutdown_distributed
-from hpc_ddp.env import DistEnv, export_dist_env, resolve_dist_env
+from hpc_ddp.env import (
+    DistEnv,
+    export_dist_env,
+    needs_allocation_task_count,
+    resolve_dist_env,
+)
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.logs import get_logger, setup_logging
 from hpc_ddp.loop import Trainer
 from hpc_ddp.models import build_model
 from hpc_ddp.plan import RunPlan, describe_plan, make_plan
+from hpc_ddp.slurm import allocation_task_count
 from hpc_ddp.tracking import NullTracker, Tracker, run_tags, start_tracker
 
 EXIT_USER_ERROR = 2
@@ -52,17 +58,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resolve(
-    config_path: str | None, overrides: Sequence[str], environ: Mapping[str, str]
-) -> tuple[Config, RunPlan]:
-    """Config, environment and plan: everything checked before any process group exists."""
-    config = load_config(config_path, overrides)
+def resolve(config: Config, environ: Mapping[str, str]) -> RunPlan:
+    """Environment and plan: everything checked before any process group exists."""
+    allocation_tasks = None
+    if needs_allocation_task_count(environ):
+        allocation_tasks = allocation_task_count(environ["SLURM_JOB_ID"])
     dist_env = resolve_dist_env(
-        environ, config.dist.master_port, single_run_id=time.strftime("single-%Y%m%d-%H%M%S")
+        environ,
+        config.dist.master_port,
+        single_run_id=time.strftime("single-%Y%m%d-%H%M%S"),
+        allocation_tasks=allocation_tasks,
     )
     cuda_count = torch.cuda.device_count() if config.dist.device != "cpu" else 0
-    plan = make_plan(config, dist_env, cuda_count, os.cpu_count() or 1)
-    return config, plan
+    return make_plan(config, dist_env, cuda_count, os.cpu_count() or 1)
 
 
 def dry_run(config: Config, plan: RunPlan) -> dict[str, Any]:
@@ -140,25 +148,46 @@ def train(config: Config, plan: RunPlan, started: float) -> dict[str, Any]:
     return summary
 
 
+def run(
+    config: Config,
+    environ: Mapping[str, str],
+    export_to: MutableMapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Resolve, train and return this rank's summary; raises on any failure.
+
+    ``export_to`` (normally ``os.environ``) receives RANK, MASTER_ADDR, ... for user code
+    that reads them; that is the only place the environment is written.
+    """
+    started = time.perf_counter()
+    plan = resolve(config, environ)
+    log = setup_logging(plan.dist_env.rank, plan.dist_env.world_size)
+    if export_to is not None:
+        for name, previous in export_dist_env(plan.dist_env, export_to).items():
+            log.debug(f"exported {name}, replacing {previous!r}")
+    env = plan.dist_env
+    # One line per rank: where it runs and what it drives, for reading a multi-node log.
+    log.info(
+        f"host {env.hostname} node {env.node_rank}/{env.num_nodes} local_rank {env.local_rank}/"
+        f"{env.local_world_size} device {plan.device.device} master {env.master_addr}:"
+        f"{env.master_port}"
+    )
+    if env.is_main:
+        log.info(describe_plan(plan))
+    return train(config, plan, started)
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Parse, resolve, train; prints errors with a HINT and returns the exit code."""
-    started = time.perf_counter()
     args = build_parser().parse_args(argv)
     environment = os.environ if environ is None else environ
     rank_label = environment.get("SLURM_PROCID") or environment.get("RANK") or "0"
     try:
-        config, plan = resolve(args.config, args.overrides, environment)
-        log = setup_logging(plan.dist_env.rank, plan.dist_env.world_size)
+        config = load_config(args.config, args.overrides)
         if args.dry_run:
-            print(json.dumps(dry_run(config, plan), indent=2))
+            print(json.dumps(dry_run(config, resolve(config, environment)), indent=2))
             return 0
-        if environ is None:
-            for name, previous in export_dist_env(plan.dist_env, os.environ).items():
-                log.debug(f"exported {name}, replacing {previous!r}")
-        if plan.dist_env.is_main:
-            log.info(describe_plan(plan))
-        summary = train(config, plan, started)
-        if plan.dist_env.is_main:
+        summary = run(config, environment, os.environ if environ is None else None)
+        if summary.get("summary_path"):
             print(json.dumps(summary, indent=2, sort_keys=True))
         return 0
     except HpcDdpError as error:

@@ -9,10 +9,8 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.config import Config, config_docs, flatten, load_config
-from hpc_ddp.env import resolve_dist_env
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.plan import make_plan
-from hpc_ddp.train import dry_run
+from hpc_ddp.train import dry_run, resolve
 from tests.helpers import REPO
 
 CONFIG_FILES = sorted((REPO / "configs").glob("*.yaml"))
@@ -108,8 +106,7 @@ def test_flatten_has_dotted_keys() -> None:
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
 def test_every_shipped_config_loads_and_dry_runs(path: Path, tmp_path: Path) -> None:
     config = load_config(path, [f"run.output_dir={tmp_path}"])
-    plan = make_plan(config, resolve_dist_env({}, hostname="h"), cuda_device_count=0, cpu_count=2)
-    report = dry_run(config, plan)
+    report = dry_run(config, resolve(config, {}))
     assert report["train_samples"] >= config.data.batch_size
     assert report["logits_shape"][0] == 1 and report["logits_shape"][1] >= 2
     assert report["parameters"] > 0

@@ -11,6 +11,7 @@ from hpc_ddp.env import (
     detect_launcher,
     dist_env_variables,
     export_dist_env,
+    needs_allocation_task_count,
     resolve_dist_env,
 )
 from hpc_ddp.errors import HpcDdpError
@@ -149,6 +150,25 @@ def test_interactive_pty_shell_fails_fast() -> None:
         resolve_dist_env(environ, hostname="gpu001")
     assert "interactive `srun --pty` shell" in str(caught.value)
     assert "srun --overlap --ntasks=8" in str(caught.value)
+
+
+def test_pty_step_uses_the_allocation_count_slurm_reports() -> None:
+    """Inside `srun --pty` Slurm sets SLURM_NTASKS=1; scontrol's NumTasks tells the truth."""
+    environ = {
+        "SLURM_JOB_ID": "15",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PTY_PORT": "46259",
+        "SLURM_NTASKS": "1",
+        "SLURM_STEP_NUM_TASKS": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "1",
+        "SLURM_STEP_NODELIST": "node1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    assert needs_allocation_task_count(environ)
+    assert resolve_dist_env(environ, hostname="node1").world_size == 1
+    with pytest.raises(HpcDdpError, match="of 2 tasks: training would run on 1 rank"):
+        resolve_dist_env(environ, hostname="node1", allocation_tasks=2)
 
 
 def test_inconsistent_step_description_is_refused() -> None:

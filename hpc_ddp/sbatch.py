@@ -1,0 +1,141 @@
+"""`hpc-ddp render`: a ready sbatch script from slurm/train.sh, the same template users submit.
+
+Pure text work: :func:`render_sbatch` takes the template's text and a :class:`RenderRequest`.
+Values that reach the shell are quoted with shlex; values that reach ``#SBATCH`` lines (which
+sbatch parses, not the shell) must match a strict pattern, so nothing can break out of them.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpc_ddp.errors import HpcDdpError
+
+TEMPLATE_NAMES = {"srun": "train.sh", "torchrun": "train-torchrun.sh"}
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_.,+-]{1,128}$")
+_SLURM_TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$|^\d+$")
+_DEFAULT_ARGS_LINE = re.compile(r"^DEFAULT_ARGS=\(.*\)$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class RenderRequest:
+    """What `hpc-ddp render` fills into the template."""
+
+    config: str
+    nodes: int = 1
+    gpus_per_node: int = 1
+    #: Tasks per node when gpus_per_node is 0 (CPU-only partitions).
+    cpu_tasks_per_node: int = 1
+    cpus_per_task: int | None = None
+    time: str = "01:00:00"
+    partition: str | None = None
+    job_name: str | None = None
+    overrides: tuple[str, ...] = field(default_factory=tuple)
+    launcher: str = "srun"
+
+
+def template_path(launcher: str = "srun", root: Path | None = None) -> Path:
+    """slurm/<template> of this checkout."""
+    if launcher not in TEMPLATE_NAMES:
+        raise HpcDdpError(
+            f"unknown launcher {launcher!r}", f"choose one of: {', '.join(TEMPLATE_NAMES)}"
+        )
+    base = root or Path(__file__).resolve().parent.parent / "slurm"
+    path = base / TEMPLATE_NAMES[launcher]
+    if not path.is_file():
+        raise HpcDdpError(
+            f"sbatch template {path} not found",
+            "run hpc-ddp from a checkout of the repository (pip install -e .), where slurm/ lives",
+        )
+    return path
+
+
+def _check_safe(value: str, what: str, pattern: re.Pattern[str], example: str) -> str:
+    if not pattern.match(value):
+        raise HpcDdpError(
+            f"{what}={value!r} is not accepted in an #SBATCH line",
+            f"use letters, digits and . _ - only, e.g. {example}",
+        )
+    return value
+
+
+def _check_shell_value(value: str, what: str) -> str:
+    if any(char in value for char in "\n\r\0"):
+        raise HpcDdpError(
+            f"{what} {value!r} contains a line break or NUL", "remove it; paths are one line"
+        )
+    return value
+
+
+def _set_directive(text: str, option: str, value: str | None, launcher: str) -> str:
+    """Replace the one `#SBATCH --option=...` line (remove it when value is None)."""
+    pattern = re.compile(rf"^#SBATCH --{re.escape(option)}=.*$\n", re.MULTILINE)
+    matches = pattern.findall(text)
+    if len(matches) != 1:
+        raise HpcDdpError(
+            f"the {TEMPLATE_NAMES[launcher]} template has {len(matches)} '#SBATCH --{option}=' "
+            "lines; expected exactly one",
+            "restore slurm/ from the repository",
+        )
+    replacement = (
+        f"# (--{option} not requested)\n" if value is None else f"#SBATCH --{option}={value}\n"
+    )
+    return pattern.sub(lambda _match: replacement, text)
+
+
+def _directives(request: RenderRequest) -> dict[str, str | None]:
+    gpus = request.gpus_per_node
+    if request.launcher == "torchrun":
+        return {
+            "nodes": str(request.nodes),
+            "gpus-per-node": str(gpus) if gpus else None,
+            "time": request.time,
+        }
+    return {
+        "nodes": str(request.nodes),
+        "ntasks-per-node": str(gpus if gpus else request.cpu_tasks_per_node),
+        "gpus-per-task": "1" if gpus else None,
+        "time": request.time,
+    }
+
+
+def render_sbatch(template: str, request: RenderRequest) -> str:
+    """The template with the request's values in place; raises HpcDdpError on unsafe input."""
+    if request.nodes < 1 or request.gpus_per_node < 0 or request.cpu_tasks_per_node < 1:
+        raise HpcDdpError(
+            f"nodes={request.nodes}, gpus_per_node={request.gpus_per_node}, "
+            f"tasks_per_node={request.cpu_tasks_per_node}: expected nodes >= 1, GPUs >= 0, "
+            "tasks >= 1",
+            "e.g. --nodes 2 --gpus-per-node 4",
+        )
+    _check_safe(request.time, "time", _SLURM_TIME, "--time 02:00:00")
+    text = template
+    for option, value in _directives(request).items():
+        text = _set_directive(text, option, value, request.launcher)
+    if request.cpus_per_task is not None:
+        text = _set_directive(text, "cpus-per-task", str(request.cpus_per_task), request.launcher)
+    if request.job_name is not None:
+        name = _check_safe(request.job_name, "job name", _SAFE_NAME, "--job-name my-run")
+        text = _set_directive(text, "job-name", name, request.launcher)
+    if request.partition is not None:
+        partition = _check_safe(request.partition, "partition", _SAFE_NAME, "--partition gpu")
+        text = re.sub(
+            r"^(#SBATCH --time=.*)$",
+            lambda match: f"{match.group(1)}\n#SBATCH --partition={partition}",
+            text,
+            count=1,
+            flags=re.MULTILINE,
+        )
+    arguments = [_check_shell_value(request.config, "config path")] + [
+        _check_shell_value(item, "override") for item in request.overrides
+    ]
+    if len(_DEFAULT_ARGS_LINE.findall(text)) != 1:
+        raise HpcDdpError(
+            "the template has no single DEFAULT_ARGS=(...) line",
+            "restore slurm/ from the repository",
+        )
+    default_args = "DEFAULT_ARGS=(" + " ".join(shlex.quote(arg) for arg in arguments) + ")"
+    return _DEFAULT_ARGS_LINE.sub(lambda _match: default_args, text, count=1)

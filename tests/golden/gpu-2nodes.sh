@@ -1,0 +1,58 @@
+#!/bin/bash
+# hpc_ddp training job: one task per GPU on every allocated node, all started by srun.
+#
+#   sbatch slurm/train.sh                                        # default config
+#   sbatch --nodes=2 slurm/train.sh configs/x.yaml train.epochs=5
+#   sbatch slurm/train.sh train.epochs=5                         # default config + overrides
+#
+# Options given to sbatch override the directives below. `hpc-ddp render` writes a copy of
+# this file with other values filled in. Submit from the repository root: relative paths
+# (configs, logs/) are resolved against the directory sbatch was called from.
+#
+#SBATCH --job-name=digits
+# Nodes to spread the job over.
+#SBATCH --nodes=2
+# Tasks (= training ranks) per node: one per GPU. This is the only place the count is written.
+#SBATCH --ntasks-per-node=4
+# Each task gets its own GPU, so the GPUs per node follow from the line above.
+#SBATCH --gpus-per-task=1
+# CPU cores per task, for the training process and its DataLoader workers.
+#SBATCH --cpus-per-task=1
+# Wall-clock limit (HH:MM:SS).
+#SBATCH --time=02:00:00
+#SBATCH --partition=gpu
+# stdout and stderr of the batch script and every task: logs/<job name>-<job id>.out
+#SBATCH --output=logs/%x-%j.out
+#SBATCH --error=logs/%x-%j.out
+# SIGUSR1 to every task 120 s before the time limit: time to checkpoint and stop.
+#SBATCH --signal=USR1@120
+# Allow Slurm (and the job itself) to requeue this job after preemption or a node failure.
+#SBATCH --requeue
+
+set -euo pipefail
+
+# Config and overrides used when the sbatch command line gives none (`hpc-ddp render` fills them).
+DEFAULT_ARGS=(configs/digits.yaml train.epochs=5)
+
+# Site specifics (module load, venv or conda activation, NCCL settings) go in one optional
+# file: $HPC_DDP_SITE, else slurm/site.sh in the submission directory.
+site_file=${HPC_DDP_SITE:-slurm/site.sh}
+if [[ -f $site_file ]]; then
+    # shellcheck source=/dev/null
+    source "$site_file"
+fi
+
+args=("$@")
+if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then
+    args=("${DEFAULT_ARGS[@]}" "${args[@]}")
+fi
+config=${args[0]}
+overrides=("${args[@]:1}")
+
+# One thread pool per task, sized to the cores Slurm gave it.
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+
+echo "job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}: config ${config} ${overrides[*]}"
+# --kill-on-bad-exit: one failed rank ends the whole step at once instead of leaving the
+# other ranks waiting in a collective until the time limit.
+srun --kill-on-bad-exit=1 "${PYTHON:-python}" -m hpc_ddp.train --config "$config" "${overrides[@]}"

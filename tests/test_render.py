@@ -1,0 +1,241 @@
+"""`hpc-ddp render`: golden files, hostile paths kept inert, and unsafe values refused."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.sbatch import RenderRequest, render_sbatch, template_path
+from hpc_ddp.submit import time_to_minutes
+from tests.helpers import REPO, clean_environ
+
+GOLDEN = REPO / "tests" / "golden"
+HOSTILE_CONFIG = "configs/my runs/it's; echo PWNED.yaml"
+HOSTILE_OVERRIDES = [
+    "run.name=$(touch PWNED)",
+    "run.output_dir=`touch PWNED2`",
+    'tracking.experiment="x y"',
+]
+
+CASES = {
+    "gpu-2nodes.sh": [
+        "--config",
+        "configs/digits.yaml",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--time",
+        "02:00:00",
+        "--partition",
+        "gpu",
+        "--job-name",
+        "digits",
+        "train.epochs=5",
+    ],
+    "cpu-hostile.sh": [
+        "--config",
+        HOSTILE_CONFIG,
+        "--nodes",
+        "1",
+        "--tasks-per-node",
+        "3",
+        "--cpus-per-task",
+        "2",
+        "--time",
+        "30",
+        *HOSTILE_OVERRIDES,
+    ],
+    "torchrun-2nodes.sh": [
+        "--launcher",
+        "torchrun",
+        "--config",
+        "configs/synthetic.yaml",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "8",
+        "--time",
+        "1-00:00:00",
+    ],
+}
+
+
+@pytest.fixture()
+def workdir(tmp_path: Path) -> Path:
+    """A submission directory holding the configs, the hostile one included."""
+    shutil.copytree(REPO / "configs", tmp_path / "configs")
+    hostile = tmp_path / HOSTILE_CONFIG
+    hostile.parent.mkdir(parents=True)
+    shutil.copy(REPO / "configs" / "synthetic.yaml", hostile)
+    return tmp_path
+
+
+def render(workdir: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "render", *args],
+        cwd=workdir,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("golden", sorted(CASES))
+def test_render_matches_golden_file(golden: str, workdir: Path) -> None:
+    result = render(workdir, CASES[golden])
+    assert result.returncode == 0, result.stderr
+    path = GOLDEN / golden
+    if os.environ.get("HPC_DDP_UPDATE_GOLDEN") == "1":
+        path.write_text(result.stdout)
+    expected = path.read_text()
+    if result.stdout != expected:
+        diff = "".join(
+            difflib.unified_diff(
+                expected.splitlines(True), result.stdout.splitlines(True), str(path), "rendered"
+            )
+        )
+        pytest.fail(
+            f"{golden} differs from the rendered script:\n{diff}\nIf the change is intended, "
+            "accept it with: HPC_DDP_UPDATE_GOLDEN=1 make test PYTEST_ARGS=tests/test_render.py"
+        )
+
+
+def test_rendered_scripts_are_valid_bash() -> None:
+    for path in [
+        *GOLDEN.glob("*.sh"),
+        REPO / "slurm" / "train.sh",
+        REPO / "slurm" / "train-torchrun.sh",
+    ]:
+        subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def fake_slurm_bin(directory: Path) -> Path:
+    """`srun` that records its argv as JSON and runs nothing: Slurm itself is not needed here."""
+    directory.mkdir()
+    srun = directory / "srun"
+    srun.write_text(
+        "#!/usr/bin/env python3\nimport json, sys, os\n"
+        "open(os.environ['ARGV_LOG'], 'w').write(json.dumps(sys.argv[1:]))\n"
+    )
+    srun.chmod(0o755)
+    return directory
+
+
+def test_hostile_paths_reach_python_verbatim_and_run_nothing(workdir: Path) -> None:
+    script = workdir / "job.sh"
+    result = render(workdir, [*CASES["cpu-hostile.sh"], "--output", str(script)])
+    assert result.returncode == 0, result.stderr
+    bin_dir = fake_slurm_bin(workdir / "fakebin")
+    argv_log = workdir / "argv.json"
+    environment = clean_environ(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        ARGV_LOG=str(argv_log),
+        SLURM_JOB_ID="1",
+        SLURM_JOB_NODELIST="node1",
+    )
+    subprocess.run(
+        ["bash", str(script)], cwd=workdir, env=environment, check=True, capture_output=True
+    )
+    argv = json.loads(argv_log.read_text())
+    assert argv[:4] == ["--kill-on-bad-exit=1", "python", "-m", "hpc_ddp.train"]
+    assert argv[4:] == ["--config", HOSTILE_CONFIG, *HOSTILE_OVERRIDES]
+    assert not (workdir / "PWNED").exists() and not (workdir / "PWNED2").exists()
+    assert not list(workdir.glob("*PWNED*"))
+
+
+def test_command_line_arguments_replace_the_rendered_defaults(workdir: Path) -> None:
+    script = workdir / "job.sh"
+    assert render(workdir, [*CASES["gpu-2nodes.sh"], "-o", str(script)]).returncode == 0
+    bin_dir = fake_slurm_bin(workdir / "fakebin")
+    environment = clean_environ(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        ARGV_LOG=str(workdir / "a.json"),
+        SLURM_JOB_ID="1",
+        SLURM_JOB_NODELIST="n1",
+    )
+    subprocess.run(
+        ["bash", str(script), "train.epochs=9"],
+        cwd=workdir,
+        env=environment,
+        check=True,
+        capture_output=True,
+    )
+    assert json.loads((workdir / "a.json").read_text())[4:] == [
+        "--config",
+        "configs/digits.yaml",
+        "train.epochs=5",
+        "train.epochs=9",
+    ]
+    subprocess.run(
+        ["bash", str(script), "configs/synthetic.yaml", "train.epochs=2"],
+        cwd=workdir,
+        env=environment,
+        check=True,
+        capture_output=True,
+    )
+    assert json.loads((workdir / "a.json").read_text())[4:] == [
+        "--config",
+        "configs/synthetic.yaml",
+        "train.epochs=2",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("job_name", "x\n#SBATCH --uid=0", "not accepted in an #SBATCH line"),
+        ("partition", "gpu; rm -rf /", "not accepted in an #SBATCH line"),
+        ("time", "1:00:00\n#SBATCH --x", "not accepted in an #SBATCH line"),
+        ("config", "configs/a\nrm -rf ~", "contains a line break"),
+    ],
+)
+def test_unsafe_values_are_refused(field: str, value: str, message: str) -> None:
+    template = template_path().read_text()
+    request = RenderRequest(**{"config": "configs/digits.yaml", field: value})  # type: ignore[arg-type]
+    with pytest.raises(HpcDdpError, match=message):
+        render_sbatch(template, request)
+
+
+def test_template_drift_is_detected() -> None:
+    template = template_path().read_text().replace("#SBATCH --nodes=1\n", "")
+    with pytest.raises(HpcDdpError, match="0 '#SBATCH --nodes=' lines"):
+        render_sbatch(template, RenderRequest(config="c.yaml"))
+
+
+def test_the_template_writes_each_count_once() -> None:
+    text = template_path().read_text()
+    directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert sum("ntasks-per-node" in line for line in directives) == 1
+    assert not any("gpus-per-node" in line or "--gres" in line for line in directives)
+    assert "--nnodes" not in text and "$SLURM_NNODES" not in text
+
+
+@pytest.mark.parametrize(
+    ("text", "minutes"),
+    [
+        ("90", 90),
+        ("1:00:00", 60),
+        ("00:30:01", 31),
+        ("2-00", 2880),
+        ("1-02:03", 1563),
+        ("1-00:00:00", 1440),
+        ("5:30", 6),
+    ],
+)
+def test_time_to_minutes(text: str, minutes: int) -> None:
+    assert time_to_minutes(text) == minutes
+
+
+def test_bad_time_is_refused() -> None:
+    with pytest.raises(HpcDdpError, match="not a Slurm time"):
+        time_to_minutes("one hour")

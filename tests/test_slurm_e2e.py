@@ -1,0 +1,279 @@
+"""End-to-end on the real test Slurm cluster (make cluster-up): sbatch, salloc+srun, torchrun,
+fail-fast launches and the GPU GRES mapping.
+
+The nodes have GPU GRES backed by stand-in device files (a GPU cannot exist here): Slurm
+allocates them and sets CUDA_VISIBLE_DEVICES exactly as on a GPU node, while torch sees no
+CUDA device and trains on gloo. A second physical host cannot exist either: node1 and node2
+are two slurmd daemons on this machine, reached on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from hpc_ddp.tracking import default_tracking_uri
+from tests.helpers import REPO, read_summary, run_local, summary_path
+from tests.slurm_cluster import SlurmCluster, prepare_workdir
+
+pytestmark = pytest.mark.slurm
+TRAIN = str(REPO / "slurm" / "train.sh")
+TORCHRUN = str(REPO / "slurm" / "train-torchrun.sh")
+SMALL = ["data.num_samples=3072", "data.batch_size=96", "train.epochs=2", "train.log_interval=4"]
+
+
+def doctor_reports(output: str) -> list[dict[str, Any]]:
+    reports = [
+        json.loads(line.split(" ", 1)[1])
+        for line in output.splitlines()
+        if line.startswith("doctor-json: ")
+    ]
+    return sorted(reports, key=lambda report: report.get("rank", -1))
+
+
+def test_sbatch_one_node_two_tasks(slurm: SlurmCluster, tmp_path: Path) -> None:
+    work = prepare_workdir(tmp_path)
+    job = slurm.sbatch(
+        [
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            TRAIN,
+            "configs/synthetic.yaml",
+            f"run.output_dir={work / 'runs'}",
+            *SMALL,
+        ],
+        work,
+    )
+    state = slurm.wait(job)
+    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    summary = read_summary(work / "runs")
+    assert (
+        summary["world_size"] == 2 and summary["launcher"] == "slurm" and summary["job_id"] == job
+    )
+    assert summary_path(work / "runs").parent.name == job
+    assert "[rank 0/2]" in log and "[rank 1/2]" in log and '"world_size": 2' in log
+    client = MlflowClient(tracking_uri=default_tracking_uri(work / "runs"))
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        filter_string=f"tags.`hpc_ddp.job_id` = '{job}'",
+    )
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["hpc_ddp.launcher"] == "slurm"
+
+
+def test_sbatch_two_nodes_matches_four_local_ranks(slurm: SlurmCluster, tmp_path: Path) -> None:
+    work = prepare_workdir(tmp_path / "slurm")
+    job = slurm.sbatch(
+        [
+            "--nodes=2",
+            "--ntasks-per-node=2",
+            TRAIN,
+            "configs/synthetic.yaml",
+            f"run.output_dir={work / 'runs'}",
+            "tracking.enabled=false",
+            *SMALL,
+        ],
+        work,
+    )
+    state = slurm.wait(job)
+    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    summary = read_summary(work / "runs")
+    assert summary["world_size"] == 4 and summary["num_nodes"] == 2
+    nodes = set(re.findall(r"\[rank \d/4\] INFO host \S+ node (\d)/2", log))
+    assert nodes == {"0", "1"}
+    assert re.search(r"master=node1:\d+", log), "MASTER_ADDR is the first node"
+
+    local_runs = tmp_path / "local"
+    result = run_local(4, local_runs, ["tracking.enabled=false", *SMALL])
+    assert result.returncode == 0, result.stderr[-2000:]
+    local = read_summary(local_runs)
+    if local["weights_sha256"] != summary["weights_sha256"]:
+        expected = torch.load(summary_path(local_runs).parent / "model.pt", weights_only=True)
+        actual = torch.load(summary_path(work / "runs").parent / "model.pt", weights_only=True)
+        for key in expected:
+            torch.testing.assert_close(actual[key], expected[key], rtol=1e-5, atol=1e-6)
+    assert local["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+
+
+def test_salloc_then_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
+    work = prepare_workdir(tmp_path)
+    result = slurm.run(
+        [
+            "salloc",
+            "--nodes=1",
+            "--ntasks=2",
+            "srun",
+            "--kill-on-bad-exit=1",
+            "python",
+            "-m",
+            "hpc_ddp.train",
+            "--config",
+            "configs/synthetic.yaml",
+            f"run.output_dir={work / 'runs'}",
+            "tracking.enabled=false",
+            *SMALL,
+        ],
+        work,
+        timeout=180,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(work / "runs")
+    assert summary["world_size"] == 2 and summary["launcher"] == "slurm"
+
+
+def test_torchrun_template_two_nodes(slurm: SlurmCluster, tmp_path: Path) -> None:
+    work = prepare_workdir(tmp_path)
+    job = slurm.sbatch(
+        [
+            "--nodes=2",
+            TORCHRUN,
+            "configs/synthetic.yaml",
+            f"run.output_dir={work / 'runs'}",
+            "tracking.enabled=false",
+            *SMALL,
+        ],
+        work,
+    )
+    state = slurm.wait(job, timeout=240)
+    log = (work / "logs" / f"hpc-ddp-torchrun-{job}.out").read_text()
+    assert state == "COMPLETED", log[-4000:]
+    summary = read_summary(work / "runs")
+    assert summary["world_size"] == 4 and summary["launcher"] == "torchelastic"
+    assert summary["job_id"] == job and summary["num_nodes"] == 2
+
+
+def test_python_without_srun_in_a_two_task_job_fails_within_seconds(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path)
+    script = work / "wrong.sh"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output=logs/wrong-%j.out\n"
+        "python -m hpc_ddp.train --config configs/synthetic.yaml\n"
+    )
+    started = time.monotonic()
+    job = slurm.sbatch([str(script)], work)
+    state = slurm.wait(job, timeout=60)
+    elapsed = time.monotonic() - started
+    log = (work / "logs" / f"wrong-{job}.out").read_text()
+    assert state == "FAILED"
+    assert "not started by srun" in log and "HINT: start training with `srun" in log
+    assert elapsed < 45
+
+
+def test_doctor_shows_each_rank_and_its_gpu_per_task(slurm: SlurmCluster, tmp_path: Path) -> None:
+    work = prepare_workdir(tmp_path)
+    result = slurm.run(
+        [
+            "salloc",
+            "--nodes=2",
+            "--ntasks-per-node=2",
+            "--gpus-per-task=1",
+            "srun",
+            "python",
+            "-m",
+            "hpc_ddp",
+            "doctor",
+            "--config",
+            "configs/digits.yaml",
+            "dist.device=cuda",
+        ],
+        work,
+        timeout=120,
+    )
+    reports = doctor_reports(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3]
+    assert [r["node_rank"] for r in reports] == [0, 0, 1, 1]
+    assert [r["local_rank"] for r in reports] == [0, 1, 0, 1]
+    assert [r["cuda_visible_devices"] for r in reports] == ["0", "1", "0", "1"]
+    assert {r["device"] for r in reports} == {"cuda:0"}, "each task drives its own GPU as cuda:0"
+    assert {r["backend"] for r in reports} == {"nccl"}
+    assert {r["master_addr"] for r in reports} == {"node1"}
+    assert len({r["master_port"] for r in reports}) == 1
+    assert {r["per_rank_batch"] for r in reports} == {16}
+    assert all(r["ok"] for r in reports)
+
+
+def test_doctor_with_gres_uses_local_rank(slurm: SlurmCluster, tmp_path: Path) -> None:
+    work = prepare_workdir(tmp_path)
+    result = slurm.run(
+        [
+            "salloc",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--gres=gpu:2",
+            "srun",
+            "python",
+            "-m",
+            "hpc_ddp",
+            "doctor",
+            "--config",
+            "configs/digits.yaml",
+            "dist.device=cuda",
+        ],
+        work,
+        timeout=120,
+    )
+    reports = doctor_reports(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [r["cuda_visible_devices"] for r in reports] == ["0,1", "0,1"]
+    assert [r["device"] for r in reports] == ["cuda:0", "cuda:1"]
+
+
+def test_more_tasks_than_gpus_fails_before_any_process_group(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path)
+    result = slurm.run(
+        [
+            "salloc",
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            "--gres=gpu:1",
+            "srun",
+            "python",
+            "-m",
+            "hpc_ddp.train",
+            "--config",
+            "configs/digits.yaml",
+            "dist.device=cuda",
+        ],
+        work,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "2 tasks on node" in result.stderr and "only 1 visible GPU" in result.stderr
+    assert "HINT: run one task per GPU" in result.stderr
+
+
+def test_training_in_an_interactive_pty_shell_fails_fast(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """`srun --pty` inside a 2-task allocation; `script` gives srun the terminal it needs."""
+    work = prepare_workdir(tmp_path)
+    result = slurm.run(
+        [
+            "salloc",
+            "--ntasks=2",
+            "script",
+            "-qec",
+            "srun --ntasks=1 --pty python -m hpc_ddp.train --config configs/digits.yaml",
+            "/dev/null",
+        ],
+        work,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "interactive `srun --pty` shell" in result.stdout
+    assert "inside Slurm job" in result.stdout and "of 2 tasks" in result.stdout
+    assert "HINT: from this shell run `srun --overlap --ntasks=2" in result.stdout

@@ -1,0 +1,133 @@
+"""submitit: the local executor (no Slurm) and the real test cluster (1 and 2 nodes, cancel)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.config import load_config
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.submit import submit, submitit_local_environ, wait
+from tests.helpers import REPO
+from tests.slurm_cluster import SlurmCluster
+
+CONFIG = REPO / "configs" / "synthetic.yaml"
+SMALL = ["data.num_samples=2048", "data.batch_size=64", "train.epochs=1", "tracking.enabled=false"]
+
+
+def test_local_executor_environment_maps_to_local_ranks() -> None:
+    environ = submitit_local_environ(
+        {
+            "SUBMITIT_LOCAL_JOB_ID": "4321",
+            "SUBMITIT_LOCAL_NTASKS": "2",
+            "SUBMITIT_LOCAL_GLOBALID": "1",
+            "SUBMITIT_LOCAL_LOCALID": "1",
+        }
+    )
+    assert (environ["RANK"], environ["WORLD_SIZE"], environ["MASTER_ADDR"]) == (
+        "1",
+        "2",
+        "127.0.0.1",
+    )
+    assert environ["HPC_DDP_LOCAL_RUN_ID"] == "submitit-4321"
+    assert submitit_local_environ({"SLURM_JOB_ID": "5", "SUBMITIT_LOCAL_JOB_ID": "5"}) == {
+        "SLURM_JOB_ID": "5",
+        "SUBMITIT_LOCAL_JOB_ID": "5",
+    }
+
+
+def test_local_executor_two_tasks_return_every_rank(tmp_path: Path) -> None:
+    job = submit(
+        CONFIG,
+        cluster="local",
+        tasks_per_node=2,
+        folder=tmp_path / "submitit",
+        overrides=[*SMALL, f"run.output_dir={tmp_path / 'runs'}"],
+        time="10",
+    )
+    results = wait(job)
+    assert len(results) == 2
+    assert [r["world_size"] for r in results] == [2, 2]
+    assert results[0]["summary_path"].startswith(str(tmp_path / "runs"))
+    assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
+    assert results[0]["val_samples"] == 1001
+
+
+def test_local_failure_names_the_rank_and_carries_its_traceback(tmp_path: Path) -> None:
+    job = submit(
+        CONFIG,
+        cluster="local",
+        tasks_per_node=2,
+        folder=tmp_path / "submitit",
+        overrides=[
+            *SMALL,
+            "model.kind=custom",
+            "model.factory=tests.factories:failing_model",
+            f"run.output_dir={tmp_path / 'runs'}",
+            "dist.timeout_s=20",
+        ],
+        time="10",
+    )
+    with pytest.raises(HpcDdpError) as caught:
+        wait(job)
+    message = str(caught.value)
+    assert f"job {job.job_id} failed on rank 1 (other failed ranks: 0)" in message
+    assert "injected failure on rank 1" in message
+    assert "Traceback" in message
+
+
+def test_bad_config_fails_before_submission(tmp_path: Path) -> None:
+    with pytest.raises(HpcDdpError, match=r"unknown key 'train\.epochz'"):
+        submit(CONFIG, cluster="local", folder=tmp_path, overrides=["train.epochz=1"])
+    with pytest.raises(HpcDdpError, match="needs Slurm"):
+        submit(load_config(CONFIG), cluster="local", nodes=2, folder=tmp_path)
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_slurm_returns_every_rank(
+    slurm: SlurmCluster, slurm_conf_in_environ: None, tmp_path: Path, nodes: int
+) -> None:
+    job = submit(
+        CONFIG,
+        cluster="slurm",
+        nodes=nodes,
+        gpus_per_node=2,
+        folder=tmp_path / "submitit",
+        overrides=[*SMALL, f"run.output_dir={tmp_path / 'runs'}"],
+        time="00:10:00",
+    )
+    results = wait(job)
+    assert len(results) == 2 * nodes
+    assert {r["world_size"] for r in results} == {2 * nodes}
+    assert {r["launcher"] for r in results} == {"slurm"}
+    assert {r["job_id"] for r in results} == {str(job.job_id)}
+    assert {r["num_nodes"] for r in results} == {nodes}
+    assert "summary_path" in results[0]
+    deadline = time.monotonic() + 60  # results land before sacct records the end
+    while job.state != "COMPLETED" and time.monotonic() < deadline:
+        time.sleep(1)
+    assert job.state == "COMPLETED"
+
+
+@pytest.mark.slurm
+def test_slurm_cancelled_job_is_reported_as_cancelled(
+    slurm: SlurmCluster, slurm_conf_in_environ: None, tmp_path: Path
+) -> None:
+    job = submit(
+        CONFIG,
+        cluster="slurm",
+        gpus_per_node=2,
+        folder=tmp_path / "submitit",
+        overrides=["train.epochs=100000", "tracking.enabled=false", f"run.output_dir={tmp_path}"],
+        time="00:10:00",
+    )
+    deadline = time.monotonic() + 60
+    while job.state != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert job.state == "RUNNING"
+    job.cancel()
+    with pytest.raises(HpcDdpError, match=f"job {job.job_id} ended CANCELLED"):
+        wait(job)
