@@ -330,6 +330,10 @@ def refuse_foreign_cluster(layout: Layout) -> None:
 
 def up(layout: Layout) -> None:
     install_packages()
+    if read_pid(layout.pid_file("slurmctld")):
+        wait_for(lambda: nodes_idle(layout), "all nodes idle", timeout=60)
+        log(f"already up; export SLURM_CONF={layout.slurm_conf}")
+        return
     refuse_foreign_cluster(layout)
     write_files(layout)
     start_munge(layout)
