@@ -225,6 +225,62 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints in <run dir>/checkpoints, and resuming from them."""
+
+    enabled: bool = setting(True, "Write checkpoints (periodic, on stop signals, at the end).")
+    every_steps: int | None = setting(
+        None, "Save every this many optimizer steps; null: not by steps."
+    )
+    every_minutes: float | None = setting(
+        30.0, "Save when this many minutes passed since the last save; null: not by time."
+    )
+    keep_last: int = setting(3, "Checkpoints kept; older ones are deleted after a good save.")
+    resume: bool = setting(
+        True,
+        "Resume from the newest loadable checkpoint of this run directory on start (a requeued "
+        "Slurm job keeps its job id, so it finds its own checkpoints).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None:
+            _require(self.every_steps > 0, "checkpoint.every_steps", self.every_steps, "> 0")
+        if self.every_minutes is not None:
+            _require(self.every_minutes > 0, "checkpoint.every_minutes", self.every_minutes, "> 0")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
+
+
+@dataclass(frozen=True)
+class PreemptConfig:
+    """Stop signals: checkpoint at a step boundary, then requeue or stop."""
+
+    signal: Literal["USR1", "USR2", "URG", "HUP", "INT", "ALRM"] = setting(
+        "USR1",
+        "The warning signal of `#SBATCH --signal` (slurm/train.sh sends USR1 120 s before the "
+        "time limit; submitit uses USR2). Receiving it means: checkpoint, then requeue.",
+    )
+    stop_on_sigterm: bool = setting(
+        True,
+        "SIGTERM (scancel, the time limit) also stops at the next step boundary with a "
+        "checkpoint, without requeue. Runs under submitit set it false: there SIGTERM is "
+        "ignored and USR2 means preemption, as submitit does it.",
+    )
+    requeue: bool = setting(
+        True, "On the warning signal, rank 0 runs `scontrol requeue` when the job allows it."
+    )
+    max_requeues: int = setting(
+        3, "Requeue only while SLURM_RESTART_COUNT is below this; then stop after the checkpoint."
+    )
+    requeue_timeout_s: float = setting(60.0, "Seconds `scontrol requeue` may take.")
+
+    def __post_init__(self) -> None:
+        _require(self.max_requeues >= 0, "preempt.max_requeues", self.max_requeues, ">= 0")
+        _require(
+            self.requeue_timeout_s > 0, "preempt.requeue_timeout_s", self.requeue_timeout_s, "> 0"
+        )
+
+
+@dataclass(frozen=True)
 class Config:
     """A whole run."""
 
@@ -236,6 +292,12 @@ class Config:
     dist: DistConfig = field(default_factory=DistConfig, metadata={"doc": "Distribution."})
     tracking: TrackingConfig = field(
         default_factory=TrackingConfig, metadata={"doc": "MLflow tracking."}
+    )
+    checkpoint: CheckpointConfig = field(
+        default_factory=CheckpointConfig, metadata={"doc": "Checkpoints and resume."}
+    )
+    preempt: PreemptConfig = field(
+        default_factory=PreemptConfig, metadata={"doc": "Preemption and requeue."}
     )
 
 

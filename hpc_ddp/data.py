@@ -105,6 +105,27 @@ class ShardedEvalSampler(Sampler[int]):
         return len(range(self.rank, self.dataset_size, self.world_size))
 
 
+class ResumableDistributedSampler(DistributedSampler[Any]):
+    """DistributedSampler that can start an epoch part-way, without touching the skipped
+    samples: the order is DistributedSampler's (seed + epoch), minus the first ``skip``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def set_start(self, skip: int) -> None:
+        """Skip this rank's first ``skip`` samples of the current epoch (0: whole epoch)."""
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[Any]:
+        indices = list(super().__iter__())
+        return iter(indices[self.skip :])
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self.skip)
+
+
 def _worker_kwargs(num_workers: int) -> dict[str, Any]:
     if num_workers == 0:
         return {}
@@ -119,11 +140,11 @@ def train_loader(
     seed: int,
     num_workers: int,
     pin_memory: bool,
-) -> tuple[DataLoader[Any], DistributedSampler[Any]]:
+) -> tuple[DataLoader[Any], ResumableDistributedSampler]:
     """Shuffled, sharded micro-batches of full size only (drop_last), so every global batch
     holds exactly ``data.batch_size`` samples whatever the world size.
     """
-    sampler: DistributedSampler[Any] = DistributedSampler(
+    sampler = ResumableDistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
     )
     loader = DataLoader(

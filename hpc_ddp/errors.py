@@ -1,6 +1,14 @@
-"""The one exception type users see: what was seen, what was expected, and the fix."""
+"""The one exception type users see (what was seen, what was expected, the fix), and the
+exit codes every entry point uses."""
 
 from __future__ import annotations
+
+#: A crash: the rank's traceback is printed.
+EXIT_FAILURE = 1
+#: A problem with the input or the launch: a message with a HINT, no traceback.
+EXIT_USER_ERROR = 2
+#: Stopped on a signal after a checkpoint, and not requeued: run again to continue.
+EXIT_STOPPED = 3
 
 
 class HpcDdpError(Exception):

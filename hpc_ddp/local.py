@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 
 from hpc_ddp.env import LOCAL_RUN_ID_VAR
+from hpc_ddp.errors import EXIT_STOPPED
 
 STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.1
@@ -69,13 +70,20 @@ def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
 
 
 def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
-    """Wait for all ranks; on the first failure stop the rest and return its exit code."""
+    """Wait for all ranks; on the first failure stop the rest and return its exit code.
+
+    A rank that stopped on a signal after the common checkpoint (EXIT_STOPPED) is no failure:
+    the others stop after the same step, so they are waited for.
+    """
+    stopped = False
     while True:
         running = False
         for rank, process in enumerate(processes):
             code = process.poll()
             if code is None:
                 running = True
+            elif code == EXIT_STOPPED:
+                stopped = True
             elif code != 0:
                 print(
                     f"hpc-ddp local: rank {rank} exited with code {code}; stopping the other ranks",
@@ -84,7 +92,7 @@ def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
                 _stop(processes)
                 return code if code > 0 else 128 - code
         if not running:
-            return 0
+            return EXIT_STOPPED if stopped else 0
         time.sleep(POLL_INTERVAL_S)
 
 

@@ -1,7 +1,8 @@
-"""The training loop: sharded DDP steps, exact cross-rank metrics, one summary at the end.
+"""The training loop: sharded DDP steps, exact cross-rank metrics, checkpoints, clean stops.
 
-Metrics are kept as device tensors and reduced only at log intervals and epoch ends, so the
-hot loop has no host synchronisation.
+Metrics are kept as device tensors and reduced only at log intervals, epoch ends and saves,
+so the hot loop has no host synchronisation; the per-step stop agreement runs on a CPU group
+in the background (see :class:`~hpc_ddp.preempt.StepAgreement`).
 """
 
 from __future__ import annotations
@@ -10,20 +11,23 @@ import contextlib
 import hashlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
+from hpc_ddp.checkpoint import FORMAT_VERSION, checkpoint_dir, save_checkpoint
 from hpc_ddp.config import Config
 from hpc_ddp.data import Datasets, eval_loader, train_loader
 from hpc_ddp.dist import all_reduce_sum
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.logs import Progress, get_logger
 from hpc_ddp.plan import RunPlan
+from hpc_ddp.preempt import StepAgreement, StopSignals
 from hpc_ddp.tracking import Tracker
 
 
@@ -76,9 +80,13 @@ class Totals:
             [mean_loss.detach().double() * count, correct.double(), self.values.new_tensor(count)]
         )
 
+    def global_sums(self) -> torch.Tensor:
+        """The sums over all ranks (a collective every rank must call)."""
+        return all_reduce_sum(self.values.clone())
+
     def reduced(self) -> tuple[float, float, int]:
         """(mean loss, accuracy, samples) over all ranks; a collective every rank must call."""
-        loss_sum, correct, count = all_reduce_sum(self.values.clone()).tolist()
+        loss_sum, correct, count = self.global_sums().tolist()
         if count == 0:
             return float("nan"), float("nan"), 0
         return loss_sum / count, correct / count, int(count)
@@ -102,24 +110,39 @@ def evaluate(
 
 @dataclass
 class LoopState:
-    """Where the loop is; what a summary reports."""
+    """Where the loop is; what a checkpoint and the summary record."""
 
     epoch: int = 0
+    step_in_epoch: int = 0
     global_step: int = 0
     train_time_s: float = 0.0
     last_train: tuple[float, float, int] = (float("nan"), float("nan"), 0)
     last_val: tuple[float, float, int] = (float("nan"), float("nan"), 0)
+    resumed_from_step: int | None = None
+    #: Set when a stop signal ended the run early (after its checkpoint).
+    stopped: bool = False
+    last_checkpoint_step: int = -1
+    last_save_time: float = field(default_factory=time.monotonic)
 
 
 class Trainer:
     """DDP training for one rank under a resolved :class:`RunPlan`."""
 
     def __init__(
-        self, config: Config, plan: RunPlan, datasets: Datasets, model: nn.Module, tracker: Tracker
+        self,
+        config: Config,
+        plan: RunPlan,
+        datasets: Datasets,
+        model: nn.Module,
+        tracker: Tracker,
+        signals: StopSignals | None = None,
+        control_group: Any | None = None,
     ) -> None:
         self.config = config
         self.plan = plan
         self.tracker = tracker
+        self.signals = signals
+        self.control_group = control_group
         self.device = torch.device(plan.device.device)
         env = plan.dist_env
         pin = self.device.type == "cuda"
@@ -143,7 +166,7 @@ class Trainer:
         self.steps_per_epoch = len(self.loader) // plan.grad_accum_steps
         if self.steps_per_epoch == 0:
             raise HpcDdpError(
-                f"the training set ({len(self.loader.dataset)} samples) is smaller than one "  # type: ignore[arg-type]
+                f"the training set ({len(self.sampler.dataset)} samples) is smaller than one "  # type: ignore[arg-type]
                 f"global batch (data.batch_size={plan.global_batch_size})",
                 "lower data.batch_size or use more training data",
             )
@@ -162,10 +185,106 @@ class Trainer:
         )
         self.state = LoopState()
         self.bf16 = config.train.precision == "bf16"
+        self.epoch_totals = Totals.zeros(self.device)
+        self.interval_totals = Totals.zeros(self.device)
 
-    def _optimizer_step(
-        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], totals: Totals
-    ) -> None:
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _gather_rng(self) -> dict[str, list[torch.Tensor] | None]:
+        """Every rank's RNG states (per-rank streams drive dropout), gathered for rank 0."""
+        mine = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            mine["cuda"] = torch.cuda.get_rng_state(self.device)
+        gathered: dict[str, list[torch.Tensor] | None] = {"cpu": None, "cuda": None}
+        for kind, state in mine.items():
+            parts = [torch.empty_like(state) for _ in range(self.plan.dist_env.world_size)]
+            if dist.is_initialized() and self.plan.dist_env.world_size > 1:
+                dist.all_gather(parts, state, group=self.control_group)
+            else:
+                parts = [state]
+            gathered[kind] = parts
+        return gathered
+
+    def checkpoint_state(
+        self, mlflow_run_id: str | None, fingerprint: dict[str, str]
+    ) -> dict[str, Any]:
+        """Everything a resume needs (collective: every rank calls it, rank 0 writes it)."""
+        return {
+            "format": FORMAT_VERSION,
+            "model": self.model.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": None,
+            "epoch": self.state.epoch,
+            "step_in_epoch": self.state.step_in_epoch,
+            "global_step": self.state.global_step,
+            "train_time_s": self.state.train_time_s,
+            "world_size": self.plan.dist_env.world_size,
+            "rng": self._gather_rng(),
+            "totals": {
+                "epoch": self.epoch_totals.global_sums().cpu(),
+                "interval": self.interval_totals.global_sums().cpu(),
+            },
+            "mlflow_run_id": mlflow_run_id,
+            "fingerprint": fingerprint,
+            "restart_count": self.plan.dist_env.restart_count,
+        }
+
+    def save(self, reason: str, fingerprint: dict[str, str]) -> None:
+        """Rank 0 writes; all ranks wait until the file is in place."""
+        if (
+            not self.config.checkpoint.enabled
+            or self.state.last_checkpoint_step == self.state.global_step
+        ):
+            return
+        state = self.checkpoint_state(self.tracker.run_id, fingerprint)
+        if self.plan.dist_env.is_main:
+            started = time.perf_counter()
+            path = save_checkpoint(
+                state,
+                checkpoint_dir(self.plan.run_dir),
+                self.state.global_step,
+                self.config.checkpoint.keep_last,
+            )
+            get_logger().info(
+                f"checkpoint ({reason}) step {self.state.global_step}: {path} "
+                f"({time.perf_counter() - started:.2f} s)"
+            )
+        if dist.is_initialized():
+            dist.barrier(group=self.control_group)
+        self.state.last_checkpoint_step = self.state.global_step
+        self.state.last_save_time = time.monotonic()
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Continue exactly where the checkpoint left off (same weights, data position, RNG)."""
+        env = self.plan.dist_env
+        self.model.module.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.state.epoch = int(saved["epoch"])
+        self.state.step_in_epoch = int(saved["step_in_epoch"])
+        self.state.global_step = int(saved["global_step"])
+        self.state.train_time_s = float(saved["train_time_s"])
+        self.state.resumed_from_step = self.state.global_step
+        self.state.last_checkpoint_step = self.state.global_step
+        if env.is_main:  # the saved sums are global: one rank carries them
+            self.epoch_totals.values += saved["totals"]["epoch"].to(self.device)
+            self.interval_totals.values += saved["totals"]["interval"].to(self.device)
+        rng = saved["rng"]
+        if saved["world_size"] == env.world_size:
+            torch.set_rng_state(rng["cpu"][env.rank])
+            if self.device.type == "cuda" and rng.get("cuda"):
+                torch.cuda.set_rng_state(rng["cuda"][env.rank], self.device)
+        elif self.config.model.dropout > 0:
+            raise HpcDdpError(
+                f"the checkpoint was written by {saved['world_size']} ranks, this run has "
+                f"{env.world_size}; with model.dropout>0 each rank's random stream matters",
+                f"resume with {saved['world_size']} ranks",
+            )
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _optimizer_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step over ``grad_accum_steps`` micro-batches; all-reduce on the last."""
         last = len(micro_batches) - 1
         for index, (features, labels) in enumerate(micro_batches):
@@ -177,17 +296,18 @@ class Trainer:
                     logits = self.model(features).float()
                     loss = nn.functional.cross_entropy(logits, labels)
                 (loss / len(micro_batches)).backward()
-            totals.add(logits, labels, loss)
+            self.interval_totals.add(logits, labels, loss)
         if self.config.optim.grad_clip_norm is not None:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _log_interval(self, interval: Totals, started: float, progress: Progress) -> None:
-        loss, accuracy, count = interval.reduced()
-        elapsed = max(1e-9, time.perf_counter() - started)
-        samples_per_s = count / elapsed
+    def _log_interval(self, started: float, progress: Progress) -> None:
+        loss, accuracy, count = self.interval_totals.reduced()
+        self.epoch_totals.values += self.interval_totals.values
+        self.interval_totals = Totals.zeros(self.device)
+        samples_per_s = count / max(1e-9, time.perf_counter() - started)
         step = self.state.global_step
         progress.update(step, self.state.epoch, loss, samples_per_s)
         self.tracker.log_metrics(
@@ -200,62 +320,93 @@ class Trainer:
             step,
         )
 
-    def _run_epoch(self, progress: Progress) -> Totals:
+    def _save_due_by_time(self) -> bool:
+        minutes = self.config.checkpoint.every_minutes
+        if minutes is None or not self.plan.dist_env.is_main:
+            return False
+        return time.monotonic() - self.state.last_save_time >= minutes * 60
+
+    def _run_epoch(
+        self, progress: Progress, agreement: StepAgreement, fingerprint: dict[str, str]
+    ) -> None:
+        """Steps until the epoch ends, the run reaches total_steps, or the ranks agree to stop."""
         accum = self.plan.grad_accum_steps
-        epoch_totals = Totals.zeros(self.device)
-        interval = Totals.zeros(self.device)
+        every_steps = self.config.checkpoint.every_steps
+        self.sampler.set_start(self.state.step_in_epoch * self.plan.micro_batch_size * accum)
         interval_started = time.perf_counter()
         micro: list[tuple[torch.Tensor, torch.Tensor]] = []
         for batch in self.loader:
+            if self.state.global_step >= self.total_steps:
+                return
             micro.append(batch)
             if len(micro) < accum:
                 continue
-            self._optimizer_step(micro, interval)
+            self._optimizer_step(micro)
             micro = []
             self.state.global_step += 1
+            self.state.step_in_epoch += 1
             if self.state.global_step % self.config.train.log_interval == 0:
-                epoch_totals.values += interval.values
-                self._log_interval(interval, interval_started, progress)
-                interval = Totals.zeros(self.device)
+                self._log_interval(interval_started, progress)
                 interval_started = time.perf_counter()
+            stop, save_now = agreement.exchange(
+                self.signals is not None and self.signals.requested, self._save_due_by_time()
+            )
+            if stop:
+                self.state.stopped = True
+                self.save("stop signal", fingerprint)
+                return
+            if save_now or (every_steps and self.state.global_step % every_steps == 0):
+                self.save("periodic", fingerprint)
             if self.state.global_step >= self.total_steps:
-                break
-        epoch_totals.values += interval.values
-        return epoch_totals
+                return
 
-    def fit(self) -> LoopState:
-        """Train all epochs (or until train.max_steps), validating after each."""
-        log = get_logger()
+    def _end_epoch(self) -> None:
+        self.epoch_totals.values += self.interval_totals.values
+        self.interval_totals = Totals.zeros(self.device)
+        self.state.last_train = self.epoch_totals.reduced()
+        self.epoch_totals = Totals.zeros(self.device)
+        self.state.last_val = evaluate(self.model.module, self.val_loader, self.device, self.bf16)
+        self.state.epoch += 1
+        self.state.step_in_epoch = 0
+        train_loss, train_acc, _ = self.state.last_train
+        val_loss, val_acc, val_count = self.state.last_val
+        if self.plan.dist_env.is_main:
+            get_logger().info(
+                f"epoch {self.state.epoch} step {self.state.global_step} train_loss "
+                f"{train_loss:.4f} train_acc {train_acc:.4f} val_loss {val_loss:.4f} "
+                f"val_acc {val_acc:.4f} (val samples {val_count})"
+            )
+        self.tracker.log_metrics(
+            {
+                "train_loss": train_loss,
+                "train_accuracy": train_acc,
+                "val_loss": val_loss,
+                "val_accuracy": val_acc,
+            },
+            self.state.epoch,
+        )
+
+    def fit(self, fingerprint: dict[str, str]) -> LoopState:
+        """Train all epochs (or until train.max_steps, or a stop signal), validating after each."""
         progress = Progress(self.total_steps, enabled=self.plan.dist_env.is_main)
+        agreement = StepAgreement(self.control_group if self.plan.dist_env.world_size > 1 else None)
         self.model.train()
-        while self.state.global_step < self.total_steps:
-            self.sampler.set_epoch(self.state.epoch)
-            started = time.perf_counter()
-            epoch_totals = self._run_epoch(progress)
-            self.state.train_time_s += time.perf_counter() - started
-            self.state.last_train = epoch_totals.reduced()
-            self.state.last_val = evaluate(
-                self.model.module, self.val_loader, self.device, self.bf16
-            )
-            self.state.epoch += 1
-            train_loss, train_acc, _ = self.state.last_train
-            val_loss, val_acc, val_count = self.state.last_val
-            if self.plan.dist_env.is_main:
-                log.info(
-                    f"epoch {self.state.epoch} step {self.state.global_step} train_loss "
-                    f"{train_loss:.4f} train_acc {train_acc:.4f} val_loss {val_loss:.4f} "
-                    f"val_acc {val_acc:.4f} (val samples {val_count})"
-                )
-            self.tracker.log_metrics(
-                {
-                    "train_loss": train_loss,
-                    "train_accuracy": train_acc,
-                    "val_loss": val_loss,
-                    "val_accuracy": val_acc,
-                },
-                self.state.epoch,
-            )
-        progress.close()
+        try:
+            while self.state.global_step < self.total_steps or self.state.step_in_epoch:
+                self.sampler.set_epoch(self.state.epoch)
+                started = time.perf_counter()
+                self._run_epoch(progress, agreement, fingerprint)
+                self.state.train_time_s += time.perf_counter() - started
+                if self.state.stopped:
+                    break
+                epoch_done = self.state.step_in_epoch >= self.steps_per_epoch
+                if epoch_done or self.state.global_step >= self.total_steps:
+                    self._end_epoch()
+        finally:
+            agreement.close()
+            progress.close()
+        if not self.state.stopped:
+            self.save("end of training", fingerprint)
         return self.state
 
     def summary(self, wall_time_s: float) -> dict[str, Any]:
@@ -269,6 +420,8 @@ class Trainer:
             "launcher": env.launcher,
             "job_id": env.job_id,
             "restart_count": env.restart_count,
+            "resumed_from_step": state.resumed_from_step,
+            "stopped_early": state.stopped,
             "device": self.plan.device.device,
             "backend": self.plan.device.backend,
             "epochs": state.epoch,

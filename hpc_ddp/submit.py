@@ -11,6 +11,7 @@ import re
 import socket
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ from hpc_ddp.env import LOCAL_RUN_ID_VAR
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.slurm import derive_master_port
 
+#: The signal submitit's jobs receive on preemption and before the time limit.
+SUBMITIT_PREEMPT_SIGNAL = "USR2"
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
 
 
@@ -66,10 +69,25 @@ def submitit_local_environ(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 class TrainTask:
-    """What every submitit task runs: the training entry point on this task's rank."""
+    """What every submitit task runs: the training entry point on this task's rank.
+
+    Checkpointable in submitit's sense: preemption (USR2, as submitit signals it) stops all
+    ranks after the same step with a checkpoint and requeues the job; the requeued job runs
+    this same task again, which resumes from that checkpoint (the job id, hence the run
+    directory, stays the same).
+    """
 
     def __init__(self, config: Config) -> None:
-        self.config = config
+        self.config = replace(
+            config,
+            preempt=replace(config.preempt, signal=SUBMITIT_PREEMPT_SIGNAL, stop_on_sigterm=False),
+        )
+
+    def checkpoint(self) -> Any:
+        """submitit's hook: resubmit the same task; training resumes from its checkpoints."""
+        from submitit.helpers import DelayedSubmission
+
+        return DelayedSubmission(TrainTask(self.config))
 
     def __call__(self) -> dict[str, Any]:
         from hpc_ddp.train import run

@@ -28,7 +28,11 @@ class Tracker(Protocol):
 
     def log_text_artifact(self, name: str, text: str) -> None: ...
 
+    def set_tags(self, tags: Mapping[str, str]) -> None: ...
+
     def finish(self, status: str) -> None: ...
+
+    def suspend(self) -> None: ...
 
 
 class NullTracker:
@@ -45,7 +49,13 @@ class NullTracker:
     def log_text_artifact(self, name: str, text: str) -> None:
         pass
 
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        pass
+
     def finish(self, status: str) -> None:
+        pass
+
+    def suspend(self) -> None:
         pass
 
 
@@ -82,6 +92,8 @@ class MlflowTracker:
         run_name: str,
         params: Mapping[str, Any],
         tags: Mapping[str, str],
+        resume_run_id: str | None = None,
+        start_step: int = 0,
     ) -> None:
         import mlflow
         from mlflow.entities import Param, RunTag
@@ -89,19 +101,46 @@ class MlflowTracker:
         self._mlflow = mlflow
         self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         self._pending: list[Any] = []
-        experiment_id = self._experiment_id(experiment, artifact_root)
-        run = self._client.create_run(
-            experiment_id,
-            run_name=run_name,
-            tags={**tags, "mlflow.runName": run_name},
-        )
-        self._run = str(run.info.run_id)
+        resumed = self._reopen(resume_run_id) if resume_run_id else None
+        if resumed is None:
+            experiment_id = self._experiment_id(experiment, artifact_root)
+            run = self._client.create_run(
+                experiment_id, run_name=run_name, tags={"mlflow.runName": run_name}
+            )
+            resumed_tags: dict[str, str] = {}
+            self._run = str(run.info.run_id)
+        else:
+            self._run, resumed_tags = resumed
         self.run_id: str | None = self._run
+        attempt = sum(1 for key in resumed_tags if key.endswith(".start_step"))
+        self._attempt_prefix = f"hpc_ddp.attempt.{attempt}"
+        attempt_tags = {
+            **tags,
+            f"{self._attempt_prefix}.restart_count": tags.get("hpc_ddp.restart_count", "0"),
+            f"{self._attempt_prefix}.start_step": str(start_step),
+            "hpc_ddp.attempts": str(attempt + 1),
+        }
+        # Params are written once: a resumed run may change harmless keys (e.g. epochs), and
+        # MLflow refuses to overwrite a param with another value.
         self._client.log_batch(
             self._run,
-            params=[Param(key, str(value)) for key, value in params.items()],
-            tags=[RunTag(key, value) for key, value in tags.items()],
+            params=[] if resumed else [Param(key, str(value)) for key, value in params.items()],
+            tags=[RunTag(key, value) for key, value in attempt_tags.items()],
         )
+
+    def _reopen(self, run_id: str) -> tuple[str, dict[str, str]] | None:
+        """The run a checkpoint names, set RUNNING again; None if the store lost it."""
+        try:
+            run = self._client.get_run(run_id)
+        except self._mlflow.exceptions.MlflowException:
+            from hpc_ddp.logs import get_logger
+
+            get_logger().warning(
+                f"MLflow run {run_id} from the checkpoint is gone; starting a new one"
+            )
+            return None
+        self._client.update_run(run_id, status="RUNNING")
+        return run_id, dict(run.data.tags)
 
     def _experiment_id(self, name: str, artifact_root: Path) -> str:
         existing = self._client.get_experiment_by_name(name)
@@ -133,11 +172,25 @@ class MlflowTracker:
     def log_text_artifact(self, name: str, text: str) -> None:
         self._client.log_text(self._run, text, name)
 
-    def finish(self, status: str) -> None:
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        for key, value in tags.items():
+            self._client.set_tag(self._run, key, value)
+
+    def _flush(self) -> None:
         for operation in self._pending:
             operation.wait()
         self._pending.clear()
+
+    def finish(self, status: str) -> None:
+        """End the run: FINISHED, FAILED or KILLED (stopped and not requeued)."""
+        self._flush()
+        self._client.set_tag(self._run, f"{self._attempt_prefix}.end", status.lower())
         self._client.set_terminated(self._run, status=status)
+
+    def suspend(self) -> None:
+        """The job was requeued: leave the run RUNNING for the next attempt to continue."""
+        self._flush()
+        self._client.set_tag(self._run, f"{self._attempt_prefix}.end", "requeued")
 
 
 def start_tracker(
@@ -149,14 +202,26 @@ def start_tracker(
     run_name: str,
     params: Mapping[str, Any],
     tags: Mapping[str, str],
+    resume_run_id: str | None = None,
+    start_step: int = 0,
 ) -> Tracker:
-    """An MLflow run on rank 0 when tracking is on; a NullTracker everywhere else."""
+    """An MLflow run on rank 0 when tracking is on; a NullTracker everywhere else.
+
+    ``resume_run_id`` (from a checkpoint) continues that run instead of starting a new one.
+    """
     if not (enabled and is_main):
         return NullTracker()
     uri = tracking_uri or default_tracking_uri(output_dir)
     try:
         return MlflowTracker(
-            uri, experiment, Path(output_dir) / "mlartifacts", run_name, params, tags
+            uri,
+            experiment,
+            Path(output_dir) / "mlartifacts",
+            run_name,
+            params,
+            tags,
+            resume_run_id,
+            start_step,
         )
     except ImportError as error:
         raise HpcDdpError(

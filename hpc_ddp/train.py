@@ -18,8 +18,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
 
+from hpc_ddp.checkpoint import (
+    check_resumable,
+    checkpoint_dir,
+    load_newest,
+    remove_partial_writes,
+    resume_fingerprint,
+)
 from hpc_ddp.config import Config, config_to_dict, flatten, load_config
 from hpc_ddp.data import build_datasets
 from hpc_ddp.dist import init_distributed, shutdown_distributed
@@ -29,16 +37,14 @@ from hpc_ddp.env import (
     needs_allocation_task_count,
     resolve_dist_env,
 )
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.errors import EXIT_FAILURE, EXIT_STOPPED, EXIT_USER_ERROR, HpcDdpError
 from hpc_ddp.logs import get_logger, setup_logging
 from hpc_ddp.loop import Trainer
 from hpc_ddp.models import build_model
 from hpc_ddp.plan import RunPlan, describe_plan, make_plan
+from hpc_ddp.preempt import StopSignals, requeue_job
 from hpc_ddp.slurm import allocation_task_count
 from hpc_ddp.tracking import NullTracker, Tracker, run_tags, start_tracker
-
-EXIT_USER_ERROR = 2
-EXIT_FAILURE = 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +95,9 @@ def dry_run(config: Config, plan: RunPlan) -> dict[str, Any]:
     }
 
 
-def _start_tracker(config: Config, plan: RunPlan) -> Tracker:
+def _start_tracker(
+    config: Config, plan: RunPlan, resume: tuple[Path, dict[str, Any]] | None
+) -> Tracker:
     env = plan.dist_env
     return start_tracker(
         enabled=config.tracking.enabled,
@@ -100,7 +108,38 @@ def _start_tracker(config: Config, plan: RunPlan) -> Tracker:
         run_name=config.run.name,
         params=flatten(config),
         tags=run_tags(env.launcher, env.world_size, env.num_nodes, env.job_id, env.restart_count),
+        resume_run_id=resume[1].get("mlflow_run_id") if resume else None,
+        start_step=int(resume[1]["global_step"]) if resume else 0,
     )
+
+
+def _broadcast(value: Any, group: Any | None) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if group is None:
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0, group=group)
+    return holder[0]
+
+
+def find_resume(
+    config: Config, plan: RunPlan, group: Any | None
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest good checkpoint of this run (rank 0 chooses, every rank loads the same)."""
+    if not config.checkpoint.resume:
+        return None
+    directory = checkpoint_dir(plan.run_dir)
+    found = None
+    if plan.dist_env.is_main:
+        remove_partial_writes(directory)
+        found = load_newest(directory)
+    chosen = _broadcast(str(found[0]) if found else "", group)
+    if not chosen:
+        return None
+    path = Path(chosen)
+    state = found[1] if found else torch.load(path, map_location="cpu", weights_only=True)
+    check_resumable(state["fingerprint"], resume_fingerprint(config), path)
+    return path, state
 
 
 def write_outputs(run_dir: Path, summary: dict[str, Any], model: torch.nn.Module) -> Path:
@@ -118,23 +157,54 @@ def write_outputs(run_dir: Path, summary: dict[str, Any], model: torch.nn.Module
     return path
 
 
-def train(config: Config, plan: RunPlan, started: float) -> dict[str, Any]:
+def _finish_stopped(
+    config: Config, plan: RunPlan, signals: StopSignals, tracker: Tracker, group: Any | None
+) -> bool:
+    """After a stop checkpoint: rank 0 requeues if asked and allowed; all ranks learn the
+    outcome before exiting, so none exits early and kills rank 0 mid-requeue."""
+    env = plan.dist_env
+    requeued = False
+    if env.is_main:
+        if signals.wants_requeue:
+            tracker.suspend()  # before requeueing: Slurm ends this step right after it
+            requeued = requeue_job(os.environ, env.restart_count, config.preempt)
+        if not requeued:
+            tracker.finish("KILLED")
+    return bool(_broadcast(requeued, group))
+
+
+def train(config: Config, plan: RunPlan, started: float, signals: StopSignals) -> dict[str, Any]:
     """Run the whole training on this rank; returns the summary (written by rank 0)."""
     env: DistEnv = plan.dist_env
     log = get_logger()
     init_distributed(env, plan.device, config.dist)
+    # Control messages (stop agreement, checkpoint barriers) go over gloo on the CPU, so they
+    # never force a GPU synchronisation.
+    group = dist.new_group(backend="gloo") if env.world_size > 1 else None
     tracker: Tracker = NullTracker()
     try:
-        tracker = _start_tracker(config, plan)
+        resume = find_resume(config, plan, group)
+        tracker = _start_tracker(config, plan, resume)
         datasets = build_datasets(config)
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         model = build_model(config, datasets.num_features, datasets.num_classes)
         torch.manual_seed(config.run.seed + env.rank)  # per-rank stream for dropout etc.
-        trainer = Trainer(config, plan, datasets, model, tracker)
-        trainer.fit()
+        trainer = Trainer(config, plan, datasets, model, tracker, signals, group)
+        if resume:
+            trainer.restore(resume[1])
+            log.info(
+                f"resumed from {resume[0]} at step {trainer.state.global_step} (epoch "
+                f"{trainer.state.epoch}, step {trainer.state.step_in_epoch} of the epoch)"
+            )
+        state = trainer.fit(resume_fingerprint(config))
         summary = trainer.summary(time.perf_counter() - started)
+        summary["mlflow_run_id"] = tracker.run_id
+        summary["run_id"] = plan.run_dir.name
+        if state.stopped:
+            summary["requeued"] = _finish_stopped(config, plan, signals, tracker, group)
+            shutdown_distributed()
+            return summary
         if env.is_main:
-            summary["mlflow_run_id"] = tracker.run_id
             path = write_outputs(plan.run_dir, summary, trainer.model.module)
             tracker.log_json_artifact("summary.json", summary)
             tracker.log_text_artifact("config.yaml", yaml.safe_dump(config_to_dict(config)))
@@ -173,7 +243,27 @@ def run(
     )
     if env.is_main:
         log.info(describe_plan(plan))
-    return train(config, plan, started)
+    signals = StopSignals(config.preempt.signal, config.preempt.stop_on_sigterm).install()
+    try:
+        return train(config, plan, started, signals)
+    finally:
+        signals.restore()
+
+
+def report_outcome(summary: dict[str, Any]) -> int:
+    """Print what happened and return the exit code: 0 finished or requeued, 3 stopped."""
+    if summary.get("summary_path"):
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    if not summary.get("stopped_early"):
+        return 0
+    if summary.get("requeued"):
+        get_logger().info(f"stopped at step {summary['global_step']}; the job was requeued")
+        return 0
+    get_logger().warning(
+        f"stopped at step {summary['global_step']} after a checkpoint; to continue, run the "
+        f"same command with run.id={summary['run_id']}"
+    )
+    return EXIT_STOPPED
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -187,9 +277,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             print(json.dumps(dry_run(config, resolve(config, environment)), indent=2))
             return 0
         summary = run(config, environment, os.environ if environ is None else None)
-        if summary.get("summary_path"):
-            print(json.dumps(summary, indent=2, sort_keys=True))
-        return 0
+        return report_outcome(summary)
     except HpcDdpError as error:
         print(f"[rank {rank_label}] error: {error}", file=sys.stderr)
         return EXIT_USER_ERROR

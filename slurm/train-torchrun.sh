@@ -18,6 +18,7 @@
 #SBATCH --time=01:00:00
 #SBATCH --output=logs/%x-%j.out
 #SBATCH --error=logs/%x-%j.out
+#SBATCH --open-mode=append
 # SIGUSR1 to the tasks 120 s before the time limit.
 #SBATCH --signal=USR1@120
 #SBATCH --requeue

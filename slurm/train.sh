@@ -23,6 +23,8 @@
 # stdout and stderr of the batch script and every task: logs/<job name>-<job id>.out
 #SBATCH --output=logs/%x-%j.out
 #SBATCH --error=logs/%x-%j.out
+# Append, so a requeued job adds its attempt to the same log instead of truncating it.
+#SBATCH --open-mode=append
 # SIGUSR1 to every task 120 s before the time limit: time to checkpoint and stop.
 #SBATCH --signal=USR1@120
 # Allow Slurm (and the job itself) to requeue this job after preemption or a node failure.

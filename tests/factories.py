@@ -47,3 +47,24 @@ def failing_model(config: Any, num_features: int, num_classes: int) -> nn.Module
 
 def not_a_module(config: Any, num_features: int, num_classes: int) -> object:
     return "not a module"
+
+
+class _HangsOnRankOne(nn.Module):
+    """Rank 1 stops making progress (outside any collective) on its 4th forward pass."""
+
+    def __init__(self, num_features: int, num_classes: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(num_features, num_classes)
+        self.calls = 0
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if os.environ.get("RANK") == "1" and self.calls == 4:
+            import time
+
+            time.sleep(3600)
+        return self.linear(features)  # type: ignore[no-any-return]
+
+
+def hanging_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    return _HangsOnRankOne(num_features, num_classes)

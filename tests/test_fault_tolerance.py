@@ -1,0 +1,267 @@
+"""Checkpoints, exact mid-epoch resume, stop signals, one MLflow run across attempts, and
+fast failure of a broken rank, on real local gloo ranks (the Slurm side is in
+test_slurm_fault_tolerance.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from hpc_ddp.checkpoint import (
+    check_resumable,
+    list_checkpoints,
+    load_newest,
+    remove_partial_writes,
+    resume_fingerprint,
+    save_checkpoint,
+)
+from hpc_ddp.config import load_config
+from hpc_ddp.data import ResumableDistributedSampler
+from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.preempt import EXIT_STOPPED, StepAgreement, StopSignals, requeue_target
+from hpc_ddp.tracking import default_tracking_uri
+from tests.helpers import REPO, clean_environ, run_local
+
+RESUMABLE = [
+    "data.num_samples=12800",
+    "data.batch_size=64",
+    "train.epochs=3",
+    "train.log_interval=8",
+    "optim.schedule=cosine",
+    "optim.warmup_steps=10",
+    "checkpoint.every_steps=50",
+]
+
+
+def state(step: int) -> dict[str, object]:
+    return {"format": 1, "global_step": step, "weights": torch.full((4,), float(step))}
+
+
+def test_save_is_atomic_keeps_last_k_and_loads_weights_only(tmp_path: Path) -> None:
+    for step in (10, 20, 30, 40):
+        save_checkpoint(state(step), tmp_path, step, keep_last=3)
+    assert [p.name for p in list_checkpoints(tmp_path)] == [
+        "step-000000040.pt",
+        "step-000000030.pt",
+        "step-000000020.pt",
+    ]
+    assert not list(tmp_path.glob(".*tmp*"))
+    path, loaded = load_newest(tmp_path)  # type: ignore[misc]
+    assert path.name == "step-000000040.pt" and loaded["weights"].tolist() == [40.0] * 4
+    torch.load(path, weights_only=True)
+
+
+def test_corrupt_newest_checkpoint_falls_back_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    save_checkpoint(state(10), tmp_path, 10, keep_last=3)
+    newest = save_checkpoint(state(20), tmp_path, 20, keep_last=3)
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated, as by a full disk
+    (tmp_path / ".step-000000030.pt.tmp-999").write_bytes(b"half")  # a writer killed mid-save
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp"):
+        path, loaded = load_newest(tmp_path)  # type: ignore[misc]
+    assert loaded["global_step"] == 10 and path.name == "step-000000010.pt"
+    assert str(newest) in caplog.text and "trying the previous one" in caplog.text
+    remove_partial_writes(tmp_path)
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_resume_refuses_changes_that_matter_and_allows_harmless_ones() -> None:
+    saved = resume_fingerprint(load_config(None))
+    harmless = load_config(
+        None,
+        ["train.epochs=50", "train.log_interval=3", "tracking.enabled=false", "dist.timeout_s=5"],
+    )
+    check_resumable(saved, resume_fingerprint(harmless), Path("ckpt.pt"))
+    with pytest.raises(HpcDdpError) as caught:
+        check_resumable(
+            saved,
+            resume_fingerprint(load_config(None, ["model.hidden_sizes=[64]", "optim.lr=0.5"])),
+            Path("ckpt.pt"),
+        )
+    message = str(caught.value)
+    assert "cannot resume from ckpt.pt" in message
+    assert (
+        "model.hidden_sizes: [128, 128] -> [64]" in message
+        or "model.hidden_sizes: [256, 256] -> [64]" in message
+    )
+    assert "optim.lr: 0.1 -> 0.5" in message
+
+
+def test_sampler_resumes_mid_epoch_without_touching_consumed_samples() -> None:
+    dataset = list(range(103))
+    full = ResumableDistributedSampler(
+        dataset, num_replicas=2, rank=1, shuffle=True, seed=3, drop_last=True
+    )
+    full.set_epoch(4)
+    resumed = ResumableDistributedSampler(
+        dataset, num_replicas=2, rank=1, shuffle=True, seed=3, drop_last=True
+    )
+    resumed.set_epoch(4)
+    resumed.set_start(20)
+    assert list(resumed) == list(full)[20:] and len(resumed) == len(full) - 20
+
+
+def test_stop_signals_only_record(tmp_path: Path) -> None:
+    signals = StopSignals("USR1").install()
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert signals.requested and not signals.wants_requeue
+        signal.raise_signal(signal.SIGUSR1)
+        assert signals.wants_requeue
+    finally:
+        signals.restore()
+    assert StepAgreement(None).exchange(True, False) == (True, False)
+
+
+def test_requeue_target_is_array_aware() -> None:
+    assert requeue_target({"SLURM_JOB_ID": "42"}) == "42"
+    assert (
+        requeue_target(
+            {"SLURM_JOB_ID": "43", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3"}
+        )
+        == "40_3"
+    )
+    assert requeue_target({}) is None
+
+
+def start_local(nproc: int, output: Path, overrides: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpc_ddp",
+            "local",
+            "--nproc",
+            str(nproc),
+            "--config",
+            str(REPO / "configs/synthetic.yaml"),
+            f"run.output_dir={output}",
+            *overrides,
+        ],
+        cwd=REPO,
+        env=clean_environ(),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def signal_after(
+    process: subprocess.Popen[str], pattern: str, signum: int, timeout: float = 120
+) -> str:
+    """Read the ranks' log until ``pattern`` shows, then send ``signum`` to the launcher."""
+    assert process.stderr is not None
+    seen = []
+    deadline = time.monotonic() + timeout
+    for line in process.stderr:
+        seen.append(line)
+        if re.search(pattern, line):
+            process.send_signal(signum)
+            break
+        assert time.monotonic() < deadline, "".join(seen)
+    _out, err = process.communicate(timeout=timeout)
+    return "".join(seen) + err
+
+
+def summary_of(output: Path, run_id: str) -> dict[str, object]:
+    return json.loads((output / "synthetic-mlp" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(tmp_path: Path) -> None:
+    reference = run_local(2, tmp_path, [*RESUMABLE, "run.id=reference"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+
+    process = start_local(2, tmp_path, [*RESUMABLE, "run.id=interrupted"])
+    log = signal_after(process, r"step (4[0-9]|5[0-9]|6[0-9])/600", signal.SIGUSR1)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert stop_step % 200 > 0 and stop_step < 200, "stopped mid-epoch"
+    assert "to continue, run the same command with run.id=interrupted" in log
+
+    resumed = run_local(2, tmp_path, [*RESUMABLE, "run.id=interrupted"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert (
+        "resumed from" in resumed.stderr
+        and f"at step {stop_step} (epoch 0, step {stop_step} of the epoch)" in resumed.stderr
+    )
+    expected, actual = summary_of(tmp_path, "reference"), summary_of(tmp_path, "interrupted")
+    assert actual["weights_sha256"] == expected["weights_sha256"]
+    assert actual["global_step"] == expected["global_step"] == 600
+    assert (
+        actual["train_loss"] == expected["train_loss"]
+        and actual["val_loss"] == expected["val_loss"]
+    )
+    assert actual["resumed_from_step"] == stop_step
+
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    run = client.get_run(str(actual["mlflow_run_id"]))
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["hpc_ddp.attempts"] == "2"
+    assert run.data.tags["hpc_ddp.attempt.0.end"] == "killed"
+    assert run.data.tags["hpc_ddp.attempt.1.start_step"] == str(stop_step)
+    assert run.data.tags["hpc_ddp.attempt.1.end"] == "finished"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "interval/train_loss")]
+    assert steps == list(range(8, 601, 8)), "global steps continue: none lost, none repeated"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [1, 2, 3]
+
+
+def test_resume_with_a_changed_model_is_refused(tmp_path: Path) -> None:
+    first = run_local(
+        1,
+        tmp_path,
+        ["train.max_steps=5", "data.num_samples=2048", "run.id=x", "tracking.enabled=false"],
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_local(
+        1,
+        tmp_path,
+        [
+            "train.max_steps=9",
+            "data.num_samples=2048",
+            "run.id=x",
+            "tracking.enabled=false",
+            "model.hidden_sizes=[32]",
+        ],
+    )
+    assert second.returncode == 2
+    assert (
+        "the config changed in ways that break resuming: model.hidden_sizes: [256, 256] -> [32]"
+        in second.stderr
+    )
+
+
+def test_sigterm_stops_cleanly_without_requeue_and_marks_the_run_killed(tmp_path: Path) -> None:
+    process = start_local(2, tmp_path, [*RESUMABLE, "run.id=term"])
+    log = signal_after(process, r"step (2[4-9]|3[0-9])/600", signal.SIGTERM)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    assert "checkpoint (stop signal)" in log
+    runs = MlflowClient(tracking_uri=default_tracking_uri(tmp_path)).search_runs(["1"])
+    assert [r.info.status for r in runs] == ["KILLED"]
+
+
+def test_hung_rank_is_caught_by_the_collective_timeout(tmp_path: Path) -> None:
+    started = time.monotonic()
+    result = run_local(
+        2,
+        tmp_path,
+        [
+            "model.kind=custom",
+            "model.factory=tests.factories:hanging_model",
+            "dist.timeout_s=5",
+            "tracking.enabled=false",
+        ],
+    )
+    assert result.returncode != 0
+    assert "rank 0 exited with code" in result.stderr
+    assert time.monotonic() - started < 60
