@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hpc_ddp.config import Config, load_config
 from hpc_ddp.env import LOCAL_RUN_ID_VAR
@@ -21,7 +21,7 @@ from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.slurm import derive_master_port
 
 #: The signal submitit's jobs receive on preemption and before the time limit.
-SUBMITIT_PREEMPT_SIGNAL = "USR2"
+SUBMITIT_PREEMPT_SIGNAL: Literal["USR2"] = "USR2"
 _TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?$")
 
 
