@@ -327,6 +327,8 @@ def _is_int(value: Any) -> bool:
 
 def _coerce_scalar(value: Any, hint: Any) -> tuple[bool, Any]:
     """(matched, value) for None, bool, int, float and str; ints widen to float."""
+    if hint is str and _is_int(value):
+        return True, str(value)  # run.id=1234 (a Slurm job id) is read by YAML as a number
     if hint is type(None) or hint is bool or hint is str:
         return isinstance(value, hint), value
     if hint is int:

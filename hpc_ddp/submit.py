@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -95,9 +96,19 @@ class TrainTask:
         environ = submitit_local_environ(os.environ)
         rank = environ.get("SLURM_PROCID") or environ.get("RANK") or "0"
         try:
-            return run(self.config, environ, export_to=os.environ)
+            summary = run(self.config, environ, export_to=os.environ)
         except Exception as error:
             raise RuntimeError(f"rank {rank} on {socket.gethostname()} failed: {error}") from error
+        if not summary.get("stopped_early"):
+            return summary
+        if summary.get("requeued"):
+            # As submitit itself does after a requeue: exit without a result, so the requeued
+            # attempt is the one that delivers it.
+            sys.exit(-1)
+        raise RuntimeError(
+            f"rank {rank} stopped at step {summary['global_step']} after a checkpoint and the job "
+            f"was not requeued; submit again with run.id={summary['run_id']} to continue"
+        )
 
 
 def submit(

@@ -23,6 +23,15 @@ def slurm() -> SlurmCluster:
     return SlurmCluster(conf)
 
 
+@pytest.fixture(autouse=True)
+def cancel_left_over_jobs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A Slurm test that fails half-way must not leave its job running into the next test."""
+    yield
+    if "slurm" in request.fixturenames:
+        cluster: SlurmCluster = request.getfixturevalue("slurm")
+        cluster.cancel_all()
+
+
 @pytest.fixture()
 def slurm_conf_in_environ(slurm: SlurmCluster) -> Iterator[None]:
     """submitit calls sbatch/sacct from this process, so they need SLURM_CONF here."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import os
 import re
 import shutil
@@ -70,6 +71,10 @@ class SlurmCluster:
             timeout=timeout,
             check=False,
         )
+
+    def cancel_all(self) -> None:
+        """Cancel every pending or running job of the (private) test cluster."""
+        self.run(["scancel", "--user", getpass.getuser()], REPO, timeout=30)
 
     def sbatch(self, args: list[str], cwd: Path) -> str:
         result = self.run(["sbatch", "--parsable", *args], cwd)

@@ -41,6 +41,7 @@ def test_overrides_apply_with_yaml_typed_values(tmp_path: Path) -> None:
     assert config.optim.grad_clip_norm is None
     assert config.optim.lr == pytest.approx(1e-3)
     assert config.tracking.enabled is False
+    assert load_config(None, ["run.id=1234"]).run.id == "1234"
 
 
 def test_unknown_key_names_file_key_and_valid_keys(tmp_path: Path) -> None:

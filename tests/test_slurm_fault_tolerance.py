@@ -1,0 +1,289 @@
+"""Fault tolerance on the real test Slurm cluster: preemption -> requeue -> exact resume in one
+MLflow run, the time-limit signal, kill -9 of a rank, a kill during a checkpoint write, and
+submitit preemption. (Two "nodes" are two slurmd on this machine; see test_slurm_e2e.py.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from hpc_ddp.checkpoint import list_checkpoints
+from hpc_ddp.submit import submit, wait
+from hpc_ddp.tracking import default_tracking_uri
+from tests.helpers import REPO, read_summary, run_local, summary_path
+from tests.slurm_cluster import SlurmCluster, prepare_workdir
+
+pytestmark = pytest.mark.slurm
+TRAIN = str(REPO / "slurm" / "train.sh")
+LONG = [
+    "data.num_samples=25600",
+    "data.batch_size=64",
+    "train.epochs=3",
+    "train.log_interval=8",
+    "optim.schedule=cosine",
+    "optim.warmup_steps=10",
+]
+
+
+def rank_pid(job_id: str, rank: int, timeout: float = 60) -> int:
+    """PID of a training task of ``job_id`` (tasks share this machine's PID space)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if (
+                b"hpc_ddp.train" in cmdline
+                and f"SLURM_JOB_ID={job_id}".encode() in environ
+                and f"SLURM_PROCID={rank}".encode() in environ
+            ):
+                return int(entry.name)
+        time.sleep(0.2)
+    pytest.fail(f"no process of rank {rank} of job {job_id}")
+
+
+def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path / "slurm")
+    job = slurm.sbatch(
+        [
+            "--nodes=1",
+            "--ntasks-per-node=2",
+            TRAIN,
+            "configs/synthetic.yaml",
+            f"run.output_dir={work / 'runs'}",
+            *LONG,
+        ],
+        work,
+    )
+    log_path = work / "logs" / f"hpc-ddp-{job}.out"
+    slurm.wait_for_log(log_path, r"\[rank 0/2\] INFO epoch 0 step (4\d|[5-9]\d|1\d\d)/1200")
+    assert slurm.run(["scancel", "--signal=USR1", job], work).returncode == 0
+    state = slurm.wait(job, timeout=300)
+    log = log_path.read_text()
+    assert state == "COMPLETED", log[-4000:]
+    assert slurm.job_field(job, "Restarts") == "1"
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert stop_step % 400, "stopped mid-epoch"
+    assert f"requeued job {job}" in log
+    assert f"at step {stop_step} (epoch 0, step {stop_step} of the epoch)" in log
+
+    summary = read_summary(work / "runs")
+    assert summary["restart_count"] == 1 and summary["resumed_from_step"] == stop_step
+    assert summary["global_step"] == 1200
+
+    reference_dir = tmp_path / "reference"
+    reference = run_local(2, reference_dir, [*LONG, "tracking.enabled=false"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert summary["weights_sha256"] == read_summary(reference_dir)["weights_sha256"]
+
+    client = MlflowClient(tracking_uri=default_tracking_uri(work / "runs"))
+    runs = client.search_runs(["1"], filter_string=f"tags.`hpc_ddp.job_id` = '{job}'")
+    assert len(runs) == 1, "both attempts log into ONE run"
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert (
+        tags["hpc_ddp.attempts"],
+        tags["hpc_ddp.attempt.0.end"],
+        tags["hpc_ddp.attempt.1.end"],
+    ) == ("2", "requeued", "finished")
+    assert (tags["hpc_ddp.attempt.0.restart_count"], tags["hpc_ddp.attempt.1.restart_count"]) == (
+        "0",
+        "1",
+    )
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "interval/train_loss")]
+    assert steps == list(range(8, 1201, 8)), "0 steps lost or repeated"
+
+
+def test_time_limit_signal_checkpoints_and_a_resubmission_resumes(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path)
+    common = [
+        "configs/synthetic.yaml",
+        f"run.output_dir={work / 'runs'}",
+        "tracking.enabled=false",
+        "data.num_samples=25600",
+        "data.batch_size=64",
+    ]
+    job = slurm.sbatch(
+        [
+            "--ntasks-per-node=2",
+            "--time=1",
+            "--signal=USR1@50",
+            TRAIN,
+            *common,
+            "train.epochs=100000",
+            "preempt.max_requeues=0",
+            "train.log_interval=100",
+        ],
+        work,
+    )
+    state = slurm.wait(job, timeout=150)
+    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    assert state != "TIMEOUT", "the signal's lead time was used to stop before the limit"
+    assert "not requeueing: the job was already requeued 0 time(s), preempt.max_requeues=0" in log
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    checkpoints = list_checkpoints(work / "runs" / "synthetic-mlp" / job / "checkpoints")
+    assert checkpoints and checkpoints[0].name == f"step-{stop_step:09d}.pt"
+
+    again = slurm.sbatch(
+        [
+            "--ntasks-per-node=2",
+            TRAIN,
+            *common,
+            f"run.id={job}",
+            "train.epochs=100000",
+            f"train.max_steps={stop_step + 30}",
+        ],
+        work,
+    )
+    assert slurm.wait(again) == "COMPLETED"
+    resumed_log = (work / "logs" / f"hpc-ddp-{again}.out").read_text()
+    assert f"at step {stop_step}" in resumed_log
+    summary = read_summary(work / "runs")
+    assert summary["resumed_from_step"] == stop_step and summary["global_step"] == stop_step + 30
+
+
+def test_kill_9_of_one_rank_ends_the_job_fast_and_the_checkpoint_loads(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path)
+    job = slurm.sbatch(
+        [
+            "--ntasks-per-node=2",
+            TRAIN,
+            "configs/synthetic.yaml",
+            f"run.output_dir={work / 'runs'}",
+            "tracking.enabled=false",
+            "train.epochs=100000",
+            "checkpoint.every_steps=20",
+        ],
+        work,
+    )
+    checkpoints = work / "runs" / "synthetic-mlp" / job / "checkpoints"
+    deadline = time.monotonic() + 90
+    while not list_checkpoints(checkpoints) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.kill(rank_pid(job, 1), signal.SIGKILL)
+    killed = time.monotonic()
+    state = slurm.wait(job, timeout=90)
+    assert time.monotonic() - killed < 60
+    assert state == "FAILED"
+    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    assert re.search(r"task 1: Killed", log), log[-2000:]
+    newest = list_checkpoints(checkpoints)[0]
+    saved = torch.load(newest, weights_only=True)
+    assert saved["global_step"] % 20 == 0 and saved["global_step"] > 0
+
+
+def test_a_rank_that_raises_ends_the_job_fast_naming_it(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path)
+    started = time.monotonic()
+    job = slurm.sbatch(
+        [
+            "--ntasks-per-node=2",
+            TRAIN,
+            "configs/synthetic.yaml",
+            f"run.output_dir={work / 'runs'}",
+            "tracking.enabled=false",
+            "model.kind=custom",
+            "model.factory=tests.factories:failing_model",
+        ],
+        work,
+    )
+    assert slurm.wait(job, timeout=90) == "FAILED"
+    assert time.monotonic() - started < 60
+    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    assert "[rank 1] failed:" in log and "injected failure on rank 1" in log
+    assert "task 1: Exited with exit code 1" in log
+
+
+def test_kill_during_a_checkpoint_write_keeps_the_previous_one(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path)
+    common = [
+        "configs/synthetic.yaml",
+        f"run.output_dir={work / 'runs'}",
+        "tracking.enabled=false",
+        "model.hidden_sizes=[2048, 2048]",
+        "data.batch_size=32",
+        "checkpoint.every_steps=5",
+        "checkpoint.keep_last=2",
+        "train.epochs=1000",
+    ]
+    job = slurm.sbatch(["--ntasks-per-node=2", TRAIN, *common], work)
+    checkpoints = work / "runs" / "synthetic-mlp" / job / "checkpoints"
+    writer = rank_pid(job, 0, timeout=90)
+    deadline = time.monotonic() + 120
+    partial: list[Path] = []
+    while time.monotonic() < deadline:
+        complete = list_checkpoints(checkpoints)
+        partial = list(checkpoints.glob(".step-*.tmp-*")) if checkpoints.is_dir() else []
+        if complete and partial:
+            os.kill(writer, signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    assert partial, "never caught a checkpoint being written"
+    assert slurm.wait(job, timeout=90) == "FAILED"
+    previous = list_checkpoints(checkpoints)[0]
+    previous_step = int(torch.load(previous, weights_only=True)["global_step"])
+
+    again = slurm.sbatch(
+        [
+            "--ntasks-per-node=2",
+            TRAIN,
+            *common,
+            f"run.id={job}",
+            f"train.max_steps={previous_step + 3}",
+        ],
+        work,
+    )
+    assert slurm.wait(again) == "COMPLETED"
+    log = (work / "logs" / f"hpc-ddp-{again}.out").read_text()
+    assert f"resumed from {previous} at step {previous_step}" in log
+    assert not list(checkpoints.glob(".step-*.tmp-*")), "the partial write was cleaned up"
+    assert read_summary(work / "runs")["global_step"] == previous_step + 3
+
+
+def test_submitit_preemption_requeues_and_resumes_to_the_same_weights(
+    slurm: SlurmCluster, slurm_conf_in_environ: None, tmp_path: Path
+) -> None:
+    overrides = [*LONG, "tracking.enabled=false"]
+    job = submit(
+        REPO / "configs" / "synthetic.yaml",
+        cluster="slurm",
+        gpus_per_node=2,
+        folder=tmp_path / "submitit",
+        overrides=[*overrides, f"run.output_dir={tmp_path / 'runs'}"],
+        time="00:20:00",
+    )
+    log_path = tmp_path / "submitit" / f"{job.job_id}_0_log.err"
+    slurm.wait_for_log(log_path, r"epoch 0 step (4\d|[5-9]\d|1\d\d)/1200", timeout=120)
+    job._interrupt()
+    results = wait(job)
+    assert len(results) == 2
+    rank0 = results[0]
+    assert rank0["restart_count"] == 1 and rank0["resumed_from_step"] > 0
+    assert rank0["global_step"] == 1200
+    reference = run_local(2, tmp_path / "reference", overrides)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert rank0["weights_sha256"] == read_summary(tmp_path / "reference")["weights_sha256"]
+    assert summary_path(tmp_path / "runs").parent.name == str(job.job_id)
