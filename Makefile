@@ -21,7 +21,7 @@ PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: install local-test test test-slurm lint format clean cluster-up cluster-down
+.PHONY: install local-test test test-slurm lint format clean cluster-up cluster-down parquet-data bench
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ test: $(STAMP)
 
 test-slurm: $(STAMP)
 	HPC_DDP_REQUIRE_SLURM=1 $(BIN)/python -m pytest -m slurm $(PYTEST_ARGS)
+
+parquet-data: $(STAMP)
+	$(BIN)/hpc-ddp data make --kind synthetic --rows 200000 --row-group-size 4096 --files 4 \
+		--out data/synthetic-parquet
 
 cluster-up:
 	$(PYTHON) tests/cluster/cluster.py up

@@ -103,6 +103,29 @@ def _doctor(args: argparse.Namespace) -> int:
     return print_report(diagnose(load_config(args.config, args.overrides), os.environ))
 
 
+def _data_make(args: argparse.Namespace) -> int:
+    from hpc_ddp.datamake import make_dataset
+
+    written = make_dataset(
+        args.kind,
+        args.rows,
+        args.row_group_size,
+        Path(args.out),
+        args.val_rows,
+        args.files,
+        args.features,
+        args.classes,
+        args.seed,
+    )
+    for split, paths in written.items():
+        print(f"{split}: {len(paths)} file(s) in {Path(args.out) / split}")
+    print(
+        f"train with: data.kind=parquet data.train_path={Path(args.out) / 'train'} "
+        f"data.val_path={Path(args.out) / 'val'}"
+    )
+    return 0
+
+
 def _port(_args: argparse.Namespace) -> int:
     from hpc_ddp.slurm import derive_master_port
 
@@ -180,6 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
         _command(commands, "doctor", _doctor, "print each rank's plan and checks"), dry_run=False
     )
     _command(commands, "port", _port, "print this job's rendezvous port")
+
+    data = _command(commands, "data", lambda _args: 2, "data tools")
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    make = _command(data_commands, "make", _data_make, "write a Parquet set (train/ and val/)")
+    make.add_argument("--kind", choices=["synthetic", "digits"], default="synthetic")
+    make.add_argument("--rows", type=int, required=True, help="training rows")
+    make.add_argument("--val-rows", type=int, default=None, help="validation rows (rows/10)")
+    make.add_argument("--row-group-size", type=int, default=4096, help="rows per row group")
+    make.add_argument("--files", type=int, default=1, help="files per split")
+    make.add_argument("--features", type=int, default=64, help="synthetic: feature columns")
+    make.add_argument("--classes", type=int, default=10, help="synthetic: classes")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--out", required=True, help="output directory")
     return parser
 
 

@@ -56,11 +56,22 @@ class RunConfig:
 class DataConfig:
     """What to train on and how it is batched."""
 
-    kind: Literal["digits", "synthetic", "custom"] = setting(
+    kind: Literal["digits", "synthetic", "parquet", "custom"] = setting(
         "digits",
         "digits: scikit-learn's bundled 8x8 digits (1797 real samples). synthetic: a "
-        "deterministic separable problem of any size. custom: `factory` builds it.",
+        "deterministic separable problem of any size. parquet: files at train_path/val_path, "
+        "sharded by row group so each rank reads only its share. custom: `factory` builds it.",
     )
+    train_path: str | None = setting(
+        None, "parquet: training data: a .parquet file, a directory of them, or a glob."
+    )
+    val_path: str | None = setting(None, "parquet: validation data, same forms as train_path.")
+    feature_columns: list[str] | None = setting(
+        None,
+        "parquet: numeric feature columns, or one fixed-size list column; null: every column "
+        "except label_column.",
+    )
+    label_column: str = setting("label", "parquet: the integer class label column.")
     factory: str | None = setting(
         None,
         "For kind=custom: 'pkg.module:function' called as function(config, seed) and returning "
@@ -75,7 +86,7 @@ class DataConfig:
     num_samples: int = setting(8192, "synthetic: training samples.")
     num_val_samples: int = setting(1001, "synthetic: validation samples.")
     num_features: int = setting(64, "synthetic: input features.")
-    num_classes: int = setting(10, "synthetic: classes.")
+    num_classes: int = setting(10, "synthetic and parquet: number of classes (labels 0..n-1).")
     num_workers: int | Literal["auto"] = setting(
         0,
         "DataLoader worker processes per rank. auto: the CPUs Slurm gave the task (or this "
@@ -93,6 +104,13 @@ class DataConfig:
         if self.kind == "custom" and not self.factory:
             raise HpcDdpError(
                 "data.kind=custom needs data.factory", "set data.factory=pkg.module:function"
+            )
+        if self.kind == "parquet" and not (self.train_path and self.val_path):
+            raise HpcDdpError(
+                "data.kind=parquet needs data.train_path and data.val_path",
+                "write a set with `hpc-ddp data make --kind synthetic --rows 100000 "
+                "--row-group-size 4096 --out data/synth`, then pass "
+                "data.train_path=data/synth/train data.val_path=data/synth/val",
             )
 
 

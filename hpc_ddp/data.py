@@ -12,16 +12,58 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 from hpc_ddp.config import Config
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.models import load_factory
+from hpc_ddp.parquet import ParquetLoader, ParquetShard
+
+
+@dataclass(frozen=True)
+class ParquetSource:
+    """Parquet data, opened per rank by the loaders (see hpc_ddp.parquet)."""
+
+    spec: str
+    feature_columns: list[str] | None
+    label_column: str
+
+    def shard(self, rank: int, world_size: int, seed: int, training: bool) -> ParquetShard:
+        return ParquetShard(
+            self.spec, self.feature_columns, self.label_column, rank, world_size, seed, training
+        )
 
 
 @dataclass(frozen=True)
 class Datasets:
     """Train and validation sets with the shapes the model needs."""
 
-    train: Dataset[Any]
-    val: Dataset[Any]
+    train: Dataset[Any] | ParquetSource
+    val: Dataset[Any] | ParquetSource
     num_features: int
     num_classes: int
+
+    def sizes(self) -> tuple[int, int]:
+        """(train rows, validation rows)."""
+        return _size(self.train), _size(self.val)
+
+    def first_features(self) -> torch.Tensor:
+        """One validation example's features, for a dry run."""
+        if isinstance(self.val, ParquetSource):
+            shard = self.val.shard(0, 1, 0, training=False)
+            return shard.read(shard.segments()[0])[0][0]
+        return self.val[0][0]  # type: ignore[no-any-return]
+
+
+def _size(dataset: Dataset[Any] | ParquetSource) -> int:
+    if isinstance(dataset, ParquetSource):
+        return dataset.shard(0, 1, 0, training=False).total_rows
+    return len(dataset)  # type: ignore[arg-type]
+
+
+def parquet_datasets(config: Config) -> Datasets:
+    """Parquet files (metadata is read and the columns checked here, data later per rank)."""
+    data = config.data
+    train = ParquetSource(str(data.train_path), data.feature_columns, data.label_column)
+    val = ParquetSource(str(data.val_path), data.feature_columns, data.label_column)
+    probe = train.shard(0, 1, config.run.seed, training=True)
+    val.shard(0, 1, config.run.seed, training=False)  # fails early on bad paths or columns
+    return Datasets(train, val, probe.num_features, data.num_classes)
 
 
 DIGITS_MAX_PIXEL = 16.0
@@ -69,6 +111,8 @@ def build_datasets(config: Config) -> Datasets:
     data = config.data
     if data.kind == "digits":
         return digits_datasets(data.val_fraction, config.run.seed)
+    if data.kind == "parquet":
+        return parquet_datasets(config)
     if data.kind == "synthetic":
         return synthetic_datasets(
             data.num_samples,
@@ -133,17 +177,27 @@ def _worker_kwargs(num_workers: int) -> dict[str, Any]:
 
 
 def train_loader(
-    dataset: Dataset[Any],
+    dataset: Dataset[Any] | ParquetSource,
     rank: int,
     world_size: int,
     micro_batch_size: int,
     seed: int,
     num_workers: int,
     pin_memory: bool,
-) -> tuple[DataLoader[Any], ResumableDistributedSampler]:
+) -> tuple[Any, ResumableDistributedSampler | ParquetLoader]:
     """Shuffled, sharded micro-batches of full size only (drop_last), so every global batch
     holds exactly ``data.batch_size`` samples whatever the world size.
+
+    Returns the loader and what positions it (``set_epoch``, ``set_start``).
     """
+    if isinstance(dataset, ParquetSource):
+        parquet = ParquetLoader(
+            dataset.shard(rank, world_size, seed, training=True),
+            micro_batch_size,
+            num_workers,
+            pin_memory,
+        )
+        return parquet, parquet
     sampler = ResumableDistributedSampler(
         dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
     )
@@ -160,14 +214,18 @@ def train_loader(
 
 
 def eval_loader(
-    dataset: Dataset[Any],
+    dataset: Dataset[Any] | ParquetSource,
     rank: int,
     world_size: int,
     batch_size: int,
     num_workers: int,
     pin_memory: bool,
-) -> DataLoader[Any]:
+) -> Any:
     """Every validation sample once across ranks (see ShardedEvalSampler)."""
+    if isinstance(dataset, ParquetSource):
+        return ParquetLoader(
+            dataset.shard(rank, world_size, 0, training=False), batch_size, num_workers, pin_memory
+        )
     size = len(dataset)  # type: ignore[arg-type]
     return DataLoader(
         dataset,

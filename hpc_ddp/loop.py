@@ -166,8 +166,9 @@ class Trainer:
         self.steps_per_epoch = len(self.loader) // plan.grad_accum_steps
         if self.steps_per_epoch == 0:
             raise HpcDdpError(
-                f"the training set ({len(self.sampler.dataset)} samples) is smaller than one "  # type: ignore[arg-type]
-                f"global batch (data.batch_size={plan.global_batch_size})",
+                f"this rank's share of the training set is smaller than one micro-batch "
+                f"({plan.micro_batch_size} of the global data.batch_size="
+                f"{plan.global_batch_size})",
                 "lower data.batch_size or use more training data",
             )
         self.total_steps = config.train.epochs * self.steps_per_epoch

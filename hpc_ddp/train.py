@@ -84,12 +84,12 @@ def dry_run(config: Config, plan: RunPlan) -> dict[str, Any]:
     datasets = build_datasets(config)
     torch.manual_seed(config.run.seed)
     model = build_model(config, datasets.num_features, datasets.num_classes)
-    features, _ = datasets.val[0]
-    logits = model(features.unsqueeze(0))
+    logits = model(datasets.first_features().unsqueeze(0))
+    train_samples, val_samples = datasets.sizes()
     return {
         "plan": describe_plan(plan),
-        "train_samples": len(datasets.train),  # type: ignore[arg-type]
-        "val_samples": len(datasets.val),  # type: ignore[arg-type]
+        "train_samples": train_samples,
+        "val_samples": val_samples,
         "parameters": sum(p.numel() for p in model.parameters()),
         "logits_shape": list(logits.shape),
     }

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.config import Config, config_docs, flatten, load_config
+from hpc_ddp.datamake import make_dataset
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.train import dry_run, resolve
 from tests.helpers import REPO
@@ -106,7 +107,14 @@ def test_flatten_has_dotted_keys() -> None:
 
 @pytest.mark.parametrize("path", CONFIG_FILES, ids=[p.name for p in CONFIG_FILES])
 def test_every_shipped_config_loads_and_dry_runs(path: Path, tmp_path: Path) -> None:
-    config = load_config(path, [f"run.output_dir={tmp_path}"])
+    overrides = [f"run.output_dir={tmp_path}"]
+    if load_config(path).data.kind == "parquet":
+        make_dataset("synthetic", 5000, 1000, tmp_path / "set")
+        overrides += [
+            f"data.train_path={tmp_path / 'set/train'}",
+            f"data.val_path={tmp_path / 'set/val'}",
+        ]
+    config = load_config(path, overrides)
     report = dry_run(config, resolve(config, {}))
     assert report["train_samples"] >= config.data.batch_size
     assert report["logits_shape"][0] == 1 and report["logits_shape"][1] >= 2
@@ -115,4 +123,4 @@ def test_every_shipped_config_loads_and_dry_runs(path: Path, tmp_path: Path) -> 
 
 def test_configs_directory_is_not_empty() -> None:
     names = {path.name for path in CONFIG_FILES}
-    assert {"digits.yaml", "synthetic.yaml"} <= names
+    assert {"digits.yaml", "synthetic.yaml", "parquet.yaml", "slurm-gpu.yaml"} <= names
