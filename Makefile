@@ -7,6 +7,7 @@
 #   make cluster-down          stop the test cluster
 #   make install TORCH=...     (re)install; TORCH is the pip requirement for torch
 #   make lint / make format
+#   make bench                 the benchmarks; figures go to bench/README.md
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -44,6 +45,9 @@ test: $(STAMP)
 
 test-slurm: $(STAMP)
 	HPC_DDP_REQUIRE_SLURM=1 $(BIN)/python -m pytest -m slurm $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run_all
 
 parquet-data: $(STAMP)
 	$(BIN)/hpc-ddp data make --kind synthetic --rows 200000 --row-group-size 4096 --files 4 \

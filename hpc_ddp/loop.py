@@ -123,6 +123,8 @@ class LoopState:
     stopped: bool = False
     last_checkpoint_step: int = -1
     last_save_time: float = field(default_factory=time.monotonic)
+    #: Wall-clock time (Unix) of this process's first finished optimizer step.
+    first_step_unix: float | None = None
 
 
 class Trainer:
@@ -344,14 +346,18 @@ class Trainer:
                 continue
             self._optimizer_step(micro)
             micro = []
+            if self.state.first_step_unix is None:
+                self.state.first_step_unix = time.time()
             self.state.global_step += 1
             self.state.step_in_epoch += 1
             if self.state.global_step % self.config.train.log_interval == 0:
                 self._log_interval(interval_started, progress)
                 interval_started = time.perf_counter()
-            stop, save_now = agreement.exchange(
-                self.signals is not None and self.signals.requested, self._save_due_by_time()
-            )
+            stop, save_now = False, False
+            if self.state.global_step % self.config.preempt.check_every_steps == 0:
+                stop, save_now = agreement.exchange(
+                    self.signals is not None and self.signals.requested, self._save_due_by_time()
+                )
             if stop:
                 self.state.stopped = True
                 self.save("stop signal", fingerprint)
@@ -437,4 +443,5 @@ class Trainer:
             "train_time_s": round(state.train_time_s, 3),
             "samples_per_s": round(samples_seen / max(1e-9, state.train_time_s), 1),
             "weights_sha256": weights_sha256(self.model.module),
+            "first_step_unix": state.first_step_unix,
         }

@@ -177,7 +177,9 @@ def train(config: Config, plan: RunPlan, started: float, signals: StopSignals) -
     """Run the whole training on this rank; returns the summary (written by rank 0)."""
     env: DistEnv = plan.dist_env
     log = get_logger()
+    timeline = {"entry_unix": time.time() - (time.perf_counter() - started)}
     init_distributed(env, plan.device, config.dist)
+    timeline["dist_ready_unix"] = time.time()
     # Control messages (stop agreement, checkpoint barriers) go over gloo on the CPU, so they
     # never force a GPU synchronisation.
     group = dist.new_group(backend="gloo") if env.world_size > 1 else None
@@ -185,7 +187,9 @@ def train(config: Config, plan: RunPlan, started: float, signals: StopSignals) -
     try:
         resume = find_resume(config, plan, group)
         tracker = _start_tracker(config, plan, resume)
+        timeline["tracker_ready_unix"] = time.time()
         datasets = build_datasets(config)
+        timeline["data_ready_unix"] = time.time()
         torch.manual_seed(config.run.seed)  # identical initial weights on every rank
         model = build_model(config, datasets.num_features, datasets.num_classes)
         torch.manual_seed(config.run.seed + env.rank)  # per-rank stream for dropout etc.
@@ -199,6 +203,7 @@ def train(config: Config, plan: RunPlan, started: float, signals: StopSignals) -
         state = trainer.fit(resume_fingerprint(config))
         summary = trainer.summary(time.perf_counter() - started)
         summary["mlflow_run_id"] = tracker.run_id
+        summary["timeline"] = timeline
         summary["run_id"] = plan.run_dir.name
         if state.stopped:
             summary["requeued"] = _finish_stopped(config, plan, signals, tracker, group)

@@ -1,0 +1,88 @@
+"""Shared by the benchmarks: start N local ranks exactly as `hpc-ddp local` does, read rank 0's
+JSON, take medians, and write results."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.local import free_loopback_port, rank_environments
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "bench" / "results"
+
+
+def base_environ() -> dict[str, str]:
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_", "HPC_DDP_LOCAL_"))
+        and k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    }
+    environment["PYTHONPATH"] = str(REPO)
+    environment["GLOO_SOCKET_IFNAME"] = "lo"
+    return environment
+
+
+def launch(
+    nproc: int, module: str, args: list[str], timeout: float = 600
+) -> tuple[dict[str, Any], float]:
+    """Run ``python -m module args`` on ``nproc`` local ranks.
+
+    Returns rank 0's last JSON object and the Unix time the ranks were spawned.
+    """
+    environments = rank_environments(
+        nproc, base_environ(), free_loopback_port(), f"bench-{time.time_ns()}", os.cpu_count() or 1
+    )
+    spawned = time.time()
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for env in environments
+    ]
+    outputs = [process.communicate(timeout=timeout) for process in processes]
+    for process, (_out, err) in zip(processes, outputs, strict=True):
+        if process.returncode != 0:
+            raise RuntimeError(f"{module} failed:\n{err[-3000:]}")
+    return last_json(outputs[0][0]), spawned
+
+
+def last_json(text: str) -> dict[str, Any]:
+    """The last top-level JSON object printed (hpc_ddp prints its summary indented)."""
+    start = text.rfind("\n{")
+    start = 0 if start < 0 and text.startswith("{") else start + 1
+    if text.lstrip().startswith("{") and "\n{" not in text:
+        start = text.index("{")
+    return json.loads(text[start:])  # type: ignore[no-any-return]
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
+
+
+def write_result(name: str, result: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine(), **result}, indent=2, sort_keys=True) + "\n")
+    return path

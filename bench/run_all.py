@@ -1,0 +1,24 @@
+"""`make bench`: every benchmark, then bench/README.md's tables from bench/results/*.json."""
+
+from __future__ import annotations
+
+import sys
+
+from bench import checkpoint_io, data_memory, overhead, report, startup
+
+
+def main() -> None:
+    only = set(sys.argv[1:])
+    for name, module in (
+        ("checkpoint_io", checkpoint_io),
+        ("data_memory", data_memory),
+        ("startup", startup),
+        ("overhead", overhead),
+    ):
+        if not only or name in only:
+            module.run()
+    report.write_readme()
+
+
+if __name__ == "__main__":
+    main()
