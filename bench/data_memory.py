@@ -2,14 +2,14 @@
 Parquet set, hpc_ddp's row-group sharding vs loading the whole set on every rank.
 
 Each rank runs in its own process (no process group is needed: the shard is a pure function
-of rank and world size). Peak RSS is the process's maximum resident set (ru_maxrss) minus its
-RSS after imports; bytes read are the process's read_bytes+rchar from /proc/self/io.
+of rank and world size). Peak memory is the process's high-water RSS (VmHWM; ru_maxrss is not
+used because it carries the parent's peak across fork+exec) minus its RSS after imports;
+bytes read are the process's rchar from /proc/self/io.
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -28,9 +28,9 @@ def _io() -> dict[str, int]:
     return {"rchar": int(fields["rchar"]), "read_bytes": int(fields["read_bytes"])}
 
 
-def _rss_mb() -> float:
+def _status_mb(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -43,7 +43,7 @@ def measure_rank(mode: str, rank: int, world_size: int) -> dict[str, Any]:
 
     from hpc_ddp.parquet import ParquetLoader, ParquetShard
 
-    baseline_mb, io_before = _rss_mb(), _io()
+    baseline_mb, io_before = _status_mb("VmRSS"), _io()
     rows = 0
     if mode == "sharded":
         loader = ParquetLoader(
@@ -65,7 +65,7 @@ def measure_rank(mode: str, rank: int, world_size: int) -> dict[str, Any]:
             batch = torch.as_tensor(share[start : start + 256])
             rows += len(features[batch]) + 0 * int(labels[batch][0])
     io_after = _io()
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mb = _status_mb("VmHWM")
     return {
         "rank": rank,
         "rows": rows,

@@ -11,8 +11,8 @@ from typing import Any
 from bench.harness import launch, median, write_result
 
 MODELS: dict[str, dict[str, Any]] = {
-    "compute_bound": {"hidden": [1024, 1024], "samples": 32768, "epochs": 2},
-    "tiny": {"hidden": [32], "samples": 131072, "epochs": 2},
+    "compute_bound": {"hidden": [1024, 1024], "samples": 32768, "epochs": 3},
+    "tiny": {"hidden": [32], "samples": 131072, "epochs": 4},
 }
 BATCH = 256
 WORLD = 2
@@ -53,7 +53,7 @@ def raw_args(hidden: list[int], samples: int, epochs: int) -> list[str]:
     ]
 
 
-def run(repeats: int = 5) -> dict[str, Any]:
+def run(repeats: int = 7) -> dict[str, Any]:
     results: dict[str, Any] = {"world_size": WORLD, "global_batch": BATCH, "repeats": repeats}
     for name, model in MODELS.items():
         hpc, raw = [], []

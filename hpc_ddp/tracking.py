@@ -62,10 +62,11 @@ class NullTracker:
 
 
 class BackgroundTracker:
-    """Starts the tracker (importing mlflow, ~2.4 s, and creating the run) in a thread, so
-    rank 0 does not hold every rank back at start-up. Metrics logged before it is ready wait
-    in order; anything that needs the run (its id, artifacts, the end) waits for it, and a
-    failure to start surfaces at the next call.
+    """Starts the tracker (importing mlflow, ~2.4 s, and creating the run) in a thread, and
+    only when first used (the first metrics, at the first log interval), so neither rank 0
+    nor the ranks waiting for it are held back at start-up. Metrics logged before it is ready
+    wait in order; anything that needs the run (its id, artifacts, the end) waits for it, and
+    a failure to start surfaces at the next call.
     """
 
     def __init__(self, start: Callable[[], Tracker]) -> None:
@@ -73,8 +74,13 @@ class BackgroundTracker:
         self._tracker: Tracker | None = None
         self._error: BaseException | None = None
         self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
         self._early: list[tuple[dict[str, float], int]] = []
-        threading.Thread(target=self._run, name="hpc-ddp-tracker", daemon=True).start()
+
+    def _ensure_started(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="hpc-ddp-tracker", daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
         try:
@@ -85,6 +91,7 @@ class BackgroundTracker:
             self._ready.set()
 
     def _get(self) -> Tracker:
+        self._ensure_started()
         self._ready.wait()
         if self._error is not None:
             raise self._error
@@ -99,6 +106,7 @@ class BackgroundTracker:
         return self._get().run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self._ensure_started()
         if self._ready.is_set():
             self._get().log_metrics(metrics, step)
         else:
@@ -114,8 +122,9 @@ class BackgroundTracker:
         self._get().set_tags(tags)
 
     def finish(self, status: str) -> None:
+        self._ensure_started()  # a run that failed before its first metric is recorded too
         self._ready.wait()
-        if self._tracker is not None:  # a tracker that never started has nothing to end
+        if self._tracker is not None:
             self._get().finish(status)
 
     def suspend(self) -> None:
