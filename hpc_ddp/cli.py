@@ -73,7 +73,7 @@ def _render(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from hpc_ddp.submit import submit, wait
+    from hpc_ddp.jobs import submit, wait
 
     job = submit(
         args.config,

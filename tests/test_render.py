@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.jobs import time_to_minutes
 from hpc_ddp.sbatch import RenderRequest, render_sbatch, template_path
-from hpc_ddp.submit import time_to_minutes
 from tests.helpers import REPO, clean_environ
 
 GOLDEN = REPO / "tests" / "golden"

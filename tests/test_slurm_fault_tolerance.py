@@ -15,7 +15,7 @@ import torch
 from mlflow import MlflowClient
 
 from hpc_ddp.checkpoint import list_checkpoints
-from hpc_ddp.submit import submit, wait
+from hpc_ddp.jobs import submit, wait
 from hpc_ddp.tracking import default_tracking_uri
 from tests.helpers import REPO, read_summary, run_local, summary_path
 from tests.slurm_cluster import SlurmCluster, prepare_workdir

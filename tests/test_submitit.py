@@ -9,7 +9,7 @@ import pytest
 
 from hpc_ddp.config import load_config
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.submit import submit, submitit_local_environ, wait
+from hpc_ddp.jobs import submit, submitit_local_environ, wait
 from tests.helpers import REPO
 from tests.slurm_cluster import SlurmCluster
 
@@ -131,3 +131,16 @@ def test_slurm_cancelled_job_is_reported_as_cancelled(
     job.cancel()
     with pytest.raises(HpcDdpError, match=f"job {job.job_id} ended CANCELLED"):
         wait(job)
+
+
+def test_package_level_api_is_cheap_and_delegates(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, hpc_ddp; print('torch' in sys.modules, 'submitit' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"], "importing hpc_ddp loads neither"
+    import hpc_ddp
+
+    with pytest.raises(HpcDdpError, match="needs Slurm"):
+        hpc_ddp.submit(CONFIG, cluster="local", nodes=2, folder=tmp_path)
