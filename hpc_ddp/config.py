@@ -290,17 +290,23 @@ class PreemptConfig:
         3, "Requeue only while SLURM_RESTART_COUNT is below this; then stop after the checkpoint."
     )
     requeue_timeout_s: float = setting(60.0, "Seconds `scontrol requeue` may take.")
-    check_every_steps: int = setting(
-        10,
-        "Optimizer steps between the ranks' agreement on stop signals (and time-based saves). "
-        "A stop lands at most this many steps after the signal; 1 agrees after every step.",
+    check_every_steps: int | None = setting(
+        None,
+        "Optimizer steps between the ranks' agreement on stop signals (and time-based saves); "
+        "a stop lands within two such periods of the signal. null: about once per second of "
+        "training, measured on rank 0 and agreed by all ranks at the first log interval "
+        "(every step until then).",
     )
 
     def __post_init__(self) -> None:
         _require(self.max_requeues >= 0, "preempt.max_requeues", self.max_requeues, ">= 0")
-        _require(
-            self.check_every_steps >= 1, "preempt.check_every_steps", self.check_every_steps, ">= 1"
-        )
+        if self.check_every_steps is not None:
+            _require(
+                self.check_every_steps >= 1,
+                "preempt.check_every_steps",
+                self.check_every_steps,
+                ">= 1 or null",
+            )
         _require(
             self.requeue_timeout_s > 0, "preempt.requeue_timeout_s", self.requeue_timeout_s, "> 0"
         )

@@ -31,6 +31,10 @@ from hpc_ddp.plan import RunPlan
 from hpc_ddp.preempt import StepAgreement, StopSignals
 from hpc_ddp.tracking import Tracker
 
+#: The stop-signal check period the automatic setting aims at, and its upper bound in steps.
+CHECK_PERIOD_S = 1.0
+CHECK_EVERY_MAX = 1000
+
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
     """Multiplier on the peak lr at optimizer step ``step`` (0-based)."""
@@ -204,6 +208,9 @@ class Trainer:
         self.bf16 = config.train.precision == "bf16"
         self.epoch_totals = Totals.zeros(self.device)
         self.interval_totals = Totals.zeros(self.device)
+        self.check_every = config.preempt.check_every_steps or 1
+        self._check_calibrated = config.preempt.check_every_steps is not None
+        self._interval_steps = 0
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -325,7 +332,24 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
+    def _calibrate_checks(self, elapsed_s: float) -> None:
+        """Agree how often to check for stop signals: about once per second of training.
+
+        Rank 0's measured step rate decides and is broadcast, so every rank checks at the
+        same steps (a check is a collective)."""
+        steps_per_s = self._interval_steps / max(1e-9, elapsed_s)
+        every = torch.tensor([max(1, min(CHECK_EVERY_MAX, round(steps_per_s * CHECK_PERIOD_S)))])
+        if dist.is_initialized() and self.plan.dist_env.world_size > 1:
+            dist.broadcast(every, src=0, group=self.control_group)
+        self.check_every = int(every.item())
+        self._check_calibrated = True
+        if self.plan.dist_env.is_main:
+            get_logger().info(f"stop signals are checked every {self.check_every} step(s)")
+
     def _log_interval(self, started: float, progress: Progress) -> None:
+        if not self._check_calibrated:
+            self._calibrate_checks(time.perf_counter() - started)
+        self._interval_steps = 0
         loss, accuracy, count = self.interval_totals.reduced()
         self.epoch_totals.absorb(self.interval_totals)
         self.interval_totals = Totals.zeros(self.device)
@@ -356,6 +380,7 @@ class Trainer:
         every_steps = self.config.checkpoint.every_steps
         self.sampler.set_start(self.state.step_in_epoch * self.plan.micro_batch_size * accum)
         interval_started = time.perf_counter()
+        self._interval_steps = 0
         micro: list[tuple[torch.Tensor, torch.Tensor]] = []
         for batch in self.loader:
             if self.state.global_step >= self.total_steps:
@@ -369,11 +394,12 @@ class Trainer:
                 self.state.first_step_unix = time.time()
             self.state.global_step += 1
             self.state.step_in_epoch += 1
+            self._interval_steps += 1
             if self.state.global_step % self.config.train.log_interval == 0:
                 self._log_interval(interval_started, progress)
                 interval_started = time.perf_counter()
             stop, save_now = False, False
-            if self.state.global_step % self.config.preempt.check_every_steps == 0:
+            if self.state.global_step % self.check_every == 0:
                 stop, save_now = agreement.exchange(
                     self.signals is not None and self.signals.requested, self._save_due_by_time()
                 )

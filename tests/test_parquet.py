@@ -219,6 +219,7 @@ def test_parquet_mid_epoch_resume_is_exact(made_set: Path, tmp_path: Path) -> No
         "train.epochs=3",
         "train.log_interval=4",
         "tracking.enabled=false",
+        "preempt.check_every_steps=1",
     ]
     reference = run_local(2, tmp_path, [*common, "run.id=reference"])
     assert reference.returncode == 0, reference.stderr[-2000:]

@@ -29,6 +29,7 @@ LONG = [
     "train.log_interval=8",
     "optim.schedule=cosine",
     "optim.warmup_steps=10",
+    "preempt.check_every_steps=1",
 ]
 
 

@@ -97,6 +97,8 @@ def test_digits_learns_on_two_ranks_and_reports_progress(tmp_path: Path) -> None
     assert "[rank 0/2]" in result.stderr
     assert "[rank 1/2] INFO epoch" not in result.stderr, "progress comes from rank 0 only"
     assert re.search(r"samples/s", result.stderr)
+    period = re.search(r"stop signals are checked every (\d+) step", result.stderr)
+    assert period and 1 <= int(period.group(1)) <= 1000
 
 
 def test_bf16_and_three_ranks_with_workers(tmp_path: Path) -> None:
