@@ -76,13 +76,6 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda path: path.name, reverse=True)
 
 
-def step_of(path: Path) -> int:
-    match = _NAME.match(path.name)
-    if not match:
-        raise ValueError(f"{path} is not a checkpoint file name")
-    return int(match.group(1))
-
-
 def _fsync_directory(directory: Path) -> None:
     descriptor = os.open(directory, os.O_RDONLY)
     try:

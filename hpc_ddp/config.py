@@ -333,7 +333,6 @@ class Config:
     )
 
 
-SECTIONS: dict[str, type[Any]] = {f.name: f.type for f in dataclasses.fields(Config)}  # type: ignore[misc]
 _SECTION_TYPES = typing.get_type_hints(Config)
 
 

@@ -83,9 +83,3 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values
-
-
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when ``flag`` is true on at least one."""
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    return bool(all_reduce_sum(value).item() > 0)
