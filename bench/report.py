@@ -22,15 +22,69 @@ def _load(name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def _overhead(data: dict[str, Any]) -> str:
+def _model_label(name: str, hidden: list[int]) -> str:
+    return f"{name} MLP 64-{'-'.join(map(str, hidden))}-10"
+
+
+def _overhead_paired(data: dict[str, Any]) -> str:
     lines = [
         "## 1. Per-step overhead vs a hand-written DDP loop",
         "",
         f"hpc_ddp's training loop against `bench/raw_ddp.py` (DistributedSampler, DDP, SGD, "
         f"nothing else): same model, synthetic data, {data['world_size']} gloo ranks, global "
-        f"batch {data['global_batch']}; A/B alternating, {data['repeats']} runs each, medians. "
-        "hpc_ddp runs with its defaults (interval metrics every 50 steps, stop-signal agreement "
-        "about once per second), tracking and checkpoints off. Target: ratio >= 0.99.",
+        f"batch {data['global_batch']}. hpc_ddp runs with its defaults (interval metrics every "
+        "50 steps, stop-signal agreement about once per second), tracking and checkpoints off. "
+        "Target: ratio >= 0.99.",
+        "",
+        "### 1a. Paired, step by step in the same ranks (the measurement of record)",
+        "",
+        "`bench/interleaved.py`: both loops live in the same two ranks and alternate single "
+        "steps; hpc_ddp's side is its real `Trainer.fit` over a loader that runs and times one "
+        "hand-written step before each of its batches. Machine noise slower than a step hits "
+        "both alike. Ratio = hand-written seconds / hpc_ddp seconds over all rounds (one "
+        "round = one epoch of each), with a bootstrap 95% interval over rounds. The control "
+        "row runs the hand-written loop against a copy of itself in hpc_ddp's place: what the "
+        "method reads for no difference at all.",
+        "",
+        "| model | rounds x steps | hand-written samples/s | hpc_ddp samples/s | ratio | 95% interval |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    rows = [
+        (_model_label(name, data[name]["hidden"]), data[name]) for name in ("compute_bound", "tiny")
+    ]
+    if "tiny_train_accuracy" in data:
+        rows.append(("tiny, `train.train_accuracy=true`", data["tiny_train_accuracy"]))
+    if "control_tiny" in data:
+        rows.append(("control: tiny, hand-written vs itself", data["control_tiny"]))
+    for label, row in rows:
+        steps = row["epoch_samples"] // data["global_batch"]
+        low, high = row["ratio_ci95"]
+        lines.append(
+            f"| {label} | {row['rounds']} x {steps} | {row['raw_median']:,.0f} | "
+            f"{row['hpc_ddp_median']:,.0f} | {row['ratio']:.3f} | {low:.3f}-{high:.3f} |"
+        )
+    missed = [name for name in ("compute_bound", "tiny") if data[name]["ratio"] < 0.99]
+    verdict = (
+        f"Below target: {', '.join(missed)}."
+        if missed
+        else "Both models meet the target (ratio >= 0.99)."
+    )
+    lines += [
+        "",
+        f"{verdict} Samples/s columns are per-round medians; while the two loops alternate, "
+        "each runs slower than alone (two models share the caches), so compare them with "
+        "each other, not with 1b.",
+        "",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _overhead(data: dict[str, Any]) -> str:
+    lines = [
+        "### 1b. Separate processes, alternating runs",
+        "",
+        f"`bench/overhead.py`: each side in its own pair of processes; A/B alternating, "
+        f"{data['repeats']} runs each, medians.",
         "",
         "| model | hand-written samples/s | hpc_ddp samples/s | ratio |",
         "|---|---:|---:|---:|",
@@ -38,17 +92,21 @@ def _overhead(data: dict[str, Any]) -> str:
     for name in ("compute_bound", "tiny"):
         row = data[name]
         lines.append(
-            f"| {name} MLP 64-{'-'.join(map(str, row['hidden']))}-10 | {row['raw_median']:,.0f} | "
+            f"| {_model_label(name, row['hidden'])} | {row['raw_median']:,.0f} | "
             f"{row['hpc_ddp_median']:,.0f} | {row['ratio']:.3f} |"
         )
-    missed = [name for name in ("compute_bound", "tiny") if data[name]["ratio"] < 0.99]
-    if missed:
-        lines += [
-            "",
-            f"Below target: {', '.join(missed)}. Single runs on this 2-core machine "
-            "vary by about 10%; on the tiny model a fixed per-step cost of a few hundred "
-            "microseconds remains to be found and removed.",
-        ]
+    spread = max(
+        max(row) / min(row) - 1
+        for name in ("compute_bound", "tiny")
+        for row in (data[name]["raw_samples_per_s"], data[name]["hpc_ddp_samples_per_s"])
+    )
+    lines += [
+        "",
+        f"Runs of the same side differed by up to {spread:.0%} in this set (two ranks on two "
+        "shared cores), so this figure cannot resolve 1%; it is here as the whole-process "
+        "check (start-up excluded) that nothing outside the loop, such as a busy thread, "
+        "slows training.",
+    ]
     return "\n".join(lines) + "\n\n"
 
 
@@ -138,6 +196,7 @@ def write_readme() -> Path:
     sections = []
     machine = "unknown"
     for name, render in (
+        ("overhead_paired", _overhead_paired),
         ("overhead", _overhead),
         ("startup", _startup),
         ("checkpoint_io", _checkpoint),

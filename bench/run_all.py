@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from bench import checkpoint_io, data_memory, overhead, report, startup
+from bench import checkpoint_io, data_memory, interleaved, overhead, report, startup
 
 
 def main() -> None:
@@ -14,6 +14,7 @@ def main() -> None:
         ("data_memory", data_memory),
         ("startup", startup),
         ("overhead", overhead),
+        ("overhead_paired", interleaved),
     ):
         if not only or name in only:
             module.run()

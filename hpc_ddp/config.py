@@ -181,6 +181,12 @@ class TrainConfig:
     log_interval: int = setting(
         20, "Optimizer steps between progress lines and per-interval metrics."
     )
+    train_accuracy: bool = setting(
+        False,
+        "Also count correct predictions (argmax) on the training batches and log "
+        "train_accuracy. Off by default: four more kernels per micro-batch, a few % of the "
+        "step on small models (bench/README.md). Validation accuracy is always exact.",
+    )
     max_steps: int | None = setting(
         None, "Stop after this many optimizer steps (smoke tests); null: run all epochs."
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,24 +28,12 @@ from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.logs import Progress, get_logger
 from hpc_ddp.plan import RunPlan
 from hpc_ddp.preempt import StepAgreement, StopSignals
+from hpc_ddp.schedule import LrSchedule
 from hpc_ddp.tracking import Tracker
 
 #: The stop-signal check period the automatic setting aims at, and its upper bound in steps.
 CHECK_PERIOD_S = 1.0
 CHECK_EVERY_MAX = 1000
-
-
-def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
-    """Multiplier on the peak lr at optimizer step ``step`` (0-based)."""
-    if warmup_steps and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    progress = min(1.0, max(0.0, progress))
-    if schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
@@ -78,15 +65,30 @@ class Totals:
 
     values: torch.Tensor
     count: int = 0
+    # Views of values[0] and values[1], made once: each add is then one in-place kernel
+    # per sum, with no indexing or temporary product in the hot loop.
+    _loss_sum: torch.Tensor = field(init=False, repr=False)
+    _correct: torch.Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._loss_sum = self.values[0]
+        self._correct = self.values[1]
 
     @classmethod
     def zeros(cls, device: torch.device) -> Totals:
         return cls(torch.zeros(3, dtype=torch.float64, device=device))
 
-    def add(self, logits: torch.Tensor, labels: torch.Tensor, mean_loss: torch.Tensor) -> None:
+    def add(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        mean_loss: torch.Tensor,
+        count_correct: bool = True,
+    ) -> None:
         count = labels.numel()
-        self.values[0] += mean_loss.detach() * count
-        self.values[1] += (logits.argmax(dim=1) == labels).sum()
+        self._loss_sum.add_(mean_loss.detach(), alpha=count)
+        if count_correct:
+            self._correct.add_(logits.argmax(dim=1).eq(labels).sum())
         self.count += count
 
     def absorb(self, other: Totals) -> None:
@@ -198,14 +200,15 @@ class Trainer:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self.model = DistributedDataParallel(module, device_ids=device_ids)
         self.optimizer = make_optimizer(config, self.model)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda step: lr_factor(
-                step, config.optim.warmup_steps, self.total_steps, config.optim.schedule
-            ),
+        self.scheduler = LrSchedule(
+            self.optimizer, config.optim.warmup_steps, self.total_steps, config.optim.schedule
         )
         self.state = LoopState()
         self.bf16 = config.train.precision == "bf16"
+        self.count_correct = config.train.train_accuracy
+        # On CPU the loader's tensors are already where the model is: skip the no-op copies,
+        # each of which is still a dispatch in the hot loop.
+        self._move_batches = self.device.type != "cpu"
         self.epoch_totals = Totals.zeros(self.device)
         self.interval_totals = Totals.zeros(self.device)
         self.check_every = config.preempt.check_every_steps or 1
@@ -312,15 +315,18 @@ class Trainer:
         """One optimizer step over ``grad_accum_steps`` micro-batches; all-reduce on the last."""
         last = len(micro_batches) - 1
         for index, (features, labels) in enumerate(micro_batches):
-            features = features.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
+            if self._move_batches:
+                features = features.to(self.device, non_blocking=True)
+                labels = labels.to(self.device, non_blocking=True)
             sync = contextlib.nullcontext() if index == last else self.model.no_sync()
             with sync:
                 with self._autocast():
-                    logits = self.model(features).float()
+                    logits = self.model(features)
+                    if self.bf16:
+                        logits = logits.float()
                     loss = nn.functional.cross_entropy(logits, labels)
                 (loss / len(micro_batches) if last else loss).backward()
-            self.interval_totals.add(logits, labels, loss)
+            self.interval_totals.add(logits, labels, loss, self.count_correct)
         if self.config.optim.grad_clip_norm is not None:
             nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip_norm)
         self.optimizer.step()
@@ -356,15 +362,14 @@ class Trainer:
         samples_per_s = count / max(1e-9, time.perf_counter() - started)
         step = self.state.global_step
         progress.update(step, self.state.epoch, loss, samples_per_s)
-        self.tracker.log_metrics(
-            {
-                "interval/train_loss": loss,
-                "interval/train_accuracy": accuracy,
-                "interval/samples_per_s": samples_per_s,
-                "lr": float(self.scheduler.get_last_lr()[0]),
-            },
-            step,
-        )
+        metrics = {
+            "interval/train_loss": loss,
+            "interval/samples_per_s": samples_per_s,
+            "lr": self.scheduler.lr,
+        }
+        if self.count_correct:
+            metrics["interval/train_accuracy"] = accuracy
+        self.tracker.log_metrics(metrics, step)
 
     def _save_due_by_time(self) -> bool:
         minutes = self.config.checkpoint.every_minutes
@@ -415,28 +420,26 @@ class Trainer:
     def _end_epoch(self) -> None:
         self.epoch_totals.absorb(self.interval_totals)
         self.interval_totals = Totals.zeros(self.device)
-        self.state.last_train = self.epoch_totals.reduced()
+        train_loss, train_acc, train_count = self.epoch_totals.reduced()
+        if not self.count_correct:
+            train_acc = float("nan")
+        self.state.last_train = (train_loss, train_acc, train_count)
         self.epoch_totals = Totals.zeros(self.device)
         self.state.last_val = evaluate(self.model.module, self.val_loader, self.device, self.bf16)
         self.state.epoch += 1
         self.state.step_in_epoch = 0
-        train_loss, train_acc, _ = self.state.last_train
         val_loss, val_acc, val_count = self.state.last_val
+        train_acc_text = f" train_acc {train_acc:.4f}" if self.count_correct else ""
         if self.plan.dist_env.is_main:
             get_logger().info(
                 f"epoch {self.state.epoch} step {self.state.global_step} train_loss "
-                f"{train_loss:.4f} train_acc {train_acc:.4f} val_loss {val_loss:.4f} "
+                f"{train_loss:.4f}{train_acc_text} val_loss {val_loss:.4f} "
                 f"val_acc {val_acc:.4f} (val samples {val_count})"
             )
-        self.tracker.log_metrics(
-            {
-                "train_loss": train_loss,
-                "train_accuracy": train_acc,
-                "val_loss": val_loss,
-                "val_accuracy": val_acc,
-            },
-            self.state.epoch,
-        )
+        metrics = {"train_loss": train_loss, "val_loss": val_loss, "val_accuracy": val_acc}
+        if self.count_correct:
+            metrics["train_accuracy"] = train_acc
+        self.tracker.log_metrics(metrics, self.state.epoch)
 
     def fit(self, fingerprint: dict[str, str]) -> LoopState:
         """Train all epochs (or until train.max_steps, or a stop signal), validating after each."""
@@ -483,7 +486,7 @@ class Trainer:
             "global_step": state.global_step,
             "samples_seen": samples_seen,
             "train_loss": state.last_train[0],
-            "train_accuracy": state.last_train[1],
+            "train_accuracy": state.last_train[1] if self.count_correct else None,
             "val_loss": state.last_val[0],
             "val_accuracy": state.last_val[1],
             "val_samples": state.last_val[2],

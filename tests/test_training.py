@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hpc_ddp.data import ShardedEvalSampler
-from hpc_ddp.loop import lr_factor
+from hpc_ddp.schedule import LrSchedule, lr_factor
 from tests.helpers import clean_environ, read_summary, run_local, run_train, summary_path
 
 EXACT = [
@@ -38,6 +38,7 @@ def equivalence_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
         "w2": (2, []),
         "w3": (3, []),
         "w1_accum2": (1, ["train.grad_accum_steps=2"]),
+        "w2_train_accuracy": (2, ["train.train_accuracy=true"]),
     }
     outputs = {}
     for name, (nproc, extra) in runs.items():
@@ -78,6 +79,20 @@ def test_w1_and_w2_give_the_same_final_weights(equivalence_runs) -> None:
             )
     initial = torch.nn.Linear(64, 256)
     assert not torch.allclose(reference["layers.0.weight"][:, :64], initial.weight), "weights moved"
+
+
+def test_train_accuracy_is_counted_only_when_asked_and_changes_no_weight(
+    equivalence_runs,
+) -> None:
+    counted = read_summary(equivalence_runs["w2_train_accuracy"])
+    assert 0.0 < counted["train_accuracy"] <= 1.0
+    assert read_summary(equivalence_runs["w2"])["train_accuracy"] is None
+    plain, with_accuracy = (
+        weights(equivalence_runs["w2"]),
+        weights(equivalence_runs["w2_train_accuracy"]),
+    )
+    for key in plain:
+        assert torch.equal(plain[key], with_accuracy[key]), key
 
 
 def test_digits_learns_on_two_ranks_and_reports_progress(tmp_path: Path) -> None:
@@ -258,6 +273,37 @@ def test_lr_schedule_shapes() -> None:
     assert [lr_factor(s, 4, 100, "constant") for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert lr_factor(100, 0, 100, "linear") == 0.0
     assert lr_factor(50, 0, 100, "cosine") == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(("schedule", "warmup"), [("cosine", 3), ("linear", 0), ("constant", 2)])
+def test_lr_schedule_follows_lambda_lr_and_resumes_in_place(schedule: str, warmup: int) -> None:
+    """The same lr as torch's LambdaLR at every step, on every group; a state round trip
+    (either way between the two) lands on the same step's lr."""
+
+    def optimizer() -> torch.optim.Optimizer:
+        groups = [{"params": [torch.zeros(1)], "lr": 0.1}, {"params": [torch.zeros(1)], "lr": 0.4}]
+        return torch.optim.SGD(groups)
+
+    ours_optimizer, reference_optimizer = optimizer(), optimizer()
+    ours = LrSchedule(ours_optimizer, warmup, 10, schedule)
+    reference = torch.optim.lr_scheduler.LambdaLR(
+        reference_optimizer, lambda step: lr_factor(step, warmup, 10, schedule)
+    )
+    for _ in range(12):
+        expected = [group["lr"] for group in reference_optimizer.param_groups]
+        assert [group["lr"] for group in ours_optimizer.param_groups] == pytest.approx(expected)
+        assert ours.lr == pytest.approx(expected[0])
+        ours_optimizer.step()
+        ours.step()
+        reference_optimizer.step()
+        reference.step()
+    resumed_optimizer = optimizer()
+    resumed = LrSchedule(resumed_optimizer, warmup, 10, schedule)
+    resumed.load_state_dict(reference.state_dict())
+    assert resumed.state_dict() == ours.state_dict() == {"last_epoch": 12}
+    assert [g["lr"] for g in resumed_optimizer.param_groups] == pytest.approx(
+        [g["lr"] for g in ours_optimizer.param_groups]
+    )
 
 
 def test_local_launcher_rejects_zero_ranks() -> None:
