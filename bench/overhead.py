@@ -36,7 +36,6 @@ def hpc_ddp_args(hidden: list[int], samples: int, epochs: int) -> list[str]:
         "tracking.enabled=false",
         "checkpoint.enabled=false",
         "run.output_dir=/tmp/hpc-ddp-bench",
-        "train.log_interval=50",
     ]
 
 

@@ -32,8 +32,9 @@ def _overhead_paired(data: dict[str, Any]) -> str:
         "",
         f"hpc_ddp's training loop against `bench/raw_ddp.py` (DistributedSampler, DDP, SGD, "
         f"nothing else): same model, synthetic data, {data['world_size']} gloo ranks, global "
-        f"batch {data['global_batch']}. hpc_ddp runs with its defaults (interval metrics every "
-        "50 steps, stop-signal agreement about once per second), tracking and checkpoints off. "
+        f"batch {data['global_batch']}. hpc_ddp runs with its defaults (interval metrics and a "
+        "progress line about every 5 s, stop-signal agreement about once per second, both "
+        "timed over the first 20 steps), tracking and checkpoints off. "
         "Target: ratio >= 0.99.",
         "",
         "### 1a. Paired, step by step in the same ranks (the measurement of record)",

@@ -178,8 +178,11 @@ class TrainConfig:
     precision: Literal["fp32", "bf16"] = setting(
         "fp32", "bf16 runs forward and loss under bfloat16 autocast; weights stay fp32."
     )
-    log_interval: int = setting(
-        20, "Optimizer steps between progress lines and per-interval metrics."
+    log_interval: int | None = setting(
+        None,
+        "Optimizer steps between progress lines and per-interval metrics. null: about every "
+        "5 s of training (rank 0 times the first 20 steps and all ranks adopt its count), so "
+        "small fast models do not pay a log line and a reduction every few milliseconds.",
     )
     train_accuracy: bool = setting(
         False,
@@ -194,7 +197,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.epochs > 0, "train.epochs", self.epochs, "a positive integer")
         _require(self.grad_accum_steps > 0, "train.grad_accum_steps", self.grad_accum_steps, "> 0")
-        _require(self.log_interval > 0, "train.log_interval", self.log_interval, "> 0")
+        if self.log_interval is not None:
+            _require(self.log_interval > 0, "train.log_interval", self.log_interval, "> 0 or null")
         if self.max_steps is not None:
             _require(self.max_steps > 0, "train.max_steps", self.max_steps, "> 0 or null")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -163,8 +164,9 @@ class ResumableDistributedSampler(DistributedSampler[Any]):
         self.skip = skip
 
     def __iter__(self) -> Iterator[Any]:
-        indices = list(super().__iter__())
-        return iter(indices[self.skip :])
+        if not self.skip:
+            return super().__iter__()
+        return itertools.islice(super().__iter__(), self.skip, None)
 
     def __len__(self) -> int:
         return max(0, super().__len__() - self.skip)

@@ -1,13 +1,12 @@
 """The training loop: sharded DDP steps, exact cross-rank metrics, checkpoints, clean stops.
 
 Metrics are kept as device tensors and reduced only at log intervals, epoch ends and saves,
-so the hot loop has no host synchronisation; the per-step stop agreement runs on a CPU group
+so the hot loop has no host synchronisation; the periodic stop agreement runs on a CPU group
 in the background (see :class:`~hpc_ddp.preempt.StepAgreement`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import time
@@ -23,9 +22,9 @@ from torch.utils.data import DataLoader
 from hpc_ddp.checkpoint import FORMAT_VERSION, checkpoint_dir, save_checkpoint
 from hpc_ddp.config import Config
 from hpc_ddp.data import Datasets, eval_loader, train_loader
-from hpc_ddp.dist import all_reduce_sum
 from hpc_ddp.errors import HpcDdpError
 from hpc_ddp.logs import Progress, get_logger
+from hpc_ddp.metrics import PendingSums, Totals
 from hpc_ddp.plan import RunPlan
 from hpc_ddp.preempt import StepAgreement, StopSignals
 from hpc_ddp.schedule import LrSchedule
@@ -34,6 +33,10 @@ from hpc_ddp.tracking import Tracker
 #: The stop-signal check period the automatic setting aims at, and its upper bound in steps.
 CHECK_PERIOD_S = 1.0
 CHECK_EVERY_MAX = 1000
+#: With train.log_interval=null: the first log step, then the period aimed at and its bound.
+FIRST_LOG_INTERVAL = 20
+LOG_PERIOD_S = 5.0
+LOG_INTERVAL_MAX = 10000
 
 
 def make_optimizer(config: Config, model: nn.Module) -> torch.optim.Optimizer:
@@ -55,63 +58,6 @@ def weights_sha256(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-@dataclass
-class Totals:
-    """Summed loss, correct predictions and sample count, as one device tensor for one reduce.
-
-    The count is a host integer until a reduction needs it: the hot loop adds two device
-    scalars per micro-batch and never synchronises.
-    """
-
-    values: torch.Tensor
-    count: int = 0
-    # Views of values[0] and values[1], made once: each add is then one in-place kernel
-    # per sum, with no indexing or temporary product in the hot loop.
-    _loss_sum: torch.Tensor = field(init=False, repr=False)
-    _correct: torch.Tensor = field(init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        self._loss_sum = self.values[0]
-        self._correct = self.values[1]
-
-    @classmethod
-    def zeros(cls, device: torch.device) -> Totals:
-        return cls(torch.zeros(3, dtype=torch.float64, device=device))
-
-    def add(
-        self,
-        logits: torch.Tensor,
-        labels: torch.Tensor,
-        mean_loss: torch.Tensor,
-        count_correct: bool = True,
-    ) -> None:
-        count = labels.numel()
-        self._loss_sum.add_(mean_loss.detach(), alpha=count)
-        if count_correct:
-            self._correct.add_(logits.argmax(dim=1).eq(labels).sum())
-        self.count += count
-
-    def absorb(self, other: Totals) -> None:
-        self.values += other.values
-        self.count += other.count
-
-    def _with_count(self) -> torch.Tensor:
-        values = self.values.clone()
-        values[2] += self.count
-        return values
-
-    def global_sums(self) -> torch.Tensor:
-        """The sums over all ranks (a collective every rank must call)."""
-        return all_reduce_sum(self._with_count())
-
-    def reduced(self) -> tuple[float, float, int]:
-        """(mean loss, accuracy, samples) over all ranks; a collective every rank must call."""
-        loss_sum, correct, count = self.global_sums().tolist()
-        if count == 0:
-            return float("nan"), float("nan"), 0
-        return loss_sum / count, correct / count, int(count)
-
-
 def evaluate(
     model: nn.Module, loader: DataLoader[Any], device: torch.device, bf16: bool
 ) -> tuple[float, float, int]:
@@ -126,6 +72,17 @@ def evaluate(
             totals.add(logits, labels, nn.functional.cross_entropy(logits, labels))
     model.train()
     return totals.reduced()
+
+
+@dataclass(frozen=True)
+class IntervalReport:
+    """One log interval's metrics, summed across ranks in the background."""
+
+    sums: PendingSums
+    step: int
+    epoch: int
+    lr: float
+    seconds: float
 
 
 @dataclass
@@ -206,13 +163,19 @@ class Trainer:
         self.state = LoopState()
         self.bf16 = config.train.precision == "bf16"
         self.count_correct = config.train.train_accuracy
+        self.grad_clip_norm = config.optim.grad_clip_norm
         # On CPU the loader's tensors are already where the model is: skip the no-op copies,
         # each of which is still a dispatch in the hot loop.
         self._move_batches = self.device.type != "cpu"
         self.epoch_totals = Totals.zeros(self.device)
         self.interval_totals = Totals.zeros(self.device)
         self.check_every = config.preempt.check_every_steps or 1
-        self._check_calibrated = config.preempt.check_every_steps is not None
+        self.progress = Progress(self.total_steps, enabled=False)
+        self._pending_report: IntervalReport | None = None
+        self.log_interval = config.train.log_interval or FIRST_LOG_INTERVAL
+        self._calibrated = (
+            config.preempt.check_every_steps is not None and config.train.log_interval is not None
+        )
         self._interval_steps = 0
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -259,6 +222,7 @@ class Trainer:
 
     def save(self, reason: str, fingerprint: dict[str, str]) -> None:
         """Rank 0 writes; all ranks wait until the file is in place."""
+        self._publish_interval()
         if (
             not self.config.checkpoint.enabled
             or self.state.last_checkpoint_step == self.state.global_step
@@ -313,63 +277,96 @@ class Trainer:
 
     def _optimizer_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One optimizer step over ``grad_accum_steps`` micro-batches; all-reduce on the last."""
-        last = len(micro_batches) - 1
-        for index, (features, labels) in enumerate(micro_batches):
-            if self._move_batches:
-                features = features.to(self.device, non_blocking=True)
-                labels = labels.to(self.device, non_blocking=True)
-            sync = contextlib.nullcontext() if index == last else self.model.no_sync()
-            with sync:
-                with self._autocast():
-                    logits = self.model(features)
-                    if self.bf16:
-                        logits = logits.float()
-                    loss = nn.functional.cross_entropy(logits, labels)
-                (loss / len(micro_batches) if last else loss).backward()
-            self.interval_totals.add(logits, labels, loss, self.count_correct)
-        if self.config.optim.grad_clip_norm is not None:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.optim.grad_clip_norm)
+        divisor = len(micro_batches)
+        for features, labels in micro_batches[:-1]:
+            with self.model.no_sync():
+                self._forward_backward(features, labels, divisor)
+        self._forward_backward(*micro_batches[-1], divisor)
+        if self.grad_clip_norm is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+    def _forward_backward(self, features: torch.Tensor, labels: torch.Tensor, divisor: int) -> None:
+        if self._move_batches:
+            features = features.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+        if self.bf16:
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                logits = self.model(features).float()
+                loss = nn.functional.cross_entropy(logits, labels)
+        else:
+            logits = self.model(features)
+            loss = nn.functional.cross_entropy(logits, labels)
+        (loss / divisor if divisor > 1 else loss).backward()
+        self.interval_totals.add(logits, labels, loss, self.count_correct)
 
-    def _calibrate_checks(self, elapsed_s: float) -> None:
-        """Agree how often to check for stop signals: about once per second of training.
+    def _calibrate_periods(self, elapsed_s: float) -> None:
+        """Agree the periods left automatic: stop-signal checks about once per second and
+        log steps about every LOG_PERIOD_S seconds of training.
 
-        Rank 0's measured step rate decides and is broadcast, so every rank checks at the
-        same steps (a check is a collective)."""
+        Rank 0's measured step rate decides and is broadcast, so every rank checks and logs at
+        the same steps (both are collectives)."""
         steps_per_s = self._interval_steps / max(1e-9, elapsed_s)
-        every = torch.tensor([max(1, min(CHECK_EVERY_MAX, round(steps_per_s * CHECK_PERIOD_S)))])
-        if dist.is_initialized() and self.plan.dist_env.world_size > 1:
-            dist.broadcast(every, src=0, group=self.control_group)
-        self.check_every = int(every.item())
-        self._check_calibrated = True
-        if self.plan.dist_env.is_main:
-            get_logger().info(f"stop signals are checked every {self.check_every} step(s)")
 
-    def _log_interval(self, started: float, progress: Progress) -> None:
-        if not self._check_calibrated:
-            self._calibrate_checks(time.perf_counter() - started)
+        def steps_for(seconds: float, most: int) -> int:
+            return max(1, min(most, round(steps_per_s * seconds)))
+
+        periods = torch.tensor(
+            [
+                self.config.preempt.check_every_steps or steps_for(CHECK_PERIOD_S, CHECK_EVERY_MAX),
+                self.config.train.log_interval or steps_for(LOG_PERIOD_S, LOG_INTERVAL_MAX),
+            ]
+        )
+        if dist.is_initialized() and self.plan.dist_env.world_size > 1:
+            dist.broadcast(periods, src=0, group=self.control_group)
+        self.check_every, self.log_interval = (int(value) for value in periods.tolist())
+        self._calibrated = True
+        if self.plan.dist_env.is_main:
+            get_logger().info(
+                f"stop signals are checked every {self.check_every} step(s); progress and "
+                f"interval metrics every {self.log_interval} step(s)"
+            )
+
+    def _log_interval(self, started: float) -> None:
+        """Start summing this interval's metrics across ranks; publish the previous one's.
+
+        The all-reduce runs in the background until the next log step, so no rank waits for
+        the others here and a GPU is never synchronised; each interval's line and metrics
+        appear one interval late, under their own step."""
+        if not self._calibrated:
+            self._calibrate_periods(time.perf_counter() - started)
         self._interval_steps = 0
-        loss, accuracy, count = self.interval_totals.reduced()
+        report = IntervalReport(
+            PendingSums(self.interval_totals.local_sums()),
+            self.state.global_step,
+            self.state.epoch,
+            self.scheduler.lr,
+            time.perf_counter() - started,
+        )
         self.epoch_totals.absorb(self.interval_totals)
         self.interval_totals = Totals.zeros(self.device)
-        samples_per_s = count / max(1e-9, time.perf_counter() - started)
-        step = self.state.global_step
-        progress.update(step, self.state.epoch, loss, samples_per_s)
+        self._publish_interval()
+        self._pending_report = report
+
+    def _publish_interval(self) -> None:
+        """Log the interval whose sums are on their way (if any): progress line and metrics."""
+        report, self._pending_report = self._pending_report, None
+        if report is None:
+            return
+        loss_sum, correct, count = report.sums.result()
+        loss = loss_sum / count if count else float("nan")
+        samples_per_s = count / max(1e-9, report.seconds)
+        self.progress.update(report.step, report.epoch, loss, samples_per_s)
         metrics = {
             "interval/train_loss": loss,
             "interval/samples_per_s": samples_per_s,
-            "lr": self.scheduler.lr,
+            "lr": report.lr,
         }
         if self.count_correct:
-            metrics["interval/train_accuracy"] = accuracy
-        self.tracker.log_metrics(metrics, step)
+            metrics["interval/train_accuracy"] = correct / count if count else float("nan")
+        self.tracker.log_metrics(metrics, report.step)
 
     def _save_due_by_time(self) -> bool:
         minutes = self.config.checkpoint.every_minutes
@@ -377,9 +374,7 @@ class Trainer:
             return False
         return time.monotonic() - self.state.last_save_time >= minutes * 60
 
-    def _run_epoch(
-        self, progress: Progress, agreement: StepAgreement, fingerprint: dict[str, str]
-    ) -> None:
+    def _run_epoch(self, agreement: StepAgreement, fingerprint: dict[str, str]) -> None:
         """Steps until the epoch ends, the run reaches total_steps, or the ranks agree to stop."""
         accum = self.plan.grad_accum_steps
         every_steps = self.config.checkpoint.every_steps
@@ -400,8 +395,8 @@ class Trainer:
             self.state.global_step += 1
             self.state.step_in_epoch += 1
             self._interval_steps += 1
-            if self.state.global_step % self.config.train.log_interval == 0:
-                self._log_interval(interval_started, progress)
+            if self.state.global_step % self.log_interval == 0:
+                self._log_interval(interval_started)
                 interval_started = time.perf_counter()
             stop, save_now = False, False
             if self.state.global_step % self.check_every == 0:
@@ -418,6 +413,7 @@ class Trainer:
                 return
 
     def _end_epoch(self) -> None:
+        self._publish_interval()
         self.epoch_totals.absorb(self.interval_totals)
         self.interval_totals = Totals.zeros(self.device)
         train_loss, train_acc, train_count = self.epoch_totals.reduced()
@@ -443,7 +439,7 @@ class Trainer:
 
     def fit(self, fingerprint: dict[str, str]) -> LoopState:
         """Train all epochs (or until train.max_steps, or a stop signal), validating after each."""
-        progress = Progress(self.total_steps, enabled=self.plan.dist_env.is_main)
+        self.progress = Progress(self.total_steps, enabled=self.plan.dist_env.is_main)
         agreement = StepAgreement(self.control_group if self.plan.dist_env.world_size > 1 else None)
         self.model.train()
         # Everything alive now (modules, model, data) lives for the whole run: keep the cyclic
@@ -453,7 +449,7 @@ class Trainer:
             while self.state.global_step < self.total_steps or self.state.step_in_epoch:
                 self.sampler.set_epoch(self.state.epoch)
                 started = time.perf_counter()
-                self._run_epoch(progress, agreement, fingerprint)
+                self._run_epoch(agreement, fingerprint)
                 self.state.train_time_s += time.perf_counter() - started
                 if self.state.stopped:
                     break
@@ -462,7 +458,7 @@ class Trainer:
                     self._end_epoch()
         finally:
             agreement.close()
-            progress.close()
+            self.progress.close()
         if not self.state.stopped:
             self.save("end of training", fingerprint)
         return self.state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from mlflow import MlflowClient
@@ -48,3 +49,23 @@ def test_two_rank_run_is_tracked_once_with_params_metrics_tags_artifacts(tmp_pat
     assert {"summary.json", "config.yaml"} <= artifacts
     local = client.download_artifacts(run.info.run_id, "summary.json", str(tmp_path / "dl"))
     assert json.loads(Path(local).read_text())["weights_sha256"] == summary["weights_sha256"]
+
+
+def test_automatic_log_interval_is_measured_agreed_and_followed(tmp_path: Path) -> None:
+    """train.log_interval=null: the first interval ends at step 20, where rank 0's step rate
+    sets the period; every later interval ends at a multiple of the period it announced."""
+    result = run_local(
+        2,
+        tmp_path,
+        ["train.max_steps=90", "data.num_samples=16384", "tracking.experiment=auto"],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    announced = re.search(r"progress and interval metrics every (\d+) step", result.stderr)
+    assert announced, result.stderr[-2000:]
+    period = int(announced.group(1))
+    assert 1 <= period <= 10000
+    summary = read_summary(tmp_path)
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    history = client.get_metric_history(summary["mlflow_run_id"], "interval/train_loss")
+    expected = [20] + [step for step in range(21, 91) if step % period == 0]
+    assert sorted(m.step for m in history) == expected

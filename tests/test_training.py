@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hpc_ddp.data import ShardedEvalSampler
+from hpc_ddp.metrics import PENDING_LOSSES_MAX, Totals
 from hpc_ddp.schedule import LrSchedule, lr_factor
 from tests.helpers import clean_environ, read_summary, run_local, run_train, summary_path
 
@@ -304,6 +305,26 @@ def test_lr_schedule_follows_lambda_lr_and_resumes_in_place(schedule: str, warmu
     assert [g["lr"] for g in resumed_optimizer.param_groups] == pytest.approx(
         [g["lr"] for g in ours_optimizer.param_groups]
     )
+
+
+def test_totals_weight_each_batch_loss_by_its_size_and_bound_what_they_keep() -> None:
+    """Per-batch losses are kept and summed later; the sums must equal summing at once."""
+    totals, other = Totals.zeros(torch.device("cpu")), Totals.zeros(torch.device("cpu"))
+    logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [0.0, 2.0]])
+    labels = torch.tensor([0, 1, 1, 1])
+    totals.add(logits, labels, torch.tensor(0.5))
+    totals.add(logits[:2], labels[:2], torch.tensor(2.0), count_correct=False)
+    other.add(logits[:1], labels[:1], torch.tensor(1.0))
+    totals.absorb(other)
+    loss, accuracy, count = totals.reduced()
+    assert count == 7
+    assert loss == pytest.approx((0.5 * 4 + 2.0 * 2 + 1.0 * 1) / 7)
+    assert accuracy == pytest.approx((3 + 1) / 7), "the batch added without counting adds none"
+    many = Totals.zeros(torch.device("cpu"))
+    for _ in range(PENDING_LOSSES_MAX + 5):
+        many.add(logits, labels, torch.tensor(0.25), count_correct=False)
+    assert len(many._pending_losses) == 5
+    assert many.reduced()[0] == pytest.approx(0.25)
 
 
 def test_local_launcher_rejects_zero_ranks() -> None:
