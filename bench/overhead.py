@@ -52,7 +52,7 @@ def raw_args(hidden: list[int], samples: int, epochs: int) -> list[str]:
     ]
 
 
-def run(repeats: int = 7) -> dict[str, Any]:
+def run(repeats: int = 5) -> dict[str, Any]:
     results: dict[str, Any] = {"world_size": WORLD, "global_batch": BATCH, "repeats": repeats}
     for name, model in MODELS.items():
         hpc, raw = [], []

@@ -187,8 +187,8 @@ class TrainConfig:
     train_accuracy: bool = setting(
         False,
         "Also count correct predictions (argmax) on the training batches and log "
-        "train_accuracy. Off by default: four more kernels per micro-batch, a few % of the "
-        "step on small models (bench/README.md). Validation accuracy is always exact.",
+        "train_accuracy. Off by default: it adds four kernels to every micro-batch (its "
+        "measured cost is in bench/README.md). Validation accuracy is always computed, exactly.",
     )
     max_steps: int | None = setting(
         None, "Stop after this many optimizer steps (smoke tests); null: run all epochs."
