@@ -64,12 +64,22 @@ def _overhead_paired(data: dict[str, Any]) -> str:
             f"| {label} | {row['rounds']} x {steps} | {row['raw_median']:,.0f} | "
             f"{row['hpc_ddp_median']:,.0f} | {row['ratio']:.3f} | {low:.3f}-{high:.3f} |"
         )
+    points = ", ".join(f"{name} {data[name]['ratio']:.3f}" for name in ("compute_bound", "tiny"))
+    lows = ", ".join(
+        f"{name} {data[name]['ratio_ci95'][0]:.3f}" for name in ("compute_bound", "tiny")
+    )
     missed = [name for name in ("compute_bound", "tiny") if data[name]["ratio"] < 0.99]
     verdict = (
-        f"Below target: {', '.join(missed)}."
+        f"Below target: {', '.join(missed)} ({points})."
         if missed
-        else "Both models meet the target (ratio >= 0.99)."
+        else f"The point figures meet the target ({points}); the lower ends of their 95% "
+        f"intervals are {lows}, so a shortfall of up to that much is not ruled out."
     )
+    if "tiny_train_accuracy" in data:
+        cost = data["tiny"]["ratio"] - data["tiny_train_accuracy"]["ratio"]
+        verdict += (
+            f" Counting training accuracy (opt-in) costs about {cost:.1%} of the tiny model's step."
+        )
     lines += [
         "",
         f"{verdict} Samples/s columns are per-round medians; while the two loops alternate, "
@@ -108,6 +118,19 @@ def _overhead(data: dict[str, Any]) -> str:
         "check (start-up excluded) that nothing outside the loop, such as a busy thread, "
         "slows training.",
     ]
+    below = [
+        f"{name} {data[name]['ratio']:.3f}"
+        for name in ("compute_bound", "tiny")
+        if data[name]["ratio"] < 0.99
+    ]
+    if below:
+        lines += [
+            "",
+            f"Below 0.99 here: {', '.join(below)}. "
+            "An earlier set of these runs gave compute_bound 0.956 as well, while the paired "
+            "figure for the same model shows no such gap: it is not noise alone, and what "
+            "only separate processes see (something outside the per-step loop) is not found yet.",
+        ]
     return "\n".join(lines) + "\n\n"
 
 
