@@ -19,6 +19,7 @@ from typing import Any, Literal
 from hpc_ddp.config import Config, load_config
 from hpc_ddp.env import LOCAL_RUN_ID_VAR
 from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.local import threads_per_rank
 from hpc_ddp.slurm import derive_master_port
 
 #: The signal submitit's jobs receive on preemption and before the time limit.
@@ -47,8 +48,9 @@ def time_to_minutes(text: str) -> int:
     return max(1, -(-seconds // 60))
 
 
-def submitit_local_environ(environ: Mapping[str, str]) -> dict[str, str]:
-    """Describe a task of submitit's local executor as an `hpc-ddp local` rank.
+def submitit_local_environ(environ: Mapping[str, str], cpu_count: int) -> dict[str, str]:
+    """Describe a task of submitit's local executor as an `hpc-ddp local` rank, sharing the
+    machine's ``cpu_count`` CPUs with the other tasks (OMP_NUM_THREADS, unless set).
 
     Outside the local executor (e.g. under Slurm) ``environ`` comes back unchanged.
     """
@@ -66,6 +68,8 @@ def submitit_local_environ(environ: Mapping[str, str]) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": tasks,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": environ.get("MASTER_PORT") or str(derive_master_port(int(digits))),
+        "OMP_NUM_THREADS": environ.get("OMP_NUM_THREADS")
+        or str(threads_per_rank(cpu_count, int(tasks))),
     }
 
 
@@ -93,7 +97,14 @@ class TrainTask:
     def __call__(self) -> dict[str, Any]:
         from hpc_ddp.train import run
 
-        environ = submitit_local_environ(os.environ)
+        environ = submitit_local_environ(os.environ, os.cpu_count() or 1)
+        threads = environ.get("OMP_NUM_THREADS")
+        if threads and threads != os.environ.get("OMP_NUM_THREADS"):
+            import torch
+
+            # torch sized its thread pool for the whole machine when it started; N local
+            # tasks share these cores, as `hpc-ddp local` ranks do.
+            torch.set_num_threads(int(threads))
         rank = environ.get("SLURM_PROCID") or environ.get("RANK") or "0"
         try:
             summary = run(self.config, environ, export_to=os.environ)

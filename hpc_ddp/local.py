@@ -30,11 +30,16 @@ def free_loopback_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def threads_per_rank(cpu_count: int, nproc: int) -> int:
+    """Intra-op threads for each of ``nproc`` ranks sharing ``cpu_count`` CPUs (at least 1)."""
+    return max(1, cpu_count // nproc)
+
+
 def rank_environments(
     nproc: int, base: Mapping[str, str], port: int, run_id: str, cpu_count: int
 ) -> list[dict[str, str]]:
     """The environment of each local rank (pure: ``base`` is copied, never changed)."""
-    threads = str(max(1, cpu_count // nproc))
+    threads = str(threads_per_rank(cpu_count, nproc))
     environments = []
     for rank in range(nproc):
         environment = dict(base)

@@ -58,6 +58,41 @@ def weights_sha256(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def replica_fingerprint(model: nn.Module) -> torch.Tensor:
+    """One exact integer per state_dict entry: the sum of its bits, on the CPU.
+
+    Integer sums are order-independent, so equal tensors give equal numbers whatever the
+    device or thread count, and a change of one bit in one element changes its number."""
+    sums = []
+    for tensor in model.state_dict().values():
+        flat = tensor.detach().contiguous().view(-1)
+        if flat.numel() == 0:
+            sums.append(torch.zeros((), dtype=torch.int64, device=flat.device))
+            continue
+        as_bits = flat.view(torch.int32) if flat.element_size() == 4 else flat.view(torch.uint8)
+        sums.append(as_bits.sum(dtype=torch.int64))
+    return torch.stack(sums).cpu()
+
+
+def diverged_replicas(
+    model: nn.Module, world_size: int, group: Any | None
+) -> list[tuple[int, str]]:
+    """(rank, first differing state_dict entry) for every rank whose weights differ from rank
+    0's; empty when all replicas are equal (a collective every rank must call)."""
+    if world_size == 1 or not dist.is_initialized():
+        return []
+    mine = replica_fingerprint(model)
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine, group=group)
+    names = list(model.state_dict())
+    diverged = []
+    for rank, theirs in enumerate(every[1:], start=1):
+        differs = (theirs != every[0]).nonzero()
+        if len(differs):
+            diverged.append((rank, names[int(differs[0])]))
+    return diverged
+
+
 def evaluate(
     model: nn.Module, loader: DataLoader[Any], device: torch.device, bf16: bool
 ) -> tuple[float, float, int]:
@@ -102,6 +137,8 @@ class LoopState:
     last_save_time: float = field(default_factory=time.monotonic)
     #: Wall-clock time (Unix) of this process's first finished optimizer step.
     first_step_unix: float | None = None
+    #: The first step after which some rank's weights differed from rank 0's (None: never).
+    replicas_diverged_at: int | None = None
 
 
 class Trainer:
@@ -228,6 +265,7 @@ class Trainer:
             or self.state.last_checkpoint_step == self.state.global_step
         ):
             return
+        self.check_replicas()
         state = self.checkpoint_state(self.tracker.run_id, fingerprint)
         if self.plan.dist_env.is_main:
             started = time.perf_counter()
@@ -245,6 +283,27 @@ class Trainer:
             dist.barrier(group=self.control_group)
         self.state.last_checkpoint_step = self.state.global_step
         self.state.last_save_time = time.monotonic()
+
+    def check_replicas(self) -> None:
+        """Compare every rank's weights with rank 0's; report the first divergence loudly.
+
+        DDP keeps replicas equal only while every rank applies the same update; a checkpoint
+        and model.pt hold rank 0's weights alone, so a divergence is named here, not hidden."""
+        diverged = diverged_replicas(
+            self.model.module, self.plan.dist_env.world_size, self.control_group
+        )
+        if not diverged or self.state.replicas_diverged_at is not None:
+            return
+        self.state.replicas_diverged_at = self.state.global_step
+        if self.plan.dist_env.is_main:
+            ranks = ", ".join(f"rank {rank} ({name})" for rank, name in diverged)
+            get_logger().error(
+                f"model replicas differ from rank 0's at step {self.state.global_step}: "
+                f"{ranks}; checkpoints and model.pt hold rank 0's weights. HINT: DDP keeps "
+                "replicas equal only when every rank makes the same update: look for "
+                "parameters or buffers changed outside the optimizer on some ranks only "
+                "(in-place edits, rank-dependent branches, buffers not broadcast)"
+            )
 
     def restore(self, saved: dict[str, Any]) -> None:
         """Continue exactly where the checkpoint left off (same weights, data position, RNG)."""
@@ -461,6 +520,8 @@ class Trainer:
             self.progress.close()
         if not self.state.stopped:
             self.save("end of training", fingerprint)
+        if self.state.last_checkpoint_step != self.state.global_step:
+            self.check_replicas()  # not checked by a save at this step
         return self.state
 
     def summary(self, wall_time_s: float) -> dict[str, Any]:
@@ -490,5 +551,8 @@ class Trainer:
             "train_time_s": round(state.train_time_s, 3),
             "samples_per_s": round(samples_seen / max(1e-9, state.train_time_s), 1),
             "weights_sha256": weights_sha256(self.model.module),
+            "replicas_in_sync": state.replicas_diverged_at is None,
+            "replicas_diverged_at": state.replicas_diverged_at,
+            "torch_threads": torch.get_num_threads(),
             "first_step_unix": state.first_step_unix,
         }

@@ -68,3 +68,24 @@ class _HangsOnRankOne(nn.Module):
 
 def hanging_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
     return _HangsOnRankOne(num_features, num_classes)
+
+
+class _DriftsOnRankOne(nn.Module):
+    """Rank 1 changes its own weights outside the optimizer on its 3rd forward pass: the user
+    error that leaves DDP replicas silently different."""
+
+    def __init__(self, num_features: int, num_classes: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(num_features, num_classes)
+        self.calls = 0
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if os.environ.get("RANK") == "1" and self.calls == 3:
+            with torch.no_grad():
+                self.linear.bias.add_(0.5)
+        return self.linear(features)  # type: ignore[no-any-return]
+
+
+def drifting_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    return _DriftsOnRankOne(num_features, num_classes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -24,7 +25,8 @@ def test_local_executor_environment_maps_to_local_ranks() -> None:
             "SUBMITIT_LOCAL_NTASKS": "2",
             "SUBMITIT_LOCAL_GLOBALID": "1",
             "SUBMITIT_LOCAL_LOCALID": "1",
-        }
+        },
+        cpu_count=4,
     )
     assert (environ["RANK"], environ["WORLD_SIZE"], environ["MASTER_ADDR"]) == (
         "1",
@@ -32,7 +34,10 @@ def test_local_executor_environment_maps_to_local_ranks() -> None:
         "127.0.0.1",
     )
     assert environ["HPC_DDP_LOCAL_RUN_ID"] == "submitit-4321"
-    assert submitit_local_environ({"SLURM_JOB_ID": "5", "SUBMITIT_LOCAL_JOB_ID": "5"}) == {
+    assert environ["OMP_NUM_THREADS"] == "2", "2 tasks share 4 CPUs"
+    mine = {"SUBMITIT_LOCAL_JOB_ID": "7", "SUBMITIT_LOCAL_NTASKS": "2", "OMP_NUM_THREADS": "3"}
+    assert submitit_local_environ(mine, cpu_count=4)["OMP_NUM_THREADS"] == "3"
+    assert submitit_local_environ({"SLURM_JOB_ID": "5", "SUBMITIT_LOCAL_JOB_ID": "5"}, 4) == {
         "SLURM_JOB_ID": "5",
         "SUBMITIT_LOCAL_JOB_ID": "5",
     }
@@ -51,7 +56,13 @@ def test_local_executor_two_tasks_return_every_rank(tmp_path: Path) -> None:
     assert len(results) == 2
     assert [r["world_size"] for r in results] == [2, 2]
     assert results[0]["summary_path"].startswith(str(tmp_path / "runs"))
-    assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
+    facts = ["global_step", "train_loss", "replicas_diverged_at", "torch_threads", "timeline"]
+    assert results[0]["weights_sha256"] == results[1]["weights_sha256"], [
+        {fact: result.get(fact) for fact in facts} for result in results
+    ]
+    assert [r["replicas_in_sync"] for r in results] == [True, True]
+    threads = max(1, (os.cpu_count() or 1) // 2)
+    assert [r["torch_threads"] for r in results] == [threads, threads], "tasks share the CPUs"
     assert results[0]["val_samples"] == 1001
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hpc_ddp.data import ShardedEvalSampler
+from hpc_ddp.loop import replica_fingerprint
 from hpc_ddp.metrics import PENDING_LOSSES_MAX, Totals
 from hpc_ddp.schedule import LrSchedule, lr_factor
 from tests.helpers import clean_environ, read_summary, run_local, run_train, summary_path
@@ -106,6 +107,8 @@ def test_digits_learns_on_two_ranks_and_reports_progress(tmp_path: Path) -> None
     assert summary["val_samples"] == 359
     assert summary["val_accuracy"] > 0.85
     assert len(summary["weights_sha256"]) == 64
+    assert summary["replicas_in_sync"] is True and summary["replicas_diverged_at"] is None
+    assert "replicas differ" not in result.stderr
     epoch_losses = [
         float(x) for x in re.findall(r"epoch \d+ step \d+ train_loss ([0-9.]+)", result.stderr)
     ]
@@ -246,6 +249,44 @@ def test_custom_dataset_and_model_by_import_path(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     summary = read_summary(tmp_path)
     assert summary["val_samples"] == 44 and summary["global_step"] == 16
+
+
+def test_replicas_that_drift_apart_are_named_at_the_next_check(tmp_path: Path) -> None:
+    """Rank 1's model edits its own bias outside the optimizer (a user error DDP does not
+    catch): the end-of-training check names the rank, the tensor and the step."""
+    result = run_local(
+        2,
+        tmp_path,
+        [
+            "data.kind=custom",
+            "data.factory=tests.factories:tiny_dataset",
+            "model.kind=custom",
+            "model.factory=tests.factories:drifting_model",
+            "data.batch_size=32",
+            "train.epochs=2",
+            "checkpoint.enabled=false",
+            "tracking.enabled=false",
+        ],
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = read_summary(tmp_path)
+    assert summary["global_step"] == 16
+    assert summary["replicas_in_sync"] is False and summary["replicas_diverged_at"] == 16
+    assert "model replicas differ from rank 0's at step 16: rank 1 (linear.bias)" in result.stderr
+    assert "HINT:" in result.stderr
+
+
+def test_replica_fingerprint_is_exact_per_tensor() -> None:
+    first = torch.nn.Linear(4, 3)
+    model = torch.nn.Sequential(first, torch.nn.Linear(3, 2).to(torch.bfloat16))
+    before = replica_fingerprint(model)
+    assert before.dtype == torch.int64 and before.shape == (4,)
+    assert torch.equal(before, replica_fingerprint(model))
+    with torch.no_grad():
+        weight = first.weight
+        weight[1, 2] = torch.nextafter(weight[1, 2], torch.tensor(2.0))  # one bit of one element
+    after = replica_fingerprint(model)
+    assert (after != before).tolist() == [True, False, False, False]
 
 
 def test_bad_model_factory_is_a_clear_error(tmp_path: Path) -> None:
