@@ -127,9 +127,10 @@ def _overhead(data: dict[str, Any]) -> str:
         lines += [
             "",
             f"Below 0.99 here: {', '.join(below)}. "
-            "An earlier set of these runs gave compute_bound 0.956 as well, while the paired "
-            "figure for the same model shows no such gap: it is not noise alone, and what "
-            "only separate processes see (something outside the per-step loop) is not found yet.",
+            "An earlier set gave compute_bound 0.956 too, but two later sets of 5 runs per "
+            "side gave 1.020, and 0.972 with glibc malloc's mmap and trim thresholds raised for "
+            "both sides (the one lead, page faults, not confirmed). Separate-process sets swing "
+            "by about 4% either way, while the paired figure for the same model shows no gap.",
         ]
     return "\n".join(lines) + "\n\n"
 
