@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,66 +28,57 @@ def linear_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
     return nn.Linear(num_features, num_classes)
 
 
-class _FailsOnRankOne(nn.Module):
-    """Rank 1 raises on its 4th forward pass, while rank 0 goes on into the next all-reduce."""
+class _FaultOnRankOne(nn.Module):
+    """A linear model whose rank 1 runs ``fault`` on its ``on_call``-th forward pass."""
 
-    def __init__(self, num_features: int, num_classes: int) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        num_classes: int,
+        on_call: int,
+        fault: Callable[[nn.Linear], None],
+    ) -> None:
         super().__init__()
         self.linear = nn.Linear(num_features, num_classes)
+        self.on_call = on_call
+        self.fault = fault
         self.calls = 0
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         self.calls += 1
-        if os.environ.get("RANK") == "1" and self.calls == 4:
-            raise RuntimeError("injected failure on rank 1")
+        if os.environ.get("RANK") == "1" and self.calls == self.on_call:
+            self.fault(self.linear)
         return self.linear(features)  # type: ignore[no-any-return]
 
 
+def _raise(linear: nn.Linear) -> None:
+    raise RuntimeError("injected failure on rank 1")
+
+
+def _stall(linear: nn.Linear) -> None:
+    time.sleep(3600)
+
+
+def _nudge_bias(linear: nn.Linear) -> None:
+    with torch.no_grad():
+        linear.bias.add_(0.5)
+
+
 def failing_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
-    return _FailsOnRankOne(num_features, num_classes)
+    """Rank 1 raises on its 4th forward pass, while rank 0 goes on into the next all-reduce."""
+    return _FaultOnRankOne(num_features, num_classes, 4, _raise)
 
 
 def not_a_module(config: Any, num_features: int, num_classes: int) -> object:
     return "not a module"
 
 
-class _HangsOnRankOne(nn.Module):
-    """Rank 1 stops making progress (outside any collective) on its 4th forward pass."""
-
-    def __init__(self, num_features: int, num_classes: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(num_features, num_classes)
-        self.calls = 0
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if os.environ.get("RANK") == "1" and self.calls == 4:
-            import time
-
-            time.sleep(3600)
-        return self.linear(features)  # type: ignore[no-any-return]
-
-
 def hanging_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
-    return _HangsOnRankOne(num_features, num_classes)
-
-
-class _DriftsOnRankOne(nn.Module):
-    """Rank 1 changes its own weights outside the optimizer on its 3rd forward pass: the user
-    error that leaves DDP replicas silently different."""
-
-    def __init__(self, num_features: int, num_classes: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(num_features, num_classes)
-        self.calls = 0
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        if os.environ.get("RANK") == "1" and self.calls == 3:
-            with torch.no_grad():
-                self.linear.bias.add_(0.5)
-        return self.linear(features)  # type: ignore[no-any-return]
+    """Rank 1 stops making progress (outside any collective) on its 4th forward pass."""
+    return _FaultOnRankOne(num_features, num_classes, 4, _stall)
 
 
 def drifting_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
-    return _DriftsOnRankOne(num_features, num_classes)
+    """Rank 1 changes its own weights outside the optimizer on its 3rd forward pass: the user
+    error that leaves DDP replicas silently different."""
+    return _FaultOnRankOne(num_features, num_classes, 3, _nudge_bias)
