@@ -34,6 +34,9 @@ def _local(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from hpc_ddp.startup_signals import hold_stop_signals
+
+    hold_stop_signals()
     from hpc_ddp.train import main as train_main
 
     return train_main(_train_args(args))

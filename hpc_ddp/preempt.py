@@ -20,6 +20,7 @@ import torch.distributed as dist
 from hpc_ddp.config import PreemptConfig
 from hpc_ddp.errors import EXIT_STOPPED
 from hpc_ddp.logs import get_logger
+from hpc_ddp.startup_signals import release_stop_signals
 
 __all__ = ["EXIT_STOPPED", "StepAgreement", "StopSignals", "requeue_job", "requeue_target"]
 
@@ -40,10 +41,22 @@ class StopSignals:
         pass
 
     def install(self) -> StopSignals:
+        """Handle the stop signals from now on, including any held during start-up.
+
+        A held signal is raised again once the handlers are in place, so it meets exactly the
+        handling it would have met arriving now: recorded, ignored, or (not a stop signal
+        here) its default action."""
+        arrived_during_startup = release_stop_signals()
         self._previous[self.warning] = signal.signal(self.warning, self._record)
         if self.warning != signal.SIGTERM:
             term_handler = self._record if self.stop_on_sigterm else self._ignore
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, term_handler)
+        for signum in arrived_during_startup:
+            get_logger().warning(
+                f"{signal.Signals(signum).name} arrived while this rank was starting; "
+                "handling it now"
+            )
+            signal.raise_signal(signum)
         return self
 
     def restore(self) -> None:

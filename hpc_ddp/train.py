@@ -7,6 +7,12 @@ python -m hpc_ddp.train --config configs/digits.yaml --dry-run     # the plan, n
 
 from __future__ import annotations
 
+from hpc_ddp.startup_signals import hold_stop_signals
+
+if __name__ == "__main__":
+    # Before the seconds of importing torch: a stop signal then must not kill the rank.
+    hold_stop_signals()
+
 import argparse
 import json
 import os

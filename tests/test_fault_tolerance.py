@@ -126,6 +126,93 @@ def test_stop_signals_only_record(tmp_path: Path) -> None:
     assert StepAgreement(None).exchange(True, False) == (True, False)
 
 
+def _run_snippet(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+HOLD_AND_SEND = """
+import os, signal
+from hpc_ddp.startup_signals import hold_stop_signals
+hold_stop_signals()
+for name in {names}:
+    os.kill(os.getpid(), getattr(signal, name))
+from hpc_ddp.preempt import StopSignals
+signals = StopSignals({warning!r}, stop_on_sigterm={on_term}).install()
+print(sorted(signal.Signals(s).name for s in signals.received), signals.wants_requeue)
+signals.restore()
+print(signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL)
+"""
+
+
+def test_signals_held_during_startup_meet_the_configured_handling() -> None:
+    """Each signal held during start-up is handled once the handlers are installed: a
+    stop signal is recorded (or ignored, SIGTERM under submitit), any other dies as it would
+    have; afterwards the default handlers are back."""
+    submitit_like = _run_snippet(
+        HOLD_AND_SEND.format(names=["SIGUSR2", "SIGTERM", "SIGUSR2"], warning="USR2", on_term=False)
+    )
+    assert submitit_like.returncode == 0, submitit_like.stderr
+    assert submitit_like.stdout.split("\n")[:2] == ["['SIGUSR2'] True", "True"]
+    assert submitit_like.stderr.count("SIGUSR2 arrived while this rank was starting") == 1
+    assert "SIGTERM arrived while this rank was starting" in submitit_like.stderr
+
+    not_a_stop_signal = _run_snippet(
+        HOLD_AND_SEND.format(names=["SIGHUP"], warning="USR1", on_term=True)
+    )
+    assert not_a_stop_signal.returncode == -signal.SIGHUP, not_a_stop_signal.stdout
+    assert not_a_stop_signal.stdout == ""
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler installed for ``signum`` (Linux /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.MULTILINE).group(1), 16)  # type: ignore[union-attr]
+    return bool(caught >> (signum - 1) & 1)
+
+
+def test_warning_signal_while_importing_torch_still_checkpoints(tmp_path: Path) -> None:
+    """Slurm's warning signal can come while a rank still imports torch (a short --time, a
+    busy node). The rank must not die of it: it stops at its first check with a checkpoint."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpc_ddp.train",
+            "--config",
+            str(REPO / "configs/synthetic.yaml"),
+            f"run.output_dir={tmp_path}",
+            "run.id=early",
+            "tracking.enabled=false",
+            "train.epochs=100",
+        ],
+        cwd=REPO,
+        env=clean_environ(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 30
+    while not _catches(process.pid, signal.SIGUSR1):
+        assert process.poll() is None and time.monotonic() < deadline, "no handler installed"
+        time.sleep(0.001)
+    assert "torch" not in Path(f"/proc/{process.pid}/maps").read_text(), "too late: torch loaded"
+    process.send_signal(signal.SIGUSR1)
+    _out, err = process.communicate(timeout=120)
+    assert process.returncode == EXIT_STOPPED, err[-3000:]
+    assert "SIGUSR1 arrived while this rank was starting; handling it now" in err
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", err).group(1))  # type: ignore[union-attr]
+    checkpoints = list_checkpoints(tmp_path / "synthetic-mlp" / "early" / "checkpoints")
+    assert [path.name for path in checkpoints] == [f"step-{stop_step:09d}.pt"]
+    assert "to continue, run the same command with run.id=early" in err
+
+
 def test_requeue_target_is_array_aware() -> None:
     assert requeue_target({"SLURM_JOB_ID": "42"}) == "42"
     assert (
