@@ -22,7 +22,14 @@ from hpc_ddp.errors import EXIT_STOPPED
 from hpc_ddp.logs import get_logger
 from hpc_ddp.startup_signals import release_stop_signals
 
-__all__ = ["EXIT_STOPPED", "StepAgreement", "StopSignals", "requeue_job", "requeue_target"]
+__all__ = [
+    "EXIT_STOPPED",
+    "StepAgreement",
+    "StopSignals",
+    "agent_signal_gap",
+    "requeue_job",
+    "requeue_target",
+]
 
 
 class StopSignals:
@@ -105,6 +112,29 @@ class StepAgreement:
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
+
+
+def agent_signal_gap(launcher: str, environ: Mapping[str, str], warning_signal: str) -> str | None:
+    """Why the warning signal may be lost under torchrun in a Slurm job, or None.
+
+    Slurm signals every process of a step, torchrun's agent included; an agent that does not
+    handle the signal dies of it and takes the step down while the ranks checkpoint. torch
+    >= 2.9 tells its ranks which signals the agent handles (TORCHELASTIC_SIGNALS_TO_HANDLE).
+    """
+    if launcher != "torchelastic" or "SLURM_JOB_ID" not in environ:
+        return None
+    wanted = f"SIG{warning_signal}"
+    handled = environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    if handled is not None and wanted in {name.strip() for name in handled.split(",")}:
+        return None
+    seen = "this torch's torchrun cannot" if handled is None else f"it handles only {handled}"
+    return (
+        f"torchrun's agent does not handle {wanted} ({seen}): Slurm's warning signal kills the "
+        "agent and ends the step while the ranks checkpoint. HINT: with torch >= 2.9 export "
+        f"PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,{wanted} before torchrun (as "
+        "slurm/train-torchrun.sh does); with older torch start the ranks with srun "
+        "(slurm/train.sh)"
+    )
 
 
 def requeue_target(environ: Mapping[str, str]) -> str | None:

@@ -48,7 +48,7 @@ from hpc_ddp.logs import get_logger, setup_logging
 from hpc_ddp.loop import Trainer
 from hpc_ddp.models import build_model
 from hpc_ddp.plan import RunPlan, describe_plan, make_plan
-from hpc_ddp.preempt import StopSignals, requeue_job
+from hpc_ddp.preempt import StopSignals, agent_signal_gap, requeue_job
 from hpc_ddp.slurm import allocation_task_count
 from hpc_ddp.tracking import NullTracker, Tracker, run_tags, start_tracker
 
@@ -254,6 +254,9 @@ def run(
     )
     if env.is_main:
         log.info(describe_plan(plan))
+        gap = agent_signal_gap(env.launcher, environ, config.preempt.signal)
+        if gap:
+            log.warning(gap)
     signals = StopSignals(config.preempt.signal, config.preempt.stop_on_sigterm).install()
     try:
         return train(config, plan, started, signals)

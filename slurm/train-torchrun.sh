@@ -49,6 +49,13 @@ ranks_per_node=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 threads=$(( ${SLURM_CPUS_PER_TASK:-1} / ranks_per_node ))
 export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 
+# Slurm signals every process of the step, torchrun included, and torchrun dies of any signal
+# it does not handle: the warning signal would end the agents while the ranks checkpoint. Let
+# torchrun handle USR1/USR2 too (torch >= 2.9 reads these; older torch ignores them) and give
+# the ranks time to finish their checkpoint before it kills them.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2}
+export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-100}
+
 echo "job ${SLURM_JOB_ID}: torchrun on ${SLURM_JOB_NUM_NODES} node(s) x ${ranks_per_node} ranks, rendezvous ${head_node}:${rendezvous_port}"
 srun --kill-on-bad-exit=1 "$python" -m torch.distributed.run \
     --nnodes="$SLURM_JOB_NUM_NODES" \

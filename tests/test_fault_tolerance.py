@@ -28,7 +28,13 @@ from hpc_ddp.checkpoint import (
 from hpc_ddp.config import load_config
 from hpc_ddp.data import ResumableDistributedSampler
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preempt import EXIT_STOPPED, StepAgreement, StopSignals, requeue_target
+from hpc_ddp.preempt import (
+    EXIT_STOPPED,
+    StepAgreement,
+    StopSignals,
+    agent_signal_gap,
+    requeue_target,
+)
 from hpc_ddp.tracking import default_tracking_uri
 from tests.helpers import REPO, clean_environ, run_local
 
@@ -211,6 +217,20 @@ def test_warning_signal_while_importing_torch_still_checkpoints(tmp_path: Path) 
     checkpoints = list_checkpoints(tmp_path / "synthetic-mlp" / "early" / "checkpoints")
     assert [path.name for path in checkpoints] == [f"step-{stop_step:09d}.pt"]
     assert "to continue, run the same command with run.id=early" in err
+
+
+def test_torchrun_agent_that_would_die_of_the_warning_signal_is_named() -> None:
+    slurm = {"SLURM_JOB_ID": "7"}
+    handled = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    env_new = {**slurm, "TORCHELASTIC_SIGNALS_TO_HANDLE": handled}
+    assert agent_signal_gap("torchelastic", env_new, "USR1") is None
+    assert agent_signal_gap("slurm", slurm, "USR1") is None, "srun tasks are the ranks"
+    assert agent_signal_gap("torchelastic", {}, "USR1") is None, "no Slurm, no warning signal"
+    only_default = agent_signal_gap("torchelastic", env_new, "USR2")
+    assert only_default is not None and f"it handles only {handled}" in only_default
+    assert "HINT: with torch >= 2.9 export PET_SIGNALS_TO_HANDLE=" in only_default
+    old_torch = agent_signal_gap("torchelastic", slurm, "USR1")
+    assert old_torch is not None and "this torch's torchrun cannot" in old_torch
 
 
 def test_requeue_target_is_array_aware() -> None:

@@ -110,6 +110,39 @@ def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
     assert steps == list(range(8, 1201, 8)), "0 steps lost or repeated"
 
 
+def test_torchrun_template_survives_the_warning_signal_and_the_job_resumes(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """Slurm signals every process of the step, torchrun's agent too. The agent must handle
+    the warning signal (not die of it, which ends the step while the ranks checkpoint); the
+    ranks stop after the same step, rank 0 requeues, and the job resumes there."""
+    work = prepare_workdir(tmp_path)
+    job = slurm.sbatch(
+        [
+            "--nodes=1",
+            str(REPO / "slurm" / "train-torchrun.sh"),
+            "configs/synthetic.yaml",
+            f"run.output_dir={work / 'runs'}",
+            "tracking.enabled=false",
+            *LONG,
+        ],
+        work,
+    )
+    log_path = work / "logs" / f"hpc-ddp-torchrun-{job}.out"
+    slurm.wait_for_log(log_path, r"\[rank 0/2\] INFO epoch 0 step (4\d|[5-9]\d|1\d\d)/1200")
+    assert slurm.run(["scancel", "--signal=USR1", job], work).returncode == 0
+    state = slurm.wait(job, timeout=300)
+    log = log_path.read_text()
+    assert state == "COMPLETED", log[-4000:]
+    assert "User defined signal 1" not in log, "torchrun died of the warning signal"
+    assert "torchrun's agent does not handle" not in log
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert f"requeued job {job}" in log
+    summary = read_summary(work / "runs")
+    assert summary["launcher"] == "torchelastic" and summary["restart_count"] == 1
+    assert summary["resumed_from_step"] == stop_step and summary["global_step"] == 1200
+
+
 def test_time_limit_signal_checkpoints_and_a_resubmission_resumes(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
