@@ -9,6 +9,28 @@ EXIT_FAILURE = 1
 EXIT_USER_ERROR = 2
 #: Stopped on a signal after a checkpoint, and not requeued: run again to continue.
 EXIT_STOPPED = 3
+#: A collective failed because another rank went away: a consequence; that rank's own
+#: output shows the cause.
+EXIT_PEER_LOST = 4
+
+#: What gloo and NCCL say when the other end of a collective has gone (crashed, killed).
+PEER_LOST_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote process exited or there was a network error",
+)
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` (or an exception it came from) says another rank went away."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if any(marker in str(current) for marker in PEER_LOST_MARKERS):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class HpcDdpError(Exception):

@@ -17,10 +17,12 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 
 from hpc_ddp.env import LOCAL_RUN_ID_VAR
-from hpc_ddp.errors import EXIT_STOPPED
+from hpc_ddp.errors import EXIT_PEER_LOST, EXIT_STOPPED
 
 STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.1
+#: How long a rank that lost a peer waits for the rank that went away to be seen exiting.
+PEER_GRACE_S = 5.0
 
 
 def free_loopback_port() -> int:
@@ -74,30 +76,51 @@ def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
             process.wait()
 
 
-def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
-    """Wait for all ranks; on the first failure stop the rest and return its exit code.
+def failure_to_report(
+    codes: Sequence[int | None], lost_peer_for_s: float
+) -> tuple[int, int] | None:
+    """The (rank, exit code) that ends the run, or None to keep waiting.
 
-    A rank that stopped on a signal after the common checkpoint (EXIT_STOPPED) is no failure:
-    the others stop after the same step, so they are waited for.
+    ``codes`` are the ranks' exit codes so far (None: running). A rank that lost a peer
+    (EXIT_PEER_LOST) is a consequence and often exits before the rank that went away, so the
+    cause is waited for, up to PEER_GRACE_S, and named instead. A rank that stopped on a
+    signal after the common checkpoint (EXIT_STOPPED) is no failure.
     """
-    stopped = False
+    failed = [
+        (rank, code)
+        for rank, code in enumerate(codes)
+        if code is not None and code not in (0, EXIT_STOPPED)
+    ]
+    causes = [(rank, code) for rank, code in failed if code != EXIT_PEER_LOST]
+    if causes:
+        return causes[0]
+    if failed and (lost_peer_for_s >= PEER_GRACE_S or None not in codes):
+        return failed[0]
+    return None
+
+
+def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
+    """Wait for all ranks; on a failure stop the rest, name the failed rank and return its
+    exit code (see :func:`failure_to_report`)."""
+    lost_peer_since: float | None = None
     while True:
-        running = False
-        for rank, process in enumerate(processes):
-            code = process.poll()
-            if code is None:
-                running = True
-            elif code == EXIT_STOPPED:
-                stopped = True
-            elif code != 0:
-                print(
-                    f"hpc-ddp local: rank {rank} exited with code {code}; stopping the other ranks",
-                    file=sys.stderr,
-                )
-                _stop(processes)
-                return code if code > 0 else 128 - code
-        if not running:
-            return EXIT_STOPPED if stopped else 0
+        codes = [process.poll() for process in processes]
+        if lost_peer_since is None and EXIT_PEER_LOST in codes:
+            lost_peer_since = time.monotonic()
+        waited = 0.0 if lost_peer_since is None else time.monotonic() - lost_peer_since
+        failure = failure_to_report(codes, waited)
+        if failure is not None:
+            rank, code = failure
+            why = " (it lost contact with another rank)" if code == EXIT_PEER_LOST else ""
+            print(
+                f"hpc-ddp local: rank {rank} exited with code {code}{why}; stopping the other "
+                "ranks",
+                file=sys.stderr,
+            )
+            _stop(processes)
+            return code if code > 0 else 128 - code
+        if None not in codes:
+            return EXIT_STOPPED if EXIT_STOPPED in codes else 0
         time.sleep(POLL_INTERVAL_S)
 
 

@@ -43,7 +43,14 @@ from hpc_ddp.env import (
     needs_allocation_task_count,
     resolve_dist_env,
 )
-from hpc_ddp.errors import EXIT_FAILURE, EXIT_STOPPED, EXIT_USER_ERROR, HpcDdpError
+from hpc_ddp.errors import (
+    EXIT_FAILURE,
+    EXIT_PEER_LOST,
+    EXIT_STOPPED,
+    EXIT_USER_ERROR,
+    HpcDdpError,
+    lost_peer,
+)
 from hpc_ddp.logs import get_logger, setup_logging
 from hpc_ddp.loop import Trainer
 from hpc_ddp.models import build_model
@@ -298,7 +305,14 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     except KeyboardInterrupt:
         print(f"[rank {rank_label}] interrupted", file=sys.stderr)
         return 130
-    except Exception:
+    except Exception as error:
+        if lost_peer(error):
+            print(
+                f"[rank {rank_label}] stopped: another rank went away during a collective "
+                f"({str(error).splitlines()[0][:300]}); that rank's output shows the cause",
+                file=sys.stderr,
+            )
+            return EXIT_PEER_LOST
         print(f"[rank {rank_label}] failed:\n{traceback.format_exc()}", file=sys.stderr)
         return EXIT_FAILURE
 

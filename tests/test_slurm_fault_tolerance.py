@@ -55,31 +55,43 @@ def rank_pid(job_id: str, rank: int, timeout: float = 60) -> int:
     pytest.fail(f"no process of rank {rank} of job {job_id}")
 
 
-def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
-    slurm: SlurmCluster, tmp_path: Path
-) -> None:
-    work = prepare_workdir(tmp_path / "slurm")
+def preempt_and_wait(
+    slurm: SlurmCluster, work: Path, script: list[str], log_name: str, overrides: list[str]
+) -> tuple[str, str, int]:
+    """Submit LONG training (``script``: sbatch options, then the script), send USR1 as
+    preemption does at step 40-199, and wait for the requeued job to end COMPLETED; returns
+    its id, its log and the step it stopped at."""
     job = slurm.sbatch(
         [
             "--nodes=1",
-            "--ntasks-per-node=2",
-            TRAIN,
+            *script,
             "configs/synthetic.yaml",
             f"run.output_dir={work / 'runs'}",
+            *overrides,
             *LONG,
         ],
         work,
     )
-    log_path = work / "logs" / f"hpc-ddp-{job}.out"
+    log_path = work / "logs" / f"{log_name}-{job}.out"
     slurm.wait_for_log(log_path, r"\[rank 0/2\] INFO epoch 0 step (4\d|[5-9]\d|1\d\d)/1200")
     assert slurm.run(["scancel", "--signal=USR1", job], work).returncode == 0
     state = slurm.wait(job, timeout=300)
     log = log_path.read_text()
     assert state == "COMPLETED", log[-4000:]
-    assert slurm.job_field(job, "Restarts") == "1"
-    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
-    assert stop_step % 400, "stopped mid-epoch"
     assert f"requeued job {job}" in log
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    return job, log, stop_step
+
+
+def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path / "slurm")
+    job, log, stop_step = preempt_and_wait(
+        slurm, work, ["--ntasks-per-node=2", TRAIN], "hpc-ddp", []
+    )
+    assert slurm.job_field(job, "Restarts") == "1"
+    assert stop_step % 400, "stopped mid-epoch"
     assert f"at step {stop_step} (epoch 0, step {stop_step} of the epoch)" in log
 
     summary = read_summary(work / "runs")
@@ -117,27 +129,15 @@ def test_torchrun_template_survives_the_warning_signal_and_the_job_resumes(
     the warning signal (not die of it, which ends the step while the ranks checkpoint); the
     ranks stop after the same step, rank 0 requeues, and the job resumes there."""
     work = prepare_workdir(tmp_path)
-    job = slurm.sbatch(
-        [
-            "--nodes=1",
-            str(REPO / "slurm" / "train-torchrun.sh"),
-            "configs/synthetic.yaml",
-            f"run.output_dir={work / 'runs'}",
-            "tracking.enabled=false",
-            *LONG,
-        ],
+    _job, log, stop_step = preempt_and_wait(
+        slurm,
         work,
+        [str(REPO / "slurm" / "train-torchrun.sh")],
+        "hpc-ddp-torchrun",
+        ["tracking.enabled=false"],
     )
-    log_path = work / "logs" / f"hpc-ddp-torchrun-{job}.out"
-    slurm.wait_for_log(log_path, r"\[rank 0/2\] INFO epoch 0 step (4\d|[5-9]\d|1\d\d)/1200")
-    assert slurm.run(["scancel", "--signal=USR1", job], work).returncode == 0
-    state = slurm.wait(job, timeout=300)
-    log = log_path.read_text()
-    assert state == "COMPLETED", log[-4000:]
     assert "User defined signal 1" not in log, "torchrun died of the warning signal"
     assert "torchrun's agent does not handle" not in log
-    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
-    assert f"requeued job {job}" in log
     summary = read_summary(work / "runs")
     assert summary["launcher"] == "torchelastic" and summary["restart_count"] == 1
     assert summary["resumed_from_step"] == stop_step and summary["global_step"] == 1200

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from hpc_ddp.data import ShardedEvalSampler
+from hpc_ddp.errors import EXIT_PEER_LOST, EXIT_STOPPED, lost_peer
+from hpc_ddp.local import PEER_GRACE_S, failure_to_report
 from hpc_ddp.loop import replica_fingerprint
 from hpc_ddp.metrics import PENDING_LOSSES_MAX, Totals
 from hpc_ddp.schedule import LrSchedule, lr_factor
@@ -152,10 +154,43 @@ def test_failed_rank_ends_the_job_fast_naming_it(tmp_path: Path) -> None:
         ],
     )
     elapsed = time.monotonic() - started
-    assert result.returncode != 0
+    assert result.returncode == 1
     assert "injected failure on rank 1" in result.stderr
-    assert "rank 1 exited with code 1; stopping the other ranks" in result.stderr
+    assert "rank 1 exited with code 1; stopping the other ranks" in result.stderr, (
+        "the rank that raised is named, not rank 0 whose collective lost it"
+    )
+    assert "[rank 0] failed:" not in result.stderr, "rank 0 is a consequence, not a crash"
     assert elapsed < 60
+
+
+def test_the_rank_that_went_away_is_named_not_the_one_that_lost_it() -> None:
+    """Exit codes as ranks report them (None: still running); 4 = lost a peer."""
+    assert failure_to_report([EXIT_PEER_LOST, None], 0.0) is None, "wait for the cause"
+    assert failure_to_report([EXIT_PEER_LOST, 1], 0.0) == (1, 1)
+    assert failure_to_report([EXIT_PEER_LOST, -9], 0.0) == (1, -9)
+    assert failure_to_report([EXIT_PEER_LOST, None], PEER_GRACE_S) == (0, EXIT_PEER_LOST)
+    assert failure_to_report([EXIT_PEER_LOST, 0], 0.0) == (0, EXIT_PEER_LOST), "nobody left"
+    assert failure_to_report([EXIT_STOPPED, None], 60.0) is None
+    assert failure_to_report([0, 0, None], 0.0) is None
+    assert failure_to_report([2, 1], 0.0) == (0, 2)
+
+
+def test_lost_peer_reads_gloo_and_nccl_messages_through_the_exception_chain() -> None:
+    gloo = RuntimeError(
+        "[pair.cc:553] Connection closed by peer [127.0.0.1]:24729. This is typically caused "
+        "by a remote worker crashing."
+    )
+    assert lost_peer(gloo)
+    try:
+        try:
+            raise gloo
+        except RuntimeError as inner:
+            raise ValueError("while reducing the interval sums") from inner
+    except ValueError as outer:
+        assert lost_peer(outer)
+    assert lost_peer(RuntimeError("NCCL error: remote process exited or there was a network error"))
+    assert not lost_peer(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
+    assert not lost_peer(RuntimeError("injected failure on rank 1"))
 
 
 def test_rendezvous_timeout_is_an_error_not_a_hang(tmp_path: Path) -> None:
