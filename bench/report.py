@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -213,8 +214,42 @@ GPU_NOTE = """## GPU / NCCL
 No GPU figures yet: the GPU machine is lent to some tasks only, and none was lent when these
 figures were taken. The CUDA/NCCL path (set_device before init, device_ids, bf16 autocast,
 the gloo side-group for control messages) is exercised on CPU by construction and by the
-Slurm GRES tests; its overhead comparison on CUDA is still to be measured.
+Slurm GRES tests. On a GPU, `python -m bench.gpu` takes the figures and this section shows
+them.
 """
+
+
+def _gpu(data: dict[str, Any]) -> str:
+    single = data["nccl_single"]
+    lines = [
+        "## GPU / NCCL",
+        "",
+        f"{data['gpu']}; torch {data['torch']}, CUDA {data['cuda']}, NCCL {data['nccl']}. "
+        f"One GPU, world size 1, bf16 autocast, global batch {data['global_batch']}, "
+        f"{data['loader_workers']} loader workers.",
+        "",
+        "### NCCL path through the same entry point (`python -m hpc_ddp.train`)",
+        "",
+        f"backend {single['backend']}, device {single['device']}, {single['global_step']} "
+        f"steps, val_loss {single['val_loss']:.4f}, val_accuracy {single['val_accuracy']:.3f}, "
+        f"replicas_in_sync {single['replicas_in_sync']}, MLflow run "
+        f"{'created' if single['mlflow_run_id'] else 'missing'}, "
+        f"{single['samples_per_s']:,.0f} samples/s (checkpoints every 100 steps included).",
+        "",
+        f"### Overhead on CUDA, bf16 ({data['repeats']} alternating runs per side, medians)",
+        "",
+        "| model | hand-written samples/s | hpc_ddp samples/s | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, row in data["overhead"].items():
+        raw, hpc = (
+            statistics.median(row["raw_samples_per_s"]),
+            statistics.median(row["hpc_ddp_samples_per_s"]),
+        )
+        lines.append(
+            f"| {_model_label(name, row['hidden'])} | {raw:,.0f} | {hpc:,.0f} | {row['ratio']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def write_readme() -> Path:
@@ -231,8 +266,13 @@ def write_readme() -> Path:
         if data is not None:
             machine = f"{data['machine']['cpus']} CPUs, {data['machine']['machine']}, Python {data['machine']['python']}"
             sections.append(render(data))
+    gpu = _load("gpu")
     path = REPO / "bench" / "README.md"
-    path.write_text(HEADER.format(machine=machine) + "".join(sections) + GPU_NOTE)
+    path.write_text(
+        HEADER.format(machine=machine)
+        + "".join(sections)
+        + (GPU_NOTE if gpu is None else _gpu(gpu))
+    )
     return path
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from bench import checkpoint_io, data_memory, interleaved, overhead, report, startup
+from bench import checkpoint_io, data_memory, gpu, interleaved, overhead, report, startup
 
 
 def main() -> None:
@@ -18,6 +18,9 @@ def main() -> None:
     ):
         if not only or name in only:
             module.run()
+    # The GPU figures need a GPU: taken where one is visible, or when asked for by name.
+    if "gpu" in only or (not only and gpu.gpu_facts() is not None):
+        gpu.run()
     report.write_readme()
 
 

@@ -509,6 +509,8 @@ class Trainer:
                 self.sampler.set_epoch(self.state.epoch)
                 started = time.perf_counter()
                 self._run_epoch(agreement, fingerprint)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # the epoch's queued kernels count too
                 self.state.train_time_s += time.perf_counter() - started
                 if self.state.stopped:
                     break
