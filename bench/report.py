@@ -232,8 +232,8 @@ def _gpu(data: dict[str, Any]) -> str:
         "",
         f"backend {single['backend']}, device {single['device']}, {single['global_step']} "
         f"steps, val_loss {single['val_loss']:.4f}, val_accuracy {single['val_accuracy']:.3f}, "
-        f"replicas_in_sync {single['replicas_in_sync']}, MLflow run "
-        f"{'created' if single['mlflow_run_id'] else 'missing'}, "
+        f"replicas_in_sync {single['replicas_in_sync']}, MLflow "
+        f"{'not installed' if not single['tracking'] else 'run created' if single['mlflow_run_id'] else 'run MISSING'}, "
         f"{single['samples_per_s']:,.0f} samples/s (checkpoints every 100 steps included).",
         "",
         f"### Overhead on CUDA, bf16 ({data['repeats']} alternating runs per side, medians)",

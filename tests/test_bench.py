@@ -35,6 +35,7 @@ def test_gpu_section_names_the_gpu_and_takes_medians() -> None:
             "loader_workers": 4,
             "repeats": 3,
             "nccl_single": {
+                "tracking": True,
                 "backend": "nccl",
                 "device": "cuda:0",
                 "global_step": 512,
@@ -56,4 +57,5 @@ def test_gpu_section_names_the_gpu_and_takes_medians() -> None:
     )
     assert "NVIDIA H100 80GB HBM3; torch 2.13.0+cu126, CUDA 12.6, NCCL 2.27.3" in section
     assert "backend nccl, device cuda:0, 512 steps" in section
+    assert "MLflow run created" in section
     assert "| gpu_bound MLP 64-4096-4096-10 | 100,000 | 99,000 | 0.990 |" in section
