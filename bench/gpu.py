@@ -45,16 +45,28 @@ def gpu_facts() -> dict[str, Any] | None:
 
 
 def _hpc_ddp(model: dict[str, Any], extra: list[str]) -> list[str]:
-    arguments = hpc_ddp_args(model["hidden"], model["samples"], model["epochs"])
-    batch = next(i for i, a in enumerate(arguments) if a.startswith("data.batch_size="))
-    arguments[batch] = f"data.batch_size={BATCH}"
-    return [*arguments, "train.precision=bf16", f"data.num_workers={WORKERS}", *extra]
+    """bench.overhead's arguments; a later override of the same key wins."""
+    return [
+        *hpc_ddp_args(model["hidden"], model["samples"], model["epochs"]),
+        f"data.batch_size={BATCH}",
+        "train.precision=bf16",
+        f"data.num_workers={WORKERS}",
+        *extra,
+    ]
 
 
 def _raw(model: dict[str, Any]) -> list[str]:
-    arguments = raw_args(model["hidden"], model["samples"], model["epochs"])
-    arguments[arguments.index("--batch") + 1] = str(BATCH)
-    return [*arguments, "--device", "cuda", "--bf16", "--workers", str(WORKERS)]
+    """bench.overhead's arguments; argparse keeps the last --batch."""
+    return [
+        *raw_args(model["hidden"], model["samples"], model["epochs"]),
+        "--batch",
+        str(BATCH),
+        "--device",
+        "cuda",
+        "--bf16",
+        "--workers",
+        str(WORKERS),
+    ]
 
 
 def nccl_single(output_dir: str) -> dict[str, Any]:

@@ -21,16 +21,18 @@ PEER_LOST_MARKERS = (
 )
 
 
-def lost_peer(error: BaseException) -> bool:
-    """Whether ``error`` (or an exception it came from) says another rank went away."""
+def lost_peer(error: BaseException) -> str | None:
+    """The line of ``error`` (or of an exception it came from) that says another rank went
+    away, or None."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if any(marker in str(current) for marker in PEER_LOST_MARKERS):
-            return True
+        for line in str(current).splitlines():
+            if any(marker in line for marker in PEER_LOST_MARKERS):
+                return line
         current = current.__cause__ or current.__context__
-    return False
+    return None
 
 
 class HpcDdpError(Exception):

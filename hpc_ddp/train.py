@@ -306,10 +306,11 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         print(f"[rank {rank_label}] interrupted", file=sys.stderr)
         return 130
     except Exception as error:
-        if lost_peer(error):
+        peer_gone = lost_peer(error)
+        if peer_gone:
             print(
                 f"[rank {rank_label}] stopped: another rank went away during a collective "
-                f"({str(error).splitlines()[0][:300]}); that rank's output shows the cause",
+                f"({peer_gone[:300]}); that rank's output shows the cause",
                 file=sys.stderr,
             )
             return EXIT_PEER_LOST
