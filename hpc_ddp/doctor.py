@@ -12,7 +12,7 @@ from typing import Any
 
 from hpc_ddp.config import Config
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.plan import RunPlan, describe_plan
+from hpc_ddp.plan import RunPlan, describe_plan, gpu_binding_warning
 
 
 def _check_master_resolves(plan: RunPlan) -> tuple[str, str]:
@@ -59,8 +59,11 @@ def diagnose(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
         list(_check_master_resolves(plan)),
         list(_check_port_free(plan)),
     ]
+    binding = gpu_binding_warning(env, plan.device)
+    if binding:
+        checks.append(["warn", binding])
     return {
-        "ok": all(status == "ok" for status, _ in checks),
+        "ok": all(status != "FAIL" for status, _ in checks),
         "host": env.hostname,
         "rank": env.rank,
         "local_rank": env.local_rank,

@@ -97,17 +97,38 @@ def _cuda_index(dist_env: DistEnv, visible: int) -> tuple[int, str]:
     if visible < per_node:
         raise HpcDdpError(
             f"{per_node} tasks on node {dist_env.hostname} but only {visible} visible GPU(s)",
-            "run one task per GPU: --ntasks-per-node equal to the GPUs per node "
-            "(slurm/train.sh derives it from --gpus-per-node)",
+            "run one task per GPU: --ntasks-per-node equal to --gpus-per-node "
+            "(`hpc-ddp render --gpus-per-node N` writes both)",
         )
     if dist_env.launcher == "slurm":
         raise HpcDdpError(
             f"{visible} GPUs visible to each of the {per_node} task(s) on node "
             f"{dist_env.hostname}: {visible - per_node} would sit idle, and the task-to-GPU "
             "mapping is ambiguous",
-            f"use --ntasks-per-node={visible} with --gres=gpu:{visible}, or --gpus-per-task=1",
+            f"use --ntasks-per-node={visible} with --gpus-per-node={visible} (or "
+            f"--gres=gpu:{visible}): one task per GPU",
         )
     return dist_env.local_rank, f"{visible} GPUs visible, {per_node} local ranks: cuda:LOCAL_RANK"
+
+
+def gpu_binding_warning(dist_env: DistEnv, device: DevicePlan) -> str | None:
+    """A warning when each task of a multi-GPU node sees only its own GPU (--gpus-per-task).
+
+    Training works, but NCCL then cannot use CUDA IPC between the node's GPUs, so gradients
+    travel through host memory instead of NVLink or PCIe peer-to-peer; Slurm releases that
+    also confine each task's devices to its own GPU hide the peers completely.
+    """
+    if not device.device.startswith("cuda") or dist_env.gpus_per_task is None:
+        return None
+    if dist_env.local_world_size < 2:
+        return None
+    return (
+        f"--gpus-per-task={dist_env.gpus_per_task}: each of the {dist_env.local_world_size} "
+        f"tasks on node {dist_env.hostname} sees only its own GPU, so NCCL cannot exchange "
+        "gradients directly between them (no CUDA IPC; traffic goes through host memory). "
+        f"HINT: request --gpus-per-node={dist_env.local_world_size} with "
+        f"--ntasks-per-node={dist_env.local_world_size} instead (as slurm/train.sh does)"
+    )
 
 
 def plan_device(config: Config, dist_env: DistEnv, cuda_device_count: int) -> DevicePlan:

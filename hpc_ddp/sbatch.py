@@ -97,7 +97,7 @@ def _directives(request: RenderRequest) -> dict[str, str | None]:
     return {
         "nodes": str(request.nodes),
         "ntasks-per-node": str(gpus if gpus else request.cpu_tasks_per_node),
-        "gpus-per-task": "1" if gpus else None,
+        "gpus-per-node": str(gpus) if gpus else None,
         "time": request.time,
     }
 

@@ -54,7 +54,7 @@ from hpc_ddp.errors import (
 from hpc_ddp.logs import get_logger, setup_logging
 from hpc_ddp.loop import Trainer
 from hpc_ddp.models import build_model
-from hpc_ddp.plan import RunPlan, describe_plan, make_plan
+from hpc_ddp.plan import RunPlan, describe_plan, gpu_binding_warning, make_plan
 from hpc_ddp.preempt import StopSignals, agent_signal_gap, requeue_job
 from hpc_ddp.slurm import allocation_task_count
 from hpc_ddp.tracking import NullTracker, Tracker, run_tags, start_tracker
@@ -261,9 +261,12 @@ def run(
     )
     if env.is_main:
         log.info(describe_plan(plan))
-        gap = agent_signal_gap(env.launcher, environ, config.preempt.signal)
-        if gap:
-            log.warning(gap)
+        for warning in (
+            agent_signal_gap(env.launcher, environ, config.preempt.signal),
+            gpu_binding_warning(env, plan.device),
+        ):
+            if warning:
+                log.warning(warning)
     signals = StopSignals(config.preempt.signal, config.preempt.stop_on_sigterm).install()
     try:
         return train(config, plan, started, signals)

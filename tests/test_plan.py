@@ -11,7 +11,13 @@ import pytest
 from hpc_ddp.config import Config, load_config
 from hpc_ddp.env import DistEnv
 from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.plan import make_plan, micro_batch_size, plan_device, resolve_num_workers
+from hpc_ddp.plan import (
+    gpu_binding_warning,
+    make_plan,
+    micro_batch_size,
+    plan_device,
+    resolve_num_workers,
+)
 
 
 def dist_env(**fields: Any) -> DistEnv:
@@ -63,6 +69,21 @@ def test_gpus_per_task_uses_cuda0_and_nccl() -> None:
     assert (plan.device, plan.backend) == ("cuda:0", "nccl")
 
 
+def test_per_task_gpus_on_a_multi_gpu_node_warn_that_nccl_loses_peer_to_peer() -> None:
+    """Mocked GPU count: a GPU cannot exist on the test machines."""
+    bound = dist_env(gpus_per_task=1, cuda_visible_devices="1")
+    warning = gpu_binding_warning(bound, plan_device(cuda_config(), bound, cuda_device_count=1))
+    assert warning is not None
+    assert "each of the 2 tasks on node node1 sees only its own GPU" in warning
+    assert "HINT: request --gpus-per-node=2 with --ntasks-per-node=2" in warning
+    shared = dist_env(cuda_visible_devices="0,1")
+    assert gpu_binding_warning(shared, plan_device(cuda_config(), shared, 2)) is None
+    alone = dist_env(gpus_per_task=1, local_world_size=1, local_rank=0, cuda_visible_devices="0")
+    assert gpu_binding_warning(alone, plan_device(cuda_config(), alone, 1)) is None
+    cpu = dist_env(gpus_per_task=1)
+    assert gpu_binding_warning(cpu, plan_device(load_config(None), cpu, 0)) is None
+
+
 def test_gres_with_one_gpu_per_local_task_uses_local_rank() -> None:
     plan = plan_device(cuda_config(), dist_env(cuda_visible_devices="0,1"), cuda_device_count=0)
     assert (plan.device, plan.backend) == ("cuda:1", "nccl")
@@ -77,7 +98,7 @@ def test_more_tasks_than_gpus_fails_fast() -> None:
 def test_idle_gpus_under_slurm_are_an_error() -> None:
     with pytest.raises(HpcDdpError, match="2 would sit idle") as caught:
         plan_device(cuda_config(), dist_env(), cuda_device_count=4)
-    assert "--ntasks-per-node=4" in str(caught.value)
+    assert "--ntasks-per-node=4 with --gpus-per-node=4" in str(caught.value)
 
 
 def test_torchrun_with_more_gpus_uses_local_rank() -> None:

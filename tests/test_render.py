@@ -212,12 +212,23 @@ def test_template_drift_is_detected() -> None:
         render_sbatch(template, RenderRequest(config="c.yaml"))
 
 
-def test_the_template_writes_each_count_once() -> None:
+def test_the_template_gives_every_task_all_the_gpus_of_its_node() -> None:
+    """One task per GPU, the GPUs requested per node (not per task), so each task sees the
+    node's GPUs and NCCL can use CUDA IPC between them; the two counts agree."""
     text = template_path().read_text()
     directives = [line for line in text.splitlines() if line.startswith("#SBATCH")]
-    assert sum("ntasks-per-node" in line for line in directives) == 1
-    assert not any("gpus-per-node" in line or "--gres" in line for line in directives)
+    tasks = [line.split("=", 1)[1] for line in directives if "--ntasks-per-node=" in line]
+    gpus = [line.split("=", 1)[1] for line in directives if "--gpus-per-node=" in line]
+    assert tasks == gpus == ["2"]
+    assert not any("gpus-per-task" in line or "--gres" in line for line in directives)
     assert "--nnodes" not in text and "$SLURM_NNODES" not in text
+    rendered = render_sbatch(text, RenderRequest(config="c.yaml", nodes=3, gpus_per_node=8))
+    lines = rendered.splitlines()
+    assert "#SBATCH --ntasks-per-node=8" in lines and "#SBATCH --gpus-per-node=8" in lines
+    assert "#SBATCH --nodes=3" in lines
+    cpu = render_sbatch(text, RenderRequest(config="c.yaml", gpus_per_node=0, cpu_tasks_per_node=4))
+    assert "#SBATCH --ntasks-per-node=4" in cpu.splitlines()
+    assert "(--gpus-per-node not requested)" in cpu and "#SBATCH --gpus" not in cpu
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -202,6 +203,41 @@ def test_doctor_shows_each_rank_and_its_gpu_per_task(slurm: SlurmCluster, tmp_pa
     assert len({r["master_port"] for r in reports}) == 1
     assert {r["per_rank_batch"] for r in reports} == {16}
     assert all(r["ok"] for r in reports)
+    warnings = [text for r in reports for status, text in r["checks"] if status == "warn"]
+    assert len(warnings) == 4 and "sees only its own GPU" in warnings[0], warnings
+
+
+def test_the_template_gives_each_task_its_nodes_gpus(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """`sbatch slurm/train.sh` on 2 nodes with GPU GRES: every task sees both GPUs of its node
+    and drives cuda:LOCAL_RANK, so NCCL could use CUDA IPC between them.
+
+    torch here cannot open a CUDA device, so $PYTHON (which the template runs) is a stand-in
+    that runs `hpc_ddp doctor` on the training command's arguments: the same plan, no NCCL.
+    """
+    work = prepare_workdir(tmp_path)
+    stand_in = work / "python-doctor"
+    stand_in.write_text(
+        f"#!/bin/bash\n[[ $1 == -m && $2 == hpc_ddp.train ]] || exit 9\nshift 2\n"
+        f'exec {sys.executable} -m hpc_ddp doctor "$@"\n'
+    )
+    stand_in.chmod(0o755)
+    result = slurm.run(
+        ["sbatch", "--parsable", "--nodes=2", TRAIN, "configs/digits.yaml", "dist.device=cuda"],
+        work,
+        PYTHON=str(stand_in),
+    )
+    assert result.returncode == 0, result.stderr
+    job = result.stdout.strip().split(";")[0]
+    state = slurm.wait(job)
+    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    reports = doctor_reports(log)
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3], log[-3000:]
+    assert [r["cuda_visible_devices"] for r in reports] == ["0,1"] * 4
+    assert [r["device"] for r in reports] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    assert [r["node_rank"] for r in reports] == [0, 0, 1, 1]
+    assert {r["backend"] for r in reports} == {"nccl"}
+    assert not [text for r in reports for status, text in r["checks"] if status != "ok"]
 
 
 def test_doctor_with_gres_uses_local_rank(slurm: SlurmCluster, tmp_path: Path) -> None:

@@ -12,10 +12,13 @@
 #SBATCH --job-name=hpc-ddp
 # Nodes to spread the job over.
 #SBATCH --nodes=1
-# Tasks (= training ranks) per node: one per GPU. This is the only place the count is written.
+# Tasks (= training ranks) per node: one per GPU, so keep it equal to --gpus-per-node below
+# (`hpc-ddp render --gpus-per-node N` writes both; a mismatch stops at start with a HINT).
 #SBATCH --ntasks-per-node=3
-# Each task gets its own GPU, so the GPUs per node follow from the line above.
-# (--gpus-per-task not requested)
+# GPUs per node, shared by the node's tasks: each task sees them all and drives
+# cuda:LOCAL_RANK. Unlike --gpus-per-task (one GPU visible per task), this lets NCCL move
+# gradients directly between the GPUs of a node (CUDA IPC over NVLink or PCIe).
+# (--gpus-per-node not requested)
 # CPU cores per task, for the training process and its DataLoader workers.
 #SBATCH --cpus-per-task=2
 # Wall-clock limit (HH:MM:SS).
