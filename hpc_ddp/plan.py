@@ -118,9 +118,8 @@ def gpu_binding_warning(dist_env: DistEnv, device: DevicePlan) -> str | None:
     travel through host memory instead of NVLink or PCIe peer-to-peer; Slurm releases that
     also confine each task's devices to its own GPU hide the peers completely.
     """
-    if not device.device.startswith("cuda") or dist_env.gpus_per_task is None:
-        return None
-    if dist_env.local_world_size < 2:
+    bound_to_own_gpu = device.device.startswith("cuda") and dist_env.gpus_per_task is not None
+    if not bound_to_own_gpu or dist_env.local_world_size < 2:
         return None
     return (
         f"--gpus-per-task={dist_env.gpus_per_task}: each of the {dist_env.local_world_size} "
