@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from bench.harness import median, write_result
-from hpc_ddp.checkpoint import load_newest, save_checkpoint
+from hpc_ddp.runtime.checkpoint import FORMAT_VERSION, load_newest, save_checkpoint
 
 WIDTHS = (256, 1024, 2048, 4096)
 
@@ -24,7 +24,7 @@ def run(repeats: int = 3) -> dict[str, Any]:
         model(torch.randn(2, width)).sum().backward()
         optimizer.step()
         state = {
-            "format": 1,
+            "format": FORMAT_VERSION,
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "global_step": 1,

@@ -41,7 +41,7 @@ def measure_rank(mode: str, rank: int, world_size: int) -> dict[str, Any]:
     import pyarrow.parquet as pq
     import torch
 
-    from hpc_ddp.parquet import ParquetLoader, ParquetShard
+    from hpc_ddp.trainer.parquet import ParquetLoader, ParquetShard
 
     baseline_mb, io_before = _status_mb("VmRSS"), _io()
     rows = 0
@@ -78,7 +78,7 @@ def measure_rank(mode: str, rank: int, world_size: int) -> dict[str, Any]:
 
 def run() -> dict[str, Any]:
     if not (DATA / "train").exists():
-        from hpc_ddp.datamake import make_dataset
+        from hpc_ddp.trainer.datamake import make_dataset
 
         make_dataset(
             "synthetic", ROWS, ROW_GROUP, DATA, val_rows=1000, files=4, num_features=FEATURES

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.local import free_loopback_port, rank_environments
+from hpc_ddp.launch.local import free_loopback_port, rank_environments
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"

@@ -1,16 +1,17 @@
-"""Benchmark 1, paired: hpc_ddp's loop and the hand-written loop taking turns, step by step,
-inside the same pair of ranks.
+"""Benchmark 1, paired: the hpc_ddp library path and the hand-written loop taking turns,
+step by step, inside the same pair of ranks.
 
 Separate processes on a shared machine drift by several percent from run to run, more than
 the 1% this benchmark has to resolve. Here both loops live in one pair of gloo ranks (same
-processes, threads and moment) and alternate single steps: hpc_ddp's real Trainer runs its
-epoch (``Trainer.fit``, the code `hpc-ddp local` and srun run) over a loader that, before
-handing it each batch, runs one step of the hand-written loop and times it. Machine noise
-slower than a step then hits both sides alike and cancels.
+processes, threads and moment) and alternate single steps: a loop written against the public
+API (``hpc_ddp.start``, ``run.epochs``, ``run.steps``, ``run.log``, as in a user's script)
+runs its epoch over a loader that, before handing it each batch, runs one step of the
+hand-written loop and times it. Machine noise slower than a step then hits both sides alike
+and cancels.
 
-hpc_ddp's time is its loop's own ``train_time_s`` (as in summary.json) minus the hand-written
-steps run inside it, so it holds everything hpc_ddp does per step and per epoch except
-validation (which the hand-written loop does not do). Each round is one epoch of both.
+hpc_ddp's time is its epoch's wall time minus the hand-written steps run inside it, so it
+holds everything hpc_ddp does per step and at the epoch's end. Each round is one epoch of
+both.
 
 The control (``--control``) puts a second copy of the hand-written loop where hpc_ddp's was:
 its ratio shows what this method reads when both sides are the same code (ideally 1.000).
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import time
@@ -30,54 +30,41 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
 
+import hpc_ddp
 from bench.harness import launch, write_result
-from bench.overhead import BATCH, MODELS, WORLD, hpc_ddp_args
-from bench.raw_ddp import RawLoop
-from hpc_ddp.checkpoint import resume_fingerprint
-from hpc_ddp.config import load_config
-from hpc_ddp.data import build_datasets
-from hpc_ddp.dist import init_distributed, shutdown_distributed
-from hpc_ddp.logs import setup_logging
-from hpc_ddp.loop import Trainer
-from hpc_ddp.models import build_model
-from hpc_ddp.tracking import NullTracker
-from hpc_ddp.train import resolve
+from bench.overhead import BATCH, MODELS, WORLD
+from bench.raw_ddp import RawLoop, raw_model
+from hpc_ddp.trainer.datasets import synthetic_datasets
 
 #: Samples per epoch (100 steps of the tiny model, 32 of the compute-bound one).
 EPOCH_SAMPLES = {"compute_bound": 8192, "tiny": 25600}
 #: Rounds per model: single steps at 2 ranks on 2 shared cores vary a lot (ranks wait for
 #: each other at every all-reduce), so the tiny model needs tens of thousands of steps.
 ROUNDS = {"compute_bound": 60, "tiny": 300}
-#: Rounds for the control and for the train-accuracy option's cost.
+#: Rounds for the control and for the train-accuracy metric's cost.
 CONTROL_ROUNDS = 150
 
 
-def build_trainer(hidden: list[int], samples: int, overrides: list[str]) -> Trainer:
-    arguments = hpc_ddp_args(hidden, samples, epochs=1)
-    config = load_config(arguments[1], [*arguments[2:], "data.num_val_samples=256", *overrides])
-    plan = resolve(config, os.environ)
-    setup_logging(plan.dist_env.rank, plan.dist_env.world_size)
-    init_distributed(plan.dist_env, plan.device, config.dist)
-    group = dist.new_group(backend="gloo")
-    datasets = build_datasets(config)
-    torch.manual_seed(config.run.seed)
-    model = build_model(config, datasets.num_features, datasets.num_classes)
-    return Trainer(config, plan, datasets, model, NullTracker(), None, group)
-
-
 class StepsInBetween:
-    """A loader that runs one timed hand-written step before handing out each batch."""
+    """A loader for ``run.steps`` that runs one timed hand-written step before handing out
+    each of ``loader``'s batches (or, for the control, of the second hand-written loop's)."""
 
     def __init__(self, loader: Any, raw: RawLoop) -> None:
         self.loader = loader
         self.raw = raw
         self.epoch = 0
         self.raw_seconds = 0.0
+        self.steps_per_epoch = len(raw.loader)
+        self.grad_accum_steps = 1
+        self.global_batch_size = BATCH
 
-    def __len__(self) -> int:
-        return len(self.loader)
+    def set_position(self, epoch: int, step: int) -> None:
+        self.epoch = epoch
+        if hasattr(self.loader, "set_position"):
+            self.loader.set_position(epoch, step)
 
     def __iter__(self) -> Iterator[Any]:
         started = time.perf_counter()
@@ -85,7 +72,7 @@ class StepsInBetween:
         raw_batches = iter(self.raw.loader)
         self.raw_seconds += time.perf_counter() - started
         batches = iter(self.loader)
-        for _ in range(len(self.loader)):
+        for _ in range(self.steps_per_epoch):
             # Each side's batch is fetched right before its own step: a rank waits at a step's
             # all-reduce for the other rank's work since the previous all-reduce, and the
             # fetch is the most variable part of that work, so it must sit on its own side.
@@ -95,29 +82,52 @@ class StepsInBetween:
             yield next(batches)
 
 
-def hpc_ddp_round(
-    trainer: Trainer, between: StepsInBetween, fingerprint: dict[str, str]
-) -> tuple[float, float]:
-    """One epoch of both loops: (hand-written seconds, hpc_ddp seconds)."""
-    train_before, raw_before = trainer.state.train_time_s, between.raw_seconds
-    trainer.total_steps = trainer.state.global_step + trainer.steps_per_epoch
-    trainer.fit(fingerprint)
-    between.epoch += 1
-    raw_seconds = between.raw_seconds - raw_before
-    return raw_seconds, trainer.state.train_time_s - train_before - raw_seconds
+def library_rounds(
+    run: hpc_ddp.Run, hidden: list[int], samples: int, rounds: int, accuracy: bool
+) -> list[tuple[float, float]]:
+    """Epochs of a loop written against the public API, each with the hand-written loop's
+    steps in between: (hand-written seconds, hpc_ddp seconds) per epoch."""
+    raw = RawLoop(hidden, samples, BATCH)
+    model = run.wrap(raw_model(hidden))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    dataset = synthetic_datasets(samples, 1, 64, 10, seed=0).train
+    assert isinstance(dataset, Dataset)
+    between = StepsInBetween(run.train_loader(dataset, BATCH), raw)
+    assert between.steps_per_epoch == len(raw.loader), "both loops must take the same steps"
+    run.register(model=model, optimizer=optimizer)
+    seconds = []
+    for _epoch in run.epochs(rounds):
+        started, raw_before = time.perf_counter(), between.raw_seconds
+        for features, labels in run.steps(between):
+            logits = model(features)
+            loss = nn.functional.cross_entropy(logits, labels)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            run.log("train_loss", loss.detach() * len(labels), len(labels))
+            if accuracy:
+                run.log("train_accuracy", logits.argmax(dim=1).eq(labels).sum(), len(labels))
+        raw_seconds = between.raw_seconds - raw_before
+        seconds.append((raw_seconds, time.perf_counter() - started - raw_seconds))
+    assert raw.steps == run.global_step, f"unequal steps: {raw.steps} vs {run.global_step}"
+    return seconds
 
 
-def control_round(second: RawLoop, between: StepsInBetween) -> tuple[float, float]:
-    """One epoch of the hand-written loop against its own copy, in hpc_ddp's place."""
-    raw_before = between.raw_seconds
-    second.sampler.set_epoch(between.epoch)
-    started = time.perf_counter()
-    for features, labels in between:
-        second.step(features, labels)
-    elapsed = time.perf_counter() - started
-    between.epoch += 1
-    raw_seconds = between.raw_seconds - raw_before
-    return raw_seconds, elapsed - raw_seconds
+def control_rounds(hidden: list[int], samples: int, rounds: int) -> list[tuple[float, float]]:
+    """Epochs of the hand-written loop against its own copy, in hpc_ddp's place."""
+    raw, second = RawLoop(hidden, samples, BATCH), RawLoop(hidden, samples, BATCH)
+    between = StepsInBetween(second.loader, raw)
+    seconds = []
+    for epoch in range(rounds):
+        raw_before = between.raw_seconds
+        second.sampler.set_epoch(epoch)
+        between.set_position(epoch, 0)
+        started = time.perf_counter()
+        for features, labels in between:
+            second.step(features, labels)
+        raw_seconds = between.raw_seconds - raw_before
+        seconds.append((raw_seconds, time.perf_counter() - started - raw_seconds))
+    return seconds
 
 
 def rank_main() -> None:
@@ -125,29 +135,23 @@ def rank_main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), required=True)
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--control", action="store_true", help="hand-written vs itself")
-    parser.add_argument("--set", action="append", default=[], help="hpc_ddp config override")
+    parser.add_argument("--accuracy", action="store_true", help="also log train accuracy")
     args = parser.parse_args()
     hidden = MODELS[args.model]["hidden"]
     samples = EPOCH_SAMPLES[args.model]
-    trainer = build_trainer(hidden, samples, args.set)
-    fingerprint = resume_fingerprint(trainer.config)
-    raw = RawLoop(hidden, samples, BATCH)
-    second = RawLoop(hidden, samples, BATCH) if args.control else None
-    assert len(raw.loader) == trainer.steps_per_epoch, "both loops must take the same steps"
-    between = StepsInBetween(second.loader if second else trainer.loader, raw)
-    trainer.loader = between
-    seconds: list[tuple[float, float]] = []
-    for round_index in range(args.rounds + 1):  # round 0 warms both up and is not counted
-        if second is not None:
-            pair = control_round(second, between)
-        else:
-            pair = hpc_ddp_round(trainer, between, fingerprint)
-        if round_index:
-            seconds.append(pair)
-    other_steps = second.steps if second else trainer.state.global_step
-    assert raw.steps == other_steps, f"unequal steps: {raw.steps} vs {other_steps}"
-    if trainer.plan.dist_env.is_main:
-        samples_per_round = trainer.steps_per_epoch * BATCH
+    run = hpc_ddp.start(
+        name="bench",
+        run={"output_dir": "/tmp/hpc-ddp-bench"},
+        tracking={"enabled": False},
+        checkpoint={"enabled": False},
+    )
+    # Round 0 warms both up and is not counted.
+    if args.control:
+        seconds = control_rounds(hidden, samples, args.rounds + 1)[1:]
+    else:
+        seconds = library_rounds(run, hidden, samples, args.rounds + 1, args.accuracy)[1:]
+    if run.is_main:
+        samples_per_round = (samples // BATCH) * BATCH
         print(
             json.dumps(
                 {
@@ -156,7 +160,7 @@ def rank_main() -> None:
                 }
             )
         )
-    shutdown_distributed()
+    run.finish()
 
 
 def overall_ratio(raw: list[float], hpc: list[float]) -> float:
@@ -187,21 +191,20 @@ def summarise(raw: list[float], hpc: list[float]) -> dict[str, Any]:
 
 
 def measure(
-    name: str, rounds: int, control: bool = False, overrides: tuple[str, ...] = ()
+    name: str, rounds: int, control: bool = False, accuracy: bool = False
 ) -> dict[str, Any]:
-    arguments = ["--model", name, "--rounds", str(rounds)] + (["--control"] if control else [])
-    for override in overrides:
-        arguments += ["--set", override]
+    arguments = ["--model", name, "--rounds", str(rounds)]
+    arguments += (["--control"] if control else []) + (["--accuracy"] if accuracy else [])
     output, _ = launch(WORLD, "bench.interleaved", arguments, timeout=3600)
     row = summarise(output["raw"], output["hpc_ddp"])
     low, high = row["ratio_ci95"]
-    label = name + (" control" if control else "") + "".join(f" {o}" for o in overrides)
+    label = name + (" control" if control else "") + (" train accuracy" if accuracy else "")
     print(
         f"{label} (paired, {rounds} rounds): ratio "
         f"{row['ratio']:.3f} (95% CI {low:.3f}-{high:.3f})",
         flush=True,
     )
-    return {"rounds": rounds, "epoch_samples": EPOCH_SAMPLES[name], "overrides": overrides, **row}
+    return {"rounds": rounds, "epoch_samples": EPOCH_SAMPLES[name], "accuracy": accuracy, **row}
 
 
 def run() -> dict[str, Any]:
@@ -209,9 +212,7 @@ def run() -> dict[str, Any]:
     for name, model in MODELS.items():
         results[name] = {"hidden": model["hidden"], **measure(name, ROUNDS[name])}
     results["control_tiny"] = measure("tiny", CONTROL_ROUNDS, control=True)
-    results["tiny_train_accuracy"] = measure(
-        "tiny", CONTROL_ROUNDS, overrides=("train.train_accuracy=true",)
-    )
+    results["tiny_train_accuracy"] = measure("tiny", CONTROL_ROUNDS, accuracy=True)
     write_result("overhead_paired", results)
     return results
 

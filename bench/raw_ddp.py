@@ -22,7 +22,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from hpc_ddp.data import synthetic_datasets
+from hpc_ddp.trainer.datasets import synthetic_datasets
+
+
+def raw_model(hidden_sizes: list[int]) -> nn.Module:
+    """The MLP 64-hidden...-10 both benchmark sides train, initialised from seed 0."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    width = 64
+    for hidden in hidden_sizes:
+        layers += [nn.Linear(width, hidden), nn.ReLU()]
+        width = hidden
+    return nn.Sequential(*layers, nn.Linear(width, 10))
 
 
 class RawLoop:
@@ -42,13 +53,7 @@ class RawLoop:
         self.bf16 = bf16
         data = synthetic_datasets(samples, 1, 64, 10, seed=0).train
         assert isinstance(data, TensorDataset)
-        torch.manual_seed(0)
-        layers: list[nn.Module] = []
-        width = 64
-        for hidden in hidden_sizes:
-            layers += [nn.Linear(width, hidden), nn.ReLU()]
-            width = hidden
-        module = nn.Sequential(*layers, nn.Linear(width, 10)).to(self.device)
+        module = raw_model(hidden_sizes).to(self.device)
         on_gpu = self.device.type == "cuda"
         self.model = DistributedDataParallel(
             module, device_ids=[self.device.index] if on_gpu else None

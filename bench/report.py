@@ -31,7 +31,8 @@ def _overhead_paired(data: dict[str, Any]) -> str:
     lines = [
         "## 1. Per-step overhead vs a hand-written DDP loop",
         "",
-        f"hpc_ddp's training loop against `bench/raw_ddp.py` (DistributedSampler, DDP, SGD, "
+        f"A training loop written against hpc_ddp's public API (`run.epochs`, `run.steps`, "
+        f"`run.log`) against `bench/raw_ddp.py` (DistributedSampler, DDP, SGD, "
         f"nothing else): same model, synthetic data, {data['world_size']} gloo ranks, global "
         f"batch {data['global_batch']}. hpc_ddp runs with its defaults (interval metrics and a "
         "progress line about every 5 s, stop-signal agreement about once per second, both "
@@ -41,8 +42,8 @@ def _overhead_paired(data: dict[str, Any]) -> str:
         "### 1a. Paired, step by step in the same ranks (the measurement of record)",
         "",
         "`bench/interleaved.py`: both loops live in the same two ranks and alternate single "
-        "steps; hpc_ddp's side is its real `Trainer.fit` over a loader that runs and times one "
-        "hand-written step before each of its batches. Machine noise slower than a step hits "
+        "steps; hpc_ddp's side is a user-style loop over `run.steps` on a loader that runs and "
+        "times one hand-written step before each of its batches. Machine noise slower than a step hits "
         "both alike. Ratio = hand-written seconds / hpc_ddp seconds over all rounds (one "
         "round = one epoch of each), with a bootstrap 95% interval over rounds. The control "
         "row runs the hand-written loop against a copy of itself in hpc_ddp's place: what the "
@@ -55,7 +56,7 @@ def _overhead_paired(data: dict[str, Any]) -> str:
         (_model_label(name, data[name]["hidden"]), data[name]) for name in ("compute_bound", "tiny")
     ]
     if "tiny_train_accuracy" in data:
-        rows.append(("tiny, `train.train_accuracy=true`", data["tiny_train_accuracy"]))
+        rows.append(("tiny, also logging train accuracy", data["tiny_train_accuracy"]))
     if "control_tiny" in data:
         rows.append(("control: tiny, hand-written vs itself", data["control_tiny"]))
     for label, row in rows:

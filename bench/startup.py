@@ -10,7 +10,7 @@ from bench.harness import launch, median, write_result
 from bench.overhead import hpc_ddp_args, raw_args
 
 MODEL: dict[str, Any] = {"hidden": [256, 256], "samples": 8192, "epochs": 1}
-STAGES = ("entry_unix", "dist_ready_unix", "tracker_ready_unix", "data_ready_unix")
+STAGES = ("entry_unix", "dist_ready_unix", "training_unix")
 
 
 def run(repeats: int = 5) -> dict[str, Any]:

@@ -1,32 +1,73 @@
 """hpc_ddp: PyTorch DistributedDataParallel training on Slurm clusters.
 
-The same entry point (``python -m hpc_ddp.train``) runs under ``sbatch slurm/train.sh``,
-``hpc-ddp local`` (N CPU ranks) and submitit::
+Your own training script, with a few lines added::
 
     import hpc_ddp
-    job = hpc_ddp.submit("configs/digits.yaml", nodes=2, gpus_per_node=4, time="1:00:00")
-    results = hpc_ddp.wait(job)
 
-Importing the package is cheap: torch and submitit load only when a function needs them.
+    run = hpc_ddp.start()
+    model = run.wrap(model)
+    loader = run.train_loader(dataset, batch_size=256)      # the global batch
+    run.register(model=model, optimizer=optimizer)
+    for epoch in run.epochs(10):
+        for batch in run.steps(loader):
+            ...
+    run.finish()
+
+runs under ``sbatch slurm/train.sh train.py``, ``hpc-ddp local --nproc 4 train.py``,
+torchrun and submitit (``hpc_ddp.submit(main, nodes=2, gpus_per_node=4)``), with agreed
+preemption stops, requeue, exact resume and exact metrics. The built-in trainer
+(``python -m hpc_ddp.train --config configs/digits.yaml``) is one such script.
+
+Importing the package is cheap: torch, mlflow and submitit load only when a name needs them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from hpc_ddp.runtime.errors import HpcDdpError, Stopped
+
+if TYPE_CHECKING:
+    from hpc_ddp.launch.jobs import submit, wait
+    from hpc_ddp.runtime.config import RuntimeConfig
+    from hpc_ddp.runtime.metrics import Sum, Sums
+    from hpc_ddp.runtime.run import Resumed, Run
+    from hpc_ddp.runtime.start import start
 
 __version__ = "0.1.0"
-__all__ = ["submit", "wait"]
+__all__ = [
+    "HpcDdpError",
+    "Resumed",
+    "Run",
+    "RuntimeConfig",
+    "Stopped",
+    "Sum",
+    "Sums",
+    "start",
+    "submit",
+    "wait",
+]
+
+_LAZY = {
+    "start": "hpc_ddp.runtime.start",
+    "Run": "hpc_ddp.runtime.run",
+    "Resumed": "hpc_ddp.runtime.run",
+    "Sum": "hpc_ddp.runtime.metrics",
+    "Sums": "hpc_ddp.runtime.metrics",
+    "RuntimeConfig": "hpc_ddp.runtime.config",
+    "submit": "hpc_ddp.launch.jobs",
+    "wait": "hpc_ddp.launch.jobs",
+}
 
 
-def submit(*args: Any, **kwargs: Any) -> Any:
-    """Submit training through submitit; see :func:`hpc_ddp.jobs.submit`."""
-    from hpc_ddp.jobs import submit as submit_job
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hpc_ddp' has no attribute {name!r}")
 
-    return submit_job(*args, **kwargs)
 
-
-def wait(job: Any, poll_s: float = 1.0) -> list[dict[str, Any]]:
-    """Every rank's result of a submitted job; see :func:`hpc_ddp.jobs.wait`."""
-    from hpc_ddp.jobs import wait as wait_for_job
-
-    return wait_for_job(job, poll_s)
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

@@ -1,8 +1,9 @@
-"""`hpc-ddp`: one command over the toolkit's entry points.
+"""`hpc-ddp`: one command over the toolkit's launchers and tools.
 
-hpc-ddp local --nproc 4 --config configs/digits.yaml train.epochs=3
-hpc-ddp render --config configs/digits.yaml --nodes 2 --gpus-per-node 4 --time 02:00:00
-hpc-ddp submit --config configs/digits.yaml --nodes 2 --gpus-per-node 4 --time 1:00:00
+hpc-ddp local --nproc 4 train.py --lr 3e-4                 your script on 4 local CPU ranks
+hpc-ddp local --nproc 4 --config configs/digits.yaml train.epochs=3    the built-in trainer
+hpc-ddp render --nodes 2 --gpus-per-node 4 --time 02:00:00 train.py -o job.sh
+hpc-ddp submit --nodes 2 --gpus-per-node 4 --time 1:00:00 -m mypkg.train
 srun hpc-ddp doctor --config configs/digits.yaml
 """
 
@@ -15,71 +16,149 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hpc_ddp.config import config_docs
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.launch.program import Program, program_from
+from hpc_ddp.runtime.errors import HpcDdpError
+
+PROGRAM_HELP = (
+    "what every rank runs: your script and its arguments (train.py --lr 3e-4), -m and a "
+    "module, or the built-in trainer: a .yaml config (or --config) and dotted overrides"
+)
 
 
-def _train_args(args: argparse.Namespace) -> list[str]:
-    return (
-        (["--config", args.config] if args.config else [])
-        + (["--dry-run"] if args.dry_run else [])
-        + list(args.overrides)
+def _split_options(
+    parser: argparse.ArgumentParser, tokens: list[str]
+) -> tuple[list[str], list[str]]:
+    """(this command's options, the rest) of ``tokens``: the built-in trainer's overrides may
+    come before options (`... train.epochs=5 -o job.sh`), which a user's program's arguments
+    never share."""
+    options: list[str] = []
+    rest: list[str] = []
+    actions = parser._option_string_actions
+    index = 0
+    while index < len(tokens):
+        token = tokens[index]
+        action = actions.get(token.split("=", 1)[0])
+        if action is None:
+            rest.append(token)
+            index += 1
+            continue
+        size = 1 if action.nargs == 0 or "=" in token else 2
+        options += tokens[index : index + size]
+        index += size
+    return options, rest
+
+
+def _program(args: argparse.Namespace, default_config: str = "") -> Program:
+    arguments = [args.target, *args.target_args] if args.target is not None else []
+    program = program_from(
+        arguments, module=args.module, config=args.config, default_config=default_config
     )
+    if program.kind == "builtin" and program.args:
+        options, overrides = _split_options(args.parser, list(program.args))
+        if options:
+            args.parser.parse_args(options, namespace=args)
+            program = Program("builtin", program.name, tuple(overrides))
+    if getattr(args, "dry_run", False):
+        if program.kind != "builtin":
+            raise HpcDdpError(
+                "--dry-run applies to the built-in trainer",
+                "leave it out for your own script, or check a launch with `hpc-ddp doctor`",
+            )
+        program = Program(program.kind, program.name, (*program.args, "--dry-run"))
+    return program
 
 
 def _local(args: argparse.Namespace) -> int:
-    from hpc_ddp.local import launch_local
+    from hpc_ddp.launch.local import launch_local
 
-    return launch_local(args.nproc, _train_args(args))
+    return launch_local(args.nproc, _program(args))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hpc_ddp.runtime.startup_signals import hold_stop_signals
+
+    hold_stop_signals()  # before the user's program imports torch
+    from hpc_ddp.launch.program import run_program
+
+    program = _program(args)
+    if program.kind == "builtin":
+        raise HpcDdpError(
+            "hpc-ddp run starts your own script or module",
+            "e.g. hpc-ddp run train.py --lr 3e-4; the built-in trainer is python -m hpc_ddp.train",
+        )
+    return run_program(program)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from hpc_ddp.startup_signals import hold_stop_signals
+    from hpc_ddp.runtime.startup_signals import hold_stop_signals
 
     hold_stop_signals()
-    from hpc_ddp.train import main as train_main
+    from hpc_ddp.trainer.main import main as train_main
 
-    return train_main(_train_args(args))
+    config = ["--config", args.config] if args.config else []
+    return train_main([*config, *(["--dry-run"] if args.dry_run else []), *args.overrides])
 
 
 def _config(_args: argparse.Namespace) -> int:
+    from hpc_ddp.trainer.config import config_docs
+
     for key, default, doc in config_docs():
         print(f"{key} (default {default})\n    {doc}")
     return 0
 
 
-def _render(args: argparse.Namespace) -> int:
-    from hpc_ddp.config import load_config
-    from hpc_ddp.sbatch import RenderRequest, render_sbatch, template_path
+def _check_builtin(program: Program) -> None:
+    """A script for a built-in config that cannot load is no use: load it now."""
+    from hpc_ddp.trainer.config import load_config
 
-    load_config(args.config, args.overrides)  # a script for a config that cannot load is no use
+    program.check()
+    if program.kind == "builtin":
+        load_config(program.name or None, program.args)
+
+
+def _render(args: argparse.Namespace) -> int:
+    from hpc_ddp.launch.sbatch import RenderRequest, render_sbatch, template_path
+
+    program = _program(args, default_config="configs/digits.yaml")
+    _check_builtin(program)
     request = RenderRequest(
-        config=args.config,
+        arguments=tuple(program.template_args()),
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
-        cpu_tasks_per_node=args.tasks_per_node,
+        cpu_tasks_per_node=args.tasks_per_node or 1,
         cpus_per_task=args.cpus_per_task,
         time=args.time,
         partition=args.partition,
         job_name=args.job_name,
-        overrides=tuple(args.overrides),
         launcher=args.launcher,
     )
     script = render_sbatch(template_path(args.launcher).read_text(), request)
     if args.output in (None, "-"):
         sys.stdout.write(script)
-    else:
-        Path(args.output).write_text(script)
-        Path(args.output).chmod(0o755)
-        print(f"wrote {args.output}: submit it with sbatch {args.output}", file=sys.stderr)
+        return 0
+    output = Path(args.output)
+    if not output.parent.is_dir():
+        raise HpcDdpError(
+            f"cannot write {output}: the directory {output.parent} does not exist",
+            f"create it first (mkdir -p {output.parent}) or pick another --output",
+        )
+    output.write_text(script)
+    output.chmod(0o755)
+    print(f"wrote {output}: submit it with sbatch {output}", file=sys.stderr)
     return 0
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from hpc_ddp.jobs import submit, wait
+    from hpc_ddp.launch.jobs import submit, wait
 
+    program = _program(args, default_config="configs/digits.yaml")
+    target: str | list[str] = program.template_args()
+    overrides: list[str] = []
+    if program.kind == "builtin":
+        target, overrides = program.name, list(program.args)
     job = submit(
-        args.config,
+        target,
+        overrides=overrides,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         tasks_per_node=args.tasks_per_node,
@@ -88,26 +167,25 @@ def _submit(args: argparse.Namespace) -> int:
         cpus_per_task=args.cpus_per_task,
         cluster=args.cluster,
         folder=args.folder,
-        overrides=args.overrides,
     )
     print(f"submitted job {job.job_id} (logs in {args.folder})", file=sys.stderr)
     if args.no_wait:
         print(job.job_id)
         return 0
     results = wait(job)
-    print(json.dumps(results[0], indent=2, sort_keys=True))
+    print(json.dumps(results[0], indent=2, sort_keys=True, default=str))
     return 0
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from hpc_ddp.config import load_config
-    from hpc_ddp.doctor import diagnose, print_report
+    from hpc_ddp.launch.doctor import diagnose, print_report
+    from hpc_ddp.trainer.config import load_config
 
     return print_report(diagnose(load_config(args.config, args.overrides), os.environ))
 
 
 def _data_make(args: argparse.Namespace) -> int:
-    from hpc_ddp.datamake import make_dataset
+    from hpc_ddp.trainer.datamake import make_dataset
 
     written = make_dataset(
         args.kind,
@@ -130,7 +208,7 @@ def _data_make(args: argparse.Namespace) -> int:
 
 
 def _port(_args: argparse.Namespace) -> int:
-    from hpc_ddp.slurm import derive_master_port
+    from hpc_ddp.runtime.slurm import derive_master_port
 
     if os.environ.get("MASTER_PORT"):
         print(os.environ["MASTER_PORT"])
@@ -145,11 +223,13 @@ def _port(_args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_run_arguments(parser: argparse.ArgumentParser, dry_run: bool = True) -> None:
-    parser.add_argument("--config", help="YAML config file")
+def _add_program_arguments(parser: argparse.ArgumentParser, dry_run: bool = False) -> None:
+    parser.add_argument("--config", help="YAML config of the built-in trainer")
     if dry_run:
-        parser.add_argument("--dry-run", action="store_true", help="print the plan; do not train")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=3")
+        parser.add_argument("--dry-run", action="store_true", help="built-in trainer: the plan")
+    parser.add_argument("-m", dest="module", action="store_true", help="run a module")
+    parser.add_argument("target", nargs="?", help=PROGRAM_HELP)
+    parser.add_argument("target_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
 def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,7 +252,7 @@ def _command(
     help_text: str,
 ) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text)
-    parser.set_defaults(handler=handler)
+    parser.set_defaults(handler=handler, parser=parser)
     return parser
 
 
@@ -182,10 +262,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    local = _command(commands, "local", _local, "train on N local CPU ranks (gloo, 127.0.0.1)")
+    local = _command(commands, "local", _local, "run a program on N local CPU ranks (gloo)")
     local.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
-    _add_run_arguments(local)
-    _add_run_arguments(_command(commands, "train", _train, "the entry point srun starts"))
+    _add_program_arguments(local, dry_run=True)
+    run = _command(commands, "run", _run, "run your script or module as this rank (srun runs it)")
+    _add_program_arguments(run)
+    train = _command(commands, "train", _train, "the built-in trainer as this rank")
+    train.add_argument("--config", help="YAML config file")
+    train.add_argument("--dry-run", action="store_true", help="print the plan; do not train")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=3")
     _command(commands, "config", _config, "list every config key with its default and doc")
 
     render = _command(commands, "render", _render, "write a ready sbatch script")
@@ -193,18 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--job-name", default=None, help="Slurm job name")
     render.add_argument("--launcher", choices=["srun", "torchrun"], default="srun")
     render.add_argument("--output", "-o", default=None, help="file to write (default stdout)")
-    _add_run_arguments(render, dry_run=False)
+    _add_program_arguments(render)
 
     submit = _command(commands, "submit", _submit, "submit through submitit and wait")
     _add_job_arguments(submit)
     submit.add_argument("--cluster", choices=["slurm", "local"], default=None)
     submit.add_argument("--folder", default="logs/submitit", help="submitit's log folder")
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return")
-    _add_run_arguments(submit, dry_run=False)
+    _add_program_arguments(submit)
 
-    _add_run_arguments(
-        _command(commands, "doctor", _doctor, "print each rank's plan and checks"), dry_run=False
-    )
+    doctor = _command(commands, "doctor", _doctor, "print each rank's plan and checks")
+    doctor.add_argument("--config", help="YAML config file")
+    doctor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=3")
     _command(commands, "port", _port, "print this job's rendezvous port")
 
     data = _command(commands, "data", lambda _args: 2, "data tools")
@@ -224,10 +309,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "config", "") is None and args.command in ("render", "submit"):
-        args.config = "configs/digits.yaml"
-    if args.command == "render" and args.tasks_per_node is None:
-        args.tasks_per_node = 1
     try:
         return int(args.handler(args))
     except HpcDdpError as error:

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.config import Config, config_docs, flatten, load_config
-from hpc_ddp.datamake import make_dataset
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.train import dry_run, resolve
+from hpc_ddp.runtime.configfile import flatten
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.trainer.config import Config, config_docs, load_config
+from hpc_ddp.trainer.datamake import make_dataset
+from hpc_ddp.trainer.main import dry_run
 from tests.helpers import REPO
 
 CONFIG_FILES = sorted((REPO / "configs").glob("*.yaml"))
@@ -115,7 +116,7 @@ def test_every_shipped_config_loads_and_dry_runs(path: Path, tmp_path: Path) -> 
             f"data.val_path={tmp_path / 'set/val'}",
         ]
     config = load_config(path, overrides)
-    report = dry_run(config, resolve(config, {}))
+    report = dry_run(config, {})
     assert report["train_samples"] >= config.data.batch_size
     assert report["logits_shape"][0] == 1 and report["logits_shape"][1] >= 2
     assert report["parameters"] > 0

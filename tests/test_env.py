@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from hpc_ddp.env import (
+from hpc_ddp.runtime.env import (
     LAUNCHER_ORDER,
     detect_launcher,
     dist_env_variables,
@@ -14,8 +14,8 @@ from hpc_ddp.env import (
     needs_allocation_task_count,
     resolve_dist_env,
 )
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.slurm import derive_master_port
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.slurm import derive_master_port
 
 
 def slurm_step(**overrides: str) -> dict[str, str]:
@@ -121,7 +121,7 @@ def test_not_started_by_srun_in_a_multi_task_allocation_fails_fast() -> None:
     assert "not started by srun" in message
     assert "a batch script" in message
     assert "wait forever for the other 1" in message
-    assert "HINT: start training with `srun python -m hpc_ddp.train" in message
+    assert "HINT: start training with `srun python train.py" in message
 
 
 def test_salloc_shell_is_named_in_the_error() -> None:
@@ -210,13 +210,15 @@ def test_torchrun_resolves_and_keeps_its_store() -> None:
 
 def test_launcher_priority_is_pinned() -> None:
     """torchrun inside Slurm is torchrun; hpc-ddp local inside Slurm is local; else Slurm."""
-    assert LAUNCHER_ORDER == ("torchelastic", "local", "slurm", "single")
+    assert LAUNCHER_ORDER == ("torchelastic", "local", "slurm", "submitit-local", "single")
     everything = {**slurm_step(), **torchrun_vars(), "HPC_DDP_LOCAL_RUN_ID": "local-1"}
     assert detect_launcher(everything) == "torchelastic"
     del everything["TORCHELASTIC_RUN_ID"]
     assert detect_launcher(everything) == "local"
     del everything["HPC_DDP_LOCAL_RUN_ID"]
     assert detect_launcher(everything) == "slurm"
+    assert detect_launcher({**everything, "SUBMITIT_LOCAL_JOB_ID": "9"}) == "slurm"
+    assert detect_launcher({"SUBMITIT_LOCAL_JOB_ID": "9"}) == "submitit-local"
     assert detect_launcher({}) == "single"
     inside_slurm = resolve_dist_env({**slurm_step(), **torchrun_vars()}, hostname="h")
     assert inside_slurm.job_id == "4242", "torchrun under Slurm keeps the Slurm job id"

@@ -17,25 +17,21 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from hpc_ddp.checkpoint import (
+from hpc_ddp.runtime.checkpoint import (
+    FORMAT_VERSION,
     check_resumable,
+    fingerprint_of,
     list_checkpoints,
     load_newest,
     remove_partial_writes,
-    resume_fingerprint,
     save_checkpoint,
 )
-from hpc_ddp.config import load_config
-from hpc_ddp.data import ResumableDistributedSampler
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.preempt import (
-    EXIT_STOPPED,
-    StepAgreement,
-    StopSignals,
-    agent_signal_gap,
-    requeue_target,
-)
-from hpc_ddp.tracking import default_tracking_uri
+from hpc_ddp.runtime.data import ResumableDistributedSampler
+from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
+from hpc_ddp.runtime.requeue import agent_signal_gap, requeue_target
+from hpc_ddp.runtime.signals import StepAgreement, StopSignals
+from hpc_ddp.runtime.tracking import default_tracking_uri
+from hpc_ddp.trainer.config import load_config, resume_fingerprint
 from tests.helpers import REPO, clean_environ, run_local
 
 RESUMABLE = [
@@ -52,7 +48,7 @@ RESUMABLE = [
 
 
 def state(step: int) -> dict[str, object]:
-    return {"format": 1, "global_step": step, "weights": torch.full((4,), float(step))}
+    return {"format": FORMAT_VERSION, "global_step": step, "weights": torch.full((4,), float(step))}
 
 
 def test_save_is_atomic_keeps_last_k_and_loads_weights_only(tmp_path: Path) -> None:
@@ -85,16 +81,18 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(
 
 
 def test_resume_refuses_changes_that_matter_and_allows_harmless_ones() -> None:
-    saved = resume_fingerprint(load_config(None))
+    saved = fingerprint_of(resume_fingerprint(load_config(None)))
     harmless = load_config(
         None,
         ["train.epochs=50", "train.log_interval=3", "tracking.enabled=false", "dist.timeout_s=5"],
     )
-    check_resumable(saved, resume_fingerprint(harmless), Path("ckpt.pt"))
+    check_resumable(saved, fingerprint_of(resume_fingerprint(harmless)), Path("ckpt.pt"))
     with pytest.raises(HpcDdpError) as caught:
         check_resumable(
             saved,
-            resume_fingerprint(load_config(None, ["model.hidden_sizes=[64]", "optim.lr=0.5"])),
+            fingerprint_of(
+                resume_fingerprint(load_config(None, ["model.hidden_sizes=[64]", "optim.lr=0.5"]))
+            ),
             Path("ckpt.pt"),
         )
     message = str(caught.value)
@@ -145,11 +143,11 @@ def _run_snippet(code: str) -> subprocess.CompletedProcess[str]:
 
 HOLD_AND_SEND = """
 import os, signal
-from hpc_ddp.startup_signals import hold_stop_signals
+from hpc_ddp.runtime.startup_signals import hold_stop_signals
 hold_stop_signals()
 for name in {names}:
     os.kill(os.getpid(), getattr(signal, name))
-from hpc_ddp.preempt import StopSignals
+from hpc_ddp.runtime.signals import StopSignals
 signals = StopSignals({warning!r}, stop_on_sigterm={on_term}).install()
 print(sorted(signal.Signals(s).name for s in signals.received), signals.wants_requeue)
 signals.restore()

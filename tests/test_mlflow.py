@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from hpc_ddp.tracking import default_tracking_uri
+from hpc_ddp.runtime.tracking import default_tracking_uri
 from tests.helpers import read_summary, run_local
 
 

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.parquet import ParquetLoader, ParquetShard
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.trainer.parquet import ParquetLoader, ParquetShard
 from tests.helpers import clean_environ, run_local
 from tests.test_fault_tolerance import signal_after, start_local
 
@@ -182,7 +182,7 @@ def test_data_make_writes_row_groups(made_set: Path) -> None:
 
 
 def test_digits_set_is_made_from_the_bundled_data(tmp_path: Path) -> None:
-    from hpc_ddp.datamake import make_dataset
+    from hpc_ddp.trainer.datamake import make_dataset
 
     written = make_dataset("digits", 3000, 512, tmp_path, val_rows=100)
     table = pq.read_table(written["train"][0])

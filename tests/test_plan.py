@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp.config import Config, load_config
-from hpc_ddp.env import DistEnv
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.plan import (
+from hpc_ddp.runtime.config import DistConfig, RunConfig
+from hpc_ddp.runtime.env import DistEnv
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.plan import (
     gpu_binding_warning,
-    make_plan,
+    make_launch_plan,
     micro_batch_size,
     plan_device,
     resolve_num_workers,
@@ -47,7 +47,7 @@ def test_batch_that_does_not_divide_lists_the_world_sizes_that_work() -> None:
     with pytest.raises(HpcDdpError) as caught:
         micro_batch_size(100, 3, 1)
     message = str(caught.value)
-    assert "data.batch_size=100 (global) does not divide over world_size=3" in message
+    assert "batch_size=100 (global) does not divide over world_size=3" in message
     assert "world sizes that work with this batch: 1, 2, 4, 5, 10, 20, 25, 50, 100" in message
 
 
@@ -58,14 +58,14 @@ def test_workers() -> None:
     assert resolve_num_workers("auto", None, 2, 4) == 0
 
 
-def cuda_config() -> Config:
-    return load_config(None, ["dist.device=cuda"])
+def cuda_config() -> DistConfig:
+    return DistConfig(device="cuda")
 
 
 def test_gpus_per_task_uses_cuda0_and_nccl() -> None:
     """Mocked GPU count: a GPU cannot exist on the test machines."""
     env = dist_env(gpus_per_task=1, cuda_visible_devices="1")
-    plan = plan_device(load_config(None), env, cuda_device_count=1)
+    plan = plan_device(DistConfig(), env, cuda_device_count=1)
     assert (plan.device, plan.backend) == ("cuda:0", "nccl")
 
 
@@ -81,7 +81,7 @@ def test_per_task_gpus_on_a_multi_gpu_node_warn_that_nccl_loses_peer_to_peer() -
     alone = dist_env(gpus_per_task=1, local_world_size=1, local_rank=0, cuda_visible_devices="0")
     assert gpu_binding_warning(alone, plan_device(cuda_config(), alone, 1)) is None
     cpu = dist_env(gpus_per_task=1)
-    assert gpu_binding_warning(cpu, plan_device(load_config(None), cpu, 0)) is None
+    assert gpu_binding_warning(cpu, plan_device(DistConfig(), cpu, 0)) is None
 
 
 def test_gres_with_one_gpu_per_local_task_uses_local_rank() -> None:
@@ -112,16 +112,18 @@ def test_several_gpus_per_task_is_refused() -> None:
 
 
 def test_cpu_and_gloo_without_gpus_and_errors_when_cuda_is_forced() -> None:
-    plan = plan_device(load_config(None), dist_env(), cuda_device_count=0)
+    plan = plan_device(DistConfig(), dist_env(), cuda_device_count=0)
     assert (plan.device, plan.backend) == ("cpu", "gloo")
     with pytest.raises(HpcDdpError, match="no GPU is visible"):
         plan_device(cuda_config(), dist_env(), cuda_device_count=0)
     with pytest.raises(HpcDdpError, match="nccl needs CUDA"):
-        plan_device(load_config(None, ["dist.backend=nccl"]), dist_env(), cuda_device_count=0)
+        plan_device(DistConfig(backend="nccl"), dist_env(), cuda_device_count=0)
 
 
-def test_make_plan_run_dir_uses_job_id(tmp_path: Path) -> None:
-    config = load_config(None, [f"run.output_dir={tmp_path}", "data.batch_size=64"])
-    plan = make_plan(config, dist_env(), cuda_device_count=0, cpu_count=2)
+def test_launch_plan_run_dir_uses_job_id(tmp_path: Path) -> None:
+    run = RunConfig(output_dir=str(tmp_path))
+    plan = make_launch_plan(DistConfig(), run, "digits-mlp", dist_env(), cuda_device_count=0)
     assert plan.run_dir == tmp_path / "digits-mlp" / "7"
-    assert plan.micro_batch_size == 16
+    assert plan.device.device == "cpu"
+    fixed = make_launch_plan(DistConfig(), RunConfig(id="mine"), "x", dist_env(), 0)
+    assert fixed.run_dir == Path("runs") / "x" / "mine"

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.jobs import time_to_minutes
-from hpc_ddp.sbatch import RenderRequest, render_sbatch, template_path
+from hpc_ddp.launch.sbatch import RenderRequest, render_sbatch, template_path
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.slurm import time_to_minutes
 from tests.helpers import REPO, clean_environ
 
 GOLDEN = REPO / "tests" / "golden"
 HOSTILE_CONFIG = "configs/my runs/it's; echo PWNED.yaml"
+HOSTILE_SCRIPT = "my runs/train it's.py"
+HOSTILE_SCRIPT_ARGS = ["--lr", "3e-4", "--note", "$(touch PWNED); echo `touch PWNED2`"]
 HOSTILE_OVERRIDES = [
     "run.name=$(touch PWNED)",
     "run.output_dir=`touch PWNED2`",
@@ -54,6 +56,16 @@ CASES = {
         "30",
         *HOSTILE_OVERRIDES,
     ],
+    "script-2nodes.sh": [
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--time",
+        "02:00:00",
+        HOSTILE_SCRIPT,
+        *HOSTILE_SCRIPT_ARGS,
+    ],
     "torchrun-2nodes.sh": [
         "--launcher",
         "torchrun",
@@ -76,6 +88,9 @@ def workdir(tmp_path: Path) -> Path:
     hostile = tmp_path / HOSTILE_CONFIG
     hostile.parent.mkdir(parents=True)
     shutil.copy(REPO / "configs" / "synthetic.yaml", hostile)
+    script = tmp_path / HOSTILE_SCRIPT
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text("print('a user script')\n")
     return tmp_path
 
 
@@ -153,6 +168,69 @@ def test_hostile_paths_reach_python_verbatim_and_run_nothing(workdir: Path) -> N
     assert not list(workdir.glob("*PWNED*"))
 
 
+def test_a_users_script_and_its_arguments_reach_every_rank_verbatim(workdir: Path) -> None:
+    """`hpc-ddp render ... train.py args`: srun starts `python -m hpc_ddp run` with the script
+    and its arguments exactly as given (spaces, quotes and `$(...)` stay inert)."""
+    script = workdir / "job.sh"
+    # Everything after the script is the script's: hpc-ddp's own options come first.
+    result = render(workdir, ["--output", str(script), *CASES["script-2nodes.sh"]])
+    assert result.returncode == 0, result.stderr
+    bin_dir = fake_slurm_bin(workdir / "fakebin")
+    argv_log = workdir / "argv.json"
+    environment = clean_environ(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        ARGV_LOG=str(argv_log),
+        SLURM_JOB_ID="1",
+        SLURM_JOB_NODELIST="node1",
+    )
+    subprocess.run(
+        ["bash", str(script)], cwd=workdir, env=environment, check=True, capture_output=True
+    )
+    argv = json.loads(argv_log.read_text())
+    assert argv == [
+        "--kill-on-bad-exit=1",
+        "python",
+        "-m",
+        "hpc_ddp",
+        "run",
+        HOSTILE_SCRIPT,
+        *HOSTILE_SCRIPT_ARGS,
+    ]
+    assert not list(workdir.glob("*PWNED*"))
+    subprocess.run(
+        ["bash", str(script), "-m", "mypkg.train", "--epochs", "2"],
+        cwd=workdir,
+        env=environment,
+        check=True,
+        capture_output=True,
+    )
+    assert json.loads(argv_log.read_text())[2:] == [
+        "-m",
+        "hpc_ddp",
+        "run",
+        "-m",
+        "mypkg.train",
+        "--epochs",
+        "2",
+    ]
+
+
+def test_render_refuses_a_script_that_does_not_exist(workdir: Path) -> None:
+    result = render(workdir, ["--nodes", "2", "missing.py", "--lr", "1"])
+    assert result.returncode == 2
+    assert "script 'missing.py' does not exist" in result.stderr and "HINT:" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = render(workdir, ["-o", str(workdir / "no" / "such" / "job.sh")])
+    assert result.returncode == 2 and "the directory" in result.stderr
+
+
+def test_the_templates_ship_with_the_package_and_slurm_links_to_them() -> None:
+    for launcher, name in (("srun", "train.sh"), ("torchrun", "train-torchrun.sh")):
+        installed = template_path(launcher)
+        assert installed.is_file() and "hpc_ddp/launch/templates" in str(installed)
+        assert (REPO / "slurm" / name).resolve() == installed.resolve()
+
+
 def test_command_line_arguments_replace_the_rendered_defaults(workdir: Path) -> None:
     script = workdir / "job.sh"
     assert render(workdir, [*CASES["gpu-2nodes.sh"], "-o", str(script)]).returncode == 0
@@ -196,12 +274,12 @@ def test_command_line_arguments_replace_the_rendered_defaults(workdir: Path) -> 
         ("job_name", "x\n#SBATCH --uid=0", "not accepted in an #SBATCH line"),
         ("partition", "gpu; rm -rf /", "not accepted in an #SBATCH line"),
         ("time", "1:00:00\n#SBATCH --x", "not accepted in an #SBATCH line"),
-        ("config", "configs/a\nrm -rf ~", "contains a line break"),
+        ("arguments", ("configs/a\nrm -rf ~",), "contains a line break"),
     ],
 )
-def test_unsafe_values_are_refused(field: str, value: str, message: str) -> None:
+def test_unsafe_values_are_refused(field: str, value: object, message: str) -> None:
     template = template_path().read_text()
-    request = RenderRequest(**{"config": "configs/digits.yaml", field: value})  # type: ignore[arg-type]
+    request = RenderRequest(**{"arguments": ("configs/digits.yaml",), field: value})  # type: ignore[arg-type]
     with pytest.raises(HpcDdpError, match=message):
         render_sbatch(template, request)
 
@@ -209,7 +287,7 @@ def test_unsafe_values_are_refused(field: str, value: str, message: str) -> None
 def test_template_drift_is_detected() -> None:
     template = template_path().read_text().replace("#SBATCH --nodes=1\n", "")
     with pytest.raises(HpcDdpError, match="0 '#SBATCH --nodes=' lines"):
-        render_sbatch(template, RenderRequest(config="c.yaml"))
+        render_sbatch(template, RenderRequest(arguments=("c.yaml",)))
 
 
 def test_the_template_gives_every_task_all_the_gpus_of_its_node() -> None:
@@ -222,11 +300,13 @@ def test_the_template_gives_every_task_all_the_gpus_of_its_node() -> None:
     assert tasks == gpus == ["2"]
     assert not any("gpus-per-task" in line or "--gres" in line for line in directives)
     assert "--nnodes" not in text and "$SLURM_NNODES" not in text
-    rendered = render_sbatch(text, RenderRequest(config="c.yaml", nodes=3, gpus_per_node=8))
+    rendered = render_sbatch(text, RenderRequest(arguments=("c.yaml",), nodes=3, gpus_per_node=8))
     lines = rendered.splitlines()
     assert "#SBATCH --ntasks-per-node=8" in lines and "#SBATCH --gpus-per-node=8" in lines
     assert "#SBATCH --nodes=3" in lines
-    cpu = render_sbatch(text, RenderRequest(config="c.yaml", gpus_per_node=0, cpu_tasks_per_node=4))
+    cpu = render_sbatch(
+        text, RenderRequest(arguments=("c.yaml",), gpus_per_node=0, cpu_tasks_per_node=4)
+    )
     assert "#SBATCH --ntasks-per-node=4" in cpu.splitlines()
     assert "(--gpus-per-node not requested)" in cpu and "#SBATCH --gpus" not in cpu
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from hpc_ddp.checkpoint import list_checkpoints
-from hpc_ddp.jobs import submit, wait
-from hpc_ddp.tracking import default_tracking_uri
+from hpc_ddp.launch.jobs import submit, wait
+from hpc_ddp.runtime.checkpoint import list_checkpoints
+from hpc_ddp.runtime.tracking import default_tracking_uri
 from tests.helpers import REPO, read_summary, run_local, summary_path
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
 

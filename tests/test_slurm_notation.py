@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.slurm import (
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.slurm import (
     PORT_BASE,
     PORT_SPAN,
     derive_master_port,

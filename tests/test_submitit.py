@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.config import load_config
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.jobs import submit, submitit_local_environ, wait
+from hpc_ddp.launch.jobs import submit, wait
+from hpc_ddp.runtime.env import resolve_dist_env
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.slurm import derive_master_port
+from hpc_ddp.trainer.config import load_config
 from tests.helpers import REPO
 from tests.slurm_cluster import SlurmCluster
 
@@ -18,29 +20,20 @@ CONFIG = REPO / "configs" / "synthetic.yaml"
 SMALL = ["data.num_samples=2048", "data.batch_size=64", "train.epochs=1", "tracking.enabled=false"]
 
 
-def test_local_executor_environment_maps_to_local_ranks() -> None:
-    environ = submitit_local_environ(
-        {
-            "SUBMITIT_LOCAL_JOB_ID": "4321",
-            "SUBMITIT_LOCAL_NTASKS": "2",
-            "SUBMITIT_LOCAL_GLOBALID": "1",
-            "SUBMITIT_LOCAL_LOCALID": "1",
-        },
-        cpu_count=4,
-    )
-    assert (environ["RANK"], environ["WORLD_SIZE"], environ["MASTER_ADDR"]) == (
-        "1",
-        "2",
-        "127.0.0.1",
-    )
-    assert environ["HPC_DDP_LOCAL_RUN_ID"] == "submitit-4321"
-    assert environ["OMP_NUM_THREADS"] == "2", "2 tasks share 4 CPUs"
-    mine = {"SUBMITIT_LOCAL_JOB_ID": "7", "SUBMITIT_LOCAL_NTASKS": "2", "OMP_NUM_THREADS": "3"}
-    assert submitit_local_environ(mine, cpu_count=4)["OMP_NUM_THREADS"] == "3"
-    assert submitit_local_environ({"SLURM_JOB_ID": "5", "SUBMITIT_LOCAL_JOB_ID": "5"}, 4) == {
-        "SLURM_JOB_ID": "5",
-        "SUBMITIT_LOCAL_JOB_ID": "5",
+def test_local_executor_tasks_resolve_as_local_ranks() -> None:
+    environ = {
+        "SUBMITIT_LOCAL_JOB_ID": "4321",
+        "SUBMITIT_LOCAL_NTASKS": "2",
+        "SUBMITIT_LOCAL_GLOBALID": "1",
+        "SUBMITIT_LOCAL_LOCALID": "1",
     }
+    env = resolve_dist_env(environ, hostname="h")
+    assert (env.launcher, env.rank, env.local_rank, env.world_size) == ("submitit-local", 1, 1, 2)
+    assert (env.master_addr, env.job_id) == ("127.0.0.1", "submitit-4321")
+    assert env.master_port == derive_master_port(4321)
+    assert resolve_dist_env({**environ, "MASTER_PORT": "23456"}).master_port == 23456
+    under_slurm = resolve_dist_env({**environ, "SLURM_JOB_ID": "5"}, hostname="h")
+    assert under_slurm.launcher == "slurm", "a Slurm job wins over the local executor's ids"
 
 
 def test_local_executor_two_tasks_return_every_rank(tmp_path: Path) -> None:

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_ddp.data import ShardedEvalSampler
-from hpc_ddp.errors import EXIT_PEER_LOST, EXIT_STOPPED, lost_peer
-from hpc_ddp.local import PEER_GRACE_S, failure_to_report
-from hpc_ddp.loop import replica_fingerprint
-from hpc_ddp.metrics import PENDING_LOSSES_MAX, Totals
-from hpc_ddp.schedule import LrSchedule, lr_factor
+from hpc_ddp.launch.local import PEER_GRACE_S, failure_to_report
+from hpc_ddp.runtime.data import ShardedEvalSampler
+from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError, lost_peer
+from hpc_ddp.runtime.metrics import PENDING_MAX, Sums
+from hpc_ddp.runtime.replicas import replica_fingerprint
+from hpc_ddp.trainer.schedule import LrSchedule, lr_factor
 from tests.helpers import clean_environ, read_summary, run_local, run_train, summary_path
 
 EXACT = [
@@ -383,24 +383,27 @@ def test_lr_schedule_follows_lambda_lr_and_resumes_in_place(schedule: str, warmu
     )
 
 
-def test_totals_weight_each_batch_loss_by_its_size_and_bound_what_they_keep() -> None:
-    """Per-batch losses are kept and summed later; the sums must equal summing at once."""
-    totals, other = Totals.zeros(torch.device("cpu")), Totals.zeros(torch.device("cpu"))
-    logits = torch.tensor([[2.0, 0.0], [0.0, 2.0], [2.0, 0.0], [0.0, 2.0]])
-    labels = torch.tensor([0, 1, 1, 1])
-    totals.add(logits, labels, torch.tensor(0.5))
-    totals.add(logits[:2], labels[:2], torch.tensor(2.0), count_correct=False)
-    other.add(logits[:1], labels[:1], torch.tensor(1.0))
-    totals.absorb(other)
-    loss, accuracy, count = totals.reduced()
-    assert count == 7
-    assert loss == pytest.approx((0.5 * 4 + 2.0 * 2 + 1.0 * 1) / 7)
-    assert accuracy == pytest.approx((3 + 1) / 7), "the batch added without counting adds none"
-    many = Totals.zeros(torch.device("cpu"))
-    for _ in range(PENDING_LOSSES_MAX + 5):
-        many.add(logits, labels, torch.tensor(0.25), count_correct=False)
-    assert len(many._pending_losses) == 5
-    assert many.reduced()[0] == pytest.approx(0.25)
+def test_sums_are_exact_bounded_and_shaped() -> None:
+    """Per-batch totals are kept and summed later; the sums must equal summing at once, in
+    float64, for scalars and tensors, with tensor and number counts alike."""
+    sums = Sums(torch.device("cpu"))
+    sums.add("loss", torch.tensor(0.5) * 4, 4)
+    sums.add("loss", 2.0 * 2, torch.tensor(2))
+    sums.add("loss", torch.tensor(1.0, dtype=torch.bfloat16), 1)
+    sums.add("confusion", torch.tensor([[1, 0], [2, 3]]), 6)
+    sums.add("confusion", torch.tensor([[0, 1], [0, 0]]), 1)
+    reduced = sums.reduce()
+    assert reduced["loss"].count == 7 and reduced["loss"].mean == pytest.approx(7 / 7)
+    assert reduced["loss"].total == pytest.approx(0.5 * 4 + 2.0 * 2 + 1.0)
+    assert reduced["confusion"].total.tolist() == [[1.0, 1.0], [2.0, 3.0]]
+    assert reduced["confusion"].count == 7
+    with pytest.raises(HpcDdpError, match="with shape \\(2, 2\\) and now with \\(3,\\)"):
+        sums.add("confusion", torch.zeros(3), 1)
+    many = Sums(torch.device("cpu"))
+    for _ in range(PENDING_MAX + 5):
+        many.add("loss", torch.tensor(0.25), 1)
+    assert len(many._entries["loss"].pending) == 6, "folded once, then five more kept"
+    assert many.reduce()["loss"].mean == pytest.approx(0.25)
 
 
 def test_local_launcher_rejects_zero_ranks() -> None:

@@ -1,7 +1,9 @@
 #!/bin/bash
 # hpc_ddp training job: one task per GPU on every allocated node, all started by srun.
 #
-#   sbatch slurm/train.sh                                        # default config
+#   sbatch --nodes=2 slurm/train.sh train.py --lr 3e-4           # your script and its arguments
+#   sbatch --nodes=2 slurm/train.sh -m mypkg.train --lr 3e-4     # your module
+#   sbatch slurm/train.sh                                        # the built-in trainer
 #   sbatch --nodes=2 slurm/train.sh configs/x.yaml train.epochs=5
 #   sbatch slurm/train.sh train.epochs=5                         # default config + overrides
 #
@@ -35,7 +37,8 @@
 
 set -euo pipefail
 
-# Config and overrides used when the sbatch command line gives none (`hpc-ddp render` fills them).
+# The program when the sbatch command line gives none (`hpc-ddp render` fills it): a .yaml
+# config (and overrides) for the built-in trainer, a script, or -m and a module.
 DEFAULT_ARGS=('configs/my runs/it'"'"'s; echo PWNED.yaml' 'run.name=$(touch PWNED)' 'run.output_dir=`touch PWNED2`' 'tracking.experiment="x y"')
 
 # Site specifics (module load, venv or conda activation, NCCL settings) go in one optional
@@ -50,13 +53,18 @@ args=("$@")
 if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then
     args=("${DEFAULT_ARGS[@]}" "${args[@]}")
 fi
-config=${args[0]}
-overrides=("${args[@]:1}")
+# A .yaml first: the built-in trainer with that config and overrides. Anything else is your
+# own program, run by hpc_ddp on every rank (signals held from the start, exit codes).
+if [[ ${args[0]} == *.yaml || ${args[0]} == *.yml ]]; then
+    program=(-m hpc_ddp.train --config "${args[@]}")
+else
+    program=(-m hpc_ddp run "${args[@]}")
+fi
 
 # One thread pool per task, sized to the cores Slurm gave it.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 
-echo "job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}: config ${config} ${overrides[*]}"
+echo "job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}: ${args[*]}"
 # --kill-on-bad-exit: one failed rank ends the whole step at once instead of leaving the
 # other ranks waiting in a collective until the time limit.
-srun --kill-on-bad-exit=1 "${PYTHON:-python}" -m hpc_ddp.train --config "$config" "${overrides[@]}"
+srun --kill-on-bad-exit=1 "${PYTHON:-python}" "${program[@]}"

@@ -2,7 +2,9 @@
 # hpc_ddp training job, torchrun flavour: ONE Slurm task per node runs torchrun, which starts
 # one rank per GPU on its node. The ranks meet at a c10d rendezvous on the first node.
 #
-#   sbatch slurm/train-torchrun.sh
+#   sbatch --nodes=2 slurm/train-torchrun.sh train.py --lr 3e-4     # your script
+#   sbatch --nodes=2 slurm/train-torchrun.sh -m mypkg.train          # your module
+#   sbatch slurm/train-torchrun.sh                                   # the built-in trainer
 #   sbatch --nodes=2 slurm/train-torchrun.sh configs/x.yaml train.epochs=5
 #
 #SBATCH --job-name=hpc-ddp-torchrun
@@ -25,6 +27,7 @@
 
 set -euo pipefail
 
+# The program when the command line gives none: as in slurm/train.sh.
 DEFAULT_ARGS=(configs/synthetic.yaml)
 
 site_file=${HPC_DDP_SITE:-slurm/site.sh}
@@ -37,8 +40,11 @@ args=("$@")
 if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then
     args=("${DEFAULT_ARGS[@]}" "${args[@]}")
 fi
-config=${args[0]}
-overrides=("${args[@]:1}")
+if [[ ${args[0]} == *.yaml || ${args[0]} == *.yml ]]; then
+    program=(-m hpc_ddp.train --config "${args[@]}")
+else
+    program=(-m hpc_ddp run "${args[@]}")
+fi
 
 python=${PYTHON:-python}
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -63,4 +69,4 @@ srun --kill-on-bad-exit=1 "$python" -m torch.distributed.run \
     --rdzv-backend=c10d \
     --rdzv-endpoint="${head_node}:${rendezvous_port}" \
     --rdzv-id="$SLURM_JOB_ID" \
-    -m hpc_ddp.train --config "$config" "${overrides[@]}"
+    "${program[@]}"

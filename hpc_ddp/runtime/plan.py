@@ -1,8 +1,8 @@
-"""The resolved plan of a run: batch division, device, workers, run directory.
+"""The resolved plan of a launch: device, run directory, batch division, workers.
 
-Pure arithmetic over the config and the :class:`~hpc_ddp.env.DistEnv`. Everything that can
-be wrong about a launch is checked here, before any process group exists, so a bad request
-fails in seconds with a HINT instead of hanging inside NCCL or gloo.
+Pure arithmetic over the settings and the :class:`~hpc_ddp.runtime.env.DistEnv`. Everything
+that can be wrong about a launch is checked here, before any process group exists, so a bad
+request fails in seconds with a HINT instead of hanging inside NCCL or gloo.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_ddp.config import Config
-from hpc_ddp.env import DistEnv
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.runtime.config import DistConfig, RunConfig
+from hpc_ddp.runtime.env import DistEnv
+from hpc_ddp.runtime.errors import HpcDdpError
 
 
 @dataclass(frozen=True)
@@ -26,20 +26,31 @@ class DevicePlan:
 
 
 @dataclass(frozen=True)
-class RunPlan:
-    """Everything derived for one rank before training starts."""
+class LaunchPlan:
+    """Where this rank runs, what it drives and where it writes: derived before any
+    process group exists."""
 
     dist_env: DistEnv
     device: DevicePlan
-    global_batch_size: int
-    micro_batch_size: int
-    grad_accum_steps: int
-    num_workers: int
     run_dir: Path
 
 
-def micro_batch_size(global_batch: int, world_size: int, grad_accum_steps: int) -> int:
-    """Samples each rank loads per micro-step; refuses a global batch that does not divide."""
+def micro_batch_size(
+    global_batch: int,
+    world_size: int,
+    grad_accum_steps: int,
+    names: tuple[str, str] = ("batch_size", "grad_accum_steps"),
+) -> int:
+    """Samples each rank loads per micro-step; refuses a global batch that does not divide.
+
+    ``names`` are what the caller calls the batch and accumulation settings, for the message.
+    """
+    batch_name, accum_name = names
+    if global_batch < 1 or grad_accum_steps < 1:
+        raise HpcDdpError(
+            f"{batch_name}={global_batch}, {accum_name}={grad_accum_steps}: both must be >= 1",
+            f"set {batch_name} to the global batch: samples per optimizer step over all ranks",
+        )
     shares = world_size * grad_accum_steps
     if global_batch % shares:
         working = [
@@ -48,10 +59,10 @@ def micro_batch_size(global_batch: int, world_size: int, grad_accum_steps: int) 
             if global_batch % (w * grad_accum_steps) == 0
         ]
         raise HpcDdpError(
-            f"data.batch_size={global_batch} (global) does not divide over world_size="
-            f"{world_size} x train.grad_accum_steps={grad_accum_steps}",
+            f"{batch_name}={global_batch} (global) does not divide over world_size="
+            f"{world_size} x {accum_name}={grad_accum_steps}",
             f"world sizes that work with this batch: {', '.join(map(str, working)) or 'none'}; "
-            f"or pick data.batch_size as a multiple of {shares}",
+            f"or pick {batch_name} as a multiple of {shares}",
         )
     return global_batch // shares
 
@@ -64,6 +75,11 @@ def resolve_num_workers(
         return int(setting)
     cpus_for_this_rank = cpus_per_task or max(1, cpu_count // max(1, local_world_size))
     return max(0, cpus_for_this_rank - 1)
+
+
+def threads_per_rank(cpu_count: int, ranks: int) -> int:
+    """Intra-op threads for each of ``ranks`` ranks sharing ``cpu_count`` CPUs (at least 1)."""
+    return max(1, cpu_count // ranks)
 
 
 def visible_gpu_count(cuda_visible_devices: str | None, cuda_device_count: int) -> int:
@@ -130,9 +146,9 @@ def gpu_binding_warning(dist_env: DistEnv, device: DevicePlan) -> str | None:
     )
 
 
-def plan_device(config: Config, dist_env: DistEnv, cuda_device_count: int) -> DevicePlan:
+def plan_device(config: DistConfig, dist_env: DistEnv, cuda_device_count: int) -> DevicePlan:
     """Choose the device and backend. ``cuda_device_count`` is torch.cuda.device_count()."""
-    wanted = config.dist.device
+    wanted = config.device
     visible = visible_gpu_count(dist_env.cuda_visible_devices, cuda_device_count)
     use_cuda = wanted == "cuda" or (wanted == "auto" and cuda_device_count > 0)
     if use_cuda and visible == 0:
@@ -141,53 +157,44 @@ def plan_device(config: Config, dist_env: DistEnv, cuda_device_count: int) -> De
             "request GPUs from Slurm (--gpus-per-node / --gres=gpu:N), check CUDA_VISIBLE_DEVICES, "
             "or use dist.device=cpu",
         )
-    if config.dist.backend == "nccl" and not use_cuda:
+    if config.backend == "nccl" and not use_cuda:
         raise HpcDdpError(
             "dist.backend=nccl needs CUDA devices, and this process has none",
             "use dist.backend=auto (gloo on CPU)",
         )
     if not use_cuda:
-        backend = "gloo" if config.dist.backend == "auto" else config.dist.backend
+        backend = "gloo" if config.backend == "auto" else config.backend
         return DevicePlan(
             "cpu", backend, "no GPU visible" if wanted == "auto" else "dist.device=cpu"
         )
     index, reason = _cuda_index(dist_env, visible)
-    backend = "nccl" if config.dist.backend == "auto" else config.dist.backend
+    backend = "nccl" if config.backend == "auto" else config.backend
     return DevicePlan(f"cuda:{index}", backend, reason)
 
 
-def run_directory(config: Config, dist_env: DistEnv) -> Path:
+def run_directory(config: RunConfig, name: str, dist_env: DistEnv) -> Path:
     """<output_dir>/<name>/<id>: the id is the Slurm job id, so a requeued job finds its files."""
-    return Path(config.run.output_dir) / config.run.name / (config.run.id or dist_env.job_id)
+    return Path(config.output_dir) / name / (config.id or dist_env.job_id)
 
 
-def make_plan(config: Config, dist_env: DistEnv, cuda_device_count: int, cpu_count: int) -> RunPlan:
-    """Derive and check the whole plan; raises HpcDdpError with a HINT on any bad request."""
-    micro = micro_batch_size(
-        config.data.batch_size, dist_env.world_size, config.train.grad_accum_steps
-    )
-    return RunPlan(
+def make_launch_plan(
+    config: DistConfig, run: RunConfig, name: str, dist_env: DistEnv, cuda_device_count: int
+) -> LaunchPlan:
+    """Derive and check the device and run directory; raises HpcDdpError with a HINT."""
+    return LaunchPlan(
         dist_env=dist_env,
         device=plan_device(config, dist_env, cuda_device_count),
-        global_batch_size=config.data.batch_size,
-        micro_batch_size=micro,
-        grad_accum_steps=config.train.grad_accum_steps,
-        num_workers=resolve_num_workers(
-            config.data.num_workers, dist_env.cpus_per_task, cpu_count, dist_env.local_world_size
-        ),
-        run_dir=run_directory(config, dist_env),
+        run_dir=run_directory(run, name, dist_env),
     )
 
 
-def describe_plan(plan: RunPlan) -> str:
-    """One line per fact, for `--dry-run` and `hpc-ddp doctor`."""
+def describe_launch(plan: LaunchPlan) -> str:
+    """This rank's place, device and run directory, in one line (logs, `--dry-run`, doctor)."""
     env = plan.dist_env
     return (
         f"launcher={env.launcher} job={env.job_id} host={env.hostname} rank={env.rank}/"
         f"{env.world_size} local_rank={env.local_rank}/{env.local_world_size} node={env.node_rank}/"
         f"{env.num_nodes} master={env.master_addr}:{env.master_port} device={plan.device.device} "
         f"({plan.device.reason}) backend={plan.device.backend} cuda_visible="
-        f"{env.cuda_visible_devices or '-'} global_batch={plan.global_batch_size} "
-        f"per_rank_batch={plan.micro_batch_size} x accum {plan.grad_accum_steps} "
-        f"workers={plan.num_workers} run_dir={plan.run_dir}"
+        f"{env.cuda_visible_devices or '-'} run_dir={plan.run_dir}"
     )

@@ -1,19 +1,18 @@
-"""Datasets and the per-rank loaders: DistributedSampler for training, exact sharding for eval."""
+"""The built-in trainer's data: scikit-learn's digits, a synthetic problem, Parquet files,
+or a user's factory; each a (features, label) classification set."""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
-from hpc_ddp.config import Config
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.models import load_factory
-from hpc_ddp.parquet import ParquetLoader, ParquetShard
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.trainer.config import Config
+from hpc_ddp.trainer.models import load_factory
+from hpc_ddp.trainer.parquet import ParquetShard
 
 
 @dataclass(frozen=True)
@@ -129,111 +128,3 @@ def build_datasets(config: Config) -> Datasets:
             "return (train_dataset, val_dataset, num_features, num_classes)",
         )
     return Datasets(*result)
-
-
-class ShardedEvalSampler(Sampler[int]):
-    """Rank r takes indices r, r+W, r+2W, ...: every sample exactly once over all ranks.
-
-    Unlike DistributedSampler it neither pads with duplicates nor drops a tail, so shards
-    may differ in length by one; evaluation sums and counts, so that is exact.
-    """
-
-    def __init__(self, dataset_size: int, rank: int, world_size: int) -> None:
-        self.dataset_size = dataset_size
-        self.rank = rank
-        self.world_size = world_size
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.dataset_size, self.world_size))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.dataset_size, self.world_size))
-
-
-class ResumableDistributedSampler(DistributedSampler[Any]):
-    """DistributedSampler that can start an epoch part-way, without touching the skipped
-    samples: the order is DistributedSampler's (seed + epoch), minus the first ``skip``.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.skip = 0
-
-    def set_start(self, skip: int) -> None:
-        """Skip this rank's first ``skip`` samples of the current epoch (0: whole epoch)."""
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[Any]:
-        if not self.skip:
-            return super().__iter__()
-        return itertools.islice(super().__iter__(), self.skip, None)
-
-    def __len__(self) -> int:
-        return max(0, super().__len__() - self.skip)
-
-
-def _worker_kwargs(num_workers: int) -> dict[str, Any]:
-    if num_workers == 0:
-        return {}
-    return {"persistent_workers": True, "prefetch_factor": 4}
-
-
-def train_loader(
-    dataset: Dataset[Any] | ParquetSource,
-    rank: int,
-    world_size: int,
-    micro_batch_size: int,
-    seed: int,
-    num_workers: int,
-    pin_memory: bool,
-) -> tuple[Any, ResumableDistributedSampler | ParquetLoader]:
-    """Shuffled, sharded micro-batches of full size only (drop_last), so every global batch
-    holds exactly ``data.batch_size`` samples whatever the world size.
-
-    Returns the loader and what positions it (``set_epoch``, ``set_start``).
-    """
-    if isinstance(dataset, ParquetSource):
-        parquet = ParquetLoader(
-            dataset.shard(rank, world_size, seed, training=True),
-            micro_batch_size,
-            num_workers,
-            pin_memory,
-        )
-        return parquet, parquet
-    sampler = ResumableDistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
-    )
-    loader = DataLoader(
-        dataset,
-        batch_size=micro_batch_size,
-        sampler=sampler,
-        drop_last=True,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        **_worker_kwargs(num_workers),
-    )
-    return loader, sampler
-
-
-def eval_loader(
-    dataset: Dataset[Any] | ParquetSource,
-    rank: int,
-    world_size: int,
-    batch_size: int,
-    num_workers: int,
-    pin_memory: bool,
-) -> Any:
-    """Every validation sample once across ranks (see ShardedEvalSampler)."""
-    if isinstance(dataset, ParquetSource):
-        return ParquetLoader(
-            dataset.shard(rank, world_size, 0, training=False), batch_size, num_workers, pin_memory
-        )
-    size = len(dataset)  # type: ignore[arg-type]
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=ShardedEvalSampler(size, rank, world_size),
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        **_worker_kwargs(num_workers),
-    )

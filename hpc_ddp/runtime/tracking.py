@@ -10,10 +10,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.runtime.config import TrackingConfig
+from hpc_ddp.runtime.errors import HpcDdpError
 
 DEFAULT_DB_NAME = "mlflow.db"
 
@@ -153,19 +155,25 @@ def git_commit(directory: str | Path = ".") -> str | None:
     return commit if result.returncode == 0 and commit else None
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """What rank 0 records in MLflow for this attempt of a run."""
+
+    #: The run's name (MLflow's run name).
+    name: str
+    params: Mapping[str, Any]
+    tags: Mapping[str, str]
+    #: The MLflow run a checkpoint names: this attempt continues it.
+    resume_run_id: str | None = None
+    #: The global step this attempt starts at.
+    start_step: int = 0
+
+
 class MlflowTracker:
     """One MLflow run; metrics are logged asynchronously so the training loop never waits."""
 
     def __init__(
-        self,
-        tracking_uri: str,
-        experiment: str,
-        artifact_root: Path,
-        run_name: str,
-        params: Mapping[str, Any],
-        tags: Mapping[str, str],
-        resume_run_id: str | None = None,
-        start_step: int = 0,
+        self, tracking_uri: str, experiment: str, artifact_root: Path, record: RunRecord
     ) -> None:
         import mlflow
         from mlflow.entities import Param, RunTag
@@ -173,11 +181,12 @@ class MlflowTracker:
         self._mlflow = mlflow
         self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         self._pending: list[Any] = []
-        resumed = self._reopen(resume_run_id) if resume_run_id else None
+        resumed = self._reopen(record.resume_run_id) if record.resume_run_id else None
+        tags, params, start_step = record.tags, record.params, record.start_step
         if resumed is None:
             experiment_id = self._experiment_id(experiment, artifact_root)
             run = self._client.create_run(
-                experiment_id, run_name=run_name, tags={"mlflow.runName": run_name}
+                experiment_id, run_name=record.name, tags={"mlflow.runName": record.name}
             )
             resumed_tags: dict[str, str] = {}
             self._run = str(run.info.run_id)
@@ -205,7 +214,7 @@ class MlflowTracker:
         try:
             run = self._client.get_run(run_id)
         except self._mlflow.exceptions.MlflowException:
-            from hpc_ddp.logs import get_logger
+            from hpc_ddp.runtime.logs import get_logger
 
             get_logger().warning(
                 f"MLflow run {run_id} from the checkpoint is gone; starting a new one"
@@ -265,38 +274,17 @@ class MlflowTracker:
         self._client.set_tag(self._run, f"{self._attempt_prefix}.end", "requeued")
 
 
-def start_tracker(
-    enabled: bool,
-    is_main: bool,
-    tracking_uri: str | None,
-    output_dir: str,
-    experiment: str,
-    run_name: str,
-    params: Mapping[str, Any],
-    tags: Mapping[str, str],
-    resume_run_id: str | None = None,
-    start_step: int = 0,
-) -> Tracker:
-    """An MLflow run on rank 0 when tracking is on; a NullTracker everywhere else.
-
-    ``resume_run_id`` (from a checkpoint) continues that run instead of starting a new one.
-    """
-    if not (enabled and is_main):
+def start_tracker(config: TrackingConfig, output_dir: str, record: RunRecord) -> Tracker:
+    """An MLflow run (rank 0 only: other ranks use a NullTracker), started in the background
+    on first use. A ``record`` with a ``resume_run_id`` continues that run."""
+    if not config.enabled:
         return NullTracker()
-    uri = tracking_uri or default_tracking_uri(output_dir)
+    uri = config.uri or default_tracking_uri(output_dir)
+    artifact_root = Path(output_dir) / "mlartifacts"
 
     def start() -> Tracker:
         try:
-            return MlflowTracker(
-                uri,
-                experiment,
-                Path(output_dir) / "mlartifacts",
-                run_name,
-                params,
-                tags,
-                resume_run_id,
-                start_step,
-            )
+            return MlflowTracker(uri, config.experiment, artifact_root, record)
         except ImportError as error:
             raise HpcDdpError(
                 f"tracking.enabled=true but mlflow cannot be imported ({error})",

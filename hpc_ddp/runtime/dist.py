@@ -1,17 +1,21 @@
-"""Process group up and down, with bounded waits and errors that say which side is missing."""
+"""Process group up and down, with bounded waits and errors that say which side is missing;
+and the few cross-rank helpers the runtime uses, each a no-op without a group of 2 or more."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed import HashStore, Store, TCPStore  # type: ignore[attr-defined]
 
-from hpc_ddp.config import DistConfig
-from hpc_ddp.env import DistEnv
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.plan import DevicePlan
+from hpc_ddp.runtime.config import DistConfig
+from hpc_ddp.runtime.env import DistEnv
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.plan import DevicePlan
+
+T = TypeVar("T")
 
 
 def _first_line(text: str) -> str:
@@ -78,8 +82,31 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+def several_ranks() -> bool:
+    """True inside a process group of two or more ranks: only then do collectives talk."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_sum(values: torch.Tensor, group: Any | None = None) -> torch.Tensor:
     """Sum ``values`` over all ranks in place and return it (a no-op without a group)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    if several_ranks():
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     return values
+
+
+def broadcast_object(value: T, group: Any | None = None) -> T:
+    """Rank 0's ``value`` on every rank (any picklable object)."""
+    if not several_ranks():
+        return value
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0, group=group)
+    return holder[0]
+
+
+def all_gather_object(value: T, group: Any | None = None) -> list[T]:
+    """Every rank's ``value``, in rank order (any picklable object)."""
+    if not several_ranks():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value, group=group)
+    return gathered

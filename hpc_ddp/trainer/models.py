@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from hpc_ddp.config import Config
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.trainer.config import Config
 
 
 def load_factory(path: str, what: str) -> Callable[..., Any]:

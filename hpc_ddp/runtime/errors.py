@@ -1,5 +1,7 @@
-"""The one exception type users see (what was seen, what was expected, the fix), and the
-exit codes every entry point uses."""
+"""The exceptions users see, and the exit codes every entry point uses.
+
+Standard library only: importing this costs nothing before torch.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +20,17 @@ PEER_LOST_MARKERS = (
     "Connection closed by peer",
     "Connection reset by peer",
     "remote process exited or there was a network error",
+)
+#: What a rank that only waited for a lost or stuck peer says: besides the markers above,
+#: the process groups' own names and their timeouts. Such a failure is shown after the root
+#: cause when several ranks failed.
+CONSEQUENTIAL_FAILURE_MARKERS = (
+    *PEER_LOST_MARKERS,
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "timed out",
+    "Timed out",
+    "NCCL communicator was aborted",
 )
 
 
@@ -39,7 +52,7 @@ class HpcDdpError(Exception):
     """A problem with the user's input or environment that the user can fix.
 
     The entry points print it as ``error: <message>`` followed by ``HINT: <hint>`` and exit
-    non-zero, without a traceback.
+    with code 2, without a traceback.
     """
 
     def __init__(self, message: str, hint: str = "") -> None:
@@ -51,3 +64,19 @@ class HpcDdpError(Exception):
         if self.hint:
             return f"{self.message}\nHINT: {self.hint}"
         return self.message
+
+
+class Stopped(SystemExit):
+    """Raised from :meth:`hpc_ddp.Run.steps` when the ranks stopped on a signal.
+
+    By then every rank has stopped after the same step, the checkpoint is written, the job
+    was requeued if that was asked for and allowed, and the process group is gone. As a
+    :class:`SystemExit` it ends the script with :attr:`code`: 0 when the job was requeued
+    (Slurm starts it again and it resumes), ``EXIT_STOPPED`` (3) when it was not.
+    """
+
+    def __init__(self, step: int, requeued: bool, run_id: str) -> None:
+        super().__init__(0 if requeued else EXIT_STOPPED)
+        self.step = step
+        self.requeued = requeued
+        self.run_id = run_id

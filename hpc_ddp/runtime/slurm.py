@@ -1,7 +1,7 @@
-"""Slurm's notations (host lists, tasks-per-node), the rendezvous port, and one query.
+"""Slurm's notations (host lists, tasks-per-node), the rendezvous port, and job queries.
 
 Nothing here reads the environment; every function takes its inputs as arguments. Only
-:func:`allocation_task_count` talks to Slurm, and the caller decides when.
+:func:`show_job` talks to Slurm (``scontrol``), and the caller decides when.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import itertools
 import re
 import subprocess
 
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.runtime.errors import HpcDdpError
 
 #: Ports derived from the job id lie in [PORT_BASE, PORT_BASE + PORT_SPAN). The range stays
 #: below Linux's default ephemeral range (32768-60999), so an outgoing connection on the
@@ -22,6 +22,8 @@ PORT_SPAN = 20000
 PORT_STEP_SLOTS = 10
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+#: Slurm's time formats: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS.
+_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d{1,2}))?(?::(\d{1,2}))?")
 _TASKS_ITEM = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 
@@ -145,8 +147,9 @@ def derive_master_port(job_id: int, step_id: int = 0) -> int:
     return PORT_BASE + (job_id % job_slots) * PORT_STEP_SLOTS + step_id % PORT_STEP_SLOTS
 
 
-def allocation_task_count(job_id: str, timeout_s: float = 10.0) -> int | None:
-    """NumTasks of a job, asked of `scontrol`; None when Slurm cannot be asked."""
+def show_job(job_id: str, timeout_s: float) -> str | None:
+    """``scontrol show job -o <job_id>``: the job's one-line record; None when Slurm cannot
+    be asked (no scontrol, a timeout) or does not know the job."""
     try:
         result = subprocess.run(
             ["scontrol", "show", "job", "-o", job_id],
@@ -157,5 +160,42 @@ def allocation_task_count(job_id: str, timeout_s: float = 10.0) -> int | None:
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
-    match = re.search(r"\bNumTasks=(\d+)", result.stdout)
-    return int(match.group(1)) if match else None
+    return result.stdout if result.returncode == 0 and result.stdout.strip() else None
+
+
+def job_field(record: str | None, name: str) -> str | None:
+    """The value of ``name=`` in a :func:`show_job` record."""
+    match = re.search(rf"\b{re.escape(name)}=(\S+)", record or "")
+    return match.group(1) if match else None
+
+
+def allocation_task_count(job_id: str, timeout_s: float = 10.0) -> int | None:
+    """NumTasks of a job; None when Slurm cannot be asked."""
+    tasks = job_field(show_job(job_id, timeout_s), "NumTasks")
+    return int(tasks) if tasks and tasks.isdigit() else None
+
+
+def job_allows_requeue(job_id: str, timeout_s: float) -> bool:
+    """Whether the job was submitted with --requeue (or the cluster requeues by default)."""
+    return job_field(show_job(job_id, timeout_s), "Requeue") == "1"
+
+
+def time_to_minutes(text: str) -> int:
+    """Slurm time formats (MM, HH:MM:SS, D-HH:MM:SS, D-HH, ...) to whole minutes, rounded up."""
+    match = _TIME.fullmatch(text.strip())
+    if not match:
+        raise HpcDdpError(
+            f"time {text!r} is not a Slurm time", "write it as HH:MM:SS, D-HH:MM:SS or minutes"
+        )
+    days, first, second, third = match.groups()
+    day_minutes = int(days or 0) * 24 * 60
+    if days and second is None:
+        return day_minutes + int(first) * 60  # D-HH
+    if second is None:
+        return int(first)  # MM
+    if third is None:
+        if days:
+            return day_minutes + int(first) * 60 + int(second)  # D-HH:MM
+        return int(first) + (1 if int(second) else 0)  # MM:SS
+    seconds = day_minutes * 60 + int(first) * 3600 + int(second) * 60 + int(third)
+    return max(1, -(-seconds // 60))

@@ -1,4 +1,8 @@
-"""`hpc-ddp render`: a ready sbatch script from slurm/train.sh, the same template users submit.
+"""`hpc-ddp render`: a ready sbatch script from slurm/train.sh, the same template users submit
+(installed with the package, so render works without a checkout).
+
+The script runs the template's program: the built-in trainer with a config, or your own
+script or module with its arguments.
 
 Pure text work: :func:`render_sbatch` takes the template's text and a :class:`RenderRequest`.
 Values that reach the shell are quoted with shlex; values that reach ``#SBATCH`` lines (which
@@ -9,14 +13,14 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_ddp.errors import HpcDdpError
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.slurm import time_to_minutes
 
 TEMPLATE_NAMES = {"srun": "train.sh", "torchrun": "train-torchrun.sh"}
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.,+-]{1,128}$")
-_SLURM_TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$|^\d+$")
 _DEFAULT_ARGS_LINE = re.compile(r"^DEFAULT_ARGS=\(.*\)$", re.MULTILINE)
 
 
@@ -24,7 +28,9 @@ _DEFAULT_ARGS_LINE = re.compile(r"^DEFAULT_ARGS=\(.*\)$", re.MULTILINE)
 class RenderRequest:
     """What `hpc-ddp render` fills into the template."""
 
-    config: str
+    #: The program's arguments as the template takes them: a config and overrides, a script
+    #: and its arguments, or -m, a module and its arguments.
+    arguments: tuple[str, ...]
     nodes: int = 1
     gpus_per_node: int = 1
     #: Tasks per node when gpus_per_node is 0 (CPU-only partitions).
@@ -33,28 +39,20 @@ class RenderRequest:
     time: str = "01:00:00"
     partition: str | None = None
     job_name: str | None = None
-    overrides: tuple[str, ...] = field(default_factory=tuple)
     launcher: str = "srun"
 
 
-def template_path(launcher: str = "srun", root: Path | None = None) -> Path:
-    """slurm/<template> of this checkout."""
+def template_path(launcher: str = "srun") -> Path:
+    """The installed template (slurm/ of a checkout links to the same files)."""
     if launcher not in TEMPLATE_NAMES:
         raise HpcDdpError(
             f"unknown launcher {launcher!r}", f"choose one of: {', '.join(TEMPLATE_NAMES)}"
         )
-    base = root or Path(__file__).resolve().parent.parent / "slurm"
-    path = base / TEMPLATE_NAMES[launcher]
-    if not path.is_file():
-        raise HpcDdpError(
-            f"sbatch template {path} not found",
-            "run hpc-ddp from a checkout of the repository (pip install -e .), where slurm/ lives",
-        )
-    return path
+    return Path(__file__).resolve().parent / "templates" / TEMPLATE_NAMES[launcher]
 
 
 def _check_safe(value: str, what: str, pattern: re.Pattern[str], example: str) -> str:
-    if not pattern.match(value):
+    if not pattern.fullmatch(value):
         raise HpcDdpError(
             f"{what}={value!r} is not accepted in an #SBATCH line",
             f"use letters, digits and . _ - only, e.g. {example}",
@@ -111,7 +109,15 @@ def render_sbatch(template: str, request: RenderRequest) -> str:
             "tasks >= 1",
             "e.g. --nodes 2 --gpus-per-node 4",
         )
-    _check_safe(request.time, "time", _SLURM_TIME, "--time 02:00:00")
+    try:
+        valid_time = time_to_minutes(request.time) > 0 and request.time == request.time.strip()
+    except HpcDdpError:
+        valid_time = False
+    if not valid_time:
+        raise HpcDdpError(
+            f"time={request.time!r} is not accepted in an #SBATCH line",
+            "write it as minutes, HH:MM:SS or D-HH:MM:SS, e.g. --time 02:00:00",
+        )
     text = template
     for option, value in _directives(request).items():
         text = _set_directive(text, option, value, request.launcher)
@@ -129,9 +135,7 @@ def render_sbatch(template: str, request: RenderRequest) -> str:
             count=1,
             flags=re.MULTILINE,
         )
-    arguments = [_check_shell_value(request.config, "config path")] + [
-        _check_shell_value(item, "override") for item in request.overrides
-    ]
+    arguments = [_check_shell_value(item, "argument") for item in request.arguments]
     if len(_DEFAULT_ARGS_LINE.findall(text)) != 1:
         raise HpcDdpError(
             "the template has no single DEFAULT_ARGS=(...) line",

@@ -1,4 +1,4 @@
-"""`hpc-ddp local`: N CPU ranks on this machine through the same entry point Slurm runs.
+"""`hpc-ddp local`: N CPU ranks on this machine, running the same program Slurm runs.
 
 Ranks meet on 127.0.0.1 at a free port. If one rank fails, the others are stopped at once
 and the launcher exits with that rank's code, naming it, instead of leaving the rest to
@@ -16,8 +16,10 @@ import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
 
-from hpc_ddp.env import LOCAL_RUN_ID_VAR
-from hpc_ddp.errors import EXIT_PEER_LOST, EXIT_STOPPED
+from hpc_ddp.launch.program import Program
+from hpc_ddp.runtime.env import LOCAL_RUN_ID_VAR, available_cpus
+from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError
+from hpc_ddp.runtime.plan import threads_per_rank
 
 STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.1
@@ -30,11 +32,6 @@ def free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def threads_per_rank(cpu_count: int, nproc: int) -> int:
-    """Intra-op threads for each of ``nproc`` ranks sharing ``cpu_count`` CPUs (at least 1)."""
-    return max(1, cpu_count // nproc)
 
 
 def rank_environments(
@@ -124,17 +121,15 @@ def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
         time.sleep(POLL_INTERVAL_S)
 
 
-def launch_local(
-    nproc: int, train_args: Sequence[str], environ: Mapping[str, str] | None = None
-) -> int:
-    """Start ``nproc`` ranks of ``python -m hpc_ddp.train <train_args>`` and supervise them."""
+def launch_local(nproc: int, program: Program, environ: Mapping[str, str] | None = None) -> int:
+    """Start ``nproc`` ranks of ``program`` and supervise them."""
     if nproc < 1:
-        print("hpc-ddp local: error: --nproc must be >= 1\nHINT: e.g. --nproc 2", file=sys.stderr)
-        return 2
+        raise HpcDdpError(f"--nproc must be >= 1, got {nproc}", "e.g. --nproc 2")
+    program.check()
     base = dict(os.environ if environ is None else environ)
     run_id = time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())
-    environments = rank_environments(nproc, base, free_loopback_port(), run_id, os.cpu_count() or 1)
-    command = [sys.executable, "-m", "hpc_ddp.train", *train_args]
+    environments = rank_environments(nproc, base, free_loopback_port(), run_id, available_cpus())
+    command = [sys.executable, *program.python_args()]
     processes = [subprocess.Popen(command, env=environment) for environment in environments]
 
     def forward(signum: int, _frame: FrameType | None) -> None:

@@ -9,22 +9,27 @@ Launchers are detected in this order (pinned by a test):
    so ``srun torchrun ...`` (one Slurm task per node, torchrun spawning the local ranks) works.
 2. ``local``: ``hpc-ddp local`` sets ``HPC_DDP_LOCAL_RUN_ID``. Also an explicit spawner, so it
    wins over Slurm for the same reason.
-3. ``slurm``: a task of a Slurm job step (``srun``), or a one-task batch script.
-4. ``single``: one process, no launcher.
+3. ``slurm``: a task of a Slurm job step (``srun``), or a one-task batch script. This
+   includes submitit's Slurm executor, whose tasks are srun tasks.
+4. ``submitit-local``: a task of submitit's local executor (``SUBMITIT_LOCAL_JOB_ID``, no
+   Slurm job): submitit started the tasks on this machine, like ``hpc-ddp local``.
+5. ``single``: one process, no launcher.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.slurm import derive_master_port, expand_hostlist, expand_tasks_per_node
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.slurm import derive_master_port, expand_hostlist, expand_tasks_per_node
 
 LOCAL_RUN_ID_VAR = "HPC_DDP_LOCAL_RUN_ID"
-LAUNCHER_ORDER = ("torchelastic", "local", "slurm", "single")
+SUBMITIT_LOCAL_JOB_VAR = "SUBMITIT_LOCAL_JOB_ID"
+LAUNCHER_ORDER = ("torchelastic", "local", "slurm", "submitit-local", "single")
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,31 @@ def _resolve_local(
     )
 
 
+def _resolve_submitit_local(
+    environ: Mapping[str, str], hostname: str, configured_port: int | None
+) -> DistEnv:
+    job_id = environ[SUBMITIT_LOCAL_JOB_VAR]
+    world_size = _int(environ, "SUBMITIT_LOCAL_NTASKS", 1)
+    port = _port_override(environ, configured_port)
+    if port is None:
+        port = derive_master_port(int(re.sub(r"\D", "", job_id) or 0))
+    return DistEnv(
+        rank=_int(environ, "SUBMITIT_LOCAL_GLOBALID", 0),
+        local_rank=_int(environ, "SUBMITIT_LOCAL_LOCALID", 0),
+        world_size=world_size,
+        local_world_size=world_size,
+        node_rank=0,
+        num_nodes=1,
+        master_addr="127.0.0.1",
+        master_port=port if world_size > 1 else 0,
+        launcher="submitit-local",
+        job_id=f"submitit-{job_id}",
+        restart_count=0,
+        hostname=hostname,
+        **_gpu_fields(environ),  # type: ignore[arg-type]
+    )
+
+
 def _job_task_count(environ: Mapping[str, str]) -> int:
     """Tasks of the whole allocation (not of a step): SLURM_NTASKS, else the tasks-per-node sum."""
     if environ.get("SLURM_NTASKS"):
@@ -162,8 +192,8 @@ def _reject_unlaunched_allocation(environ: Mapping[str, str], job_tasks: int) ->
         f"this process runs inside Slurm job {environ.get('SLURM_JOB_ID')} of {job_tasks} tasks "
         f"({where}), but it was not started by srun: it would be the only rank and wait "
         f"forever for the other {job_tasks - 1}",
-        "start training with `srun python -m hpc_ddp.train ...` (slurm/train.sh does this), "
-        "so that Slurm starts one process per task",
+        "start training with `srun python train.py ...` (or `srun python -m hpc_ddp.train "
+        "...`; slurm/train.sh does this), so that Slurm starts one process per task",
     )
 
 
@@ -280,6 +310,8 @@ def detect_launcher(environ: Mapping[str, str]) -> str:
         return "local"
     if environ.get("SLURM_JOB_ID"):
         return "slurm"
+    if environ.get(SUBMITIT_LOCAL_JOB_VAR):
+        return "submitit-local"
     return "single"
 
 
@@ -305,6 +337,8 @@ def resolve_dist_env(
         return _resolve_local(environ, host, configured_port)
     if launcher == "slurm":
         return _resolve_slurm(environ, host, configured_port, allocation_tasks)
+    if launcher == "submitit-local":
+        return _resolve_submitit_local(environ, host, configured_port)
     return _single(environ, host, "single", single_run_id, 0)
 
 
@@ -334,3 +368,11 @@ def export_dist_env(dist_env: DistEnv, environ: MutableMapping[str, str]) -> dic
             overwritten[name] = previous
         environ[name] = value
     return overwritten
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity: what Slurm or a cgroup gave it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Mapping
 from typing import TextIO
 
 LOGGER_NAME = "hpc_ddp"
@@ -35,22 +36,25 @@ class Progress:
     Batch logs stay readable because the bar is never written when stderr is not a TTY.
     """
 
-    def __init__(self, total_steps: int, enabled: bool, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, total_steps: int | None, enabled: bool, stream: TextIO | None = None
+    ) -> None:
         self.total_steps = total_steps
         self.enabled = enabled
         self.stream = stream or sys.stderr
         self.is_tty = enabled and self.stream.isatty()
 
-    def update(self, step: int, epoch: int, loss: float, samples_per_s: float) -> None:
+    def update(
+        self, step: int, epoch: int, metrics: Mapping[str, float], samples_per_s: float
+    ) -> None:
         if not self.enabled:
             return
-        text = (
-            f"epoch {epoch} step {step}/{self.total_steps} loss {loss:.4f} "
-            f"{samples_per_s:,.0f} samples/s"
-        )
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        values = "".join(f" {name} {value:.4f}" for name, value in metrics.items())
+        text = f"epoch {epoch} step {step}{total}{values} {samples_per_s:,.0f} samples/s"
         if self.is_tty:
             width = 30
-            filled = int(width * step / max(1, self.total_steps))
+            filled = int(width * step / max(1, self.total_steps or step))
             self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
             self.stream.flush()
         else:

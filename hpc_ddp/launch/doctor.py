@@ -10,12 +10,12 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from hpc_ddp.config import Config
-from hpc_ddp.errors import HpcDdpError
-from hpc_ddp.plan import RunPlan, describe_plan, gpu_binding_warning
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.plan import LaunchPlan, describe_launch, gpu_binding_warning, micro_batch_size
+from hpc_ddp.trainer.config import Config
 
 
-def _check_master_resolves(plan: RunPlan) -> tuple[str, str]:
+def _check_master_resolves(plan: LaunchPlan) -> tuple[str, str]:
     host = plan.dist_env.master_addr
     try:
         addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
@@ -24,7 +24,7 @@ def _check_master_resolves(plan: RunPlan) -> tuple[str, str]:
     return "ok", f"MASTER_ADDR {host} -> {', '.join(map(str, addresses))}"
 
 
-def _check_port_free(plan: RunPlan) -> tuple[str, str]:
+def _check_port_free(plan: LaunchPlan) -> tuple[str, str]:
     env = plan.dist_env
     if env.world_size == 1 or env.rank != 0 or env.store_hosted_by_launcher:
         return "ok", "port checked by rank 0 only" if env.world_size > 1 else "no rendezvous needed"
@@ -40,11 +40,21 @@ def _check_port_free(plan: RunPlan) -> tuple[str, str]:
 
 
 def diagnose(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
-    """This rank's plan and checks as plain data (the plan errors become a failed check)."""
-    from hpc_ddp.train import resolve
+    """This rank's plan and checks as plain data (the plan errors become a failed check).
 
+    The batch check is the built-in trainer's (``data.batch_size``); for your own script it
+    shows what that batch would give."""
+    from hpc_ddp.runtime.start import resolve_launch
+
+    accum = config.train.grad_accum_steps
     try:
-        plan = resolve(config, environ)
+        plan = resolve_launch(config.runtime, str(config.run.name), environ)
+        micro = micro_batch_size(
+            config.data.batch_size,
+            plan.dist_env.world_size,
+            accum,
+            ("data.batch_size", "train.grad_accum_steps"),
+        )
     except HpcDdpError as error:
         return {"ok": False, "checks": [["FAIL", str(error)]]}
     env = plan.dist_env
@@ -52,8 +62,8 @@ def diagnose(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
         ["ok", f"launcher {env.launcher}: rank {env.rank} of {env.world_size}"],
         [
             "ok",
-            f"global batch {plan.global_batch_size} = {env.world_size} ranks x "
-            f"{plan.micro_batch_size} x {plan.grad_accum_steps} accumulation",
+            f"global batch {config.data.batch_size} = {env.world_size} ranks x "
+            f"{micro} x {accum} accumulation",
         ],
         ["ok", f"device {plan.device.device} ({plan.device.reason})"],
         list(_check_master_resolves(plan)),
@@ -78,8 +88,8 @@ def diagnose(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
         "device": plan.device.device,
         "backend": plan.device.backend,
         "cuda_visible_devices": env.cuda_visible_devices,
-        "per_rank_batch": plan.micro_batch_size,
-        "plan": describe_plan(plan),
+        "per_rank_batch": micro,
+        "plan": describe_launch(plan),
         "checks": checks,
     }
 

@@ -1,0 +1,139 @@
+"""What every rank of a launch runs: the built-in trainer, or your own script or module.
+
+Every launcher (``hpc-ddp local``, the sbatch and torchrun templates, submitit) starts the
+same :class:`Program` on each rank; a user's program runs under ``python -m hpc_ddp run``,
+which holds stop signals from its first line and ends with the documented exit codes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from hpc_ddp.runtime.errors import HpcDdpError, Stopped
+from hpc_ddp.runtime.exits import rank_label, report_failure
+
+#: The config the built-in trainer uses when a launch names none.
+DEFAULT_CONFIG = "configs/digits.yaml"
+_PACKAGE = str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class Program:
+    """A script (``train.py args...``), a module (``-m pkg.train args...``) or the built-in
+    trainer (``name`` is its config file, ``args`` its dotted overrides)."""
+
+    kind: Literal["builtin", "script", "module"]
+    #: The script's path, the module's name, or the built-in trainer's config file ("": its
+    #: defaults).
+    name: str
+    args: tuple[str, ...] = ()
+
+    def python_args(self) -> list[str]:
+        """What follows ``python`` to start it on one rank."""
+        if self.kind == "builtin":
+            config = ["--config", self.name] if self.name else []
+            return ["-m", "hpc_ddp.train", *config, *self.args]
+        return ["-m", "hpc_ddp", "run", *self.template_args()]
+
+    def template_args(self) -> list[str]:
+        """The arguments ``slurm/train.sh`` takes for it: a .yaml first means the built-in
+        trainer, ``-m`` a module, anything else a script."""
+        if self.kind == "module":
+            return ["-m", self.name, *self.args]
+        return [self.name, *self.args] if self.name else list(self.args)
+
+    def check(self) -> None:
+        """Refuse a script that does not exist or a module that cannot be found, here rather
+        than on every rank after the job started."""
+        if self.kind == "script" and not Path(self.name).is_file():
+            raise HpcDdpError(
+                f"script {self.name!r} does not exist (looked in {os.getcwd()})",
+                "pass the path of your training script, relative to the directory you launch "
+                "from, or -m package.module for a module",
+            )
+        if self.kind == "module":
+            try:
+                found = importlib.util.find_spec(self.name) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise HpcDdpError(
+                    f"module {self.name!r} cannot be found by this Python ({sys.executable})",
+                    "install the package that holds it into this environment, or add its "
+                    "directory to PYTHONPATH",
+                )
+        if self.kind == "builtin" and self.name and not Path(self.name).is_file():
+            raise HpcDdpError(
+                f"config file {self.name!r} does not exist",
+                "pass a YAML config of the built-in trainer (e.g. configs/digits.yaml), or your "
+                "own script (train.py) or module (-m pkg.train)",
+            )
+
+    def __str__(self) -> str:
+        return " ".join(self.template_args())
+
+
+def _is_override(text: str) -> bool:
+    return "=" in text and not text.startswith("-") and not text.endswith(".py")
+
+
+def program_from(
+    arguments: Sequence[str],
+    *,
+    module: bool = False,
+    config: str | None = None,
+    default_config: str = "",
+) -> Program:
+    """Read a launcher's command line: ``[-m] TARGET [ARGS...]``, or ``--config C [overrides]``
+    / ``C.yaml [overrides]`` / overrides alone (``default_config``; "": the built-in
+    defaults) for the built-in trainer."""
+    first, rest = (arguments[0], tuple(arguments[1:])) if arguments else (None, ())
+    if module:
+        if first is None:
+            raise HpcDdpError("-m needs a module name", "e.g. -m mypkg.train --lr 3e-4")
+        return Program("module", first, rest)
+    if config is not None:
+        return Program("builtin", config, tuple(arguments))
+    if first is None or _is_override(first):
+        return Program("builtin", default_config, tuple(arguments))
+    if first.endswith((".yaml", ".yml")):
+        return Program("builtin", first, rest)
+    return Program("script", first, rest)
+
+
+def _launcher_frame(path: str) -> bool:
+    """Frames of the launch itself, above the user's code in a traceback."""
+    return "runpy" in path or path.startswith(_PACKAGE)
+
+
+def run_program(program: Program) -> int:
+    """Run a user's script or module in this process as ``__main__`` and return the exit
+    code: theirs, or the documented one for what ended it (README: Failure)."""
+    program.check()
+    sys.argv = [program.name, *program.args]
+    try:
+        if program.kind == "script":
+            sys.path.insert(0, str(Path(program.name).resolve().parent))
+            runpy.run_path(program.name, run_name="__main__")
+        else:
+            runpy.run_module(program.name, run_name="__main__", alter_sys=True)
+    except Stopped as stopped:
+        return int(stopped.code or 0)
+    except SystemExit as exiting:
+        if exiting.code is None or isinstance(exiting.code, int):
+            return int(exiting.code or 0)
+        print(exiting.code, file=sys.stderr)
+        return 1
+    except (Exception, KeyboardInterrupt) as error:
+        started = sys.modules.get("hpc_ddp.runtime.start")
+        if started is not None:
+            started.end_active_run(error)
+        return report_failure(error, rank_label(os.environ), _launcher_frame)
+    return 0

@@ -1,0 +1,72 @@
+#!/bin/bash
+# hpc_ddp training job, torchrun flavour: ONE Slurm task per node runs torchrun, which starts
+# one rank per GPU on its node. The ranks meet at a c10d rendezvous on the first node.
+#
+#   sbatch --nodes=2 slurm/train-torchrun.sh train.py --lr 3e-4     # your script
+#   sbatch --nodes=2 slurm/train-torchrun.sh -m mypkg.train          # your module
+#   sbatch slurm/train-torchrun.sh                                   # the built-in trainer
+#   sbatch --nodes=2 slurm/train-torchrun.sh configs/x.yaml train.epochs=5
+#
+#SBATCH --job-name=hpc-ddp-torchrun
+# Nodes to spread the job over (torchrun's --nnodes is read from Slurm, never written twice).
+#SBATCH --nodes=1
+# One torchrun agent per node.
+#SBATCH --ntasks-per-node=1
+# GPUs per node: torchrun starts one rank for each.
+#SBATCH --gpus-per-node=2
+# CPU cores for the whole node's ranks.
+#SBATCH --cpus-per-task=2
+# Wall-clock limit (HH:MM:SS).
+#SBATCH --time=01:00:00
+#SBATCH --output=logs/%x-%j.out
+#SBATCH --error=logs/%x-%j.out
+#SBATCH --open-mode=append
+# SIGUSR1 to the tasks 120 s before the time limit.
+#SBATCH --signal=USR1@120
+#SBATCH --requeue
+
+set -euo pipefail
+
+# The program when the command line gives none: as in slurm/train.sh.
+DEFAULT_ARGS=(configs/digits.yaml)
+
+site_file=${HPC_DDP_SITE:-slurm/site.sh}
+if [[ -f $site_file ]]; then
+    # shellcheck source=/dev/null
+    source "$site_file"
+fi
+
+args=("$@")
+if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then
+    args=("${DEFAULT_ARGS[@]}" "${args[@]}")
+fi
+if [[ ${args[0]} == *.yaml || ${args[0]} == *.yml ]]; then
+    program=(-m hpc_ddp.train --config "${args[@]}")
+else
+    program=(-m hpc_ddp run "${args[@]}")
+fi
+
+python=${PYTHON:-python}
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# The same job-id-derived port every hpc_ddp launch uses (range 10000-29999).
+rendezvous_port=$("$python" -m hpc_ddp port)
+# Ranks per node: the GPUs Slurm gave this node, or $NPROC_PER_NODE on CPU-only nodes.
+ranks_per_node=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+threads=$(( ${SLURM_CPUS_PER_TASK:-1} / ranks_per_node ))
+export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
+
+# Slurm signals every process of the step, torchrun included, and torchrun dies of any signal
+# it does not handle: the warning signal would end the agents while the ranks checkpoint. Let
+# torchrun handle USR1/USR2 too (torch >= 2.9 reads these; older torch ignores them) and give
+# the ranks time to finish their checkpoint before it kills them.
+export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2}
+export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-100}
+
+echo "job ${SLURM_JOB_ID}: torchrun on ${SLURM_JOB_NUM_NODES} node(s) x ${ranks_per_node} ranks, rendezvous ${head_node}:${rendezvous_port}"
+srun --kill-on-bad-exit=1 "$python" -m torch.distributed.run \
+    --nnodes="$SLURM_JOB_NUM_NODES" \
+    --nproc-per-node="$ranks_per_node" \
+    --rdzv-backend=c10d \
+    --rdzv-endpoint="${head_node}:${rendezvous_port}" \
+    --rdzv-id="$SLURM_JOB_ID" \
+    "${program[@]}"

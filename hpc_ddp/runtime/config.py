@@ -1,0 +1,167 @@
+"""The runtime's settings: the sections every run has, whatever it trains.
+
+``run`` (identity and output), ``dist`` (process group and devices), ``checkpoint``,
+``preempt`` (stop signals and requeue) and ``tracking`` (MLflow). :func:`hpc_ddp.start`
+takes them as keyword arguments, a YAML file and/or dotted overrides; the built-in
+trainer's config adds its own sections to these (:mod:`hpc_ddp.trainer.config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from hpc_ddp.runtime.configfile import require, section, setting
+from hpc_ddp.runtime.errors import HpcDdpError
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Identity of the run and where it writes."""
+
+    name: str | None = setting(
+        None,
+        "Run name: the MLflow run name and a folder under output_dir. null: the name of the "
+        "script (or module) that was started.",
+    )
+    output_dir: str = setting(
+        "runs", "Root folder for run directories and the default MLflow store (relative to cwd)."
+    )
+    seed: int = setting(
+        0, "Seed for model initialisation and data order; ranks derive theirs from it."
+    )
+    id: str | None = setting(
+        None,
+        "Run directory name under output_dir/name. Default: the Slurm job id (stable across "
+        "requeues), the local launcher's run id, or a timestamp.",
+    )
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """Process group and devices."""
+
+    backend: Literal["auto", "nccl", "gloo"] = setting(
+        "auto", "auto: nccl on CUDA devices, gloo on CPU."
+    )
+    device: Literal["auto", "cuda", "cpu"] = setting(
+        "auto", "auto: CUDA when a GPU is visible, else CPU."
+    )
+    init_timeout_s: float = setting(
+        120.0,
+        "Seconds every rank waits for all ranks to reach the rendezvous before failing with "
+        "an error (instead of hanging).",
+    )
+    timeout_s: float = setting(
+        600.0, "Seconds a collective may wait for the other ranks before the job fails."
+    )
+    master_port: int | None = setting(
+        None,
+        "Rendezvous port; wins over MASTER_PORT and over the port derived from the Slurm "
+        "job id (10000-29999).",
+    )
+
+    def __post_init__(self) -> None:
+        require(self.init_timeout_s > 0, "dist.init_timeout_s", self.init_timeout_s, "> 0")
+        require(self.timeout_s > 0, "dist.timeout_s", self.timeout_s, "> 0")
+        if self.master_port is not None:
+            require(0 < self.master_port < 65536, "dist.master_port", self.master_port, "1-65535")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise HpcDdpError(
+                "dist.backend=nccl cannot run with dist.device=cpu",
+                "use dist.backend=gloo (or auto) on CPU",
+            )
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints in <run dir>/checkpoints, and resuming from them."""
+
+    enabled: bool = setting(True, "Write checkpoints (periodic, on stop signals, at the end).")
+    every_steps: int | None = setting(
+        None, "Save every this many optimizer steps; null: not by steps."
+    )
+    every_minutes: float | None = setting(
+        30.0, "Save when this many minutes passed since the last save; null: not by time."
+    )
+    keep_last: int = setting(3, "Checkpoints kept; older ones are deleted after a good save.")
+    resume: bool = setting(
+        True,
+        "Resume from the newest loadable checkpoint of this run directory on start (a requeued "
+        "Slurm job keeps its job id, so it finds its own checkpoints).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None:
+            require(self.every_steps > 0, "checkpoint.every_steps", self.every_steps, "> 0")
+        if self.every_minutes is not None:
+            require(self.every_minutes > 0, "checkpoint.every_minutes", self.every_minutes, "> 0")
+        require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
+
+
+@dataclass(frozen=True)
+class PreemptConfig:
+    """Stop signals: checkpoint at a step boundary, then requeue or stop."""
+
+    signal: Literal["USR1", "USR2", "URG", "HUP", "INT", "ALRM"] = setting(
+        "USR1",
+        "The warning signal of `#SBATCH --signal` (slurm/train.sh sends USR1 120 s before the "
+        "time limit; submitit uses USR2). Receiving it means: checkpoint, then requeue.",
+    )
+    stop_on_sigterm: bool = setting(
+        True,
+        "SIGTERM (scancel, the time limit) also stops at the next step boundary with a "
+        "checkpoint, without requeue. Runs under submitit set it false: there SIGTERM is "
+        "ignored and USR2 means preemption, as submitit does it.",
+    )
+    requeue: bool = setting(
+        True, "On the warning signal, rank 0 runs `scontrol requeue` when the job allows it."
+    )
+    max_requeues: int = setting(
+        3, "Requeue only while SLURM_RESTART_COUNT is below this; then stop after the checkpoint."
+    )
+    requeue_timeout_s: float = setting(60.0, "Seconds `scontrol requeue` may take.")
+    check_every_steps: int | None = setting(
+        None,
+        "Optimizer steps between the ranks' agreement on stop signals (and time-based saves); "
+        "a stop lands within two such periods of the signal. null: about once per second of "
+        "training, measured on rank 0 and agreed by all ranks at the first log interval "
+        "(every step until then).",
+    )
+
+    def __post_init__(self) -> None:
+        require(self.max_requeues >= 0, "preempt.max_requeues", self.max_requeues, ">= 0")
+        if self.check_every_steps is not None:
+            require(
+                self.check_every_steps >= 1,
+                "preempt.check_every_steps",
+                self.check_every_steps,
+                ">= 1 or null",
+            )
+        require(
+            self.requeue_timeout_s > 0, "preempt.requeue_timeout_s", self.requeue_timeout_s, "> 0"
+        )
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """MLflow tracking (rank 0 only)."""
+
+    enabled: bool = setting(True, "Track the run in MLflow.")
+    uri: str | None = setting(
+        None,
+        "MLflow tracking URI (e.g. http://mlflow.lab:5000). Default: an embedded SQLite store "
+        "at <output_dir>/mlflow.db, no server needed.",
+    )
+    experiment: str = setting("hpc_ddp", "MLflow experiment name.")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The runtime sections of a run."""
+
+    run: RunConfig = section(RunConfig, "Identity and output.")
+    dist: DistConfig = section(DistConfig, "Distribution.")
+    tracking: TrackingConfig = section(TrackingConfig, "MLflow tracking.")
+    checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
+    preempt: PreemptConfig = section(PreemptConfig, "Preemption and requeue.")

@@ -1,0 +1,413 @@
+"""The run a user's script holds: :class:`Run`, made by :func:`hpc_ddp.start`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+
+from hpc_ddp.runtime.checkpoint import check_resumable, write_atomically
+from hpc_ddp.runtime.config import RuntimeConfig
+from hpc_ddp.runtime.context import RunContext
+from hpc_ddp.runtime.data import StepLoader, TrainLoader, eval_loader, mixed_seed
+from hpc_ddp.runtime.env import DistEnv, available_cpus
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.metrics import Sum, Sums
+from hpc_ddp.runtime.plan import resolve_num_workers
+from hpc_ddp.runtime.replicas import weights_sha256
+from hpc_ddp.runtime.steps import StepLoop
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run resumed from."""
+
+    path: Path
+    step: int
+    #: How many ranks wrote it.
+    world_size: int
+
+
+class Run:
+    """One training run on this rank; made by :func:`hpc_ddp.start`, never directly.
+
+    Add a few calls to a plain PyTorch loop::
+
+        run = hpc_ddp.start()
+        model = run.wrap(model)                       # DDP on this rank's device
+        optimizer = torch.optim.AdamW(model.parameters())
+        loader = run.train_loader(dataset, batch_size=256)   # the GLOBAL batch
+        run.register(model=model, optimizer=optimizer)       # checkpointed and resumed
+        for epoch in run.epochs(10):                  # a resumed run starts where it stopped
+            for batch in run.steps(loader):           # stops, saves and requeues between steps
+                loss = compute_loss(model, batch)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                run.log("loss", loss.detach() * len(batch), len(batch))
+        run.finish()
+    """
+
+    def __init__(
+        self,
+        context: RunContext,
+        loop: StepLoop,
+        resume: tuple[Path, dict[str, Any]] | None,
+        started: float,
+        timeline: dict[str, float],
+    ) -> None:
+        self._context = context
+        self._loop = loop
+        self._resume = resume
+        self._resume_done = False
+        self._finished = False
+        self._started = started
+        self._timeline = timeline
+        self.resumed: Resumed | None = None
+        """The checkpoint this run resumed from, once :meth:`resume` ran (None: a fresh run)."""
+
+    # -- where this rank is ------------------------------------------------------------------
+
+    @property
+    def env(self) -> DistEnv:
+        """This rank's place in the job, resolved once from the launcher's environment."""
+        return self._context.env
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the rank that logs, tracks and writes files."""
+        return self.env.is_main
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device: ``cuda:LOCAL_RANK`` (or ``cuda:0`` with one GPU per task), else
+        the CPU; already selected with ``torch.cuda.set_device``."""
+        return self._context.device
+
+    @property
+    def job_id(self) -> str:
+        """The Slurm job id (stable across requeues), or the launcher's run id."""
+        return self.env.job_id
+
+    @property
+    def run_dir(self) -> Path:
+        """<output_dir>/<name>/<id>: checkpoints, summary.json; the same across requeues."""
+        return self._context.run_dir
+
+    @property
+    def config(self) -> RuntimeConfig:
+        return self._context.config
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (0-based)."""
+        return self._loop.position.epoch
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done so far, over all attempts of the run."""
+        return self._loop.position.global_step
+
+    @property
+    def accumulating(self) -> bool:
+        """True while :meth:`steps` hands out a micro-batch that is not the last of its
+        optimizer step (gradient accumulation): skip ``optimizer.step()`` then."""
+        return self._loop.accumulating
+
+    @property
+    def train_metrics(self) -> dict[str, Sum]:
+        """The last finished epoch's :meth:`log` metrics, summed over all ranks."""
+        return self._loop.epoch_metrics
+
+    # -- model and data ----------------------------------------------------------------------
+
+    def wrap(self, model: nn.Module, **ddp_options: Any) -> DistributedDataParallel:
+        """``model`` on this rank's device inside DistributedDataParallel.
+
+        A module already spread over several devices (model parallel inside the rank) stays
+        where it is and is wrapped without ``device_ids``; feed its inputs to its first device.
+        ``ddp_options`` go to DistributedDataParallel (e.g. ``find_unused_parameters``).
+        """
+        devices = {tensor.device for tensor in [*model.parameters(), *model.buffers()]}
+        if len(devices) > 1:
+            wrapped = DistributedDataParallel(model, device_ids=None, **ddp_options)
+        else:
+            device = self.device
+            model = model.to(device)
+            device_ids = [device.index] if device.type == "cuda" else None
+            wrapped = DistributedDataParallel(model, device_ids=device_ids, **ddp_options)
+        self._context.wrapped.append(wrapped.module)
+        return wrapped
+
+    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """Skip DDP's gradient all-reduce while :attr:`accumulating`::
+
+        with run.no_sync(model):
+            loss.backward()
+        """
+        if self.accumulating and isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def train_loader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        *,
+        grad_accum_steps: int = 1,
+        num_workers: int | Literal["auto"] = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        shuffle: bool = True,
+        **dataloader_options: Any,
+    ) -> TrainLoader:
+        """This rank's share of ``dataset`` for :meth:`steps`.
+
+        ``batch_size`` is GLOBAL: samples per optimizer step over all ranks; each rank loads
+        ``batch_size / (world_size * grad_accum_steps)`` per micro-batch, and a batch that
+        does not divide is refused naming the world sizes that work. Only full batches:
+        every step holds exactly ``batch_size`` samples at any world size. Batches (tensors,
+        tuples, dicts, nested) arrive on :attr:`device`. ``num_workers="auto"``: this
+        rank's CPUs minus one. Other options go to DataLoader.
+        """
+        return TrainLoader(
+            dataset,
+            rank=self.rank,
+            world_size=self.world_size,
+            global_batch_size=batch_size,
+            grad_accum_steps=grad_accum_steps,
+            seed=self.config.run.seed,
+            num_workers=self._workers(num_workers),
+            device=self.device,
+            collate_fn=collate_fn,
+            shuffle=shuffle,
+            **dataloader_options,
+        )
+
+    def eval_loader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        *,
+        num_workers: int | Literal["auto"] = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        **dataloader_options: Any,
+    ) -> Any:
+        """Every sample of ``dataset`` exactly once over all ranks (no padding, nothing
+        dropped), in batches of about ``batch_size / world_size`` per rank. Sum with
+        :meth:`sums` for exact results."""
+        return eval_loader(
+            dataset,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=max(1, batch_size // self.world_size),
+            num_workers=self._workers(num_workers),
+            device=self.device,
+            collate_fn=collate_fn,
+            **dataloader_options,
+        )
+
+    def _workers(self, setting: int | Literal["auto"]) -> int:
+        return resolve_num_workers(
+            setting, self.env.cpus_per_task, available_cpus(), self.env.local_world_size
+        )
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def register(self, **objects: Any) -> None:
+        """Save these objects in every checkpoint and restore them on resume: anything with
+        ``state_dict()`` and ``load_state_dict()`` (models, optimizers, schedulers, your
+        own). Register before :meth:`resume` (or the first :meth:`epochs`)."""
+        if self._resume_done:
+            raise HpcDdpError(
+                f"register({', '.join(objects)}) after the run resumed or started training",
+                "register every object before run.resume() and run.epochs()",
+            )
+        self._context.registry.add(objects)
+
+    def resume(self) -> Resumed | None:
+        """Restore the registered objects, the position and every rank's random streams from
+        the newest good checkpoint of this run, if there is one (also done by the first
+        :meth:`epochs` or :meth:`steps`). Returns what it resumed from."""
+        if self._resume_done:
+            return self.resumed
+        self._resume_done = True
+        context = self._context
+        if self._resume is not None:
+            path, saved = self._resume
+            context.registry.restore(saved["objects"], path)
+            self._loop.restore(saved)
+            self.resumed = Resumed(path, int(saved["global_step"]), len(saved["rng"]))
+            self._resume = None
+            get_logger().info(
+                f"resumed from {path} at step {self.global_step} (epoch {self.epoch}, step "
+                f"{self._loop.position.step_in_epoch} of the epoch)"
+            )
+        if self.resumed is None or self.resumed.world_size != self.world_size:
+            # Each rank's own random streams from here on (dropout, augmentation).
+            seed = mixed_seed(self.config.run.seed, self.rank, self.global_step)
+            torch.manual_seed(seed)
+            random.seed(seed)
+        if not context.registry.objects and context.config.checkpoint.enabled and self.is_main:
+            get_logger().warning(
+                "nothing is registered for checkpoints: a resumed run could not restore its "
+                "model. HINT: run.register(model=model, optimizer=optimizer) before training"
+            )
+        return self.resumed
+
+    def _check_fingerprint(self) -> None:
+        """Refuse to resume from a checkpoint written under other fingerprint values."""
+        if self._resume is not None:
+            path, saved = self._resume
+            check_resumable(saved["fingerprint"], self._context.fingerprint, path)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def epochs(
+        self, num_epochs: int | None = None, *, max_steps: int | None = None
+    ) -> Iterator[int]:
+        """The epochs left: a resumed run starts at its saved epoch. ``max_steps`` ends the
+        run after that many optimizer steps (over all attempts); None: no limit."""
+        loop = self._loop
+        loop.num_epochs, loop.max_steps = num_epochs, max_steps
+        loop.begin(self.resume)
+        self._timeline.setdefault("training_unix", time.time())
+        while loop.more_epochs():
+            yield loop.position.epoch
+            loop.next_epoch()
+        loop.completed = True
+
+    def steps(self, loader: StepLoader) -> Iterator[Any]:
+        """The current epoch's micro-batches from where the run stands (a resumed run skips
+        the samples already trained on, without loading them).
+
+        Between optimizer steps (every ``grad_accum_steps`` micro-batches) it does what the
+        run needs: interval metrics, the stop all ranks agree on (checkpoint, then requeue or
+        exit, raising :class:`hpc_ddp.Stopped`), periodic checkpoints. Call
+        ``optimizer.step()`` once per step, i.e. when not :attr:`accumulating`."""
+        self._loop.begin(self.resume)
+        self._timeline.setdefault("training_unix", time.time())
+        return self._loop.steps(loader)
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    def log(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float = 1) -> None:
+        """Add a training metric: ``total`` summed over ``count`` items (a loss times the
+        batch size, and the batch size). Logged as total/count over all ranks per interval
+        (``interval/<name>``) and per epoch (``<name>``); never synchronises the device."""
+        if isinstance(total, torch.Tensor) and total.dim() != 0:
+            raise HpcDdpError(
+                f"run.log({name!r}, ...) got a tensor of shape {tuple(total.shape)}",
+                "log a scalar (e.g. loss.detach() * batch_size); use run.sums() for tensors",
+            )
+        self._loop.interval.add(name, total, count)
+
+    def sums(self) -> Sums:
+        """Exact sums over all ranks, for evaluation: ``sums.add(name, total, count)`` per
+        batch, then ``sums.reduce()`` on every rank."""
+        return Sums(self.device, self._context.control_group)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Record values that are already the same on every rank (rank 0 writes them), at
+        ``step`` (default: the global step)."""
+        step = self.global_step if step is None else step
+        self._context.tracker.log_metrics({k: float(v) for k, v in metrics.items()}, step)
+
+    def log_text(self, name: str, text: str) -> None:
+        """Store ``text`` as an artifact of the MLflow run (rank 0)."""
+        self._context.tracker.log_text_artifact(name, text)
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def finish(self, summary: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """End the run: the final checkpoint, the replica check, summary.json (rank 0; the
+        run's facts plus ``summary``), MLflow FINISHED, the process group down. Returns the
+        summary on every rank."""
+        if self._finished:
+            raise HpcDdpError("run.finish() was called twice", "call it once, after training")
+        self._finished = True
+        self._loop.finish()
+        facts = {**self._facts(), **(summary or {})}
+        if self.is_main:
+            path = self.run_dir / "summary.json"
+            text = json.dumps(facts, indent=2, sort_keys=True, default=str) + "\n"
+            write_atomically(path, lambda handle: handle.write(text.encode()))
+            self._context.tracker.log_json_artifact("summary.json", facts)
+            facts["summary_path"] = str(path)
+            get_logger().info(f"summary: {path}")
+        self._context.close("FINISHED")
+        return facts
+
+    def _facts(self) -> dict[str, Any]:
+        env, position = self.env, self._loop.position
+        samples = position.global_step * (self._loop.global_batch_size or 0)
+        models = self._context.models()
+        return {
+            "world_size": env.world_size,
+            "num_nodes": env.num_nodes,
+            "launcher": env.launcher,
+            "job_id": env.job_id,
+            "run_id": self.run_dir.name,
+            "restart_count": env.restart_count,
+            "resumed_from_step": position.resumed_from_step,
+            "stopped_early": False,
+            "device": str(self.device),
+            "backend": self._context.plan.device.backend,
+            "epochs": position.epoch,
+            "global_step": position.global_step,
+            "samples_seen": samples,
+            "wall_time_s": round(time.perf_counter() - self._started, 3),
+            "train_time_s": round(position.train_time_s, 3),
+            "samples_per_s": round(samples / max(1e-9, position.train_time_s), 1),
+            "weights_sha256": weights_sha256(models[0]) if len(models) == 1 else None,
+            "replicas_in_sync": position.replicas_diverged_at is None,
+            "replicas_diverged_at": position.replicas_diverged_at,
+            "torch_threads": torch.get_num_threads(),
+            "first_step_unix": position.first_step_unix,
+            "mlflow_run_id": self._context.tracker.run_id,
+            "timeline": dict(self._timeline),
+        }
+
+    def close(self, status: str = "FAILED") -> None:
+        """End the run without a final checkpoint (after an error): MLflow ``status``,
+        signal handlers restored. :meth:`finish` is the normal end."""
+        self._context.close(status)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if error is None:
+            if not self._finished:
+                self.finish()
+        elif not isinstance(error, SystemExit):
+            self.close("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")

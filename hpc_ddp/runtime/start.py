@@ -1,0 +1,353 @@
+""":func:`start`: one call at the top of a training script turns it into an hpc_ddp run."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import gc
+import os
+import random
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from hpc_ddp.runtime import configfile
+from hpc_ddp.runtime.checkpoint import (
+    checkpoint_dir,
+    fingerprint_of,
+    load_checkpoint,
+    load_newest,
+    remove_partial_writes,
+)
+from hpc_ddp.runtime.config import (
+    CheckpointConfig,
+    DistConfig,
+    PreemptConfig,
+    RunConfig,
+    RuntimeConfig,
+    TrackingConfig,
+)
+from hpc_ddp.runtime.context import RunContext
+from hpc_ddp.runtime.dist import broadcast_object, init_distributed, shutdown_distributed
+from hpc_ddp.runtime.env import (
+    DistEnv,
+    available_cpus,
+    export_dist_env,
+    needs_allocation_task_count,
+    resolve_dist_env,
+)
+from hpc_ddp.runtime.errors import EXIT_FAILURE, HpcDdpError
+from hpc_ddp.runtime.exits import rank_label, report_failure
+from hpc_ddp.runtime.logs import get_logger, setup_logging
+from hpc_ddp.runtime.plan import (
+    LaunchPlan,
+    describe_launch,
+    gpu_binding_warning,
+    make_launch_plan,
+    threads_per_rank,
+)
+from hpc_ddp.runtime.requeue import agent_signal_gap
+from hpc_ddp.runtime.run import Run
+from hpc_ddp.runtime.signals import StopSignals
+from hpc_ddp.runtime.slurm import allocation_task_count
+from hpc_ddp.runtime.steps import StepLoop
+from hpc_ddp.runtime.tracking import NullTracker, RunRecord, Tracker, run_tags, start_tracker
+
+Section = (
+    Mapping[str, Any] | RunConfig | DistConfig | CheckpointConfig | PreemptConfig | TrackingConfig
+)
+
+
+def resolve_config(
+    config: RuntimeConfig | str | Path | None,
+    overrides: Sequence[str],
+    sections: Mapping[str, Section | None],
+    environ: Mapping[str, str],
+) -> RuntimeConfig:
+    """The runtime settings: ``config`` (an object, a YAML file or the defaults), then the
+    sections given as keyword arguments, then the dotted ``overrides`` (which win).
+
+    Under submitit, preemption arrives as USR2 and SIGTERM is ignored, as submitit does it."""
+    if isinstance(config, RuntimeConfig):
+        raw, source = configfile.to_dict(config), "<config>"
+    elif isinstance(config, str | Path):
+        raw, source = configfile.load_raw(config), str(config)
+    elif config is None:
+        raw, source = {}, "<defaults>"
+    else:
+        raise HpcDdpError(
+            f"hpc_ddp.start(config=...) got {type(config).__name__}: expected a YAML file's path "
+            "or a RuntimeConfig",
+            "pass dotted settings such as checkpoint.every_steps=100 as overrides=[...]",
+        )
+    if isinstance(overrides, str):
+        raise HpcDdpError(
+            f"hpc_ddp.start(overrides={overrides!r}) got one string",
+            "pass a list of dotted settings, e.g. overrides=['checkpoint.every_steps=100']",
+        )
+    for name, value in sections.items():
+        if value is None:
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            raw[name] = dataclasses.asdict(value)
+        else:
+            raw.setdefault(name, {}).update(dict(value))  # type: ignore[arg-type]
+    configfile.apply_overrides(raw, overrides, configfile.section_names(RuntimeConfig))
+    settings = configfile.from_dict(RuntimeConfig, raw, source)
+    if environ.get("SUBMITIT_EXECUTOR"):
+        preempt = dataclasses.replace(settings.preempt, signal="USR2", stop_on_sigterm=False)
+        settings = dataclasses.replace(settings, preempt=preempt)
+    return settings
+
+
+def default_run_name() -> str:
+    """The started script's (or module's) name: ``train`` for ``train.py``."""
+    started = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
+    return Path(started).stem or "run"
+
+
+def resolve_launch(settings: RuntimeConfig, name: str, environ: Mapping[str, str]) -> LaunchPlan:
+    """This rank's place, device and run directory, checked before any process group (the
+    one place that asks Slurm and torch what they see)."""
+    allocation_tasks = None
+    if needs_allocation_task_count(environ):
+        allocation_tasks = allocation_task_count(environ["SLURM_JOB_ID"])
+    dist_env = resolve_dist_env(
+        environ,
+        settings.dist.master_port,
+        single_run_id=time.strftime("single-%Y%m%d-%H%M%S"),
+        allocation_tasks=allocation_tasks,
+    )
+    cuda_count = torch.cuda.device_count() if settings.dist.device != "cpu" else 0
+    return make_launch_plan(settings.dist, settings.run, name, dist_env, cuda_count)
+
+
+def _announce(plan: LaunchPlan, settings: RuntimeConfig, environ: Mapping[str, str]) -> None:
+    """One line per rank (where it runs, what it drives); the plan and warnings on rank 0."""
+    env, log = plan.dist_env, get_logger()
+    log.info(
+        f"host {env.hostname} node {env.node_rank}/{env.num_nodes} local_rank {env.local_rank}/"
+        f"{env.local_world_size} device {plan.device.device} threads {torch.get_num_threads()} "
+        f"master {env.master_addr}:{env.master_port}"
+    )
+    if not env.is_main:
+        return
+    log.info(describe_launch(plan))
+    for warning in (
+        agent_signal_gap(env.launcher, environ, settings.preempt.signal),
+        gpu_binding_warning(env, plan.device),
+    ):
+        if warning:
+            log.warning(warning)
+
+
+def _find_resume(
+    settings: RuntimeConfig, plan: LaunchPlan, group: Any | None
+) -> tuple[Path, dict[str, Any]] | None:
+    """The newest good checkpoint of this run: rank 0 chooses, every rank loads the same."""
+    if not settings.checkpoint.resume:
+        return None
+    directory = checkpoint_dir(plan.run_dir)
+    found = None
+    if plan.dist_env.is_main:
+        remove_partial_writes(directory)
+        found = load_newest(directory)
+    chosen = broadcast_object(str(found[0]) if found else "", group)
+    if not chosen:
+        return None
+    path = Path(chosen)
+    return path, found[1] if found else load_checkpoint(path)
+
+
+#: How long a run's end leaves the GIL to the process groups' worker threads (see _Ending).
+WORKER_RELEASE_S = 0.05
+
+
+class _Ending:
+    """Ends a run once, whichever way it ends: finish, stop, an exception or exit."""
+
+    def __init__(self, signals: StopSignals, label: str) -> None:
+        self.signals = signals
+        self.label = label
+        self.tracker: Tracker = NullTracker()
+        self.loop: StepLoop | None = None
+        self.done = False
+
+    def __call__(self, status: str | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        clean = status in (None, "FINISHED")
+        try:
+            if self.loop is not None:
+                self.loop.close(wait=clean)
+            if status is not None:
+                self.tracker.finish(status)
+            # Training froze every object alive at its start (gc.freeze): let the collector
+            # free them now, while the process group and torch are whole, not at exit.
+            gc.unfreeze()
+        finally:
+            self.signals.restore()
+            if _ACTIVE and _ACTIVE[-1] is self:
+                _ACTIVE.pop()
+            if clean:  # after a failure a peer may be gone: tearing down could hang
+                shutdown_distributed()
+                # gloo's worker threads free a finished collective's tensors after its wait()
+                # returned, and need the GIL for that: give it to them now, or they may ask for
+                # it while the interpreter finalizes, which aborts the process.
+                time.sleep(WORKER_RELEASE_S)
+
+
+_ACTIVE: list[_Ending] = []
+_previous_hook = sys.excepthook
+
+
+def end_active_run(error: BaseException) -> None:
+    """End the run this process holds, if any, after ``error`` ended the script: MLflow
+    FAILED (KILLED for Ctrl-C), signal handlers restored."""
+    if _ACTIVE:
+        _ACTIVE[-1]("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+
+
+def _excepthook(
+    kind: type[BaseException], error: BaseException, trace: TracebackType | None
+) -> None:
+    """An exception nobody caught: end the run (MLflow FAILED), then say why on one line
+    with the documented exit code, or show the traceback (exit 1)."""
+    label = _ACTIVE[-1].label if _ACTIVE else rank_label(os.environ)
+    end_active_run(error)
+    if not isinstance(error, Exception | KeyboardInterrupt):
+        _previous_hook(kind, error, trace)
+        return
+    code = report_failure(error, label)
+    if code != EXIT_FAILURE:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+@atexit.register
+def _at_exit() -> None:
+    """A script that ended without run.finish() (or exited on its own) still ends its run."""
+    while _ACTIVE:
+        ending = _ACTIVE[-1]
+        completed = ending.loop is not None and ending.loop.completed
+        get_logger().warning(
+            "the script ended without run.finish(): no final checkpoint or summary.json. "
+            "HINT: call run.finish() after training"
+        )
+        ending("FINISHED" if completed else "FAILED")
+
+
+def _set_threads(env: DistEnv, environ: Mapping[str, str]) -> None:
+    """Each rank's intra-op threads: OMP_NUM_THREADS when set (torch reads it), else the CPUs
+    Slurm gave the task, else this machine's CPUs shared by its ranks, as `hpc-ddp local` and
+    slurm/train.sh do; a bare `srun` or submitit task would otherwise take every core of the
+    node, and results would change with the thread count."""
+    if not environ.get("OMP_NUM_THREADS"):
+        share = threads_per_rank(available_cpus(), env.local_world_size)
+        torch.set_num_threads(env.cpus_per_task or share)
+
+
+def start(
+    config: RuntimeConfig | str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    name: str | None = None,
+    run: Mapping[str, Any] | RunConfig | None = None,
+    dist: Mapping[str, Any] | DistConfig | None = None,
+    checkpoint: Mapping[str, Any] | CheckpointConfig | None = None,
+    preempt: Mapping[str, Any] | PreemptConfig | None = None,
+    tracking: Mapping[str, Any] | TrackingConfig | None = None,
+    params: Mapping[str, Any] | None = None,
+    fingerprint: Mapping[str, Any] | None = None,
+    log_interval: int | None = None,
+    export_env: bool = True,
+    environ: Mapping[str, str] | None = None,
+) -> Run:
+    """Start a run on this rank; see :class:`Run` for what to do with it.
+
+    It resolves the launcher (torchrun, ``hpc-ddp local``, a Slurm step, submitit, or one
+    process) once, checks the launch before any process group (HpcDdpError with a HINT),
+    selects the GPU, joins the other ranks within ``dist.init_timeout_s``, handles stop
+    signals (also those that came while the script was starting), seeds the random streams
+    with ``run.seed`` and finds the newest checkpoint of this run to resume from. MLflow
+    starts lazily on rank 0 only.
+
+    Settings: ``config`` (a RuntimeConfig or a YAML file of the sections run, dist,
+    checkpoint, preempt, tracking), then the sections as keyword arguments (a dict of keys,
+    or the section's dataclass), then dotted ``overrides`` such as ``checkpoint.every_steps=100``.
+    ``name``: the run's name (default ``run.name``, else the script's name). ``params``:
+    your hyper-parameters, logged to MLflow. ``fingerprint``: values a resume must find
+    unchanged. ``log_interval``: steps between interval metrics (default about 5 s).
+    ``export_env`` writes RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... into os.environ
+    for code that reads them (each overwrite is logged).
+    """
+    started, entry_unix = time.perf_counter(), time.time()
+    environment = os.environ if environ is None else environ
+    sections = {"run": run, "dist": dist, "checkpoint": checkpoint, "preempt": preempt}
+    settings = resolve_config(config, overrides, {**sections, "tracking": tracking}, environment)
+    run_name = name or settings.run.name or default_run_name()
+    plan = resolve_launch(settings, run_name, environment)
+    dist_env = plan.dist_env
+    log = setup_logging(dist_env.rank, dist_env.world_size)
+    if export_env:
+        for variable, previous in export_dist_env(dist_env, os.environ).items():
+            log.debug(f"exported {variable}, replacing {previous!r}")
+    _set_threads(dist_env, environment)
+    _announce(plan, settings, environment)
+    signals = StopSignals(settings.preempt.signal, settings.preempt.stop_on_sigterm).install()
+    ending = _Ending(signals, str(dist_env.rank))
+    timeline = {"entry_unix": entry_unix}
+    try:
+        init_distributed(dist_env, plan.device, settings.dist)
+        timeline["dist_ready_unix"] = time.time()
+        # Control messages (stop agreement, barriers) go over gloo on the CPU, so they never
+        # force a GPU synchronisation.
+        group = torch_dist.new_group(backend="gloo") if dist_env.world_size > 1 else None
+        resume = _find_resume(settings, plan, group)
+        context = RunContext(
+            config=settings,
+            plan=plan,
+            control_group=group,
+            signals=signals,
+            tracker=NullTracker(),
+            environ=environment,
+            fingerprint=fingerprint_of(fingerprint or {}),
+            log_interval=log_interval,
+            close=ending,
+        )
+        handle = Run(context, StepLoop(context, log_interval), resume, started, timeline)
+        handle._check_fingerprint()
+        if dist_env.is_main:
+            record = RunRecord(
+                name=run_name,
+                params={**configfile.flatten(settings), **(params or {})},
+                tags=run_tags(
+                    dist_env.launcher,
+                    dist_env.world_size,
+                    dist_env.num_nodes,
+                    dist_env.job_id,
+                    dist_env.restart_count,
+                ),
+                resume_run_id=resume[1].get("mlflow_run_id") if resume else None,
+                start_step=int(resume[1]["global_step"]) if resume else 0,
+            )
+            context.tracker = ending.tracker = start_tracker(
+                settings.tracking, settings.run.output_dir, record
+            )
+        ending.loop = handle._loop
+        torch.manual_seed(settings.run.seed)  # the same initial weights on every rank
+        random.seed(settings.run.seed)
+    except BaseException:
+        ending("FAILED")
+        raise
+    _ACTIVE.append(ending)
+    sys.excepthook = _excepthook
+    return handle

@@ -1,0 +1,1 @@
+"""The built-in trainer: a config-driven classifier loop written against the public API."""

@@ -1,0 +1,186 @@
+"""The built-in trainer: a classifier trained with cross-entropy, written against the public
+API (:func:`hpc_ddp.start`) like any user's script."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from hpc_ddp.runtime.checkpoint import write_atomically
+from hpc_ddp.runtime.configfile import to_dict
+from hpc_ddp.runtime.env import available_cpus
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.metrics import Sum
+from hpc_ddp.runtime.plan import micro_batch_size, resolve_num_workers
+from hpc_ddp.runtime.run import Run
+from hpc_ddp.runtime.start import start
+from hpc_ddp.trainer.config import Config, OptimConfig, resume_fingerprint
+from hpc_ddp.trainer.datasets import Datasets, ParquetSource, build_datasets
+from hpc_ddp.trainer.models import build_model
+from hpc_ddp.trainer.parquet import ParquetLoader, ParquetTrainLoader
+from hpc_ddp.trainer.schedule import LrSchedule
+
+#: Evaluation batches hold at least this many samples per rank.
+EVAL_BATCH_MIN = 256
+
+
+def make_optimizer(optim: OptimConfig, model: nn.Module) -> torch.optim.Optimizer:
+    if optim.name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+    return torch.optim.SGD(
+        model.parameters(), lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay
+    )
+
+
+def make_loaders(run: Run, config: Config, datasets: Datasets) -> tuple[Any, Any]:
+    """(training micro-batches, exact validation batches) for this rank."""
+    data, accum = config.data, config.train.grad_accum_steps
+    names = ("data.batch_size", "train.grad_accum_steps")
+    micro = micro_batch_size(data.batch_size, run.world_size, accum, names)
+    env = run.env
+    workers = resolve_num_workers(
+        data.num_workers, env.cpus_per_task, available_cpus(), env.local_world_size
+    )
+    if run.is_main:
+        get_logger().info(
+            f"global batch {data.batch_size} = {run.world_size} ranks x {micro} x {accum} "
+            f"accumulation; {workers} loader worker(s) per rank"
+        )
+    eval_batch = max(micro, EVAL_BATCH_MIN)
+    train_set, val_set = datasets.train, datasets.val
+    if isinstance(train_set, ParquetSource) and isinstance(val_set, ParquetSource):
+        shard = train_set.shard(run.rank, run.world_size, config.run.seed, training=True)
+        parquet = ParquetTrainLoader(shard, micro, accum, data.batch_size, workers, run.device)
+        val_shard = val_set.shard(run.rank, run.world_size, 0, training=False)
+        return parquet, ParquetLoader(val_shard, eval_batch, workers, run.device.type == "cuda")
+    assert not isinstance(train_set, ParquetSource) and not isinstance(val_set, ParquetSource)
+    train = run.train_loader(
+        train_set, data.batch_size, grad_accum_steps=accum, num_workers=workers
+    )
+    val = run.eval_loader(val_set, eval_batch * run.world_size, num_workers=workers)
+    return train, val
+
+
+def evaluate(run: Run, model: nn.Module, loader: Any, bf16: bool) -> dict[str, Sum]:
+    """Loss and accuracy over the WHOLE validation set, summed exactly over all ranks."""
+    sums = run.sums()
+    model.eval()
+    with torch.no_grad(), torch.autocast(run.device.type, dtype=torch.bfloat16, enabled=bf16):
+        for features, labels in loader:
+            features = features.to(run.device, non_blocking=True)
+            labels = labels.to(run.device, non_blocking=True)
+            logits = model(features).float()
+            loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
+            sums.add("loss", loss, len(labels))
+            sums.add("accuracy", logits.argmax(dim=1).eq(labels).sum(), len(labels))
+    model.train()
+    return sums.reduce()
+
+
+def _refuse_new_world_with_dropout(run: Run, config: Config) -> None:
+    resumed = run.resumed
+    if resumed and resumed.world_size != run.world_size and config.model.dropout > 0:
+        raise HpcDdpError(
+            f"the checkpoint was written by {resumed.world_size} ranks, this run has "
+            f"{run.world_size}; with model.dropout>0 each rank's random stream matters",
+            f"resume with {resumed.world_size} ranks",
+        )
+
+
+def train(config: Config) -> dict[str, Any]:
+    """Train as the config says on the ranks the launcher started; returns this rank's
+    summary (rank 0 also writes summary.json and model.pt)."""
+    run = start(
+        config.runtime,
+        name=config.run.name,
+        params=config.trainer_sections(),
+        fingerprint=resume_fingerprint(config),
+        log_interval=config.train.log_interval,
+    )
+    datasets = build_datasets(config)
+    model = run.wrap(build_model(config, datasets.num_features, datasets.num_classes))
+    optimizer = make_optimizer(config.optim, model)
+    train_loader, val_loader = make_loaders(run, config, datasets)
+    if train_loader.steps_per_epoch == 0:
+        raise HpcDdpError(
+            "this rank's share of the training set is smaller than one optimizer step "
+            f"(the global data.batch_size={config.data.batch_size})",
+            "lower data.batch_size or use more training data",
+        )
+    total_steps = config.train.epochs * train_loader.steps_per_epoch
+    if config.train.max_steps is not None:
+        total_steps = min(total_steps, config.train.max_steps)
+    optim = config.optim
+    scheduler = LrSchedule(optimizer, optim.warmup_steps, total_steps, optim.schedule)
+    run.register(model=model, optimizer=optimizer, scheduler=scheduler)
+    run.resume()
+    _refuse_new_world_with_dropout(run, config)
+    bf16 = config.train.precision == "bf16"
+
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        if bf16:
+            return torch.autocast(run.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    accum, count_correct = config.train.grad_accum_steps, config.train.train_accuracy
+    val: dict[str, Sum] = {}
+    for epoch in run.epochs(config.train.epochs, max_steps=config.train.max_steps):
+        for features, labels in run.steps(train_loader):
+            with run.no_sync(model):
+                with autocast():
+                    logits = model(features)
+                    loss = nn.functional.cross_entropy(logits.float() if bf16 else logits, labels)
+                (loss / accum if accum > 1 else loss).backward()
+            count = len(labels)
+            run.log("train_loss", loss.detach() * count, count)
+            if count_correct:
+                run.log("train_accuracy", logits.argmax(dim=1).eq(labels).sum(), count)
+            if not run.accumulating:
+                if optim.grad_clip_norm is not None:
+                    nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+        val = evaluate(run, model.module, val_loader, bf16)
+        _log_epoch(run, epoch, val, count_correct)
+    if run.is_main:
+        write_atomically(
+            run.run_dir / "model.pt",
+            lambda handle: torch.save(model.module.state_dict(), handle),
+        )
+        run.log_text("config.yaml", yaml.safe_dump(to_dict(config)))
+    trained = run.train_metrics
+    nan = Sum(math.nan, 0)
+    return run.finish(
+        {
+            "train_loss": float(trained.get("train_loss", nan).mean),
+            "train_accuracy": float(trained["train_accuracy"].mean) if count_correct else None,
+            "val_loss": float(val.get("loss", nan).mean),
+            "val_accuracy": float(val.get("accuracy", nan).mean),
+            "val_samples": int(val["loss"].count) if val else 0,
+        }
+    )
+
+
+def _log_epoch(run: Run, epoch: int, val: dict[str, Sum], count_correct: bool) -> None:
+    """The epoch's line (rank 0) and its validation metrics, under epoch + 1."""
+    train_loss = (
+        run.train_metrics["train_loss"].mean if "train_loss" in run.train_metrics else math.nan
+    )
+    accuracy = run.train_metrics.get("train_accuracy")
+    train_acc_text = f" train_acc {accuracy.mean:.4f}" if count_correct and accuracy else ""
+    if run.is_main:
+        get_logger().info(
+            f"epoch {epoch + 1} step {run.global_step} train_loss {train_loss:.4f}"
+            f"{train_acc_text} val_loss {val['loss'].mean:.4f} val_acc "
+            f"{val['accuracy'].mean:.4f} (val samples {int(val['loss'].count)})"
+        )
+    run.log_metrics(
+        {"val_loss": val["loss"].mean, "val_accuracy": val["accuracy"].mean}, step=epoch + 1
+    )

@@ -1,0 +1,92 @@
+"""`python -m hpc_ddp.train`: the built-in trainer's command line.
+
+python -m hpc_ddp.train --config configs/digits.yaml train.epochs=3 data.batch_size=128
+srun python -m hpc_ddp.train --config configs/digits.yaml          # inside sbatch/salloc
+python -m hpc_ddp.train --config configs/digits.yaml --dry-run     # the plan, no training
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from hpc_ddp.runtime.errors import Stopped
+from hpc_ddp.runtime.exits import rank_label, report_failure
+from hpc_ddp.runtime.plan import describe_launch, micro_batch_size
+from hpc_ddp.runtime.start import end_active_run, resolve_launch
+from hpc_ddp.trainer.config import Config, load_config
+from hpc_ddp.trainer.datasets import build_datasets
+from hpc_ddp.trainer.models import build_model
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m hpc_ddp.train",
+        description="Train with DDP on the ranks the launcher started (srun, torchrun, "
+        "hpc-ddp local, submitit) or as one process.",
+    )
+    parser.add_argument("--config", help="YAML config file (default: built-in defaults)")
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="resolve the config, the launcher environment and the plan, build data and model "
+        "and run one forward pass, without any process group",
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=3")
+    return parser
+
+
+def dry_run(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The plan, the data and the model with one sample through it: no process group."""
+    plan = resolve_launch(config.runtime, str(config.run.name), environ)
+    micro = micro_batch_size(
+        config.data.batch_size,
+        plan.dist_env.world_size,
+        config.train.grad_accum_steps,
+        ("data.batch_size", "train.grad_accum_steps"),
+    )
+    datasets = build_datasets(config)
+    torch.manual_seed(config.run.seed)
+    model = build_model(config, datasets.num_features, datasets.num_classes)
+    logits = model(datasets.first_features().unsqueeze(0))
+    train_samples, val_samples = datasets.sizes()
+    return {
+        "plan": describe_launch(plan),
+        "per_rank_batch": micro,
+        "train_samples": train_samples,
+        "val_samples": val_samples,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "logits_shape": list(logits.shape),
+    }
+
+
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """Parse, train and return the exit code (README: Failure)."""
+    from hpc_ddp.trainer.loop import train
+
+    args = build_parser().parse_args(argv)
+    environment = os.environ if environ is None else environ
+    try:
+        config = load_config(args.config, args.overrides)
+        if args.dry_run:
+            print(json.dumps(dry_run(config, environment), indent=2))
+            return 0
+        summary = train(config)
+    except Stopped as stopped:
+        return int(stopped.code or 0)
+    except (Exception, KeyboardInterrupt) as error:
+        end_active_run(error)
+        return report_failure(error, rank_label(environment))
+    if summary.get("summary_path"):
+        print(json.dumps(summary, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+#!/bin/bash
+# hpc_ddp training job: one task per GPU on every allocated node, all started by srun.
+#
+#   sbatch --nodes=2 slurm/train.sh train.py --lr 3e-4           # your script and its arguments
+#   sbatch --nodes=2 slurm/train.sh -m mypkg.train --lr 3e-4     # your module
+#   sbatch slurm/train.sh                                        # the built-in trainer
+#   sbatch --nodes=2 slurm/train.sh configs/x.yaml train.epochs=5
+#   sbatch slurm/train.sh train.epochs=5                         # default config + overrides
+#
+# Options given to sbatch override the directives below. `hpc-ddp render` writes a copy of
+# this file with other values filled in. Submit from the repository root: relative paths
+# (configs, logs/) are resolved against the directory sbatch was called from.
+#
+#SBATCH --job-name=hpc-ddp
+# Nodes to spread the job over.
+#SBATCH --nodes=2
+# Tasks (= training ranks) per node: one per GPU, so keep it equal to --gpus-per-node below
+# (`hpc-ddp render --gpus-per-node N` writes both; a mismatch stops at start with a HINT).
+#SBATCH --ntasks-per-node=4
+# GPUs per node, shared by the node's tasks: each task sees them all and drives
+# cuda:LOCAL_RANK. Unlike --gpus-per-task (one GPU visible per task), this lets NCCL move
+# gradients directly between the GPUs of a node (CUDA IPC over NVLink or PCIe).
+#SBATCH --gpus-per-node=4
+# CPU cores per task, for the training process and its DataLoader workers.
+#SBATCH --cpus-per-task=1
+# Wall-clock limit (HH:MM:SS).
+#SBATCH --time=02:00:00
+# stdout and stderr of the batch script and every task: logs/<job name>-<job id>.out
+#SBATCH --output=logs/%x-%j.out
+#SBATCH --error=logs/%x-%j.out
+# Append, so a requeued job adds its attempt to the same log instead of truncating it.
+#SBATCH --open-mode=append
+# SIGUSR1 to every task 120 s before the time limit: time to checkpoint and stop.
+#SBATCH --signal=USR1@120
+# Allow Slurm (and the job itself) to requeue this job after preemption or a node failure.
+#SBATCH --requeue
+
+set -euo pipefail
+
+# The program when the sbatch command line gives none (`hpc-ddp render` fills it): a .yaml
+# config (and overrides) for the built-in trainer, a script, or -m and a module.
+DEFAULT_ARGS=('my runs/train it'"'"'s.py' --lr 3e-4 --note '$(touch PWNED); echo `touch PWNED2`')
+
+# Site specifics (module load, venv or conda activation, NCCL settings) go in one optional
+# file: $HPC_DDP_SITE, else slurm/site.sh in the submission directory.
+site_file=${HPC_DDP_SITE:-slurm/site.sh}
+if [[ -f $site_file ]]; then
+    # shellcheck source=/dev/null
+    source "$site_file"
+fi
+
+args=("$@")
+if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then
+    args=("${DEFAULT_ARGS[@]}" "${args[@]}")
+fi
+# A .yaml first: the built-in trainer with that config and overrides. Anything else is your
+# own program, run by hpc_ddp on every rank (signals held from the start, exit codes).
+if [[ ${args[0]} == *.yaml || ${args[0]} == *.yml ]]; then
+    program=(-m hpc_ddp.train --config "${args[@]}")
+else
+    program=(-m hpc_ddp run "${args[@]}")
+fi
+
+# One thread pool per task, sized to the cores Slurm gave it.
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+
+echo "job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}: ${args[*]}"
+# --kill-on-bad-exit: one failed rank ends the whole step at once instead of leaving the
+# other ranks waiting in a collective until the time limit.
+srun --kill-on-bad-exit=1 "${PYTHON:-python}" "${program[@]}"

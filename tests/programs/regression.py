@@ -1,0 +1,123 @@
+"""A user's own training script, written only against hpc_ddp's public API.
+
+Regression (not classification): dict batches {"x", "y"}, a mean-squared-error loss, SGD
+with a LambdaLR schedule, gradient accumulation, and a user object that is checkpointed
+with the rest. Runs under every launcher:
+
+    hpc-ddp local --nproc 2 tests/programs/regression.py --epochs 2
+    sbatch slurm/train.sh tests/programs/regression.py --epochs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import hpc_ddp
+
+
+class Pairs(Dataset[dict[str, torch.Tensor]]):
+    """y = tanh(x @ A) @ B + noise: one fixed A and B; x and the noise drawn from ``seed``."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        teacher = torch.Generator().manual_seed(0)
+        mixing = torch.randn(8, 16, generator=teacher) / 8**0.5
+        readout = torch.randn(16, 2, generator=teacher) / 16**0.5
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(size, 8, generator=generator)
+        self.y = torch.tanh(self.x @ mixing) @ readout + 0.05 * torch.randn(
+            size, 2, generator=generator
+        )
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[index], "y": self.y[index]}
+
+
+class BestLoss:
+    """The user's own checkpointed state: the lowest validation loss seen so far."""
+
+    def __init__(self) -> None:
+        self.value = float("inf")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["value"])
+
+
+def evaluate(run: hpc_ddp.Run, model: nn.Module, loader: Any) -> hpc_ddp.Sum:
+    """Mean squared error over every validation sample exactly once, summed in float64."""
+    sums = run.sums()
+    model.eval()
+    with torch.no_grad():
+        for batch in loader:
+            errors = (model(batch["x"]) - batch["y"]).double().pow(2).sum(dim=1)
+            sums.add("mse", errors.sum(), len(errors))
+    model.train()
+    return sums.reduce()["mse"]
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=96, help="global batch")
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--samples", type=int, default=4800)
+    args, overrides = parser.parse_known_args(argv)  # the rest: hpc_ddp's dotted overrides
+
+    run = hpc_ddp.start(
+        overrides=overrides,
+        params=vars(args),
+        fingerprint={"batch": args.batch, "lr": args.lr, "samples": args.samples},
+    )
+    model = run.wrap(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    loader = run.train_loader(Pairs(args.samples, seed=1), args.batch, grad_accum_steps=args.accum)
+    val_loader = run.eval_loader(Pairs(1001, seed=2), batch_size=256)
+    total = args.epochs * loader.steps_per_epoch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / total)
+    best = BestLoss()
+    run.register(model=model, optimizer=optimizer, scheduler=scheduler, best=best)
+    # The initial weights are the same at any world size, so this must be too, exactly.
+    initial = evaluate(run, model.module, val_loader) if run.resume() is None else None
+
+    for _epoch in run.epochs(args.epochs):
+        for batch in run.steps(loader):
+            with run.no_sync(model):
+                loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+                (loss / args.accum).backward()
+            run.log("mse", loss.detach() * len(batch["x"]), len(batch["x"]))
+            if not run.accumulating:
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+        val = evaluate(run, model.module, val_loader)
+        best.value = min(best.value, float(val.mean))
+        run.log_metrics({"val_mse": val.mean}, step=run.epoch + 1)
+
+    summary = run.finish(
+        {
+            "val_mse": float(val.mean),
+            "val_count": val.count,
+            "best_val_mse": best.value,
+            "initial_val_mse": float(initial.mean) if initial else None,
+        }
+    )
+    if run.is_main:
+        keys = ("val_mse", "val_count", "initial_val_mse", "global_step")
+        print("RESULT " + json.dumps({key: summary[key] for key in keys}))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
