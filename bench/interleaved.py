@@ -46,6 +46,9 @@ EPOCH_SAMPLES = {"compute_bound": 8192, "tiny": 25600}
 ROUNDS = {"compute_bound": 60, "tiny": 300}
 #: Rounds for the control and for the train-accuracy metric's cost.
 CONTROL_ROUNDS = 150
+#: Seconds from each epoch's last step to the end of ``run.steps`` (the epoch's metrics summed
+#: over all ranks), reported beside the per-step figure.
+END_OF_EPOCH_S: list[float] = []
 
 
 class StepsInBetween:
@@ -107,8 +110,12 @@ def library_rounds(
             run.log("train_loss", loss.detach() * len(labels), len(labels))
             if accuracy:
                 run.log("train_accuracy", logits.argmax(dim=1).eq(labels).sum(), len(labels))
+            last_step_done = time.perf_counter()
+        # The epoch's end (its metrics summed over the ranks) is not a step: it is timed
+        # apart, in END_OF_EPOCH_S.
+        END_OF_EPOCH_S.append(time.perf_counter() - last_step_done)
         raw_seconds = between.raw_seconds - raw_before
-        seconds.append((raw_seconds, time.perf_counter() - started - raw_seconds))
+        seconds.append((raw_seconds, last_step_done - started - raw_seconds))
     assert raw.steps == run.global_step, f"unequal steps: {raw.steps} vs {run.global_step}"
     return seconds
 
@@ -157,6 +164,7 @@ def rank_main() -> None:
                 {
                     "raw": [samples_per_round / raw_s for raw_s, _ in seconds],
                     "hpc_ddp": [samples_per_round / other_s for _, other_s in seconds],
+                    "end_of_epoch_s": END_OF_EPOCH_S[1:],
                 }
             )
         )
@@ -197,6 +205,8 @@ def measure(
     arguments += (["--control"] if control else []) + (["--accuracy"] if accuracy else [])
     output, _ = launch(WORLD, "bench.interleaved", arguments, timeout=3600)
     row = summarise(output["raw"], output["hpc_ddp"])
+    if output["end_of_epoch_s"]:
+        row["end_of_epoch_median_s"] = statistics.median(output["end_of_epoch_s"])
     low, high = row["ratio_ci95"]
     label = name + (" control" if control else "") + (" train accuracy" if accuracy else "")
     print(

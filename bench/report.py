@@ -80,7 +80,15 @@ def _overhead_paired(data: dict[str, Any]) -> str:
     if "tiny_train_accuracy" in data:
         cost = data["tiny"]["ratio"] - data["tiny_train_accuracy"]["ratio"]
         verdict += (
-            f" Counting training accuracy (opt-in) costs about {cost:.1%} of the tiny model's step."
+            f" Logging training accuracy as a second metric costs about {cost:.1%} of the tiny "
+            "model's step (an argmax and a comparison per batch)."
+        )
+    ends = [data[name].get("end_of_epoch_median_s") for name in ("compute_bound", "tiny")]
+    if None not in ends:
+        verdict += (
+            " The steps' time leaves out each epoch's end, where `run.steps` sums the epoch's "
+            f"metrics over the ranks: a median {ends[0] * 1000:.1f} ms (compute_bound) and "
+            f"{ends[1] * 1000:.1f} ms (tiny) per epoch."
         )
     lines += [
         "",
@@ -128,11 +136,10 @@ def _overhead(data: dict[str, Any]) -> str:
     if below:
         lines += [
             "",
-            f"Below 0.99 here: {', '.join(below)}. "
-            "An earlier set gave compute_bound 0.956 too, but two later sets of 5 runs per "
-            "side gave 1.020, and 0.972 with glibc malloc's mmap and trim thresholds raised for "
-            "both sides (the one lead, page faults, not confirmed). Separate-process sets swing "
-            "by about 4% either way, while the paired figure for the same model shows no gap.",
+            f"Below 0.99 here: {', '.join(below)}. Sets of this kind have read from 0.956 to "
+            "1.022 for the same code (earlier sets, for the built-in trainer: compute_bound "
+            "0.956 and 1.020, tiny 1.022), a swing of several percent either way, while the "
+            "paired figure for the same models shows no gap.",
         ]
     return "\n".join(lines) + "\n\n"
 

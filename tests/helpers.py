@@ -72,6 +72,24 @@ def run_local(
     )
 
 
+def run_local_program(
+    nproc: int,
+    program: list[str],
+    timeout: float = 240,
+    environment: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`hpc-ddp local --nproc N <program...>`: a user's script or module on local ranks."""
+    return subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "local", "--nproc", str(nproc), *program],
+        cwd=REPO,
+        env=environment or clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def run_train(
     args: list[str], environment: dict[str, str], timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:

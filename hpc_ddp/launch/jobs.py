@@ -17,11 +17,14 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.launch.program import Program, program_from, run_program
 from hpc_ddp.runtime.errors import CONSEQUENTIAL_FAILURE_MARKERS, HpcDdpError, Stopped
 from hpc_ddp.runtime.slurm import time_to_minutes
+
+if TYPE_CHECKING:
+    from hpc_ddp.trainer.config import Config
 
 
 class CallTask:
@@ -57,7 +60,7 @@ class CallTask:
                 f"not requeued; submit again with run.id={stopped.run_id} to continue"
             ) from None
         except Exception as error:
-            started = sys.modules.get("hpc_ddp.runtime.start")
+            started = sys.modules.get("hpc_ddp.runtime.ending")
             if started is not None:
                 started.end_active_run(error)
             raise RuntimeError(f"rank {rank} on {socket.gethostname()} failed: {error}") from error
@@ -77,7 +80,7 @@ def _train_builtin(config: Any) -> dict[str, Any]:
 
 
 def _task(
-    target: Any, args: Sequence[Any], kwargs: Mapping[str, Any] | None, overrides: Sequence[str]
+    target: object, args: Sequence[Any], kwargs: Mapping[str, Any] | None, overrides: Sequence[str]
 ) -> CallTask:
     """The task for a callable, a config (the built-in trainer), a script or a command."""
     from hpc_ddp.trainer.config import Config, load_config
@@ -95,7 +98,16 @@ def _task(
         return CallTask(target, args, kwargs or {})
     if kwargs:
         raise HpcDdpError("kwargs= applies to a callable", "pass a script's arguments in args=")
-    command = [str(target)] if isinstance(target, str | Path) else [str(a) for a in target]
+    if isinstance(target, str | Path):
+        command = [str(target)]
+    elif isinstance(target, Sequence):
+        command = [str(part) for part in target]
+    else:
+        raise HpcDdpError(
+            f"cannot submit {type(target).__name__}",
+            "submit a callable, a script path, a command line (a list of strings) or a .yaml "
+            "config of the built-in trainer",
+        )
     command += [str(argument) for argument in args]
     module = command[:1] == ["-m"]
     program = program_from(command[1:] if module else command, module=module)
@@ -118,7 +130,7 @@ def _check_picklable(task: CallTask) -> None:
 
 
 def submit(
-    target: Callable[..., Any] | str | Path | Sequence[str] | Any,
+    target: Callable[..., Any] | str | Path | Sequence[str] | Config,
     *,
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,

@@ -132,7 +132,7 @@ def run_program(program: Program) -> int:
         print(exiting.code, file=sys.stderr)
         return 1
     except (Exception, KeyboardInterrupt) as error:
-        started = sys.modules.get("hpc_ddp.runtime.start")
+        started = sys.modules.get("hpc_ddp.runtime.ending")
         if started is not None:
             started.end_active_run(error)
         return report_failure(error, rank_label(os.environ), _launcher_frame)

@@ -8,9 +8,14 @@ trainer's config adds its own sections to these (:mod:`hpc_ddp.trainer.config`).
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
+from hpc_ddp.runtime import configfile
 from hpc_ddp.runtime.configfile import require, section, setting
 from hpc_ddp.runtime.errors import HpcDdpError
 
@@ -165,3 +170,56 @@ class RuntimeConfig:
     tracking: TrackingConfig = section(TrackingConfig, "MLflow tracking.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
     preempt: PreemptConfig = section(PreemptConfig, "Preemption and requeue.")
+
+
+Section = (
+    Mapping[str, Any] | RunConfig | DistConfig | CheckpointConfig | PreemptConfig | TrackingConfig
+)
+
+
+def resolve_config(
+    config: RuntimeConfig | str | Path | None,
+    overrides: Sequence[str],
+    sections: Mapping[str, Section | None],
+    environ: Mapping[str, str],
+) -> RuntimeConfig:
+    """The runtime settings: ``config`` (an object, a YAML file or the defaults), then the
+    sections given as keyword arguments, then the dotted ``overrides`` (which win).
+
+    Under submitit, preemption arrives as USR2 and SIGTERM is ignored, as submitit does it."""
+    if isinstance(config, RuntimeConfig):
+        raw, source = configfile.to_dict(config), "<config>"
+    elif isinstance(config, str | Path):
+        raw, source = configfile.load_raw(config), str(config)
+    elif config is None:
+        raw, source = {}, "<defaults>"
+    else:
+        raise HpcDdpError(
+            f"hpc_ddp.start(config=...) got {type(config).__name__}: expected a YAML file's path "
+            "or a RuntimeConfig",
+            "pass dotted settings such as checkpoint.every_steps=100 as overrides=[...]",
+        )
+    if isinstance(overrides, str):
+        raise HpcDdpError(
+            f"hpc_ddp.start(overrides={overrides!r}) got one string",
+            "pass a list of dotted settings, e.g. overrides=['checkpoint.every_steps=100']",
+        )
+    for name, value in sections.items():
+        if value is None:
+            continue
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            raw[name] = dataclasses.asdict(value)
+        else:
+            raw.setdefault(name, {}).update(dict(value))  # type: ignore[arg-type]
+    configfile.apply_overrides(raw, overrides, configfile.section_names(RuntimeConfig))
+    settings = configfile.from_dict(RuntimeConfig, raw, source)
+    if environ.get("SUBMITIT_EXECUTOR"):
+        preempt = dataclasses.replace(settings.preempt, signal="USR2", stop_on_sigterm=False)
+        settings = dataclasses.replace(settings, preempt=preempt)
+    return settings
+
+
+def default_run_name() -> str:
+    """The started script's (or module's) name: ``train`` for ``train.py``."""
+    started = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
+    return Path(started).stem or "run"

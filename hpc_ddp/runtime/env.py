@@ -22,130 +22,67 @@ import os
 import re
 import socket
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
 
-from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.slurm import derive_master_port, expand_hostlist, expand_tasks_per_node
+from hpc_ddp.runtime.distenv import DistEnv, gpu_fields, port_override, read_int
+from hpc_ddp.runtime.slurm import derive_master_port
+from hpc_ddp.runtime.slurm_env import resolve_slurm
+
+__all__ = [
+    "LAUNCHER_ORDER",
+    "DistEnv",
+    "available_cpus",
+    "detect_launcher",
+    "dist_env_variables",
+    "export_dist_env",
+    "needs_allocation_task_count",
+    "resolve_dist_env",
+]
 
 LOCAL_RUN_ID_VAR = "HPC_DDP_LOCAL_RUN_ID"
 SUBMITIT_LOCAL_JOB_VAR = "SUBMITIT_LOCAL_JOB_ID"
 LAUNCHER_ORDER = ("torchelastic", "local", "slurm", "submitit-local", "single")
 
 
-@dataclass(frozen=True)
-class DistEnv:
-    """Where this process sits in the job. Resolved once; passed to everything that needs it."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    node_rank: int
-    num_nodes: int
-    master_addr: str
-    #: 0 when no rendezvous is needed (world size 1).
-    master_port: int
-    launcher: str
-    job_id: str
-    #: How often the job was requeued/restarted (Slurm's SLURM_RESTART_COUNT, else torchrun's).
-    restart_count: int
-    hostname: str
-    #: CPUs Slurm gave this task (SLURM_CPUS_PER_TASK), None outside Slurm.
-    cpus_per_task: int | None = None
-    #: GPUs bound to each task (SLURM_GPUS_PER_TASK), None when not requested that way.
-    gpus_per_task: int | None = None
-    #: CUDA_VISIBLE_DEVICES as the launcher set it, None when unset.
-    cuda_visible_devices: str | None = None
-    #: torchrun's agent already hosts the rendezvous store, so rank 0 must not start one.
-    store_hosted_by_launcher: bool = False
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0: the one process that logs, tracks and writes files."""
-        return self.rank == 0
-
-
-def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
-    raw = environ.get(name)
-    if raw is None or raw == "":
-        if default is None:
-            raise HpcDdpError(
-                f"{name} is not set",
-                f"the launcher sets {name}: start the job with srun, torchrun or hpc-ddp local",
-            )
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise HpcDdpError(f"{name}={raw!r} is not an integer", f"unset or fix {name}") from None
-
-
-def _optional_trailing_int(environ: Mapping[str, str], name: str) -> int | None:
-    """Read counts such as SLURM_GPUS_PER_TASK that may carry a type prefix ('a100:1')."""
-    raw = environ.get(name)
-    if not raw:
-        return None
-    match = re.search(r"(\d+)$", raw.strip())
-    return int(match.group(1)) if match else None
-
-
-def _port_override(environ: Mapping[str, str], configured_port: int | None) -> int | None:
-    """Config wins over MASTER_PORT, which wins over the derived port."""
-    if configured_port is not None:
-        return configured_port
-    if environ.get("MASTER_PORT"):
-        return _int(environ, "MASTER_PORT")
-    return None
-
-
-def _gpu_fields(environ: Mapping[str, str]) -> dict[str, int | str | None]:
-    return {
-        "cpus_per_task": _optional_trailing_int(environ, "SLURM_CPUS_PER_TASK"),
-        "gpus_per_task": _optional_trailing_int(environ, "SLURM_GPUS_PER_TASK"),
-        "cuda_visible_devices": environ.get("CUDA_VISIBLE_DEVICES"),
-    }
-
-
 def _resolve_torchelastic(environ: Mapping[str, str], hostname: str) -> DistEnv:
-    world_size = _int(environ, "WORLD_SIZE")
-    local_world_size = _int(environ, "LOCAL_WORLD_SIZE")
+    world_size = read_int(environ, "WORLD_SIZE")
+    local_world_size = read_int(environ, "LOCAL_WORLD_SIZE")
     restarts = environ.get("SLURM_RESTART_COUNT") or environ.get("TORCHELASTIC_RESTART_COUNT")
     return DistEnv(
-        rank=_int(environ, "RANK"),
-        local_rank=_int(environ, "LOCAL_RANK"),
+        rank=read_int(environ, "RANK"),
+        local_rank=read_int(environ, "LOCAL_RANK"),
         world_size=world_size,
         local_world_size=local_world_size,
-        node_rank=_int(environ, "GROUP_RANK", 0),
-        num_nodes=_int(environ, "GROUP_WORLD_SIZE", max(1, world_size // local_world_size)),
+        node_rank=read_int(environ, "GROUP_RANK", 0),
+        num_nodes=read_int(environ, "GROUP_WORLD_SIZE", max(1, world_size // local_world_size)),
         master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=_int(environ, "MASTER_PORT"),
+        master_port=read_int(environ, "MASTER_PORT"),
         launcher="torchelastic",
         job_id=environ.get("SLURM_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID", "torchrun"),
         restart_count=int(restarts) if restarts and restarts.isdigit() else 0,
         hostname=hostname,
         store_hosted_by_launcher=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-        **_gpu_fields(environ),  # type: ignore[arg-type]
+        **gpu_fields(environ),  # type: ignore[arg-type]
     )
 
 
 def _resolve_local(
     environ: Mapping[str, str], hostname: str, configured_port: int | None
 ) -> DistEnv:
-    world_size = _int(environ, "WORLD_SIZE")
+    world_size = read_int(environ, "WORLD_SIZE")
     return DistEnv(
-        rank=_int(environ, "RANK"),
-        local_rank=_int(environ, "LOCAL_RANK"),
+        rank=read_int(environ, "RANK"),
+        local_rank=read_int(environ, "LOCAL_RANK"),
         world_size=world_size,
-        local_world_size=_int(environ, "LOCAL_WORLD_SIZE", world_size),
+        local_world_size=read_int(environ, "LOCAL_WORLD_SIZE", world_size),
         node_rank=0,
         num_nodes=1,
         master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=configured_port or _int(environ, "MASTER_PORT"),
+        master_port=configured_port or read_int(environ, "MASTER_PORT"),
         launcher="local",
         job_id=environ[LOCAL_RUN_ID_VAR],
         restart_count=0,
         hostname=hostname,
-        **_gpu_fields(environ),  # type: ignore[arg-type]
+        **gpu_fields(environ),  # type: ignore[arg-type]
     )
 
 
@@ -153,13 +90,13 @@ def _resolve_submitit_local(
     environ: Mapping[str, str], hostname: str, configured_port: int | None
 ) -> DistEnv:
     job_id = environ[SUBMITIT_LOCAL_JOB_VAR]
-    world_size = _int(environ, "SUBMITIT_LOCAL_NTASKS", 1)
-    port = _port_override(environ, configured_port)
+    world_size = read_int(environ, "SUBMITIT_LOCAL_NTASKS", 1)
+    port = port_override(environ, configured_port)
     if port is None:
         port = derive_master_port(int(re.sub(r"\D", "", job_id) or 0))
     return DistEnv(
-        rank=_int(environ, "SUBMITIT_LOCAL_GLOBALID", 0),
-        local_rank=_int(environ, "SUBMITIT_LOCAL_LOCALID", 0),
+        rank=read_int(environ, "SUBMITIT_LOCAL_GLOBALID", 0),
+        local_rank=read_int(environ, "SUBMITIT_LOCAL_LOCALID", 0),
         world_size=world_size,
         local_world_size=world_size,
         node_rank=0,
@@ -170,110 +107,7 @@ def _resolve_submitit_local(
         job_id=f"submitit-{job_id}",
         restart_count=0,
         hostname=hostname,
-        **_gpu_fields(environ),  # type: ignore[arg-type]
-    )
-
-
-def _job_task_count(environ: Mapping[str, str]) -> int:
-    """Tasks of the whole allocation (not of a step): SLURM_NTASKS, else the tasks-per-node sum."""
-    if environ.get("SLURM_NTASKS"):
-        return _int(environ, "SLURM_NTASKS")
-    if environ.get("SLURM_TASKS_PER_NODE"):
-        return sum(expand_tasks_per_node(environ["SLURM_TASKS_PER_NODE"]))
-    return 1
-
-
-def _reject_unlaunched_allocation(environ: Mapping[str, str], job_tasks: int) -> None:
-    """Python started directly in a batch script or salloc shell of N>1 tasks would wait forever."""
-    if job_tasks <= 1:
-        return
-    where = "a batch script" if environ.get("SLURMD_NODENAME") else "an salloc shell"
-    raise HpcDdpError(
-        f"this process runs inside Slurm job {environ.get('SLURM_JOB_ID')} of {job_tasks} tasks "
-        f"({where}), but it was not started by srun: it would be the only rank and wait "
-        f"forever for the other {job_tasks - 1}",
-        "start training with `srun python train.py ...` (or `srun python -m hpc_ddp.train "
-        "...`; slurm/train.sh does this), so that Slurm starts one process per task",
-    )
-
-
-def _reject_interactive_pty_step(
-    environ: Mapping[str, str], step_tasks: int, allocation_tasks: int | None
-) -> None:
-    """An `srun --pty bash` shell is a one-task step; training started in it runs on one rank.
-
-    Inside that step Slurm reports SLURM_NTASKS=1, so the allocation's real task count comes
-    from ``allocation_tasks`` (asked of scontrol at the edge) when known.
-    """
-    job_tasks = allocation_tasks or _job_task_count(environ)
-    if environ.get("SLURM_PTY_PORT") and step_tasks == 1 and job_tasks > 1:
-        raise HpcDdpError(
-            f"this is an interactive `srun --pty` shell (a job step of 1 task) inside Slurm job "
-            f"{environ.get('SLURM_JOB_ID')} of {job_tasks} tasks: training would run on 1 rank, "
-            f"not {job_tasks}",
-            f"from this shell run `srun --overlap --ntasks={job_tasks} python -m hpc_ddp.train "
-            "...`, or use `salloc` and then `srun python -m hpc_ddp.train ...`",
-        )
-
-
-def _resolve_slurm(
-    environ: Mapping[str, str],
-    hostname: str,
-    configured_port: int | None,
-    allocation_tasks: int | None,
-) -> DistEnv:
-    job_id = environ["SLURM_JOB_ID"]
-    restart_count = _int(environ, "SLURM_RESTART_COUNT", 0)
-    if not environ.get("SLURM_STEP_ID"):
-        _reject_unlaunched_allocation(environ, _job_task_count(environ))
-        return _single(environ, hostname, "slurm", job_id, restart_count)
-
-    world_size = _int(environ, "SLURM_STEP_NUM_TASKS", _job_task_count(environ))
-    _reject_interactive_pty_step(environ, world_size, allocation_tasks)
-    nodelist = (
-        environ.get("SLURM_STEP_NODELIST")
-        or environ.get("SLURM_JOB_NODELIST")
-        or environ.get("SLURM_NODELIST")
-        or hostname
-    )
-    hosts = expand_hostlist(nodelist)
-    tasks_spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-    tasks_per_node = expand_tasks_per_node(tasks_spec) if tasks_spec else [world_size]
-    if len(tasks_per_node) != len(hosts) or sum(tasks_per_node) != world_size:
-        raise HpcDdpError(
-            f"Slurm's step description does not add up: nodes {hosts}, tasks per node "
-            f"{tasks_per_node} (sum {sum(tasks_per_node)}), {world_size} tasks",
-            "this usually means stale SLURM_* variables were copied into the environment; "
-            "start a fresh step with srun",
-        )
-    node_name = environ.get("SLURMD_NODENAME")
-    node_rank = hosts.index(node_name) if node_name in hosts else _int(environ, "SLURM_NODEID", 0)
-    rank = _int(environ, "SLURM_PROCID")
-    if not 0 <= rank < world_size or not 0 <= node_rank < len(hosts):
-        raise HpcDdpError(
-            f"SLURM_PROCID={rank} / node {node_rank} do not fit a step of {world_size} tasks "
-            f"on {len(hosts)} nodes",
-            "start a fresh step with srun",
-        )
-    port = _port_override(environ, configured_port)
-    if port is None:
-        port = derive_master_port(
-            int(re.sub(r"\D", "", job_id) or 0), _int(environ, "SLURM_STEP_ID")
-        )
-    return DistEnv(
-        rank=rank,
-        local_rank=_int(environ, "SLURM_LOCALID"),
-        world_size=world_size,
-        local_world_size=tasks_per_node[node_rank],
-        node_rank=node_rank,
-        num_nodes=len(hosts),
-        master_addr=environ.get("MASTER_ADDR") or hosts[0],
-        master_port=port if world_size > 1 else 0,
-        launcher="slurm",
-        job_id=job_id,
-        restart_count=restart_count,
-        hostname=hostname,
-        **_gpu_fields(environ),  # type: ignore[arg-type]
+        **gpu_fields(environ),  # type: ignore[arg-type]
     )
 
 
@@ -293,7 +127,7 @@ def _single(
         job_id=job_id,
         restart_count=restart_count,
         hostname=hostname,
-        **_gpu_fields(environ),  # type: ignore[arg-type]
+        **gpu_fields(environ),  # type: ignore[arg-type]
     )
 
 
@@ -336,7 +170,7 @@ def resolve_dist_env(
     if launcher == "local":
         return _resolve_local(environ, host, configured_port)
     if launcher == "slurm":
-        return _resolve_slurm(environ, host, configured_port, allocation_tasks)
+        return resolve_slurm(environ, host, configured_port, allocation_tasks, _single)
     if launcher == "submitit-local":
         return _resolve_submitit_local(environ, host, configured_port)
     return _single(environ, host, "single", single_run_id, 0)

@@ -8,6 +8,7 @@ result is the same whatever the number of ranks and however the samples were spl
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc_ddp.runtime.dist import all_gather_object, all_reduce_sum
+from hpc_ddp.runtime.dist import all_gather_object, all_reduce_sum, several_ranks
 from hpc_ddp.runtime.errors import HpcDdpError
 
 #: Per-batch totals an entry holds before summing them (bounds memory on long intervals).
@@ -85,6 +86,13 @@ class _Entry:
         return torch.cat([total.reshape(-1), count])
 
 
+def _signature(names: list[tuple[str, tuple[int, ...] | None]]) -> float:
+    """A 40-bit number for the metric names and shapes, the same in every process (float64
+    holds it exactly, and its negation, for an all-reduce)."""
+    digest = hashlib.sha256(repr(names).encode()).digest()
+    return float(int.from_bytes(digest[:5], "little"))
+
+
 def _shape_of(value: Value) -> tuple[int, ...]:
     return tuple(value.shape) if isinstance(value, torch.Tensor) else ()
 
@@ -108,7 +116,7 @@ class Sums:
         entry = self._entries.get(name)
         if entry is None:
             entry = self._entries[name] = _Entry(shape=_shape_of(total))
-        elif isinstance(total, torch.Tensor) and tuple(total.shape) != entry.shape:
+        elif isinstance(total, torch.Tensor) and total.shape != entry.shape:
             raise HpcDdpError(
                 f"metric {name!r} was added with shape {entry.shape} and now with "
                 f"{tuple(total.shape)}",
@@ -129,9 +137,16 @@ class Sums:
             return torch.zeros(0, dtype=torch.float64, device=self.device)
         return torch.cat([self._entries[name].packed(self.device) for name in self.names])
 
-    def agree(self, names: list[str] | None = None) -> None:
-        """Check that every rank holds the same metric names and shapes (a collective)."""
-        mine = [(name, self._entries[name].shape) for name in (names or self.names)]
+    def agree(self) -> None:
+        """Check that every rank holds the same metric names and shapes (a collective: one
+        tiny all-reduce; the names themselves travel only when they differ)."""
+        mine = [(name, self._entries[name].shape) for name in self.names]
+        signature = _signature(mine)
+        extremes = torch.tensor([signature, -signature], dtype=torch.float64)
+        if several_ranks():
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        if extremes.tolist() == [signature, -signature]:
+            return
         for rank, theirs in enumerate(all_gather_object(mine, self.group)):
             if theirs != mine:
                 raise HpcDdpError(

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import random
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -18,27 +15,21 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
-from hpc_ddp.runtime.checkpoint import check_resumable, write_atomically
+from hpc_ddp.runtime.buckets import settle_buckets
+from hpc_ddp.runtime.checkpoint import check_resumable
 from hpc_ddp.runtime.config import RuntimeConfig
 from hpc_ddp.runtime.context import RunContext
-from hpc_ddp.runtime.data import StepLoader, TrainLoader, eval_loader, mixed_seed
+from hpc_ddp.runtime.data import StepLoader, TrainLoader, eval_loader
 from hpc_ddp.runtime.env import DistEnv, available_cpus
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.metrics import Sum, Sums
 from hpc_ddp.runtime.plan import resolve_num_workers
-from hpc_ddp.runtime.replicas import weights_sha256
+from hpc_ddp.runtime.resume import Found, Resumed, seed_rank_streams
 from hpc_ddp.runtime.steps import StepLoop
+from hpc_ddp.runtime.summary import run_facts, write_summary
 
-
-@dataclass(frozen=True)
-class Resumed:
-    """The checkpoint a run resumed from."""
-
-    path: Path
-    step: int
-    #: How many ranks wrote it.
-    world_size: int
+__all__ = ["Resumed", "Run"]
 
 
 class Run:
@@ -65,7 +56,7 @@ class Run:
         self,
         context: RunContext,
         loop: StepLoop,
-        resume: tuple[Path, dict[str, Any]] | None,
+        resume: Found | None,
         started: float,
         timeline: dict[str, float],
     ) -> None:
@@ -142,7 +133,7 @@ class Run:
     @property
     def train_metrics(self) -> dict[str, Sum]:
         """The last finished epoch's :meth:`log` metrics, summed over all ranks."""
-        return self._loop.epoch_metrics
+        return self._loop.metrics.epoch_metrics
 
     # -- model and data ----------------------------------------------------------------------
 
@@ -161,6 +152,7 @@ class Run:
             model = model.to(device)
             device_ids = [device.index] if device.type == "cuda" else None
             wrapped = DistributedDataParallel(model, device_ids=device_ids, **ddp_options)
+        settle_buckets(wrapped)
         self._context.wrapped.append(wrapped.module)
         return wrapped
 
@@ -257,21 +249,19 @@ class Run:
             return self.resumed
         self._resume_done = True
         context = self._context
+        streams_restored = False
         if self._resume is not None:
             path, saved = self._resume
             context.registry.restore(saved["objects"], path)
-            self._loop.restore(saved)
+            streams_restored = self._loop.restore(saved)
             self.resumed = Resumed(path, int(saved["global_step"]), len(saved["rng"]))
             self._resume = None
             get_logger().info(
                 f"resumed from {path} at step {self.global_step} (epoch {self.epoch}, step "
                 f"{self._loop.position.step_in_epoch} of the epoch)"
             )
-        if self.resumed is None or self.resumed.world_size != self.world_size:
-            # Each rank's own random streams from here on (dropout, augmentation).
-            seed = mixed_seed(self.config.run.seed, self.rank, self.global_step)
-            torch.manual_seed(seed)
-            random.seed(seed)
+        if not streams_restored:
+            seed_rank_streams(self.config.run.seed, self.rank, self.global_step)
         if not context.registry.objects and context.config.checkpoint.enabled and self.is_main:
             get_logger().warning(
                 "nothing is registered for checkpoints: a resumed run could not restore its "
@@ -296,9 +286,13 @@ class Run:
         loop.num_epochs, loop.max_steps = num_epochs, max_steps
         loop.begin(self.resume)
         self._timeline.setdefault("training_unix", time.time())
-        while loop.more_epochs():
-            yield loop.position.epoch
-            loop.next_epoch()
+        loop.in_epochs = True
+        try:
+            while loop.more_epochs():
+                yield loop.position.epoch
+                loop.next_epoch()
+        finally:
+            loop.in_epochs = False
         loop.completed = True
 
     def steps(self, loader: StepLoader) -> Iterator[Any]:
@@ -308,7 +302,8 @@ class Run:
         Between optimizer steps (every ``grad_accum_steps`` micro-batches) it does what the
         run needs: interval metrics, the stop all ranks agree on (checkpoint, then requeue or
         exit, raising :class:`hpc_ddp.Stopped`), periodic checkpoints. Call
-        ``optimizer.step()`` once per step, i.e. when not :attr:`accumulating`."""
+        ``optimizer.step()`` once per step, i.e. when not :attr:`accumulating`. Without
+        :meth:`epochs`, each call is the next epoch."""
         self._loop.begin(self.resume)
         self._timeline.setdefault("training_unix", time.time())
         return self._loop.steps(loader)
@@ -324,7 +319,7 @@ class Run:
                 f"run.log({name!r}, ...) got a tensor of shape {tuple(total.shape)}",
                 "log a scalar (e.g. loss.detach() * batch_size); use run.sums() for tensors",
             )
-        self._loop.interval.add(name, total, count)
+        self._loop.metrics.interval.add(name, total, count)
 
     def sums(self) -> Sums:
         """Exact sums over all ranks, for evaluation: ``sums.add(name, total, count)`` per
@@ -351,46 +346,17 @@ class Run:
             raise HpcDdpError("run.finish() was called twice", "call it once, after training")
         self._finished = True
         self._loop.finish()
-        facts = {**self._facts(), **(summary or {})}
+        facts = {
+            **run_facts(self._context, self._loop, self._started, self._timeline),
+            **(summary or {}),
+        }
         if self.is_main:
-            path = self.run_dir / "summary.json"
-            text = json.dumps(facts, indent=2, sort_keys=True, default=str) + "\n"
-            write_atomically(path, lambda handle: handle.write(text.encode()))
+            path = write_summary(self.run_dir, facts)
             self._context.tracker.log_json_artifact("summary.json", facts)
             facts["summary_path"] = str(path)
             get_logger().info(f"summary: {path}")
         self._context.close("FINISHED")
         return facts
-
-    def _facts(self) -> dict[str, Any]:
-        env, position = self.env, self._loop.position
-        samples = position.global_step * (self._loop.global_batch_size or 0)
-        models = self._context.models()
-        return {
-            "world_size": env.world_size,
-            "num_nodes": env.num_nodes,
-            "launcher": env.launcher,
-            "job_id": env.job_id,
-            "run_id": self.run_dir.name,
-            "restart_count": env.restart_count,
-            "resumed_from_step": position.resumed_from_step,
-            "stopped_early": False,
-            "device": str(self.device),
-            "backend": self._context.plan.device.backend,
-            "epochs": position.epoch,
-            "global_step": position.global_step,
-            "samples_seen": samples,
-            "wall_time_s": round(time.perf_counter() - self._started, 3),
-            "train_time_s": round(position.train_time_s, 3),
-            "samples_per_s": round(samples / max(1e-9, position.train_time_s), 1),
-            "weights_sha256": weights_sha256(models[0]) if len(models) == 1 else None,
-            "replicas_in_sync": position.replicas_diverged_at is None,
-            "replicas_diverged_at": position.replicas_diverged_at,
-            "torch_threads": torch.get_num_threads(),
-            "first_step_unix": position.first_step_unix,
-            "mlflow_run_id": self._context.tracker.run_id,
-            "timeline": dict(self._timeline),
-        }
 
     def close(self, status: str = "FAILED") -> None:
         """End the run without a final checkpoint (after an error): MLflow ``status``,

@@ -2,29 +2,18 @@
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
-import gc
 import os
 import random
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as torch_dist
 
 from hpc_ddp.runtime import configfile
-from hpc_ddp.runtime.checkpoint import (
-    checkpoint_dir,
-    fingerprint_of,
-    load_checkpoint,
-    load_newest,
-    remove_partial_writes,
-)
+from hpc_ddp.runtime.checkpoint import fingerprint_of
 from hpc_ddp.runtime.config import (
     CheckpointConfig,
     DistConfig,
@@ -32,9 +21,12 @@ from hpc_ddp.runtime.config import (
     RunConfig,
     RuntimeConfig,
     TrackingConfig,
+    default_run_name,
+    resolve_config,
 )
 from hpc_ddp.runtime.context import RunContext
-from hpc_ddp.runtime.dist import broadcast_object, init_distributed, shutdown_distributed
+from hpc_ddp.runtime.dist import init_distributed
+from hpc_ddp.runtime.ending import Ending, end_active_run, watch
 from hpc_ddp.runtime.env import (
     DistEnv,
     available_cpus,
@@ -42,8 +34,6 @@ from hpc_ddp.runtime.env import (
     needs_allocation_task_count,
     resolve_dist_env,
 )
-from hpc_ddp.runtime.errors import EXIT_FAILURE, HpcDdpError
-from hpc_ddp.runtime.exits import rank_label, report_failure
 from hpc_ddp.runtime.logs import get_logger, setup_logging
 from hpc_ddp.runtime.plan import (
     LaunchPlan,
@@ -53,63 +43,14 @@ from hpc_ddp.runtime.plan import (
     threads_per_rank,
 )
 from hpc_ddp.runtime.requeue import agent_signal_gap
+from hpc_ddp.runtime.resume import find_resume
 from hpc_ddp.runtime.run import Run
 from hpc_ddp.runtime.signals import StopSignals
 from hpc_ddp.runtime.slurm import allocation_task_count
 from hpc_ddp.runtime.steps import StepLoop
-from hpc_ddp.runtime.tracking import NullTracker, RunRecord, Tracker, run_tags, start_tracker
+from hpc_ddp.runtime.tracking import NullTracker, RunRecord, run_tags, start_tracker
 
-Section = (
-    Mapping[str, Any] | RunConfig | DistConfig | CheckpointConfig | PreemptConfig | TrackingConfig
-)
-
-
-def resolve_config(
-    config: RuntimeConfig | str | Path | None,
-    overrides: Sequence[str],
-    sections: Mapping[str, Section | None],
-    environ: Mapping[str, str],
-) -> RuntimeConfig:
-    """The runtime settings: ``config`` (an object, a YAML file or the defaults), then the
-    sections given as keyword arguments, then the dotted ``overrides`` (which win).
-
-    Under submitit, preemption arrives as USR2 and SIGTERM is ignored, as submitit does it."""
-    if isinstance(config, RuntimeConfig):
-        raw, source = configfile.to_dict(config), "<config>"
-    elif isinstance(config, str | Path):
-        raw, source = configfile.load_raw(config), str(config)
-    elif config is None:
-        raw, source = {}, "<defaults>"
-    else:
-        raise HpcDdpError(
-            f"hpc_ddp.start(config=...) got {type(config).__name__}: expected a YAML file's path "
-            "or a RuntimeConfig",
-            "pass dotted settings such as checkpoint.every_steps=100 as overrides=[...]",
-        )
-    if isinstance(overrides, str):
-        raise HpcDdpError(
-            f"hpc_ddp.start(overrides={overrides!r}) got one string",
-            "pass a list of dotted settings, e.g. overrides=['checkpoint.every_steps=100']",
-        )
-    for name, value in sections.items():
-        if value is None:
-            continue
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            raw[name] = dataclasses.asdict(value)
-        else:
-            raw.setdefault(name, {}).update(dict(value))  # type: ignore[arg-type]
-    configfile.apply_overrides(raw, overrides, configfile.section_names(RuntimeConfig))
-    settings = configfile.from_dict(RuntimeConfig, raw, source)
-    if environ.get("SUBMITIT_EXECUTOR"):
-        preempt = dataclasses.replace(settings.preempt, signal="USR2", stop_on_sigterm=False)
-        settings = dataclasses.replace(settings, preempt=preempt)
-    return settings
-
-
-def default_run_name() -> str:
-    """The started script's (or module's) name: ``train`` for ``train.py``."""
-    started = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
-    return Path(started).stem or "run"
+__all__ = ["end_active_run", "resolve_launch", "start"]
 
 
 def resolve_launch(settings: RuntimeConfig, name: str, environ: Mapping[str, str]) -> LaunchPlan:
@@ -145,104 +86,6 @@ def _announce(plan: LaunchPlan, settings: RuntimeConfig, environ: Mapping[str, s
     ):
         if warning:
             log.warning(warning)
-
-
-def _find_resume(
-    settings: RuntimeConfig, plan: LaunchPlan, group: Any | None
-) -> tuple[Path, dict[str, Any]] | None:
-    """The newest good checkpoint of this run: rank 0 chooses, every rank loads the same."""
-    if not settings.checkpoint.resume:
-        return None
-    directory = checkpoint_dir(plan.run_dir)
-    found = None
-    if plan.dist_env.is_main:
-        remove_partial_writes(directory)
-        found = load_newest(directory)
-    chosen = broadcast_object(str(found[0]) if found else "", group)
-    if not chosen:
-        return None
-    path = Path(chosen)
-    return path, found[1] if found else load_checkpoint(path)
-
-
-#: How long a run's end leaves the GIL to the process groups' worker threads (see _Ending).
-WORKER_RELEASE_S = 0.05
-
-
-class _Ending:
-    """Ends a run once, whichever way it ends: finish, stop, an exception or exit."""
-
-    def __init__(self, signals: StopSignals, label: str) -> None:
-        self.signals = signals
-        self.label = label
-        self.tracker: Tracker = NullTracker()
-        self.loop: StepLoop | None = None
-        self.done = False
-
-    def __call__(self, status: str | None) -> None:
-        if self.done:
-            return
-        self.done = True
-        clean = status in (None, "FINISHED")
-        try:
-            if self.loop is not None:
-                self.loop.close(wait=clean)
-            if status is not None:
-                self.tracker.finish(status)
-            # Training froze every object alive at its start (gc.freeze): let the collector
-            # free them now, while the process group and torch are whole, not at exit.
-            gc.unfreeze()
-        finally:
-            self.signals.restore()
-            if _ACTIVE and _ACTIVE[-1] is self:
-                _ACTIVE.pop()
-            if clean:  # after a failure a peer may be gone: tearing down could hang
-                shutdown_distributed()
-                # gloo's worker threads free a finished collective's tensors after its wait()
-                # returned, and need the GIL for that: give it to them now, or they may ask for
-                # it while the interpreter finalizes, which aborts the process.
-                time.sleep(WORKER_RELEASE_S)
-
-
-_ACTIVE: list[_Ending] = []
-_previous_hook = sys.excepthook
-
-
-def end_active_run(error: BaseException) -> None:
-    """End the run this process holds, if any, after ``error`` ended the script: MLflow
-    FAILED (KILLED for Ctrl-C), signal handlers restored."""
-    if _ACTIVE:
-        _ACTIVE[-1]("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
-
-
-def _excepthook(
-    kind: type[BaseException], error: BaseException, trace: TracebackType | None
-) -> None:
-    """An exception nobody caught: end the run (MLflow FAILED), then say why on one line
-    with the documented exit code, or show the traceback (exit 1)."""
-    label = _ACTIVE[-1].label if _ACTIVE else rank_label(os.environ)
-    end_active_run(error)
-    if not isinstance(error, Exception | KeyboardInterrupt):
-        _previous_hook(kind, error, trace)
-        return
-    code = report_failure(error, label)
-    if code != EXIT_FAILURE:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-@atexit.register
-def _at_exit() -> None:
-    """A script that ended without run.finish() (or exited on its own) still ends its run."""
-    while _ACTIVE:
-        ending = _ACTIVE[-1]
-        completed = ending.loop is not None and ending.loop.completed
-        get_logger().warning(
-            "the script ended without run.finish(): no final checkpoint or summary.json. "
-            "HINT: call run.finish() after training"
-        )
-        ending("FINISHED" if completed else "FAILED")
 
 
 def _set_threads(env: DistEnv, environ: Mapping[str, str]) -> None:
@@ -303,7 +146,7 @@ def start(
     _set_threads(dist_env, environment)
     _announce(plan, settings, environment)
     signals = StopSignals(settings.preempt.signal, settings.preempt.stop_on_sigterm).install()
-    ending = _Ending(signals, str(dist_env.rank))
+    ending = Ending(signals, str(dist_env.rank))
     timeline = {"entry_unix": entry_unix}
     try:
         init_distributed(dist_env, plan.device, settings.dist)
@@ -311,7 +154,9 @@ def start(
         # Control messages (stop agreement, barriers) go over gloo on the CPU, so they never
         # force a GPU synchronisation.
         group = torch_dist.new_group(backend="gloo") if dist_env.world_size > 1 else None
-        resume = _find_resume(settings, plan, group)
+        resume = None
+        if settings.checkpoint.resume:
+            resume = find_resume(plan.run_dir, dist_env.is_main, group)
         context = RunContext(
             config=settings,
             plan=plan,
@@ -348,6 +193,5 @@ def start(
     except BaseException:
         ending("FAILED")
         raise
-    _ACTIVE.append(ending)
-    sys.excepthook = _excepthook
+    watch(ending)
     return handle

@@ -32,8 +32,6 @@ class Tracker(Protocol):
 
     def log_text_artifact(self, name: str, text: str) -> None: ...
 
-    def set_tags(self, tags: Mapping[str, str]) -> None: ...
-
     def finish(self, status: str) -> None: ...
 
     def suspend(self) -> None: ...
@@ -51,9 +49,6 @@ class NullTracker:
         pass
 
     def log_text_artifact(self, name: str, text: str) -> None:
-        pass
-
-    def set_tags(self, tags: Mapping[str, str]) -> None:
         pass
 
     def finish(self, status: str) -> None:
@@ -119,9 +114,6 @@ class BackgroundTracker:
 
     def log_text_artifact(self, name: str, text: str) -> None:
         self._get().log_text_artifact(name, text)
-
-    def set_tags(self, tags: Mapping[str, str]) -> None:
-        self._get().set_tags(tags)
 
     def finish(self, status: str) -> None:
         self._ensure_started()  # a run that failed before its first metric is recorded too
@@ -252,10 +244,6 @@ class MlflowTracker:
 
     def log_text_artifact(self, name: str, text: str) -> None:
         self._client.log_text(self._run, text, name)
-
-    def set_tags(self, tags: Mapping[str, str]) -> None:
-        for key, value in tags.items():
-            self._client.set_tag(self._run, key, value)
 
     def _flush(self) -> None:
         for operation in self._pending:

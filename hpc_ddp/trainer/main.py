@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from hpc_ddp.runtime.ending import end_active_run
 from hpc_ddp.runtime.errors import Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure
 from hpc_ddp.runtime.plan import describe_launch, micro_batch_size
-from hpc_ddp.runtime.start import end_active_run, resolve_launch
+from hpc_ddp.runtime.start import resolve_launch
 from hpc_ddp.trainer.config import Config, load_config
 from hpc_ddp.trainer.datasets import build_datasets
 from hpc_ddp.trainer.models import build_model

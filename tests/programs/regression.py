@@ -73,12 +73,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--samples", type=int, default=4800)
+    parser.add_argument("--log-interval", type=int, default=None, help="steps between logs")
     args, overrides = parser.parse_known_args(argv)  # the rest: hpc_ddp's dotted overrides
 
     run = hpc_ddp.start(
         overrides=overrides,
         params=vars(args),
         fingerprint={"batch": args.batch, "lr": args.lr, "samples": args.samples},
+        log_interval=args.log_interval,
     )
     model = run.wrap(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2)))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

@@ -1,0 +1,55 @@
+"""Which checkpoint a run resumes from, and how its random streams go on."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_ddp.runtime.checkpoint import (
+    checkpoint_dir,
+    load_checkpoint,
+    load_newest,
+    remove_partial_writes,
+)
+from hpc_ddp.runtime.data import mixed_seed
+from hpc_ddp.runtime.dist import broadcast_object
+
+#: A checkpoint's path and its contents.
+Found = tuple[Path, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run resumed from."""
+
+    path: Path
+    step: int
+    #: How many ranks wrote it.
+    world_size: int
+
+
+def find_resume(run_dir: Path, is_main: bool, group: Any | None) -> Found | None:
+    """The newest good checkpoint of this run: rank 0 chooses, every rank loads the same."""
+    directory = checkpoint_dir(run_dir)
+    found = None
+    if is_main:
+        remove_partial_writes(directory)
+        found = load_newest(directory)
+    chosen = broadcast_object(str(found[0]) if found else "", group)
+    if not chosen:
+        return None
+    path = Path(chosen)
+    return path, found[1] if found else load_checkpoint(path)
+
+
+def seed_rank_streams(seed: int, rank: int, step: int) -> None:
+    """Each rank's own random streams (dropout, augmentation in the main process), from the
+    run's seed, the rank and the step: for a fresh run, and for one resumed on another
+    number of ranks, whose saved per-rank streams do not fit."""
+    rank_seed = mixed_seed(seed, rank, step)
+    torch.manual_seed(rank_seed)
+    random.seed(rank_seed)

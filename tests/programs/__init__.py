@@ -1,0 +1,1 @@
+"""Users' own training programs, written only against the public API."""

@@ -1,0 +1,112 @@
+"""A user's own script (tests/programs/regression.py) on the real test Slurm cluster: sbatch
+on 2 nodes x 2 tasks through a preemption, requeue and exact resume; the torchrun template;
+and submitit running a callable on 2 nodes. (Two "nodes" are two slurmd on this machine; a
+second physical host cannot exist here.)"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpc_ddp.launch.jobs import submit, wait
+from tests.helpers import REPO
+from tests.programs import regression
+from tests.slurm_cluster import SlurmCluster, prepare_workdir
+
+pytestmark = pytest.mark.slurm
+TRAIN = str(REPO / "slurm" / "train.sh")
+TORCHRUN = str(REPO / "slurm" / "train-torchrun.sh")
+PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
+
+
+def summary_of(output_dir: Path) -> dict[str, Any]:
+    paths = list(output_dir.glob("regression/*/summary.json"))
+    assert len(paths) == 1, paths
+    return json.loads(paths[0].read_text())  # type: ignore[no-any-return]
+
+
+PREEMPTED = [PROGRAM, "--epochs", "2", "--samples", "19200", "--log-interval", "5"]
+SETTINGS = ["preempt.check_every_steps=1", "tracking.enabled=false"]
+
+
+def sbatch_two_nodes(slurm: SlurmCluster, work: Path) -> str:
+    """The script on 2 nodes x 2 tasks through slurm/train.sh, as a user submits it."""
+    program = [*PREEMPTED, f"run.output_dir={work / 'runs'}", *SETTINGS]
+    return slurm.sbatch(["--nodes=2", "--ntasks-per-node=2", TRAIN, *program], work)
+
+
+def test_sbatch_two_nodes_preempted_requeues_and_resumes_to_the_same_weights(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path / "preempted")
+    job = sbatch_two_nodes(slurm, work)
+    log_path = work / "logs" / f"hpc-ddp-{job}.out"
+    slurm.wait_for_log(log_path, r"\[rank 0/4\] INFO epoch 0 step (4\d|[5-9]\d|1[0-6]\d)/400")
+    assert slurm.run(["scancel", "--signal=USR1", job], work).returncode == 0
+    state = slurm.wait(job, timeout=300)
+    log = log_path.read_text()
+    assert state == "COMPLETED", log[-4000:]
+    assert f"requeued job {job}" in log and slurm.job_field(job, "Restarts") == "1"
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert stop_step % 200, "stopped mid-epoch"
+    assert f"at step {stop_step} (epoch 0, step {stop_step} of the epoch)" in log
+
+    facts = summary_of(work / "runs")
+    assert (facts["world_size"], facts["num_nodes"], facts["launcher"]) == (4, 2, "slurm")
+    assert facts["restart_count"] == 1 and facts["resumed_from_step"] == stop_step
+    assert facts["global_step"] == 400 and facts["job_id"] == job
+
+    reference = prepare_workdir(tmp_path / "uninterrupted")
+    assert slurm.wait(sbatch_two_nodes(slurm, reference), timeout=300) == "COMPLETED"
+    expected = summary_of(reference / "runs")
+    assert expected["restart_count"] == 0 and expected["resumed_from_step"] is None
+    assert facts["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
+    assert facts["val_mse"] == expected["val_mse"]
+
+
+def test_the_torchrun_template_runs_a_users_script(slurm: SlurmCluster, tmp_path: Path) -> None:
+    work = prepare_workdir(tmp_path)
+    job = slurm.sbatch(
+        [
+            "--nodes=2",
+            TORCHRUN,
+            PROGRAM,
+            "--epochs",
+            "1",
+            f"run.output_dir={work / 'runs'}",
+            "tracking.enabled=false",
+        ],
+        work,
+    )
+    state = slurm.wait(job, timeout=240)
+    log = (work / "logs" / f"hpc-ddp-torchrun-{job}.out").read_text()
+    assert state == "COMPLETED", log[-4000:]
+    facts = summary_of(work / "runs")
+    assert (facts["world_size"], facts["num_nodes"], facts["launcher"]) == (4, 2, "torchelastic")
+    assert '"val_count": 1001.0' in log, "rank 0's RESULT line"
+
+
+def test_submitit_runs_a_callable_on_two_nodes_and_returns_every_rank(
+    slurm: SlurmCluster, slurm_conf_in_environ: None, tmp_path: Path
+) -> None:
+    arguments = ["--epochs", "1", f"run.output_dir={tmp_path / 'runs'}", "tracking.enabled=false"]
+    job = submit(
+        regression.main,
+        args=(arguments,),
+        cluster="slurm",
+        nodes=2,
+        gpus_per_node=2,
+        folder=tmp_path / "submitit",
+        time="00:10:00",
+    )
+    results = wait(job)
+    assert [result["world_size"] for result in results] == [4, 4, 4, 4]
+    assert {result["num_nodes"] for result in results} == {2}
+    assert {result["launcher"] for result in results} == {"slurm"}
+    assert {result["job_id"] for result in results} == {str(job.job_id)}
+    assert len({result["weights_sha256"] for result in results}) == 1
+    assert {result["val_count"] for result in results} == {1001}

@@ -1,0 +1,417 @@
+"""A user's own training script (tests/programs/regression.py: dict batches, a regression
+loss, its own scheduler and state) on real local gloo ranks through `hpc-ddp local`, plain
+`python`, `-m` and submitit's local executor; the Slurm side is in test_slurm_user_script.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+import hpc_ddp
+from hpc_ddp.runtime.data import TrainLoader, move_to
+from hpc_ddp.runtime.errors import EXIT_STOPPED
+from hpc_ddp.runtime.tracking import default_tracking_uri
+from tests.helpers import REPO, clean_environ, run_local_program
+from tests.programs import regression
+
+PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
+FAULTS = str(REPO / "tests" / "programs" / "faults.py")
+
+
+def result_of(output: str) -> dict[str, Any]:
+    """The RESULT line rank 0 of regression.py prints."""
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, output[-2000:]
+    return json.loads(lines[0].removeprefix("RESULT "))  # type: ignore[no-any-return]
+
+
+def summary(output_dir: Path, run_id: str) -> dict[str, Any]:
+    return json.loads((output_dir / "regression" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def final_weights(output_dir: Path, run_id: str) -> dict[str, torch.Tensor]:
+    newest = sorted((output_dir / "regression" / run_id / "checkpoints").glob("step-*.pt"))[-1]
+    saved = torch.load(newest, weights_only=True)
+    assert set(saved["objects"]) == {"model", "optimizer", "scheduler", "best"}
+    return saved["objects"]["model"]  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def world_sizes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """The same global batch of 96 at world sizes 1, 2 and 3, and at 2 with accumulation."""
+    runs = {"w1": (1, []), "w2": (2, []), "w3": (3, []), "w2_accum2": (2, ["--accum", "2"])}
+    outputs = {}
+    for name, (nproc, extra) in runs.items():
+        output = tmp_path_factory.mktemp(name)
+        program = [PROGRAM, "--epochs", "2", *extra, f"run.output_dir={output}", "run.id=x"]
+        result = run_local_program(nproc, [*program, "tracking.enabled=false"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs[name] = (output, result_of(result.stdout))
+    return outputs
+
+
+def test_a_users_script_trains_to_the_same_weights_at_every_world_size(world_sizes) -> None:
+    reference = final_weights(world_sizes["w1"][0], "x")
+    for name in ("w2", "w3", "w2_accum2"):
+        other = final_weights(world_sizes[name][0], "x")
+        for key in reference:
+            torch.testing.assert_close(other[key], reference[key], rtol=1e-5, atol=1e-6)
+    untrained = torch.nn.Linear(8, 32)
+    assert reference["0.weight"].shape == untrained.weight.shape
+    assert [summary(world_sizes[n][0], "x")["world_size"] for n in ("w1", "w2", "w3")] == [1, 2, 3]
+
+
+def test_its_evaluation_counts_every_sample_once_and_is_exact(world_sizes) -> None:
+    results = {name: result for name, (_output, result) in world_sizes.items()}
+    initial = {results[name]["initial_val_mse"] for name in ("w1", "w2", "w3", "w2_accum2")}
+    assert len(initial) == 1, f"the same weights must give the same metric exactly: {initial}"
+    assert {result["val_count"] for result in results.values()} == {1001}
+    assert {result["global_step"] for result in results.values()} == {100}
+    trained = results["w1"]["val_mse"]
+    assert trained < initial.pop() / 5, "the loss fell"
+    for name in ("w2", "w3", "w2_accum2"):
+        assert results[name]["val_mse"] == pytest.approx(trained, rel=1e-5)
+
+
+def test_the_summary_holds_the_runs_facts_and_the_scripts_own(world_sizes) -> None:
+    facts = summary(world_sizes["w3"][0], "x")
+    assert facts["launcher"] == "local" and facts["world_size"] == 3
+    assert facts["global_step"] == 100 and facts["samples_seen"] == 100 * 96
+    assert facts["replicas_in_sync"] is True and len(facts["weights_sha256"]) == 64
+    assert facts["val_mse"] == world_sizes["w3"][1]["val_mse"]
+    assert facts["best_val_mse"] <= facts["val_mse"]
+
+
+def start_program(nproc: int, program: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpc_ddp", "local", "--nproc", str(nproc), *program],
+        cwd=REPO,
+        env=clean_environ(),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def signal_after(process: subprocess.Popen[str], pattern: str, signum: int) -> str:
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if re.search(pattern, line):
+            process.send_signal(signum)
+            break
+    _out, err = process.communicate(timeout=240)
+    return "".join(seen) + err
+
+
+def test_stopped_mid_epoch_and_rerun_equals_uninterrupted_in_one_mlflow_run(
+    tmp_path: Path,
+) -> None:
+    program = [
+        PROGRAM,
+        "--epochs",
+        "3",
+        "--samples",
+        "9600",
+        "--log-interval",
+        "5",
+        f"run.output_dir={tmp_path}",
+        "preempt.check_every_steps=1",
+    ]
+    reference = run_local_program(2, [*program, "run.id=reference"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+
+    process = start_program(2, [*program, "run.id=interrupted"])
+    log = signal_after(process, r"epoch 1 step 1[3-7]\d/300", signal.SIGUSR1)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert stop_step % 100, f"stopped at step {stop_step}, not mid-epoch"
+    assert "to continue, run the same command with run.id=interrupted" in log
+
+    resumed = run_local_program(2, [*program, "run.id=interrupted"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {stop_step} (epoch 1, step {stop_step - 100} of the epoch)" in resumed.stderr
+    expected, actual = summary(tmp_path, "reference"), summary(tmp_path, "interrupted")
+    assert actual["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
+    assert actual["val_mse"] == expected["val_mse"] and actual["global_step"] == 300
+    assert actual["resumed_from_step"] == stop_step
+
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    experiment = client.get_experiment_by_name("hpc_ddp")
+    assert experiment is not None
+    runs = client.search_runs(
+        [experiment.experiment_id], filter_string="tags.`hpc_ddp.job_id` != ''"
+    )
+    by_id = {run.info.run_id: run for run in runs}
+    run = by_id[str(actual["mlflow_run_id"])]
+    assert len(runs) == 2, "the interrupted run and its rerun are ONE MLflow run"
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
+    assert (tags["hpc_ddp.attempts"], tags["hpc_ddp.attempt.0.end"]) == ("2", "killed")
+    assert tags["hpc_ddp.attempt.1.start_step"] == str(stop_step)
+    assert tags["hpc_ddp.attempt.1.end"] == "finished"
+    assert run.data.params["lr"] == "0.05" and run.data.params["checkpoint.keep_last"] == "3"
+    history = client.get_metric_history(run.info.run_id, "interval/mse")
+    assert [m.step for m in history] == list(range(5, 301, 5)), "no step lost or repeated"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_mse")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "mse")] == [1, 2, 3]
+
+
+def test_a_module_runs_with_dash_m_and_a_script_runs_with_plain_python(tmp_path: Path) -> None:
+    as_module = run_local_program(
+        2,
+        ["-m", "tests.programs.regression", "--epochs", "1", f"run.output_dir={tmp_path / 'm'}"],
+    )
+    assert as_module.returncode == 0, as_module.stderr[-2000:]
+    assert result_of(as_module.stdout)["global_step"] == 50
+    single = subprocess.run(
+        [sys.executable, PROGRAM, "--epochs", "1", f"run.output_dir={tmp_path / 'p'}"],
+        cwd=REPO,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert single.returncode == 0, single.stderr[-2000:]
+    facts = json.loads(next((tmp_path / "p" / "regression").glob("*/summary.json")).read_text())
+    assert facts["world_size"] == 1 and facts["launcher"] == "single"
+
+
+def test_an_error_in_the_users_code_shows_their_frames_and_the_rank(tmp_path: Path) -> None:
+    result = run_local_program(2, [FAULTS, "raise", f"run.output_dir={tmp_path}"])
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "rank 1 exited with code 1; stopping the other ranks" in result.stderr
+    failure = result.stderr[result.stderr.index("[rank 1] failed:") :]
+    assert "ValueError: the user's own check failed on rank 1" in failure
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', failure)
+    assert frames[0][0].endswith("faults.py"), "the traceback starts in the user's script"
+    assert "check_the_batch" in [name for _file, name in frames], frames
+    assert not [path for path, _name in frames if "runpy" in path or "hpc_ddp/launch" in path]
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    experiment = client.get_experiment_by_name("hpc_ddp")
+    assert experiment is not None
+    assert [run.info.status for run in client.search_runs([experiment.experiment_id])] == ["FAILED"]
+
+
+def run_faults(arguments: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """faults.py as plain `python` (one process): errors come through the excepthook."""
+    return subprocess.run(
+        [
+            sys.executable,
+            FAULTS,
+            *arguments,
+            f"run.output_dir={tmp_path}",
+            "tracking.enabled=false",
+        ],
+        cwd=REPO,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    ("program", "message"),
+    [
+        (["missing.py", "--lr", "1"], "script 'missing.py' does not exist"),
+        (["-m", "no_such_package.train"], "module 'no_such_package.train' cannot be found"),
+        ([FAULTS, "stateless"], "cannot register settings=dict: it has no state_dict()"),
+        ([FAULTS, "bad-config"], "unknown key 'checkpoint.every_stepz'"),
+        ([FAULTS, "rank-metric"], "the ranks logged different metrics"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(program: list[str], message: str, tmp_path: Path) -> None:
+    result = run_local_program(2, [*program, f"run.output_dir={tmp_path}"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "HINT:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_plain_python_gets_the_same_one_line_errors(tmp_path: Path) -> None:
+    result = run_faults(["stateless"], tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "[rank 0] error: cannot register settings=dict" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_resuming_with_other_registered_objects_is_refused(tmp_path: Path) -> None:
+    first = run_faults(["none", "run.id=x"], tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = run_faults(["extra", "run.id=x"], tmp_path)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert "holds ['model', 'optimizer'], this run registered ['ema', 'model', 'optimizer']" in (
+        second.stderr
+    )
+    assert "(not in the checkpoint: ema)" in second.stderr and "Traceback" not in second.stderr
+
+
+def test_submitit_runs_a_callable_and_a_script_on_every_rank(tmp_path: Path) -> None:
+    """submitit's local executor (no Slurm): the callable's return value from every rank."""
+    arguments = ["--epochs", "1", f"run.output_dir={tmp_path / 'call'}", "tracking.enabled=false"]
+    job = hpc_ddp.submit(
+        regression.main,
+        args=(arguments,),
+        cluster="local",
+        tasks_per_node=2,
+        folder=tmp_path / "submitit",
+        time="10",
+    )
+    results = hpc_ddp.wait(job)
+    assert [r["world_size"] for r in results] == [2, 2]
+    assert {r["launcher"] for r in results} == {"submitit-local"}
+    assert results[0]["weights_sha256"] == results[1]["weights_sha256"]
+    assert results[0]["val_count"] == 1001 and results[0]["global_step"] == 50
+
+    script = hpc_ddp.submit(
+        [PROGRAM, "--epochs", "1", f"run.output_dir={tmp_path / 'script'}"],
+        cluster="local",
+        tasks_per_node=2,
+        folder=tmp_path / "submitit",
+        time="10",
+    )
+    assert hpc_ddp.wait(script) == [None, None]
+    facts = json.loads(next((tmp_path / "script").glob("*/*/summary.json")).read_text())
+    assert facts["world_size"] == 2 and facts["global_step"] == 50
+
+
+def test_what_cannot_be_sent_to_a_job_is_refused_before_submission(tmp_path: Path) -> None:
+    lock = threading.Lock()
+
+    def holds_a_lock() -> bool:
+        return lock.locked()
+
+    with pytest.raises(hpc_ddp.HpcDdpError, match="cannot be pickled"):
+        hpc_ddp.submit(holds_a_lock, cluster="local", folder=tmp_path)
+    with pytest.raises(hpc_ddp.HpcDdpError, match=re.escape("script 'absent.py' does not exist")):
+        hpc_ddp.submit("absent.py", cluster="local", folder=tmp_path)
+
+
+BUCKETS = """
+import json, torch
+from torch import nn
+import hpc_ddp
+run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False})
+model = run.wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+untouched = [p.grad is None for p in model.parameters()]
+model(torch.randn(3, 4)).sum().backward()
+first = model._get_ddp_logging_data()
+model(torch.randn(3, 4)).sum().backward()
+second = model._get_ddp_logging_data()
+print(json.dumps([untouched, first.get("has_rebuilt_buckets"),
+                  first.get("rebuilt_per_bucket_param_indices"),
+                  second.get("rebuilt_per_bucket_param_indices")]))
+run.finish()
+"""
+
+
+def test_ddp_buckets_are_laid_out_before_the_first_step(tmp_path: Path) -> None:
+    """DDP rebuilds its buckets after its first backward; a resumed run's first step would
+    then sum gradients in another order than the uninterrupted run's same step (bitwise
+    different at 3+ ranks). wrap() lays them out at once, as DDP would have rebuilt them."""
+    result = subprocess.run(
+        [sys.executable, "-c", BUCKETS],
+        cwd=tmp_path,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    untouched, rebuilt, order, order_later = json.loads(result.stdout.splitlines()[-1])
+    assert untouched == [True] * 4, "the layout pass leaves no gradient behind"
+    assert rebuilt == 1 and order == "3 2 1 0", "reverse parameter order, from the first step"
+    assert order_later == order, "and DDP keeps it"
+
+
+class Point(NamedTuple):
+    x: torch.Tensor
+    label: str
+
+
+@dataclasses.dataclass
+class Pair:
+    left: torch.Tensor
+    right: list[torch.Tensor]
+
+
+def test_batches_of_any_structure_keep_their_shape_when_moved() -> None:
+    point = Point(torch.ones(2), "a")
+    batch = {"point": point, "pairs": [Pair(torch.zeros(1), [torch.ones(3)])], "ids": (1, 7)}
+    moved = move_to(batch, torch.device("cpu"))
+    assert type(moved["point"]) is Point and moved["point"].label == "a"
+    assert type(moved["pairs"][0]) is Pair and moved["pairs"][0].right[0].tolist() == [1.0] * 3
+    assert type(moved["ids"]) is tuple and moved["ids"][1] == 7
+    assert torch.equal(moved["point"].x, point.x)
+
+
+class CountingDataset(torch.utils.data.Dataset[torch.Tensor]):
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.loaded: list[int] = []
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.loaded.append(index)
+        return torch.tensor(index)
+
+
+def test_a_loader_started_mid_epoch_skips_without_loading() -> None:
+    """The consumed samples' indices are skipped: they are never read from the dataset."""
+    whole, resumed = CountingDataset(103), CountingDataset(103)
+    options = {"rank": 1, "world_size": 2, "global_batch_size": 8, "seed": 3, "num_workers": 0}
+    full = TrainLoader(whole, grad_accum_steps=2, device=None, **options)  # type: ignore[arg-type]
+    part = TrainLoader(resumed, grad_accum_steps=2, device=None, **options)  # type: ignore[arg-type]
+    assert (full.steps_per_epoch, full.micro_batch_size) == (12, 2), "51 samples, 2 per micro"
+    full.set_position(4, 0)
+    part.set_position(4, 5)
+    every = [batch.tolist() for batch in full]
+    rest = [batch.tolist() for batch in part]
+    assert rest == every[10:], "5 steps x 2 micro-batches later, the same order"
+    assert resumed.loaded == [i for batch in rest for i in batch], "nothing before was read"
+
+
+EPOCHS_BY_HAND = """
+import json, torch
+from torch import nn
+import hpc_ddp
+run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False})
+model = run.wrap(nn.Linear(2, 1))
+data = torch.utils.data.TensorDataset(torch.randn(40, 2), torch.randn(40, 1))
+loader = run.train_loader(data, 10)
+seen = []
+for epoch in range(3):
+    for x, y in run.steps(loader):
+        nn.functional.mse_loss(model(x), y).backward()
+        run.log("n", len(x))
+    seen.append((run.epoch, run.global_step, run.train_metrics["n"].count))
+print(json.dumps(seen))
+run.finish()
+"""
+
+
+def test_without_epochs_every_steps_call_is_an_epoch(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", EPOCHS_BY_HAND],
+        cwd=tmp_path,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == [[1, 4, 4.0], [2, 8, 4.0], [3, 12, 4.0]]
