@@ -146,11 +146,11 @@ def fake_slurm_bin(directory: Path) -> Path:
     return directory
 
 
-def test_hostile_paths_reach_python_verbatim_and_run_nothing(workdir: Path) -> None:
-    script = workdir / "job.sh"
-    result = render(workdir, [*CASES["cpu-hostile.sh"], "--output", str(script)])
-    assert result.returncode == 0, result.stderr
-    bin_dir = fake_slurm_bin(workdir / "fakebin")
+def srun_argv(script: Path, workdir: Path, arguments: tuple[str, ...] = ()) -> list[str]:
+    """Run a rendered job script with a fake srun; return the argv srun was given."""
+    bin_dir = workdir / "fakebin"
+    if not bin_dir.is_dir():
+        fake_slurm_bin(bin_dir)
     argv_log = workdir / "argv.json"
     environment = clean_environ(
         PATH=f"{bin_dir}:{os.environ['PATH']}",
@@ -159,9 +159,20 @@ def test_hostile_paths_reach_python_verbatim_and_run_nothing(workdir: Path) -> N
         SLURM_JOB_NODELIST="node1",
     )
     subprocess.run(
-        ["bash", str(script)], cwd=workdir, env=environment, check=True, capture_output=True
+        ["bash", str(script), *arguments],
+        cwd=workdir,
+        env=environment,
+        check=True,
+        capture_output=True,
     )
-    argv = json.loads(argv_log.read_text())
+    return json.loads(argv_log.read_text())  # type: ignore[no-any-return]
+
+
+def test_hostile_paths_reach_python_verbatim_and_run_nothing(workdir: Path) -> None:
+    script = workdir / "job.sh"
+    result = render(workdir, [*CASES["cpu-hostile.sh"], "--output", str(script)])
+    assert result.returncode == 0, result.stderr
+    argv = srun_argv(script, workdir)
     assert argv[:4] == ["--kill-on-bad-exit=1", "python", "-m", "hpc_ddp.train"]
     assert argv[4:] == ["--config", HOSTILE_CONFIG, *HOSTILE_OVERRIDES]
     assert not (workdir / "PWNED").exists() and not (workdir / "PWNED2").exists()
@@ -175,18 +186,7 @@ def test_a_users_script_and_its_arguments_reach_every_rank_verbatim(workdir: Pat
     # Everything after the script is the script's: hpc-ddp's own options come first.
     result = render(workdir, ["--output", str(script), *CASES["script-2nodes.sh"]])
     assert result.returncode == 0, result.stderr
-    bin_dir = fake_slurm_bin(workdir / "fakebin")
-    argv_log = workdir / "argv.json"
-    environment = clean_environ(
-        PATH=f"{bin_dir}:{os.environ['PATH']}",
-        ARGV_LOG=str(argv_log),
-        SLURM_JOB_ID="1",
-        SLURM_JOB_NODELIST="node1",
-    )
-    subprocess.run(
-        ["bash", str(script)], cwd=workdir, env=environment, check=True, capture_output=True
-    )
-    argv = json.loads(argv_log.read_text())
+    argv = srun_argv(script, workdir)
     assert argv == [
         "--kill-on-bad-exit=1",
         "python",
@@ -197,14 +197,7 @@ def test_a_users_script_and_its_arguments_reach_every_rank_verbatim(workdir: Pat
         *HOSTILE_SCRIPT_ARGS,
     ]
     assert not list(workdir.glob("*PWNED*"))
-    subprocess.run(
-        ["bash", str(script), "-m", "mypkg.train", "--epochs", "2"],
-        cwd=workdir,
-        env=environment,
-        check=True,
-        capture_output=True,
-    )
-    assert json.loads(argv_log.read_text())[2:] == [
+    assert srun_argv(script, workdir, ("-m", "mypkg.train", "--epochs", "2"))[2:] == [
         "-m",
         "hpc_ddp",
         "run",
@@ -234,34 +227,13 @@ def test_the_templates_ship_with_the_package_and_slurm_links_to_them() -> None:
 def test_command_line_arguments_replace_the_rendered_defaults(workdir: Path) -> None:
     script = workdir / "job.sh"
     assert render(workdir, [*CASES["gpu-2nodes.sh"], "-o", str(script)]).returncode == 0
-    bin_dir = fake_slurm_bin(workdir / "fakebin")
-    environment = clean_environ(
-        PATH=f"{bin_dir}:{os.environ['PATH']}",
-        ARGV_LOG=str(workdir / "a.json"),
-        SLURM_JOB_ID="1",
-        SLURM_JOB_NODELIST="n1",
-    )
-    subprocess.run(
-        ["bash", str(script), "train.epochs=9"],
-        cwd=workdir,
-        env=environment,
-        check=True,
-        capture_output=True,
-    )
-    assert json.loads((workdir / "a.json").read_text())[4:] == [
+    assert srun_argv(script, workdir, ("train.epochs=9",))[4:] == [
         "--config",
         "configs/digits.yaml",
         "train.epochs=5",
         "train.epochs=9",
     ]
-    subprocess.run(
-        ["bash", str(script), "configs/synthetic.yaml", "train.epochs=2"],
-        cwd=workdir,
-        env=environment,
-        check=True,
-        capture_output=True,
-    )
-    assert json.loads((workdir / "a.json").read_text())[4:] == [
+    assert srun_argv(script, workdir, ("configs/synthetic.yaml", "train.epochs=2"))[4:] == [
         "--config",
         "configs/synthetic.yaml",
         "train.epochs=2",

@@ -176,14 +176,7 @@ def test_a_module_runs_with_dash_m_and_a_script_runs_with_plain_python(tmp_path:
     )
     assert as_module.returncode == 0, as_module.stderr[-2000:]
     assert result_of(as_module.stdout)["global_step"] == 50
-    single = subprocess.run(
-        [sys.executable, PROGRAM, "--epochs", "1", f"run.output_dir={tmp_path / 'p'}"],
-        cwd=REPO,
-        env=clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    single = run_python([PROGRAM, "--epochs", "1", f"run.output_dir={tmp_path / 'p'}"])
     assert single.returncode == 0, single.stderr[-2000:]
     facts = json.loads(next((tmp_path / "p" / "regression").glob("*/summary.json")).read_text())
     assert facts["world_size"] == 1 and facts["launcher"] == "single"
@@ -205,22 +198,21 @@ def test_an_error_in_the_users_code_shows_their_frames_and_the_rank(tmp_path: Pa
     assert [run.info.status for run in client.search_runs([experiment.experiment_id])] == ["FAILED"]
 
 
-def run_faults(arguments: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    """faults.py as plain `python` (one process): errors come through the excepthook."""
+def run_python(arguments: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """Plain `python <arguments>`: one process, no launcher."""
     return subprocess.run(
-        [
-            sys.executable,
-            FAULTS,
-            *arguments,
-            f"run.output_dir={tmp_path}",
-            "tracking.enabled=false",
-        ],
-        cwd=REPO,
+        [sys.executable, *arguments],
+        cwd=cwd,
         env=clean_environ(),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def run_faults(arguments: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """faults.py as plain `python`: errors come through the excepthook."""
+    return run_python([FAULTS, *arguments, f"run.output_dir={tmp_path}", "tracking.enabled=false"])
 
 
 @pytest.mark.parametrize(
@@ -321,14 +313,7 @@ def test_ddp_buckets_are_laid_out_before_the_first_step(tmp_path: Path) -> None:
     """DDP rebuilds its buckets after its first backward; a resumed run's first step would
     then sum gradients in another order than the uninterrupted run's same step (bitwise
     different at 3+ ranks). wrap() lays them out at once, as DDP would have rebuilt them."""
-    result = subprocess.run(
-        [sys.executable, "-c", BUCKETS],
-        cwd=tmp_path,
-        env=clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_python(["-c", BUCKETS], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     untouched, rebuilt, order, order_later = json.loads(result.stdout.splitlines()[-1])
     assert untouched == [True] * 4, "the layout pass leaves no gradient behind"
@@ -405,13 +390,6 @@ run.finish()
 
 
 def test_without_epochs_every_steps_call_is_an_epoch(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-c", EPOCHS_BY_HAND],
-        cwd=tmp_path,
-        env=clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_python(["-c", EPOCHS_BY_HAND], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.splitlines()[-1]) == [[1, 4, 4.0], [2, 8, 4.0], [3, 12, 4.0]]
