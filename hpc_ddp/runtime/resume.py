@@ -17,6 +17,9 @@ from hpc_ddp.runtime.checkpoint import (
 )
 from hpc_ddp.runtime.data import mixed_seed
 from hpc_ddp.runtime.dist import broadcast_object
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.state import Registry
+from hpc_ddp.runtime.steps import StepLoop
 
 #: A checkpoint's path and its contents.
 Found = tuple[Path, dict[str, Any]]
@@ -44,6 +47,20 @@ def find_resume(run_dir: Path, is_main: bool, group: Any | None) -> Found | None
         return None
     path = Path(chosen)
     return path, found[1] if found else load_checkpoint(path)
+
+
+def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, bool]:
+    """Put the registered objects and the loop's position, metric sums and random streams
+    back as ``found`` has them; also says whether the streams fitted this world size."""
+    path, saved = found
+    registry.restore(saved["objects"], path)
+    streams_restored = loop.restore(saved)
+    position = loop.position
+    get_logger().info(
+        f"resumed from {path} at step {position.global_step} (epoch {position.epoch}, step "
+        f"{position.step_in_epoch} of the epoch)"
+    )
+    return Resumed(path, position.global_step, len(saved["rng"])), streams_restored
 
 
 def seed_rank_streams(seed: int, rank: int, step: int) -> None:

@@ -16,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import Dataset
 
 from hpc_ddp.runtime.buckets import settle_buckets
-from hpc_ddp.runtime.checkpoint import check_resumable
 from hpc_ddp.runtime.config import RuntimeConfig
 from hpc_ddp.runtime.context import RunContext
 from hpc_ddp.runtime.data import StepLoader, TrainLoader, eval_loader
@@ -25,7 +24,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.metrics import Sum, Sums
 from hpc_ddp.runtime.plan import resolve_num_workers
-from hpc_ddp.runtime.resume import Found, Resumed, seed_rank_streams
+from hpc_ddp.runtime.resume import Found, Resumed, restore, seed_rank_streams
 from hpc_ddp.runtime.steps import StepLoop
 from hpc_ddp.runtime.summary import run_facts, write_summary
 
@@ -251,15 +250,8 @@ class Run:
         context = self._context
         streams_restored = False
         if self._resume is not None:
-            path, saved = self._resume
-            context.registry.restore(saved["objects"], path)
-            streams_restored = self._loop.restore(saved)
-            self.resumed = Resumed(path, int(saved["global_step"]), len(saved["rng"]))
+            self.resumed, streams_restored = restore(self._resume, context.registry, self._loop)
             self._resume = None
-            get_logger().info(
-                f"resumed from {path} at step {self.global_step} (epoch {self.epoch}, step "
-                f"{self._loop.position.step_in_epoch} of the epoch)"
-            )
         if not streams_restored:
             seed_rank_streams(self.config.run.seed, self.rank, self.global_step)
         if not context.registry.objects and context.config.checkpoint.enabled and self.is_main:
@@ -268,12 +260,6 @@ class Run:
                 "model. HINT: run.register(model=model, optimizer=optimizer) before training"
             )
         return self.resumed
-
-    def _check_fingerprint(self) -> None:
-        """Refuse to resume from a checkpoint written under other fingerprint values."""
-        if self._resume is not None:
-            path, saved = self._resume
-            check_resumable(saved["fingerprint"], self._context.fingerprint, path)
 
     # -- the loop ----------------------------------------------------------------------------
 

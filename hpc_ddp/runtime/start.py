@@ -13,7 +13,7 @@ import torch
 import torch.distributed as torch_dist
 
 from hpc_ddp.runtime import configfile
-from hpc_ddp.runtime.checkpoint import fingerprint_of
+from hpc_ddp.runtime.checkpoint import check_resumable, fingerprint_of
 from hpc_ddp.runtime.config import (
     CheckpointConfig,
     DistConfig,
@@ -168,8 +168,9 @@ def start(
             log_interval=log_interval,
             close=ending,
         )
+        if resume is not None:  # refused before MLflow reopens the run it names
+            check_resumable(resume[1]["fingerprint"], context.fingerprint, resume[0])
         handle = Run(context, StepLoop(context, log_interval), resume, started, timeline)
-        handle._check_fingerprint()
         if dist_env.is_main:
             record = RunRecord(
                 name=run_name,

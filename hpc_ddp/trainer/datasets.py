@@ -3,6 +3,7 @@ or a user's factory; each a (features, label) classification set."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch.utils.data import Dataset, TensorDataset
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.trainer.config import Config
 from hpc_ddp.trainer.models import load_factory
-from hpc_ddp.trainer.parquet import ParquetShard
+from hpc_ddp.trainer.parquet import ParquetLoader, ParquetShard
 
 
 @dataclass(frozen=True)
@@ -128,3 +129,38 @@ def build_datasets(config: Config) -> Datasets:
             "return (train_dataset, val_dataset, num_features, num_classes)",
         )
     return Datasets(*result)
+
+
+class ParquetTrainLoader(ParquetLoader):
+    """A rank's training micro-batches of a Parquet set, positioned by optimizer step for
+    :meth:`hpc_ddp.Run.steps` (mid-epoch, the consumed rows are skipped without reading
+    them); batches arrive on ``device``."""
+
+    def __init__(
+        self,
+        shard: ParquetShard,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        global_batch_size: int,
+        num_workers: int,
+        device: torch.device,
+    ) -> None:
+        super().__init__(shard, micro_batch_size, num_workers, pin_memory=device.type == "cuda")
+        self.grad_accum_steps = grad_accum_steps
+        self.global_batch_size = global_batch_size
+        self.device = device
+        self.steps_per_epoch = len(self) // grad_accum_steps
+
+    def set_position(self, epoch: int, step: int) -> None:
+        self.set_epoch(epoch)
+        self.set_start(step * self.grad_accum_steps * self.batch_size)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for features, labels in super().__iter__():
+            if self.device.type == "cpu":
+                yield features, labels
+            else:
+                yield (
+                    features.to(self.device, non_blocking=True),
+                    labels.to(self.device, non_blocking=True),
+                )

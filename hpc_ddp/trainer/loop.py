@@ -21,9 +21,9 @@ from hpc_ddp.runtime.plan import micro_batch_size, resolve_num_workers
 from hpc_ddp.runtime.run import Run
 from hpc_ddp.runtime.start import start
 from hpc_ddp.trainer.config import Config, OptimConfig, resume_fingerprint
-from hpc_ddp.trainer.datasets import Datasets, ParquetSource, build_datasets
+from hpc_ddp.trainer.datasets import Datasets, ParquetSource, ParquetTrainLoader, build_datasets
 from hpc_ddp.trainer.models import build_model
-from hpc_ddp.trainer.parquet import ParquetLoader, ParquetTrainLoader
+from hpc_ddp.trainer.parquet import ParquetLoader
 from hpc_ddp.trainer.schedule import LrSchedule
 
 #: Evaluation batches hold at least this many samples per rank.

@@ -295,38 +295,3 @@ class ParquetLoader:
             pending_x, pending_y, held = [all_x[full:]], [all_y[full:]], held - full
         if held and not self.shard.training:
             yield torch.cat(pending_x), torch.cat(pending_y)
-
-
-class ParquetTrainLoader(ParquetLoader):
-    """A rank's training micro-batches of a Parquet set, positioned by optimizer step for
-    :meth:`hpc_ddp.Run.steps` (mid-epoch, the consumed rows are skipped without reading
-    them); batches arrive on ``device``."""
-
-    def __init__(
-        self,
-        shard: ParquetShard,
-        micro_batch_size: int,
-        grad_accum_steps: int,
-        global_batch_size: int,
-        num_workers: int,
-        device: torch.device,
-    ) -> None:
-        super().__init__(shard, micro_batch_size, num_workers, pin_memory=device.type == "cuda")
-        self.grad_accum_steps = grad_accum_steps
-        self.global_batch_size = global_batch_size
-        self.device = device
-        self.steps_per_epoch = len(self) // grad_accum_steps
-
-    def set_position(self, epoch: int, step: int) -> None:
-        self.set_epoch(epoch)
-        self.set_start(step * self.grad_accum_steps * self.batch_size)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for features, labels in super().__iter__():
-            if self.device.type == "cpu":
-                yield features, labels
-            else:
-                yield (
-                    features.to(self.device, non_blocking=True),
-                    labels.to(self.device, non_blocking=True),
-                )
