@@ -80,7 +80,8 @@ class _Entry:
         total = torch.full(shape, self.host_total, dtype=torch.float64, device=device)
         if self.pending:
             total = total + self._summed(self.pending, device)
-        count = torch.tensor([self.host_count], dtype=torch.float64, device=device)
+        # A fill, not a copy from the host: on a GPU a copy would wait for the queued work.
+        count = torch.full((1,), self.host_count, dtype=torch.float64, device=device)
         if self.pending_counts:
             count = count + self._summed(self.pending_counts, device).reshape(1)
         return torch.cat([total.reshape(-1), count])
