@@ -5,6 +5,8 @@ hpc-ddp local --nproc 4 --config configs/digits.yaml train.epochs=3    the built
 hpc-ddp render --nodes 2 --gpus-per-node 4 --time 02:00:00 train.py -o job.sh
 hpc-ddp submit --nodes 2 --gpus-per-node 4 --time 1:00:00 -m mypkg.train
 srun hpc-ddp doctor --config configs/digits.yaml
+hpc-ddp runs                     the runs under ./runs: state, step, newest metrics
+hpc-ddp plot NAME/ID             their training and validation curves as a PNG
 """
 
 from __future__ import annotations
@@ -256,6 +258,23 @@ def _command(
     return parser
 
 
+def _runs(args: argparse.Namespace) -> int:
+    from hpc_ddp.view.runs import find_runs, format_runs
+
+    found = find_runs(Path(args.output_dir))
+    print(format_runs(found) if found else f"no runs in {args.output_dir}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from hpc_ddp.view.plot import save_plot
+    from hpc_ddp.view.runs import find_run
+
+    run = find_run(args.run, Path(args.output_dir))
+    print(save_plot(run, Path(args.output) if args.output else None))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpc-ddp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -291,6 +310,13 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--config", help="YAML config file")
     doctor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=3")
     _command(commands, "port", _port, "print this job's rendezvous port")
+
+    runs = _command(commands, "runs", _runs, "list runs: state, step, newest metrics")
+    runs.add_argument("output_dir", nargs="?", default="runs", help="run.output_dir (runs)")
+    plot = _command(commands, "plot", _plot, "write a PNG of a run's curves (matplotlib)")
+    plot.add_argument("run", help="a run directory, or NAME/ID or ID as `hpc-ddp runs` shows")
+    plot.add_argument("--output-dir", default="runs", help="where to look for NAME/ID (runs)")
+    plot.add_argument("--output", "-o", default=None, help="PNG to write (<run dir>/curves.png)")
 
     data = _command(commands, "data", lambda _args: 2, "data tools")
     data_commands = data.add_subparsers(dest="data_command", required=True)

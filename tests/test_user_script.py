@@ -22,6 +22,8 @@ import hpc_ddp
 from hpc_ddp.runtime.data import TrainLoader, move_to
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.runtime.tracking import default_tracking_uri
+from hpc_ddp.view.plot import curves
+from hpc_ddp.view.runs import load_run
 from tests.helpers import REPO, clean_environ, run_local_program
 from tests.programs import regression
 
@@ -139,6 +141,9 @@ def test_stopped_mid_epoch_and_rerun_equals_uninterrupted_in_one_mlflow_run(
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
     assert stop_step % 100, f"stopped at step {stop_step}, not mid-epoch"
     assert "to continue, run the same command with run.id=interrupted" in log
+    stopped = load_run(tmp_path / "regression" / "interrupted")
+    assert stopped is not None and (stopped.state, stopped.attempts) == ("stopped", 1)
+    assert stopped.global_step == stop_step
 
     resumed = run_local_program(2, [*program, "run.id=interrupted"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -167,6 +172,15 @@ def test_stopped_mid_epoch_and_rerun_equals_uninterrupted_in_one_mlflow_run(
     assert [m.step for m in history] == list(range(5, 301, 5)), "no step lost or repeated"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_mse")] == [1, 2, 3]
     assert [m.step for m in client.get_metric_history(run.info.run_id, "mse")] == [1, 2, 3]
+
+    # The run's own record (what `hpc-ddp runs` and `plot` read) agrees with MLflow's.
+    finished = load_run(tmp_path / "regression" / "interrupted")
+    assert finished is not None and (finished.state, finished.attempts) == ("finished", 2)
+    assert (finished.global_step, finished.epoch) == (300, 3)
+    assert finished.val["val_mse"] == actual["val_mse"]
+    train, _val = curves(tmp_path / "regression" / "interrupted")
+    assert train["mse"][0] == [float(step) for step in range(5, 301, 5)]
+    assert train["mse"][1] == [m.value for m in history]
 
 
 def test_a_module_runs_with_dash_m_and_a_script_runs_with_plain_python(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from hpc_ddp.runtime.env import (
     needs_allocation_task_count,
     resolve_dist_env,
 )
+from hpc_ddp.runtime.journal import JournalTracker
 from hpc_ddp.runtime.logs import get_logger, setup_logging
 from hpc_ddp.runtime.plan import (
     LaunchPlan,
@@ -185,8 +186,13 @@ def start(
                 resume_run_id=resume[1].get("mlflow_run_id") if resume else None,
                 start_step=int(resume[1]["global_step"]) if resume else 0,
             )
-            context.tracker = ending.tracker = start_tracker(
-                settings.tracking, settings.run.output_dir, record
+            loop = handle._loop  # the position object is replaced on resume: read it late
+            context.tracker = ending.tracker = JournalTracker(
+                start_tracker(settings.tracking, settings.run.output_dir, record),
+                plan.run_dir,
+                lambda: (loop.position.global_step, loop.position.epoch),
+                dist_env.job_id,
+                dist_env.world_size,
             )
         ending.loop = handle._loop
         torch.manual_seed(settings.run.seed)  # the same initial weights on every rank

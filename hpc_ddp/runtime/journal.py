@@ -1,0 +1,154 @@
+"""The run's own record in its directory, readable without MLflow or a server.
+
+Rank 0 keeps two small files in ``<output_dir>/<name>/<run id>/``:
+
+- ``status.json``: the state (running, requeued, finished, failed, stopped), the attempt
+  count, the step and epoch reached, where the current attempt runs (host, pid, job id),
+  replaced atomically at every log interval and at the end;
+- ``metrics.jsonl``: one line per logged batch of metrics, ``{"step", "global_step",
+  "epoch", "time", "metrics"}``, appended.
+
+``hpc-ddp runs`` and ``hpc-ddp plot`` read them. Writing is best effort: a full disk or a
+lost mount costs the record, never the training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.runtime.tracking import Tracker
+
+STATUS_FILE = "status.json"
+METRICS_FILE = "metrics.jsonl"
+
+#: What a tracker's final status means for the run.
+END_STATES = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "stopped"}
+
+
+def read_status(run_dir: Path) -> dict[str, Any] | None:
+    """The run's status.json, or None if it has none (or it cannot be read)."""
+    try:
+        status = json.loads((run_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) else None
+
+
+def read_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """The run's metrics.jsonl, line by line; a torn last line (a killed writer) is skipped."""
+    try:
+        lines = (run_dir / METRICS_FILE).read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("metrics"), dict):
+            yield entry
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # strict JSON has no NaN
+
+
+class JournalTracker:
+    """Rank 0's tracker: the run's files in its directory, then ``inner`` (MLflow or none).
+
+    ``position`` gives (global step, epoch) when called."""
+
+    def __init__(
+        self,
+        inner: Tracker,
+        run_dir: Path,
+        position: Callable[[], tuple[int, int]],
+        job_id: str,
+        world_size: int,
+    ) -> None:
+        self._inner = inner
+        self._run_dir = run_dir
+        self._position = position
+        self._failed_write: str | None = None
+        previous = read_status(run_dir) or {}
+        self._status: dict[str, Any] = {
+            "state": "running",
+            "attempts": int(previous.get("attempts", 0)) + 1,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "job_id": job_id,
+            "world_size": world_size,
+            "started": previous.get("started", time.time()),
+        }
+        self._write_status()
+
+    @property
+    def run_id(self) -> str | None:
+        return self._inner.run_id
+
+    def _guarded(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except OSError as error:
+            if self._failed_write is None:
+                from hpc_ddp.runtime.logs import get_logger
+
+                get_logger().warning(
+                    f"cannot write the run's record in {self._run_dir} ({error}); training "
+                    "goes on. HINT: check the file system's space and permissions"
+                )
+            self._failed_write = str(error)
+
+    def _write_status(self, state: str | None = None) -> None:
+        step, epoch = self._position()
+        if state is not None:
+            self._status["state"] = state
+        self._status.update(global_step=step, epoch=epoch, updated=time.time())
+        text = json.dumps(self._status, sort_keys=True)
+
+        def write() -> None:
+            self._run_dir.mkdir(parents=True, exist_ok=True)
+            partial = self._run_dir / f".{STATUS_FILE}.tmp"
+            partial.write_text(text + "\n")
+            partial.replace(self._run_dir / STATUS_FILE)
+
+        self._guarded(write)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        global_step, epoch = self._position()
+        entry = {
+            "step": step,
+            "global_step": global_step,
+            "epoch": epoch,
+            "time": round(time.time(), 3),
+            "metrics": {key: _finite(float(value)) for key, value in metrics.items()},
+        }
+
+        def append() -> None:
+            with open(self._run_dir / METRICS_FILE, "a") as handle:
+                handle.write(json.dumps(entry, sort_keys=True) + "\n")
+
+        self._guarded(append)
+        self._write_status()
+        self._inner.log_metrics(metrics, step)
+
+    def log_json_artifact(self, name: str, data: Any) -> None:
+        self._inner.log_json_artifact(name, data)
+
+    def log_text_artifact(self, name: str, text: str) -> None:
+        self._inner.log_text_artifact(name, text)
+
+    def finish(self, status: str) -> None:
+        self._write_status(END_STATES.get(status, status.lower()))
+        self._inner.finish(status)
+
+    def suspend(self) -> None:
+        self._write_status("requeued")
+        self._inner.suspend()

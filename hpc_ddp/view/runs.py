@@ -1,0 +1,171 @@
+"""`hpc-ddp runs`: the runs under an output directory, from the files each run keeps."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.journal import STATUS_FILE, read_metrics, read_status
+
+#: Interval metrics that describe speed, not the model.
+NOT_CURVES = {"samples_per_s", "lr"}
+
+
+@dataclass(frozen=True)
+class RunView:
+    """One run as its files show it."""
+
+    path: Path
+    name: str
+    run_id: str
+    #: running, requeued, finished, failed, stopped; "lost" when it claims to run on this
+    #: host under a pid that is gone (killed without a chance to say so).
+    state: str
+    global_step: int
+    epoch: int
+    attempts: int
+    updated: float
+    #: The newest value of each training metric (interval or epoch).
+    train: dict[str, float | None] = field(default_factory=dict)
+    #: The newest value of each validation metric (names starting with "val").
+    val: dict[str, float | None] = field(default_factory=dict)
+
+
+def is_validation(name: str) -> bool:
+    base = name.removeprefix("interval/")
+    return base.startswith(("val_", "val/", "eval_", "eval/")) or base in ("val", "eval")
+
+
+def metric_kind(name: str) -> str | None:
+    """'train', 'val' or None (speed and learning rate are not curves)."""
+    base = name.removeprefix("interval/")
+    if base in NOT_CURVES:
+        return None
+    return "val" if is_validation(name) else "train"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _state(status: dict[str, Any]) -> str:
+    state = str(status.get("state", "unknown"))
+    same_host = status.get("host") == socket.gethostname()
+    if state == "running" and same_host and not _pid_alive(int(status.get("pid", 0)) or -1):
+        return "lost"
+    return state
+
+
+def load_run(path: Path) -> RunView | None:
+    """The run in ``path`` (a run directory), or None if it is not one."""
+    status = read_status(path)
+    if status is None:
+        return None
+    train: dict[str, float | None] = {}
+    val: dict[str, float | None] = {}
+    for entry in read_metrics(path):
+        for name, value in entry["metrics"].items():
+            kind = metric_kind(name)
+            if kind is not None:
+                (val if kind == "val" else train)[name.removeprefix("interval/")] = value
+    return RunView(
+        path=path,
+        name=path.parent.name,
+        run_id=path.name,
+        state=_state(status),
+        global_step=int(status.get("global_step", 0)),
+        epoch=int(status.get("epoch", 0)),
+        attempts=int(status.get("attempts", 1)),
+        updated=float(status.get("updated", 0.0)),
+        train=train,
+        val=val,
+    )
+
+
+def find_runs(output_dir: Path) -> list[RunView]:
+    """Every run under ``output_dir`` (``<name>/<run id>/status.json``), newest first."""
+    if not output_dir.is_dir():
+        raise HpcDdpError(
+            f"no such directory: {output_dir}",
+            "pass the run.output_dir your runs write to (default: runs)",
+        )
+    runs = [load_run(status.parent) for status in output_dir.glob(f"*/*/{STATUS_FILE}")]
+    return sorted((run for run in runs if run), key=lambda run: run.updated, reverse=True)
+
+
+def find_run(spec: str, output_dir: Path) -> RunView:
+    """A run given as its directory, ``name/id`` or ``id`` under ``output_dir``."""
+    direct = Path(spec)
+    if (direct / STATUS_FILE).is_file():
+        run = load_run(direct)
+        assert run is not None
+        return run
+    matches = [
+        run
+        for run in (find_runs(output_dir) if output_dir.is_dir() else [])
+        if spec in (run.run_id, f"{run.name}/{run.run_id}")
+    ]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise HpcDdpError(
+            f"no run {spec!r} in {output_dir}",
+            "give a run directory, or NAME/ID or ID as `hpc-ddp runs` lists them",
+        )
+    names = ", ".join(f"{run.name}/{run.run_id}" for run in matches)
+    raise HpcDdpError(f"{spec!r} names {len(matches)} runs: {names}", "give NAME/ID")
+
+
+def _values(metrics: dict[str, float | None], limit: int = 3) -> str:
+    shown = [
+        f"{name}={value:.4g}" if value is not None else f"{name}=nan"
+        for name, value in list(metrics.items())[:limit]
+    ]
+    return " ".join(shown) or "-"
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h ago"
+    return f"{seconds / 86400:.0f}d ago"
+
+
+def format_runs(runs: Iterable[RunView], now: float | None = None) -> str:
+    """A table, one run per line."""
+    now = time.time() if now is None else now
+    header = ("RUN", "STATE", "STEP", "EPOCH", "ATTEMPTS", "UPDATED", "TRAIN", "VAL")
+    rows = [
+        (
+            f"{run.name}/{run.run_id}",
+            run.state,
+            str(run.global_step),
+            str(run.epoch),
+            str(run.attempts),
+            _age(max(0.0, now - run.updated)),
+            _values(run.train),
+            _values(run.val),
+        )
+        for run in runs
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header) - 1)]
+    lines = []
+    for row in [header, *rows]:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        lines.append("  ".join([*cells, row[-1]]).rstrip())
+    return "\n".join(lines)

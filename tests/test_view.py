@@ -1,0 +1,152 @@
+"""`hpc-ddp runs` and `hpc-ddp plot`: the run's own record (status.json, metrics.jsonl) as a
+real run writes it, listed and drawn without MLflow or a server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from matplotlib.image import imread
+
+from hpc_ddp.runtime.journal import JournalTracker, read_status
+from hpc_ddp.runtime.tracking import NullTracker
+from hpc_ddp.view.plot import plot_run
+from hpc_ddp.view.runs import find_run, find_runs, format_runs, load_run
+from tests.helpers import REPO, clean_environ, run_local_program
+
+PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
+
+
+def hpc_ddp_command(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
+    code = f"{prelude or 'pass'}; import sys; from hpc_ddp.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output = tmp_path_factory.mktemp("runs")
+    program = [PROGRAM, "--epochs", "2", "--log-interval", "10", f"run.output_dir={output}"]
+    result = run_local_program(2, [*program, "run.id=first", "tracking.enabled=false"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    return output
+
+
+def test_runs_lists_a_finished_run_with_its_step_and_newest_metrics(finished_run: Path) -> None:
+    summary = json.loads((finished_run / "regression" / "first" / "summary.json").read_text())
+    [run] = find_runs(finished_run)
+    assert (run.name, run.run_id, run.state, run.attempts) == ("regression", "first", "finished", 1)
+    assert (run.global_step, run.epoch) == (100, 2)
+    assert run.val == {"val_mse": summary["val_mse"]}
+    assert set(run.train) == {"mse"}, "speed and learning rate are not training metrics"
+
+    listed = hpc_ddp_command("runs", str(finished_run))
+    assert listed.returncode == 0, listed.stderr
+    header, row = listed.stdout.splitlines()
+    assert header.split() == [
+        "RUN",
+        "STATE",
+        "STEP",
+        "EPOCH",
+        "ATTEMPTS",
+        "UPDATED",
+        "TRAIN",
+        "VAL",
+    ]
+    assert row.split()[:5] == ["regression/first", "finished", "100", "2", "1"]
+    assert f"val_mse={summary['val_mse']:.4g}" in row
+
+
+def test_plot_writes_a_png_with_the_training_and_validation_curves(
+    finished_run: Path, tmp_path: Path
+) -> None:
+    figure = plot_run(find_run("regression/first", finished_run))
+    training, validation = figure.axes
+    lines = {line.get_label(): line for line in training.get_lines()}
+    assert set(lines) == {"mse", "mse (epoch)"}
+    assert list(lines["mse"].get_xdata()) == list(range(10, 101, 10)), "one point per interval"
+    assert list(lines["mse (epoch)"].get_xdata()) == [50, 100], "one point per epoch"
+    [val_line] = validation.get_lines()
+    assert val_line.get_label() == "val_mse (epoch)" and len(val_line.get_ydata()) == 2
+    assert lines["mse"].get_ydata()[-1] < lines["mse"].get_ydata()[0], "the loss fell"
+
+    png = tmp_path / "curves.png"
+    written = hpc_ddp_command("plot", "first", "--output-dir", str(finished_run), "-o", str(png))
+    assert written.returncode == 0, written.stderr
+    assert written.stdout.strip() == str(png)
+    pixels = imread(png)
+    assert pixels.shape[:2] == (420, 1100), "11 x 4.2 inches at 100 dpi"
+    assert pixels[..., :3].std() > 0.05, "something is drawn"
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(finished_run: Path) -> None:
+    """matplotlib is installed here: the import is made to fail, as on a machine without it."""
+    result = hpc_ddp_command(
+        "plot",
+        str(finished_run / "regression" / "first"),
+        prelude="import sys; sys.modules['matplotlib'] = None",
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "hpc-ddp plot: error: hpc-ddp plot needs matplotlib, which is not installed\n"
+        'HINT: pip install matplotlib (or pip install "hpc_ddp[plot]")'
+    )
+
+
+def test_a_missing_run_or_directory_is_one_line(tmp_path: Path) -> None:
+    missing = hpc_ddp_command("runs", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "no such directory" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    unknown = hpc_ddp_command("plot", "nope", "--output-dir", str(tmp_path))
+    assert unknown.returncode == 2 and "no run 'nope'" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
+
+
+def test_the_record_follows_every_way_a_run_ends(tmp_path: Path) -> None:
+    run_dir = tmp_path / "name" / "id"
+    position = [0, 0]
+
+    def journal() -> JournalTracker:
+        return JournalTracker(NullTracker(), run_dir, lambda: (position[0], position[1]), "7", 4)
+
+    first = journal()
+    assert read_status(run_dir)["state"] == "running"  # type: ignore[index]
+    position[:] = [40, 1]
+    first.log_metrics({"interval/loss": 2.0, "val_loss": float("nan")}, 40)
+    first.suspend()
+    assert load_run(run_dir).state == "requeued"  # type: ignore[union-attr]
+    second = journal()
+    second.finish("KILLED")
+    status = load_run(run_dir)
+    assert status is not None and (status.state, status.attempts) == ("stopped", 2)
+    assert status.val == {"val_loss": None}, "NaN is stored as null: strict JSON"
+    journal().finish("FAILED")
+    assert load_run(run_dir).state == "failed"  # type: ignore[union-attr]
+    journal().finish("FINISHED")
+    assert load_run(run_dir).attempts == 4  # type: ignore[union-attr]
+
+
+def test_a_run_whose_process_is_gone_is_listed_as_lost(tmp_path: Path) -> None:
+    """A rank killed with SIGKILL cannot write its end: the record's pid tells."""
+    run_dir = tmp_path / "name" / "id"
+    JournalTracker(NullTracker(), run_dir, lambda: (3, 0), "7", 1)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    status = json.loads((run_dir / "status.json").read_text())
+    (run_dir / "status.json").write_text(json.dumps({**status, "pid": int(gone.stdout)}))
+    assert load_run(run_dir).state == "lost"  # type: ignore[union-attr]
+    assert "lost" in format_runs(find_runs(tmp_path))
