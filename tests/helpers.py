@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,30 @@ def summary_path(output_dir: Path) -> Path:
     paths = sorted(output_dir.glob("*/*/summary.json"))
     assert len(paths) == 1, paths
     return paths[0]
+
+
+def start_program(
+    nproc: int, program: list[str], environment: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    """`hpc-ddp local --nproc N <program...>`, started; see :func:`signal_after`."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hpc_ddp", "local", "--nproc", str(nproc), *program],
+        cwd=REPO,
+        env=environment or clean_environ(),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def signal_after(process: subprocess.Popen[str], pattern: str, signum: int) -> str:
+    """Send ``signum`` once a line of stderr matches ``pattern``; the whole stderr."""
+    assert process.stderr is not None
+    seen = []
+    for line in process.stderr:
+        seen.append(line)
+        if re.search(pattern, line):
+            process.send_signal(signum)
+            break
+    _out, err = process.communicate(timeout=240)
+    return "".join(seen) + err

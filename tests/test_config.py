@@ -125,3 +125,23 @@ def test_every_shipped_config_loads_and_dry_runs(path: Path, tmp_path: Path) -> 
 def test_configs_directory_is_not_empty() -> None:
     names = {path.name for path in CONFIG_FILES}
     assert {"digits.yaml", "synthetic.yaml", "parquet.yaml", "slurm-gpu.yaml"} <= names
+
+
+def test_settings_from_the_environment_sit_between_sections_and_overrides() -> None:
+    from hpc_ddp.runtime.config import resolve_config
+
+    environ = {"HPC_DDP_OVERRIDES": "run.id=from-env 'run.name=with space' tracking.enabled=false"}
+    settings = resolve_config(None, ["run.id=explicit"], {"run": {"seed": 7}}, environ)
+    assert (settings.run.id, settings.run.name, settings.run.seed) == ("explicit", "with space", 7)
+    assert settings.tracking.enabled is False
+    assert resolve_config(None, [], {}, {}).run.id is None
+
+
+@pytest.mark.parametrize("value", ["run.nope=1", "epochs", "run.id='open"])
+def test_bad_settings_in_the_environment_name_the_variable(value: str) -> None:
+    from hpc_ddp.runtime.config import resolve_config
+
+    with pytest.raises(HpcDdpError) as caught:
+        resolve_config(None, [], {}, {"HPC_DDP_OVERRIDES": value})
+    assert str(caught.value).startswith(f"$HPC_DDP_OVERRIDES={value!r}: ")
+    assert "HINT: set HPC_DDP_OVERRIDES to space-separated section.key=value" in str(caught.value)

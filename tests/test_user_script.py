@@ -24,7 +24,7 @@ from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.runtime.tracking import default_tracking_uri
 from hpc_ddp.view.plot import curves
 from hpc_ddp.view.runs import load_run
-from tests.helpers import REPO, clean_environ, run_local_program
+from tests.helpers import REPO, clean_environ, run_local_program, signal_after, start_program
 from tests.programs import regression
 
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
@@ -93,29 +93,6 @@ def test_the_summary_holds_the_runs_facts_and_the_scripts_own(world_sizes) -> No
     assert facts["replicas_in_sync"] is True and len(facts["weights_sha256"]) == 64
     assert facts["val_mse"] == world_sizes["w3"][1]["val_mse"]
     assert facts["best_val_mse"] <= facts["val_mse"]
-
-
-def start_program(nproc: int, program: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "hpc_ddp", "local", "--nproc", str(nproc), *program],
-        cwd=REPO,
-        env=clean_environ(),
-        stderr=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-
-def signal_after(process: subprocess.Popen[str], pattern: str, signum: int) -> str:
-    assert process.stderr is not None
-    seen = []
-    for line in process.stderr:
-        seen.append(line)
-        if re.search(pattern, line):
-            process.send_signal(signum)
-            break
-    _out, err = process.communicate(timeout=240)
-    return "".join(seen) + err
 
 
 def test_stopped_mid_epoch_and_rerun_equals_uninterrupted_in_one_mlflow_run(

@@ -21,7 +21,8 @@ PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
 
 
 def hpc_ddp_command(*args: str, prelude: str = "") -> subprocess.CompletedProcess[str]:
-    code = f"{prelude or 'pass'}; import sys; from hpc_ddp.cli import main; sys.exit(main(sys.argv[1:]))"
+    cli = "import sys; from hpc_ddp.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = f"{prelude or 'pass'}; {cli}"
     return subprocess.run(
         [sys.executable, "-c", code, *args],
         cwd=REPO,

@@ -8,7 +8,9 @@ trainer's config adds its own sections to these (:mod:`hpc_ddp.trainer.config`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -18,6 +20,10 @@ from typing import Any, Literal
 from hpc_ddp.runtime import configfile
 from hpc_ddp.runtime.configfile import require, section, setting
 from hpc_ddp.runtime.errors import HpcDdpError
+
+#: Dotted settings from the environment (``HPC_DDP_OVERRIDES="run.id=a tracking.enabled=false"``):
+#: a script's run settings changed without touching its code or its arguments.
+OVERRIDES_VARIABLE = "HPC_DDP_OVERRIDES"
 
 
 @dataclass(frozen=True)
@@ -184,7 +190,8 @@ def resolve_config(
     environ: Mapping[str, str],
 ) -> RuntimeConfig:
     """The runtime settings: ``config`` (an object, a YAML file or the defaults), then the
-    sections given as keyword arguments, then the dotted ``overrides`` (which win).
+    sections given as keyword arguments, then the dotted settings in ``$HPC_DDP_OVERRIDES``
+    (space-separated, shell quoting), then the dotted ``overrides`` (which win).
 
     Under submitit, preemption arrives as USR2 and SIGTERM is ignored, as submitit does it."""
     if isinstance(config, RuntimeConfig):
@@ -211,7 +218,18 @@ def resolve_config(
             raw[name] = dataclasses.asdict(value)
         else:
             raw.setdefault(name, {}).update(dict(value))  # type: ignore[arg-type]
-    configfile.apply_overrides(raw, overrides, configfile.section_names(RuntimeConfig))
+    sections_known = configfile.section_names(RuntimeConfig)
+    try:
+        from_environ = shlex.split(environ.get(OVERRIDES_VARIABLE, ""))
+        if from_environ:
+            configfile.apply_overrides(raw, from_environ, sections_known)
+            configfile.from_dict(RuntimeConfig, copy.deepcopy(raw), source)  # unknown keys
+    except (ValueError, HpcDdpError) as error:
+        raise HpcDdpError(
+            f"${OVERRIDES_VARIABLE}={environ[OVERRIDES_VARIABLE]!r}: {error}",
+            f"set {OVERRIDES_VARIABLE} to space-separated section.key=value settings",
+        ) from None
+    configfile.apply_overrides(raw, overrides, sections_known)
     settings = configfile.from_dict(RuntimeConfig, raw, source)
     if environ.get("SUBMITIT_EXECUTOR"):
         preempt = dataclasses.replace(settings.preempt, signal="USR2", stop_on_sigterm=False)
