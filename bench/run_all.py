@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from bench import checkpoint_io, data_memory, gpu, interleaved, overhead, report, startup
+from bench import checkpoint_io, data_memory, gpu, interleaved, lm, overhead, report, startup
 
 
 def main() -> None:
@@ -15,6 +15,7 @@ def main() -> None:
         ("startup", startup),
         ("overhead", overhead),
         ("overhead_paired", interleaved),
+        ("lm_paired", lm),
     ):
         if not only or name in only:
             module.run()
