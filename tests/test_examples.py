@@ -170,3 +170,19 @@ def test_the_tutorial_diff_is_as_small_as_the_readme_says() -> None:
     readme = (REPO / "examples/tutorial/README.md").read_text()
     assert f"{len(added)} lines added or changed, {len(removed)} removed" in readme
     assert len(added) <= 12
+
+
+def test_the_language_model_compiled_trains_like_the_eager_one(tmp_path: Path) -> None:
+    """--compile: torch.compile over the DDP-wrapped model (inductor, C++ on the CPU)."""
+    results = {}
+    for run_id, extra in (("eager", []), ("compiled", ["--compile"])):
+        environment = clean_environ(**settings(tmp_path, run_id, *QUIET))
+        args = [*LM.command("--epochs", "1"), *extra]
+        result = run_local_program(2, args, timeout=600, environment=environment)
+        assert result.returncode == 0, result.stderr[-3000:]
+        results[run_id] = result_line(result.stdout)
+    eager, compiled = results["eager"], results["compiled"]
+    assert compiled["global_step"] == eager["global_step"] == 117
+    assert compiled["val_tokens"] == eager["val_tokens"]
+    assert compiled["val_loss"] == pytest.approx(eager["val_loss"], rel=0.02)
+    assert compiled["val_loss"] < 4.0, "it learned (from ln 256 = 5.55)"
