@@ -145,3 +145,15 @@ def test_bad_settings_in_the_environment_name_the_variable(value: str) -> None:
         resolve_config(None, [], {}, {"HPC_DDP_OVERRIDES": value})
     assert str(caught.value).startswith(f"$HPC_DDP_OVERRIDES={value!r}: ")
     assert "HINT: set HPC_DDP_OVERRIDES to space-separated section.key=value" in str(caught.value)
+
+
+def test_text_settings_keep_what_was_written_where_yaml_would_read_a_number_or_boolean() -> None:
+    from hpc_ddp.runtime.config import resolve_config
+
+    ids = {value: resolve_config(None, [f"run.id={value}"], {}, {}).run.id for value in
+           ("4211", "off", "1e3", "yes")}  # fmt: skip
+    assert ids == {"4211": "4211", "off": "off", "1e3": "1e3", "yes": "yes"}
+    environ = {"HPC_DDP_OVERRIDES": "run.name=007"}
+    assert resolve_config(None, [], {}, environ).run.name == "007"
+    config = load_config(None, ["run.id=12", "train.epochs=3"])
+    assert (config.run.id, config.train.epochs) == ("12", 3), "numbers stay numbers elsewhere"

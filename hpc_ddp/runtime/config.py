@@ -219,17 +219,18 @@ def resolve_config(
         else:
             raw.setdefault(name, {}).update(dict(value))  # type: ignore[arg-type]
     sections_known = configfile.section_names(RuntimeConfig)
+    text = configfile.text_keys(RuntimeConfig)
     try:
         from_environ = shlex.split(environ.get(OVERRIDES_VARIABLE, ""))
         if from_environ:
-            configfile.apply_overrides(raw, from_environ, sections_known)
+            configfile.apply_overrides(raw, from_environ, sections_known, text)
             configfile.from_dict(RuntimeConfig, copy.deepcopy(raw), source)  # unknown keys
     except (ValueError, HpcDdpError) as error:
         raise HpcDdpError(
             f"${OVERRIDES_VARIABLE}={environ[OVERRIDES_VARIABLE]!r}: {error}",
             f"set {OVERRIDES_VARIABLE} to space-separated section.key=value settings",
         ) from None
-    configfile.apply_overrides(raw, overrides, sections_known)
+    configfile.apply_overrides(raw, overrides, sections_known, text)
     settings = configfile.from_dict(RuntimeConfig, raw, source)
     if environ.get("SUBMITIT_EXECUTOR"):
         preempt = dataclasses.replace(settings.preempt, signal="USR2", stop_on_sigterm=False)

@@ -196,12 +196,33 @@ def load_raw(path: str | Path) -> dict[str, Any]:
     return raw
 
 
+def text_keys(cls: type) -> frozenset[str]:
+    """``section.key`` of every field of ``cls``'s sections typed ``str`` or ``str | None``."""
+    keys = set()
+    for section_field in dataclasses.fields(cls):
+        section_type = typing.get_type_hints(cls)[section_field.name]
+        for name, hint in typing.get_type_hints(section_type).items():
+            if hint is str or (
+                typing.get_origin(hint) in (typing.Union, types.UnionType)
+                and set(typing.get_args(hint)) == {str, type(None)}
+            ):
+                keys.add(f"{section_field.name}.{name}")
+    return frozenset(keys)
+
+
 def apply_overrides(
-    raw: dict[str, Any], overrides: Sequence[str], sections: Sequence[str]
+    raw: dict[str, Any],
+    overrides: Sequence[str],
+    sections: Sequence[str],
+    text: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
-    """``raw`` with each dotted ``section.key=value`` set (later ones win)."""
-    for text in overrides:
-        name, key, value = parse_override(text, sections)
+    """``raw`` with each dotted ``section.key=value`` set (later ones win). Keys in ``text``
+    take the value as written when YAML would read a number or a boolean (``run.id=4211``,
+    ``run.id=off``)."""
+    for override in overrides:
+        name, key, value = parse_override(override, sections)
+        if f"{name}.{key}" in text and isinstance(value, bool | int | float):
+            value = override.partition("=")[2].strip()
         current = raw.setdefault(name, {})
         if not isinstance(current, dict):
             current = raw[name] = {}
@@ -213,7 +234,7 @@ def load(cls: type[T], path: str | Path | None, overrides: Sequence[str] = ()) -
     """Load ``path`` (or ``cls``'s defaults when None) and apply dotted overrides."""
     raw = load_raw(path) if path is not None else {}
     source = str(path) if path is not None else "<defaults>"
-    apply_overrides(raw, overrides, section_names(cls))
+    apply_overrides(raw, overrides, section_names(cls), text_keys(cls))
     return from_dict(cls, raw, f"{source} + overrides" if overrides else source)
 
 

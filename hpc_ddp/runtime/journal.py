@@ -93,6 +93,10 @@ class JournalTracker:
     def run_id(self) -> str | None:
         return self._inner.run_id
 
+    @property
+    def status(self) -> str:
+        return self._inner.status
+
     def _guarded(self, write: Callable[[], None]) -> None:
         try:
             write()

@@ -342,6 +342,9 @@ class Run:
             facts["summary_path"] = str(path)
             get_logger().info(f"summary: {path}")
         self._context.close("FINISHED")
+        if self.is_main and facts["tracking"] != self._context.tracker.status:
+            facts["tracking"] = self._context.tracker.status  # MLflow failed at the very end
+            write_summary(self.run_dir, {k: v for k, v in facts.items() if k != "summary_path"})
         return facts
 
     def close(self, status: str = "FAILED") -> None:

@@ -45,6 +45,7 @@ def run_facts(
         "torch_threads": torch.get_num_threads(),
         "first_step_unix": position.first_step_unix,
         "mlflow_run_id": context.tracker.run_id,
+        "tracking": context.tracker.status,
         "timeline": dict(timeline),
     }
 

@@ -7,9 +7,8 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,6 +25,10 @@ class Tracker(Protocol):
     @property
     def run_id(self) -> str | None: ...
 
+    @property
+    def status(self) -> str:
+        """ "ok", "off", or "failed: <why>" (the run went on without it)."""
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None: ...
 
     def log_json_artifact(self, name: str, data: Any) -> None: ...
@@ -41,6 +44,7 @@ class NullTracker:
     """Ranks other than 0, and runs with tracking.enabled=false."""
 
     run_id: str | None = None
+    status = "off"
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         pass
@@ -56,73 +60,6 @@ class NullTracker:
 
     def suspend(self) -> None:
         pass
-
-
-class BackgroundTracker:
-    """Starts the tracker (importing mlflow, ~2.4 s, and creating the run) in a thread, and
-    only when first used (the first metrics, at the first log interval), so neither rank 0
-    nor the ranks waiting for it are held back at start-up. Metrics logged before it is ready
-    wait in order; anything that needs the run (its id, artifacts, the end) waits for it, and
-    a failure to start surfaces at the next call.
-    """
-
-    def __init__(self, start: Callable[[], Tracker]) -> None:
-        self._start = start
-        self._tracker: Tracker | None = None
-        self._error: BaseException | None = None
-        self._ready = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._early: list[tuple[dict[str, float], int]] = []
-
-    def _ensure_started(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="hpc-ddp-tracker", daemon=True)
-            self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._tracker = self._start()
-        except BaseException as error:  # re-raised in the training thread
-            self._error = error
-        finally:
-            self._ready.set()
-
-    def _get(self) -> Tracker:
-        self._ensure_started()
-        self._ready.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._tracker is not None
-        for metrics, step in self._early:
-            self._tracker.log_metrics(metrics, step)
-        self._early.clear()
-        return self._tracker
-
-    @property
-    def run_id(self) -> str | None:
-        return self._get().run_id
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self._ensure_started()
-        if self._ready.is_set():
-            self._get().log_metrics(metrics, step)
-        else:
-            self._early.append((dict(metrics), step))
-
-    def log_json_artifact(self, name: str, data: Any) -> None:
-        self._get().log_json_artifact(name, data)
-
-    def log_text_artifact(self, name: str, text: str) -> None:
-        self._get().log_text_artifact(name, text)
-
-    def finish(self, status: str) -> None:
-        self._ensure_started()  # a run that failed before its first metric is recorded too
-        self._ready.wait()
-        if self._tracker is not None:
-            self._get().finish(status)
-
-    def suspend(self) -> None:
-        self._get().suspend()
 
 
 def default_tracking_uri(output_dir: str | Path) -> str:
@@ -162,7 +99,9 @@ class RunRecord:
 
 
 class MlflowTracker:
-    """One MLflow run; metrics are logged asynchronously so the training loop never waits."""
+    """One MLflow run. Its calls block: GuardedTracker makes them on its own thread."""
+
+    status = "ok"
 
     def __init__(
         self, tracking_uri: str, experiment: str, artifact_root: Path, record: RunRecord
@@ -172,7 +111,6 @@ class MlflowTracker:
 
         self._mlflow = mlflow
         self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-        self._pending: list[Any] = []
         resumed = self._reopen(record.resume_run_id) if record.resume_run_id else None
         tags, params, start_step = record.tags, record.params, record.start_step
         if resumed is None:
@@ -237,7 +175,7 @@ class MlflowTracker:
 
         now = int(time.time() * 1000)
         batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
-        self._pending.append(self._client.log_batch(self._run, metrics=batch, synchronous=False))
+        self._client.log_batch(self._run, metrics=batch)
 
     def log_json_artifact(self, name: str, data: Any) -> None:
         self._client.log_text(self._run, json.dumps(data, indent=2, sort_keys=True), name)
@@ -245,28 +183,24 @@ class MlflowTracker:
     def log_text_artifact(self, name: str, text: str) -> None:
         self._client.log_text(self._run, text, name)
 
-    def _flush(self) -> None:
-        for operation in self._pending:
-            operation.wait()
-        self._pending.clear()
-
     def finish(self, status: str) -> None:
         """End the run: FINISHED, FAILED or KILLED (stopped and not requeued)."""
-        self._flush()
         self._client.set_tag(self._run, f"{self._attempt_prefix}.end", status.lower())
         self._client.set_terminated(self._run, status=status)
 
     def suspend(self) -> None:
         """The job was requeued: leave the run RUNNING for the next attempt to continue."""
-        self._flush()
         self._client.set_tag(self._run, f"{self._attempt_prefix}.end", "requeued")
 
 
 def start_tracker(config: TrackingConfig, output_dir: str, record: RunRecord) -> Tracker:
     """An MLflow run (rank 0 only: other ranks use a NullTracker), started in the background
-    on first use. A ``record`` with a ``resume_run_id`` continues that run."""
+    on first use; a failing MLflow never stops training (see GuardedTracker). A ``record``
+    with a ``resume_run_id`` continues that run."""
     if not config.enabled:
         return NullTracker()
+    from hpc_ddp.runtime.tracking_guard import GuardedTracker
+
     uri = config.uri or default_tracking_uri(output_dir)
     artifact_root = Path(output_dir) / "mlartifacts"
 
@@ -279,7 +213,7 @@ def start_tracker(config: TrackingConfig, output_dir: str, record: RunRecord) ->
                 "pip install mlflow, or run with tracking.enabled=false",
             ) from None
 
-    return BackgroundTracker(start)
+    return GuardedTracker(start, uri)
 
 
 def run_tags(

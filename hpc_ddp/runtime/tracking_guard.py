@@ -1,0 +1,139 @@
+"""Tracking that cannot hurt training: rank 0's MLflow calls run on one background thread,
+in order, and the training thread only hands them over. A tracker that cannot start, or fails
+later (a server that is down or dies), costs one warning: the run goes on, its metrics stay
+in its own record (metrics.jsonl), and the summary says what happened to tracking."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.tracking import Tracker
+
+#: MLflow's HTTP client retries 7 times with a doubling backoff, minutes against a server
+#: that is down; with these (unless the user set them) a failing call gives up in seconds.
+MLFLOW_HTTP_SETTINGS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+#: The longest the training thread waits for MLflow at any one point (the run's id for a
+#: checkpoint, the run's end); past it, the run goes on without.
+WAIT_LIMIT_S = 30.0
+
+
+def export_mlflow_http_settings(environ: Any = os.environ) -> dict[str, str]:
+    """Write :data:`MLFLOW_HTTP_SETTINGS` into ``environ`` where the user has not set them
+    (MLflow reads them only from the environment); returns what was written."""
+    written = {key: value for key, value in MLFLOW_HTTP_SETTINGS.items() if key not in environ}
+    environ.update(written)
+    return written
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
+
+
+class GuardedTracker:
+    """Starts the tracker (importing mlflow, ~2.4 s, and creating or reopening the run) on a
+    background thread when first used, then makes every call to it on that thread, in order.
+    Nothing here raises into training, and only :attr:`run_id`, :meth:`finish` and
+    :meth:`suspend` wait, for at most ``wait_limit_s``."""
+
+    def __init__(
+        self, start: Callable[[], Tracker], uri: str, wait_limit_s: float = WAIT_LIMIT_S
+    ) -> None:
+        self._start = start
+        self._uri = uri
+        self._wait_limit_s = wait_limit_s
+        self._calls: queue.SimpleQueue[tuple[str, str, tuple[Any, ...]]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        #: The MLflow run once created; still named after MLflow failed (a resume reopens it).
+        self._run_id: str | None = None
+        self._status = "ok"
+
+    @property
+    def status(self) -> str:
+        """ "ok", or "failed: <what>: <error>" once MLflow failed and the run went on without."""
+        return self._status
+
+    def _ensure_started(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="hpc-ddp-tracker", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        tracker: Tracker | None = None
+        try:
+            export_mlflow_http_settings()
+            tracker = self._start()
+            self._run_id = tracker.run_id
+        except BaseException as error:
+            self._fail("could not start", error)
+        finally:
+            self._started.set()
+        while True:
+            doing, method, args = self._calls.get()
+            done = args[-1] if method == "_done" else None
+            if done is not None:
+                done.set()
+                continue
+            if tracker is None:
+                continue
+            try:
+                getattr(tracker, method)(*args)
+            except BaseException as error:
+                self._fail(doing, error)
+                tracker = None
+
+    def _fail(self, doing: str, error: BaseException) -> None:
+        if self._status != "ok":
+            return
+        self._status = f"failed: {doing}: {_first_line(error)}"
+        get_logger().warning(
+            f"MLflow at {self._uri} failed {doing} ({_first_line(error)}); training goes on "
+            "without it, and the run's metrics stay in metrics.jsonl in its directory. HINT: "
+            "check tracking.uri and that the server is up, or set tracking.enabled=false"
+        )
+
+    def _submit(self, doing: str, method: str, *args: Any) -> None:
+        self._ensure_started()
+        self._calls.put((doing, method, args))
+
+    def _wait(self, what: str) -> bool:
+        """Wait (bounded) until every call handed over so far is done."""
+        done = threading.Event()
+        self._submit("", "_done", done)
+        if done.wait(self._wait_limit_s):
+            return True
+        self._fail(what, TimeoutError(f"no answer within {self._wait_limit_s:.0f} s"))
+        return False
+
+    @property
+    def run_id(self) -> str | None:
+        self._ensure_started()
+        self._started.wait(self._wait_limit_s)
+        return self._run_id
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self._submit("logging metrics", "log_metrics", dict(metrics), step)
+
+    def log_json_artifact(self, name: str, data: Any) -> None:
+        self._submit(f"storing {name}", "log_json_artifact", name, data)
+
+    def log_text_artifact(self, name: str, text: str) -> None:
+        self._submit(f"storing {name}", "log_text_artifact", name, text)
+
+    def finish(self, status: str) -> None:
+        self._submit("ending the run", "finish", status)
+        self._wait("ending the run")
+
+    def suspend(self) -> None:
+        self._submit("suspending the run", "suspend")
+        self._wait("suspending the run")

@@ -1,0 +1,131 @@
+"""A tracking server that is down never stalls, fails or delays training: real ranks, a real
+HTTP tracking URI on 127.0.0.1 with nothing listening (and a real `mlflow server` killed in
+the middle of a run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from hpc_ddp.runtime.errors import EXIT_STOPPED
+from tests.helpers import REPO, clean_environ, run_local_program, signal_after, start_program
+
+PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def summary(output: Path, run_id: str) -> dict:
+    return json.loads((output / "regression" / run_id / "summary.json").read_text())
+
+
+def test_a_tracking_server_that_is_down_costs_one_warning_and_nothing_else(tmp_path: Path) -> None:
+    uri = f"http://127.0.0.1:{closed_port()}"
+    program = [PROGRAM, "--epochs", "2", "--log-interval", "5", f"run.output_dir={tmp_path}"]
+    started = time.monotonic()
+    down = run_local_program(2, [*program, "run.id=down", f"tracking.uri={uri}"])
+    seconds = time.monotonic() - started
+    assert down.returncode == 0, down.stderr[-3000:]
+    warnings = [line for line in down.stderr.splitlines() if f"MLflow at {uri}" in line]
+    assert len(warnings) == 1, down.stderr[-3000:]
+    assert "could not start" in warnings[0] and "training goes on" in warnings[0]
+    assert "HINT: check tracking.uri" in warnings[0]
+    assert "Traceback" not in down.stderr
+    assert seconds < 90, f"took {seconds:.0f} s: MLflow's retries held the run up"
+
+    off = run_local_program(2, [*program, "run.id=off", "tracking.enabled=false"])
+    assert off.returncode == 0, off.stderr[-3000:]
+    facts, reference = summary(tmp_path, "down"), summary(tmp_path, "off")
+    assert facts["weights_sha256"] == reference["weights_sha256"], "training untouched"
+    assert facts["tracking"].startswith("failed: could not start: ")
+    assert reference["tracking"] == "off" and facts["mlflow_run_id"] is None
+    lines = (tmp_path / "regression" / "down" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines if "interval/mse" in line]
+    assert steps == list(range(5, 101, 5)), "the run's own record has every interval"
+
+
+def test_a_stop_is_not_held_up_by_a_tracking_server_that_is_down(tmp_path: Path) -> None:
+    uri = f"http://127.0.0.1:{closed_port()}"
+    program = [
+        PROGRAM, "--epochs", "3", "--samples", "19200", "--log-interval", "5",
+        f"run.output_dir={tmp_path}", "run.id=stopped", f"tracking.uri={uri}",
+        "preempt.check_every_steps=1",
+    ]  # fmt: skip
+    process = start_program(2, program)
+    log = signal_after(process, r"epoch 0 step (3\d|4\d)/", signal.SIGUSR1)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    assert "checkpoint (stop signal)" in log and "Traceback" not in log
+    status = json.loads((tmp_path / "regression" / "stopped" / "status.json").read_text())
+    assert status["state"] == "stopped"
+
+
+def test_an_mlflow_server_killed_mid_run_leaves_training_and_its_record_whole(
+    tmp_path: Path,
+) -> None:
+    port = closed_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1"],
+        cwd=tmp_path, env=clean_environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            raise AssertionError("mlflow server did not start within 90 s")
+        program = [
+            PROGRAM, "--epochs", "6", "--samples", "19200", "--log-interval", "5",
+            f"run.output_dir={tmp_path}", "run.id=killed", f"tracking.uri=http://127.0.0.1:{port}",
+        ]  # fmt: skip
+        process = start_program(2, program)
+        assert process.stderr is not None
+        client = MlflowClient(tracking_uri=f"http://127.0.0.1:{port}")
+        seen, killed_at = [], None
+        for line in process.stderr:
+            seen.append(line)
+            step = re.search(r"step (\d+)/1200", line)
+            runs = client.search_runs(experiment_ids=["0", "1"], max_results=1) if step else []
+            if step and runs and runs[0].data.metrics:
+                killed_at = int(step.group(1))  # metrics reached the server: kill it now
+                os.killpg(server.pid, signal.SIGKILL)  # the server and its workers
+                server.wait()
+                break
+        _out, rest = process.communicate(timeout=300)
+        log = "".join(seen) + rest
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+    assert process.returncode == 0, log[-3000:]
+    facts = summary(tmp_path, "killed")
+    assert facts["tracking"].startswith("failed: "), facts["tracking"]
+    assert facts["mlflow_run_id"], "the run had been created before the server died"
+    assert "Traceback" not in log
+    assert (
+        len([line for line in log.splitlines() if f"MLflow at http://127.0.0.1:{port}" in line])
+        == 1
+    )
+    assert killed_at is not None and killed_at < 1000, "killed while training"
+    assert facts["global_step"] == 1200 and facts["replicas_in_sync"] is True
+    lines = (tmp_path / "regression" / "killed" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines if "interval/mse" in line]
+    assert steps == list(range(5, 1201, 5)), "the run's own record is whole"
