@@ -129,3 +129,41 @@ def test_an_mlflow_server_killed_mid_run_leaves_training_and_its_record_whole(
     lines = (tmp_path / "regression" / "killed" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines if "interval/mse" in line]
     assert steps == list(range(5, 1201, 5)), "the run's own record is whole"
+
+
+def test_runs_that_open_a_new_sqlite_store_at_once_all_get_their_mlflow_run(
+    tmp_path: Path,
+) -> None:
+    """Without the store lock, one of two or three runs opening a fresh store at once failed
+    in MLflow's schema migration."""
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                PROGRAM,
+                "--epochs",
+                "1",
+                "--samples",
+                "960",
+                "--log-interval",
+                "2",
+                f"run.output_dir={tmp_path}",
+                f"run.id=r{index}",
+            ],
+            cwd=REPO,
+            env=clean_environ(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for index in range(3)
+    ]
+    for process in processes:
+        _out, err = process.communicate(timeout=240)
+        assert process.returncode == 0, err[-3000:]
+        assert "MLflow at" not in err, err[-3000:]
+    facts = [summary(tmp_path, f"r{index}") for index in range(3)]
+    assert [fact["tracking"] for fact in facts] == ["ok", "ok", "ok"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    found = {run.info.run_id for run in client.search_runs(experiment_ids=["1"])}
+    assert found == {fact["mlflow_run_id"] for fact in facts}

@@ -4,11 +4,13 @@ other ranks never pay its import time (~2.4 s).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -193,6 +195,23 @@ class MlflowTracker:
         self._client.set_tag(self._run, f"{self._attempt_prefix}.end", "requeued")
 
 
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """Hold an exclusive lock beside an SQLite store while opening it: two runs that open a
+    new store at once would both create its tables, and one would fail in the migration."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    database = Path(uri.removeprefix("sqlite:///"))
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(database.with_name(database.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def start_tracker(config: TrackingConfig, output_dir: str, record: RunRecord) -> Tracker:
     """An MLflow run (rank 0 only: other ranks use a NullTracker), started in the background
     on first use; a failing MLflow never stops training (see GuardedTracker). A ``record``
@@ -206,7 +225,8 @@ def start_tracker(config: TrackingConfig, output_dir: str, record: RunRecord) ->
 
     def start() -> Tracker:
         try:
-            return MlflowTracker(uri, config.experiment, artifact_root, record)
+            with store_lock(uri):
+                return MlflowTracker(uri, config.experiment, artifact_root, record)
         except ImportError as error:
             raise HpcDdpError(
                 f"tracking.enabled=true but mlflow cannot be imported ({error})",
