@@ -99,6 +99,12 @@ def _at_exit() -> None:
         ending("FINISHED" if completed else "FAILED")
 
 
+def install_excepthook() -> None:
+    """Errors nobody catches get hpc_ddp's one-line reports and exit codes, also those raised
+    while :func:`hpc_ddp.start` is still checking the launch."""
+    sys.excepthook = _excepthook
+
+
 def watch(ending: Ending) -> None:
     """Make ``ending`` the run this process holds: an uncaught exception or the interpreter
     exiting ends it."""

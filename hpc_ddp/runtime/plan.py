@@ -13,6 +13,7 @@ from pathlib import Path
 from hpc_ddp.runtime.config import DistConfig, RunConfig
 from hpc_ddp.runtime.env import DistEnv
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.rundir import check_plain_name
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,9 @@ def plan_device(config: DistConfig, dist_env: DistEnv, cuda_device_count: int) -
 
 def run_directory(config: RunConfig, name: str, dist_env: DistEnv) -> Path:
     """<output_dir>/<name>/<id>: the id is the Slurm job id, so a requeued job finds its files."""
-    return Path(config.output_dir) / name / (config.id or dist_env.job_id)
+    run_id = config.id or dist_env.job_id
+    folder = check_plain_name(run_id, "run.id" if config.id else "the job id")
+    return Path(config.output_dir) / check_plain_name(name, "run.name") / folder
 
 
 def make_launch_plan(

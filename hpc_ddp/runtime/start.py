@@ -26,7 +26,7 @@ from hpc_ddp.runtime.config import (
 )
 from hpc_ddp.runtime.context import RunContext
 from hpc_ddp.runtime.dist import init_distributed
-from hpc_ddp.runtime.ending import Ending, end_active_run, watch
+from hpc_ddp.runtime.ending import Ending, end_active_run, install_excepthook, watch
 from hpc_ddp.runtime.env import (
     DistEnv,
     available_cpus,
@@ -46,6 +46,7 @@ from hpc_ddp.runtime.plan import (
 from hpc_ddp.runtime.requeue import agent_signal_gap
 from hpc_ddp.runtime.resume import find_resume
 from hpc_ddp.runtime.run import Run
+from hpc_ddp.runtime.rundir import claim_run_dir
 from hpc_ddp.runtime.signals import StopSignals
 from hpc_ddp.runtime.slurm import allocation_task_count
 from hpc_ddp.runtime.steps import StepLoop
@@ -134,6 +135,7 @@ def start(
     for code that reads them (each overwrite is logged).
     """
     started, entry_unix = time.perf_counter(), time.time()
+    install_excepthook()
     environment = os.environ if environ is None else environ
     sections = {"run": run, "dist": dist, "checkpoint": checkpoint, "preempt": preempt}
     settings = resolve_config(config, overrides, {**sections, "tracking": tracking}, environment)
@@ -150,6 +152,8 @@ def start(
     ending = Ending(signals, str(dist_env.rank))
     timeline = {"entry_unix": entry_unix}
     try:
+        if dist_env.is_main:  # before the process group: a refusal costs no rendezvous
+            claim_run_dir(plan.run_dir)
         init_distributed(dist_env, plan.device, settings.dist)
         timeline["dist_ready_unix"] = time.time()
         # Control messages (stop agreement, barriers) go over gloo on the CPU, so they never

@@ -1,0 +1,71 @@
+"""The run directory: a plain name under output_dir, writable, and held by one live run.
+
+Rank 0 claims it before joining the process group: it creates the directory (refusing, with
+the reason, one that cannot be created or written), then holds an exclusive lock on
+``<run dir>/.lock`` for the rest of the process, so a second run with the same id refuses to
+start, naming the host and pid of the first. The lock is the kernel's (flock), so it is gone
+the moment the holding process is, however it ended.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import socket
+from pathlib import Path
+from typing import IO
+
+from hpc_ddp.runtime.errors import HpcDdpError
+
+LOCK_FILE = ".lock"
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
+#: The claimed directories' lock files, open for the life of the process.
+_HELD: dict[Path, IO[str]] = {}
+
+
+def check_plain_name(value: str, key: str) -> str:
+    """``value`` if it can name one folder (no path separators, not . or ..)."""
+    if not _PLAIN_NAME.fullmatch(value):
+        raise HpcDdpError(
+            f"{key}={value!r} cannot name a run folder: it must be one plain name",
+            f"use letters, digits, '.', '_', '+' and '-', starting with a letter or digit "
+            f"(e.g. {key}=exp-3); put folders in run.output_dir",
+        )
+    return value
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` and hold its lock for this process (HpcDdpError if another live
+    run holds it, or if it cannot be created or written)."""
+    if run_dir in _HELD:
+        return
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 (held open for the process)
+    except OSError as error:
+        raise HpcDdpError(
+            f"cannot create or write the run directory {run_dir}: {error.strerror or error}",
+            "set run.output_dir to a directory this job can write (every node must see it)",
+        ) from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        if error.errno not in (errno.EAGAIN, errno.EACCES):
+            raise HpcDdpError(
+                f"cannot lock the run directory {run_dir}: {error.strerror or error}",
+                "put run.output_dir on a file system with file locks",
+            ) from None
+        raise HpcDdpError(
+            f"run directory {run_dir} is in use by a live run ({holder})",
+            "wait for it to end, or give this run another run.id",
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+    handle.flush()
+    _HELD[run_dir] = handle

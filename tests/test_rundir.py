@@ -1,0 +1,81 @@
+"""The run directory: a plain name under run.output_dir, writable, held by one live run at a
+time. Real runs on local gloo ranks."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.rundir import check_plain_name
+from tests.helpers import REPO, clean_environ, run_local_program, start_program
+
+PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
+
+
+def one_line_error(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    [line] = [line for line in stderr.splitlines() if "] error: " in line][:1]
+    return line
+
+
+@pytest.mark.parametrize("run_id", ["../../escaped", "a/b", "..", ".hidden", "x" * 201])
+def test_a_run_id_that_is_not_a_plain_name_is_refused(tmp_path: Path, run_id: str) -> None:
+    output = tmp_path / "deep" / "runs"
+    result = subprocess.run(
+        [sys.executable, PROGRAM, "--epochs", "1", f"run.output_dir={output}", f"run.id={run_id}"],
+        cwd=REPO, env=clean_environ(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "cannot name a run folder" in one_line_error(result.stderr)
+    assert not (tmp_path / "escaped").exists() and not (tmp_path / "deep" / "escaped").exists()
+
+
+def test_plain_names_pass_as_they_are() -> None:
+    for name in ("4211", "4211_7", "local-20261122-221228-21282", "exp.3+b"):
+        assert check_plain_name(name, "run.id") == name
+    with pytest.raises(HpcDdpError, match="HINT: use letters, digits"):
+        check_plain_name("a b", "run.name")
+
+
+def test_an_output_dir_that_cannot_be_created_stops_before_the_process_group(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    result = run_local_program(
+        2, [PROGRAM, "--epochs", "1", f"run.output_dir={tmp_path / 'file' / 'runs'}"]
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = one_line_error(result.stderr)
+    assert "cannot create or write the run directory" in line and "Not a directory" in line
+    assert "process group" not in result.stderr and "rendezvous" not in result.stderr
+
+
+def test_a_second_live_run_with_the_same_id_is_refused_naming_the_first(tmp_path: Path) -> None:
+    program = [PROGRAM, "--epochs", "3", "--samples", "19200", "--log-interval", "5",
+               f"run.output_dir={tmp_path}", "run.id=same", "tracking.enabled=false"]  # fmt: skip
+    first = start_program(2, program)
+    assert first.stderr is not None
+    for line in first.stderr:
+        if re.search(r"epoch 0 step \d+/", line):
+            break
+    second = run_local_program(2, program)
+    _out, rest = first.communicate(timeout=240)
+    assert first.returncode == 0, rest[-3000:]
+    assert second.returncode == 2, second.stderr[-3000:]
+    line = one_line_error(second.stderr)
+    run_dir = tmp_path / "regression" / "same"
+    assert (
+        f"run directory {run_dir} is in use by a live run (host {socket.gethostname()} pid " in line
+    )
+    holder = int(re.search(r"pid (\d+)\)", line).group(1))  # type: ignore[union-attr]
+    assert holder > 0
+    assert "HINT: wait for it to end, or give this run another run.id" in second.stderr
+    again = run_local_program(2, [*program[:2], "4", *program[3:]])  # one epoch more
+    assert again.returncode == 0, again.stderr[-3000:]  # the lock went with the first run
+    assert "resuming" in again.stderr.lower() or "at step 600" in again.stderr
