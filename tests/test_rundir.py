@@ -3,6 +3,8 @@ time. Real runs on local gloo ranks."""
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import socket
 import subprocess
@@ -79,3 +81,50 @@ def test_a_second_live_run_with_the_same_id_is_refused_naming_the_first(tmp_path
     again = run_local_program(2, [*program[:2], "4", *program[3:]])  # one epoch more
     assert again.returncode == 0, again.stderr[-3000:]  # the lock went with the first run
     assert "resuming" in again.stderr.lower() or "at step 600" in again.stderr
+
+
+def contents(run_dir: Path) -> dict[Path, bytes]:
+    """Every file of a run but its lock (which names the process holding it)."""
+    return {path: path.read_bytes() for path in run_dir.rglob("*")
+            if path.is_file() and path.name != ".lock"}  # fmt: skip
+
+
+def test_a_finished_run_started_again_is_left_as_it_was_and_more_epochs_continue_it(
+    tmp_path: Path,
+) -> None:
+    """The built-in trainer (the same holds for any script using run.epochs)."""
+    from mlflow import MlflowClient
+
+    from hpc_ddp.runtime.tracking import default_tracking_uri
+    from tests.helpers import run_local
+
+    run_dir = tmp_path / "synthetic-mlp" / "f"
+    first = run_local(2, tmp_path, ["run.id=f", "train.epochs=1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    files = {
+        path: path.read_bytes()
+        for path in run_dir.rglob("*")
+        if path.is_file() and path.name != ".lock"
+    }
+
+    again = run_local(2, tmp_path, ["run.id=f", "train.epochs=1"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"run {run_dir} already finished at step " in again.stderr
+    assert "Traceback" not in again.stderr
+    assert {
+        path: path.read_bytes()
+        for path in run_dir.rglob("*")
+        if path.is_file() and path.name != ".lock"
+    } == files
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    [mlflow_run] = client.search_runs(experiment_ids=["1"])
+    assert mlflow_run.info.status == "FINISHED"
+    assert mlflow_run.data.tags["hpc_ddp.attempts"] == "1"
+
+    more = run_local(2, tmp_path, ["run.id=f", "train.epochs=2"])
+    assert more.returncode == 0, more.stderr[-3000:]
+    before = json.loads(files[run_dir / "summary.json"])
+    after = json.loads((run_dir / "summary.json").read_text())
+    assert after["global_step"] == 2 * before["global_step"]
+    assert after["resumed_from_step"] == before["global_step"]
+    assert math.isfinite(after["val_loss"]) and after["val_loss"] != before["val_loss"]

@@ -80,3 +80,15 @@ class Stopped(SystemExit):
         self.step = step
         self.requeued = requeued
         self.run_id = run_id
+
+
+class AlreadyFinished(SystemExit):
+    """Raised from :meth:`hpc_ddp.Run.epochs` when the run resumed from the checkpoint its
+    finished training ended with and there is nothing left to train (the same epochs as
+    before). Its files (summary.json, checkpoints, its MLflow run) are left as they were; the
+    script ends with code 0. More epochs continue the run instead."""
+
+    def __init__(self, step: int, run_dir: str) -> None:
+        super().__init__(0)
+        self.step = step
+        self.run_dir = run_dir

@@ -77,6 +77,10 @@ class JournalTracker:
         self._run_dir = run_dir
         self._position = position
         self._failed_write: str | None = None
+        try:
+            self._previous_text: str | None = (run_dir / STATUS_FILE).read_text()
+        except OSError:
+            self._previous_text = None
         previous = read_status(run_dir) or {}
         self._status: dict[str, Any] = {
             "state": "running",
@@ -124,6 +128,18 @@ class JournalTracker:
             partial.replace(self._run_dir / STATUS_FILE)
 
         self._guarded(write)
+
+    def restore_previous(self) -> None:
+        """Put status.json back as this attempt found it (an attempt that did nothing)."""
+        path, previous = self._run_dir / STATUS_FILE, self._previous_text
+
+        def put_back() -> None:
+            if previous is None:
+                path.unlink(missing_ok=True)
+            else:
+                path.write_text(previous)
+
+        self._guarded(put_back)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         global_step, epoch = self._position()

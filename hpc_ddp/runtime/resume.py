@@ -33,6 +33,8 @@ class Resumed:
     step: int
     #: How many ranks wrote it.
     world_size: int
+    #: Whether it is the checkpoint a finished run ended with.
+    finished: bool = False
 
 
 def find_resume(run_dir: Path, is_main: bool, group: Any | None) -> Found | None:
@@ -60,7 +62,8 @@ def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, 
         f"resumed from {path} at step {position.global_step} (epoch {position.epoch}, step "
         f"{position.step_in_epoch} of the epoch)"
     )
-    return Resumed(path, position.global_step, len(saved["rng"])), streams_restored
+    resumed = Resumed(path, position.global_step, len(saved["rng"]), bool(saved.get("finished")))
+    return resumed, streams_restored
 
 
 def seed_rank_streams(seed: int, rank: int, step: int) -> None:

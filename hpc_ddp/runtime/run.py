@@ -20,7 +20,8 @@ from hpc_ddp.runtime.config import RuntimeConfig
 from hpc_ddp.runtime.context import RunContext
 from hpc_ddp.runtime.data import StepLoader, TrainLoader, eval_loader
 from hpc_ddp.runtime.env import DistEnv, available_cpus
-from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.errors import AlreadyFinished, HpcDdpError
+from hpc_ddp.runtime.journal import JournalTracker
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.metrics import Sum, Sums
 from hpc_ddp.runtime.plan import resolve_num_workers
@@ -271,6 +272,8 @@ class Run:
         loop = self._loop
         loop.num_epochs, loop.max_steps = num_epochs, max_steps
         loop.begin(self.resume)
+        if self.resumed is not None and self.resumed.finished and not loop.more_epochs():
+            self._end_already_finished()
         self._timeline.setdefault("training_unix", time.time())
         loop.in_epochs = True
         try:
@@ -280,6 +283,20 @@ class Run:
         finally:
             loop.in_epochs = False
         loop.completed = True
+
+    def _end_already_finished(self) -> None:
+        """The run finished before and nothing is left to train: leave its files alone."""
+        assert self.resumed is not None
+        if self.is_main:
+            if isinstance(self._context.tracker, JournalTracker):
+                self._context.tracker.restore_previous()
+            get_logger().warning(
+                f"run {self.run_dir} already finished at step {self.resumed.step}; nothing "
+                "to train, its summary.json and checkpoints are kept as they were. HINT: "
+                "train more epochs to continue it, or give a new run another run.id"
+            )
+        self._context.close(None)  # no status: its MLflow run stays as it ended
+        raise AlreadyFinished(self.resumed.step, str(self.run_dir))
 
     def steps(self, loader: StepLoader) -> Iterator[Any]:
         """The current epoch's micro-batches from where the run stands (a resumed run skips

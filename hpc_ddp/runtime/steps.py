@@ -214,8 +214,9 @@ class StepLoop:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def checkpoint_state(self) -> dict[str, Any]:
-        """Everything a resume needs (collective: every rank calls it, rank 0 writes it)."""
+    def checkpoint_state(self, finished: bool = False) -> dict[str, Any]:
+        """Everything a resume needs (collective: every rank calls it, rank 0 writes it).
+        ``finished``: the run's training ended with this checkpoint."""
         context, position = self.context, self.position
         rng = gathered_rng_states(context.device, context.control_group)
         metrics = self.metrics.saved()
@@ -234,6 +235,7 @@ class StepLoop:
             "metrics": metrics,
             "mlflow_run_id": context.tracker.run_id,
             "fingerprint": context.fingerprint,
+            "finished": finished,
         }
 
     def save(self, reason: str) -> None:
@@ -245,7 +247,7 @@ class StepLoop:
         ):
             return
         self.check_replicas()
-        state = self.checkpoint_state()
+        state = self.checkpoint_state(finished=reason == "end of training")
         if context.env.is_main:
             started = time.perf_counter()
             path = save_checkpoint(
