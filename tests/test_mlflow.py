@@ -20,7 +20,11 @@ def test_two_rank_run_is_tracked_once_with_params_metrics_tags_artifacts(tmp_pat
         config="configs/digits.yaml",
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "[rank 0/2] INFO Creating initial MLflow database tables" in result.stderr
+    unprefixed = [line for line in result.stderr.splitlines() if "[rank " not in line]
+    assert not unprefixed, f"every line names its rank, MLflow's too: {unprefixed[:3]}"
     summary = read_summary(tmp_path)
+    assert summary["tracking"] == "ok"
     client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
     experiment = client.get_experiment_by_name("tracked")
     assert experiment is not None

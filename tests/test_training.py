@@ -111,10 +111,13 @@ def test_digits_learns_on_two_ranks_and_reports_progress(tmp_path: Path) -> None
     assert len(summary["weights_sha256"]) == 64
     assert summary["replicas_in_sync"] is True and summary["replicas_diverged_at"] is None
     assert "replicas differ" not in result.stderr
-    epoch_losses = [
-        float(x) for x in re.findall(r"epoch \d+ step \d+ train_loss ([0-9.]+)", result.stderr)
-    ]
+    ends = re.findall(r"epoch (\d+) done at step \d+: train_loss ([0-9.]+)", result.stderr)
+    epoch_losses = [float(loss) for _epoch, loss in ends]
     assert len(epoch_losses) == 6 and epoch_losses[-1] < epoch_losses[0] / 2
+    in_progress = {int(n) for n in re.findall(r"INFO epoch (\d+) step \d+/", result.stderr)}
+    assert [int(epoch) for epoch, _loss in ends] == sorted(in_progress) == list(range(6)), (
+        "an epoch has one number in its progress lines and at its end"
+    )
     assert "[rank 0/2]" in result.stderr
     assert "[rank 1/2] INFO epoch" not in result.stderr, "progress comes from rank 0 only"
     assert re.search(r"samples/s", result.stderr)

@@ -30,6 +30,14 @@ def get_logger() -> logging.Logger:
     return logging.getLogger(LOGGER_NAME)
 
 
+def adopt_logger(name: str) -> None:
+    """Route library ``name``'s log lines (e.g. mlflow's) through the package's handler, so
+    they carry the rank like every other line."""
+    logger = logging.getLogger(name)
+    logger.handlers = list(get_logger().handlers)
+    logger.propagate = False
+
+
 class Progress:
     """Rank 0's progress: a redrawn bar on a terminal, one log line per interval otherwise.
 

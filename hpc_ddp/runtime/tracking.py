@@ -111,6 +111,9 @@ class MlflowTracker:
         import mlflow
         from mlflow.entities import Param, RunTag
 
+        from hpc_ddp.runtime.logs import adopt_logger
+
+        adopt_logger("mlflow")  # after its import, which sets mlflow's own handler
         self._mlflow = mlflow
         self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         resumed = self._reopen(record.resume_run_id) if record.resume_run_id else None

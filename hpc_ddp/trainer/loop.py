@@ -177,7 +177,7 @@ def _log_epoch(run: Run, epoch: int, val: dict[str, Sum], count_correct: bool) -
     train_acc_text = f" train_acc {accuracy.mean:.4f}" if count_correct and accuracy else ""
     if run.is_main:
         get_logger().info(
-            f"epoch {epoch + 1} step {run.global_step} train_loss {train_loss:.4f}"
+            f"epoch {epoch} done at step {run.global_step}: train_loss {train_loss:.4f}"
             f"{train_acc_text} val_loss {val['loss'].mean:.4f} val_acc "
             f"{val['accuracy'].mean:.4f} (val samples {int(val['loss'].count)})"
         )
