@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Mapping
-from typing import TextIO
+from typing import Any, TextIO
 
 LOGGER_NAME = "hpc_ddp"
 
@@ -14,7 +14,7 @@ def setup_logging(rank: int, world_size: int, level: int = logging.INFO) -> logg
     """Configure the package logger so that every line says which rank wrote it."""
     logger = logging.getLogger(LOGGER_NAME)
     logger.handlers.clear()
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _AroundTheBar(sys.stderr)
     handler.setFormatter(
         logging.Formatter(
             f"%(asctime)s [rank {rank}/{world_size}] %(levelname)s %(message)s", "%H:%M:%S"
@@ -38,11 +38,25 @@ def adopt_logger(name: str) -> None:
     logger.propagate = False
 
 
-class Progress:
-    """Rank 0's progress: a redrawn bar on a terminal, one log line per interval otherwise.
+class _AroundTheBar(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes log lines above rank 0's progress bar while one is drawn, never onto it."""
 
-    Batch logs stay readable because the bar is never written when stderr is not a TTY.
-    """
+    def emit(self, record: logging.LogRecord) -> None:
+        if Progress.active is None:
+            super().emit(record)
+            return
+        try:
+            Progress.active.write(self.format(record))
+        except Exception:
+            self.handleError(record)
+
+
+class Progress:
+    """Rank 0's progress: on a terminal a tqdm bar (rate, ETA, the interval's metrics) with
+    log lines written above it; otherwise (batch logs) one log line per interval."""
+
+    #: The bar being drawn, if any (log lines go around it).
+    active: Any = None
 
     def __init__(
         self, total_steps: int | None, enabled: bool, stream: TextIO | None = None
@@ -51,24 +65,44 @@ class Progress:
         self.enabled = enabled
         self.stream = stream or sys.stderr
         self.is_tty = enabled and self.stream.isatty()
+        self._bar: Any = None
+
+    def _draw(self, step: int, epoch: int, postfix: str) -> None:
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=self.total_steps,
+                initial=step,
+                unit="step",
+                file=self.stream,
+                dynamic_ncols=True,
+                mininterval=0,  # updates come once per log interval already
+                smoothing=0.1,
+            )
+            Progress.active = self._bar
+        if self.total_steps != self._bar.total:
+            self._bar.total = self.total_steps
+        self._bar.set_description_str(f"epoch {epoch}", refresh=False)
+        self._bar.set_postfix_str(postfix, refresh=False)
+        self._bar.update(step - self._bar.n)
 
     def update(
         self, step: int, epoch: int, metrics: Mapping[str, float], samples_per_s: float
     ) -> None:
         if not self.enabled:
             return
-        total = f"/{self.total_steps}" if self.total_steps else ""
         values = "".join(f" {name} {value:.4f}" for name, value in metrics.items())
-        text = f"epoch {epoch} step {step}{total}{values} {samples_per_s:,.0f} samples/s"
         if self.is_tty:
-            width = 30
-            filled = int(width * step / max(1, self.total_steps or step))
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}")
-            self.stream.flush()
-        else:
-            get_logger().info(text)
+            self._draw(step, epoch, f"{values.strip()} {samples_per_s:,.0f} samples/s")
+            return
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        get_logger().info(
+            f"epoch {epoch} step {step}{total}{values} {samples_per_s:,.0f} samples/s"
+        )
 
     def close(self) -> None:
-        if self.is_tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+            Progress.active = None

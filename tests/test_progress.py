@@ -1,0 +1,71 @@
+"""Rank 0's progress on a terminal (a real pseudo-terminal as the script's stderr): a bar
+that redraws with rate and ETA, and log lines that never land on the bar's line; in batch
+logs, one line per interval."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+from tests.helpers import REPO, clean_environ
+
+PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
+
+
+def run_on_a_terminal(args: list[str]) -> str:
+    main, secondary = pty.openpty()
+    # A terminal 120 columns wide, as a user's would be (a new pty reports 0 x 0).
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    process = subprocess.Popen(
+        [sys.executable, PROGRAM, *args], cwd=REPO, env=clean_environ(),
+        stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary,
+    )  # fmt: skip
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # the terminal's other side closed: the process is gone
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    assert process.wait(timeout=120) == 0, b"".join(chunks).decode()[-3000:]
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_the_bar_redraws_with_rate_and_eta_and_log_lines_stay_off_it(tmp_path: Path) -> None:
+    output = run_on_a_terminal(
+        ["--epochs", "2", "--samples", "9600", "--log-interval", "5", f"run.output_dir={tmp_path}",
+         "tracking.enabled=false"],
+    )  # fmt: skip
+    drawn = [int(n) for n in re.findall(r"\| *(\d+)/200 \[\d\d:\d\d<\d\d:\d\d", output)]
+    assert len(set(drawn)) >= 20, output[-2000:]
+    assert drawn == sorted(drawn) and drawn[-1] == 200, "the bar moves forward to the end"
+    assert re.search(r"epoch 1: .*mse \d\.\d{4} .*samples/s", output), "metrics on the bar"
+    assert re.search(r"\d+\.\d+ ?steps?/s|s/steps?", output), "tqdm's rate"
+    lines = [line.split("\r")[-1] for line in output.replace("\r\n", "\n").split("\n")]
+    logged = [line for line in lines if "INFO checkpoint (end of training)" in line]
+    assert len(logged) == 1 and re.match(r"\x1b?\[?[A-Z]?\d\d:\d\d:\d\d \[rank 0/1\]", logged[0])
+    assert "/200 [" not in logged[0], "the log line is not on the bar's line"
+    assert "INFO epoch 0 step" not in output, "no interval log lines under a bar"
+
+
+def test_batch_logs_get_one_line_per_interval(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, PROGRAM, "--epochs", "1", "--log-interval", "10",
+         f"run.output_dir={tmp_path}", "tracking.enabled=false"],
+        cwd=REPO, env=clean_environ(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = re.findall(r"\[rank 0/1\] INFO epoch 0 step (\d+)/50 mse", result.stderr)
+    assert steps == ["10", "20", "30", "40", "50"]
+    assert "\r" not in result.stderr
