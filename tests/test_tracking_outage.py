@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from mlflow import MlflowClient
 
@@ -28,8 +29,8 @@ def closed_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def summary(output: Path, run_id: str) -> dict:
-    return json.loads((output / "regression" / run_id / "summary.json").read_text())
+def summary(output: Path, run_id: str) -> dict[str, Any]:
+    return json.loads((output / "regression" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
 def test_a_tracking_server_that_is_down_costs_one_warning_and_nothing_else(tmp_path: Path) -> None:
