@@ -213,7 +213,9 @@ def _port(_args: argparse.Namespace) -> int:
     from hpc_ddp.runtime.slurm import derive_master_port
 
     if os.environ.get("MASTER_PORT"):
-        print(os.environ["MASTER_PORT"])
+        from hpc_ddp.runtime.distenv import port_override
+
+        print(port_override(os.environ, None))  # checked: a number from 1 to 65535
         return 0
     job_id = os.environ.get("SLURM_JOB_ID", "")
     if not job_id.isdigit():

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from hpc_ddp.runtime.distenv import port_override
 from hpc_ddp.runtime.env import (
     LAUNCHER_ORDER,
     detect_launcher,
@@ -267,3 +268,47 @@ def test_reading_never_writes_and_export_is_explicit() -> None:
     )
     assert target["PATH"] == "/bin"
     assert set(dist_env_variables(env)) <= set(target)
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"LOCAL_WORLD_SIZE": "0"}, "local rank 1 of 0 on the node"),
+        ({"RANK": "4"}, "rank 4 of world size 4"),
+        ({"RANK": "-1"}, "rank -1 of world size 4"),
+        ({"WORLD_SIZE": "0"}, "rank 3 of world size 0"),
+        ({"MASTER_PORT": "99999"}, "port 99999"),
+    ],
+)
+def test_launcher_variables_that_describe_no_job_are_refused(
+    changes: dict[str, str], expected: str
+) -> None:
+    with pytest.raises(HpcDdpError) as caught:
+        resolve_dist_env({**torchrun_vars(), **changes}, hostname="node2")
+    message = str(caught.value)
+    assert message.startswith("the torchelastic launcher's variables describe no valid job: ")
+    assert expected in message and "HINT: check RANK, WORLD_SIZE" in message
+
+
+def test_master_port_from_the_environment_is_range_checked_everywhere() -> None:
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO, clean_environ
+
+    with pytest.raises(HpcDdpError, match="MASTER_PORT=99999 is not a TCP port"):
+        port_override({"MASTER_PORT": "99999"}, None)
+    under_torchrun = {**torchrun_vars(), "MASTER_PORT": "99999"}
+    for command, environ in (
+        (["port"], {"MASTER_PORT": "99999"}),
+        (["doctor", "--config", "configs/digits.yaml"], under_torchrun),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "hpc_ddp", *command], cwd=REPO,
+            env=clean_environ(**environ), capture_output=True, text=True, timeout=120,
+            check=False,
+        )  # fmt: skip
+        assert result.returncode == 2, (command, result.stdout, result.stderr[-2000:])
+        output = result.stdout + result.stderr  # doctor reports on stdout, as JSON
+        assert "99999" in output and "HINT: " in output
+        assert "Traceback" not in result.stderr

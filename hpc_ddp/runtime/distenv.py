@@ -74,7 +74,13 @@ def port_override(environ: Mapping[str, str], configured_port: int | None) -> in
     if configured_port is not None:
         return configured_port
     if environ.get("MASTER_PORT"):
-        return read_int(environ, "MASTER_PORT")
+        port = read_int(environ, "MASTER_PORT")
+        if not 1 <= port <= 65535:
+            raise HpcDdpError(
+                f"MASTER_PORT={port} is not a TCP port",
+                "set MASTER_PORT to a free port from 1024 to 65535, or unset it",
+            )
+        return port
     return None
 
 

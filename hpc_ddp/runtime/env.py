@@ -24,6 +24,7 @@ import socket
 from collections.abc import Mapping, MutableMapping
 
 from hpc_ddp.runtime.distenv import DistEnv, gpu_fields, port_override, read_int
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.slurm import derive_master_port
 from hpc_ddp.runtime.slurm_env import resolve_slurm
 
@@ -53,7 +54,9 @@ def _resolve_torchelastic(environ: Mapping[str, str], hostname: str) -> DistEnv:
         world_size=world_size,
         local_world_size=local_world_size,
         node_rank=read_int(environ, "GROUP_RANK", 0),
-        num_nodes=read_int(environ, "GROUP_WORLD_SIZE", max(1, world_size // local_world_size)),
+        num_nodes=read_int(
+            environ, "GROUP_WORLD_SIZE", max(1, world_size // max(1, local_world_size))
+        ),
         master_addr=environ.get("MASTER_ADDR", "127.0.0.1"),
         master_port=read_int(environ, "MASTER_PORT"),
         launcher="torchelastic",
@@ -166,14 +169,37 @@ def resolve_dist_env(
     host = hostname or socket.gethostname()
     launcher = detect_launcher(environ)
     if launcher == "torchelastic":
-        return _resolve_torchelastic(environ, host)
-    if launcher == "local":
-        return _resolve_local(environ, host, configured_port)
-    if launcher == "slurm":
-        return resolve_slurm(environ, host, configured_port, allocation_tasks, _single)
-    if launcher == "submitit-local":
-        return _resolve_submitit_local(environ, host, configured_port)
-    return _single(environ, host, "single", single_run_id, 0)
+        resolved = _resolve_torchelastic(environ, host)
+    elif launcher == "local":
+        resolved = _resolve_local(environ, host, configured_port)
+    elif launcher == "slurm":
+        resolved = resolve_slurm(environ, host, configured_port, allocation_tasks, _single)
+    elif launcher == "submitit-local":
+        resolved = _resolve_submitit_local(environ, host, configured_port)
+    else:
+        resolved = _single(environ, host, "single", single_run_id, 0)
+    return check_dist_env(resolved)
+
+
+def check_dist_env(env: DistEnv) -> DistEnv:
+    """``env`` if its numbers can describe a job; the launcher's variables named if not."""
+    problems = []
+    if env.world_size < 1 or not 0 <= env.rank < env.world_size:
+        problems.append(f"rank {env.rank} of world size {env.world_size}")
+    if env.local_world_size < 1 or not 0 <= env.local_rank < env.local_world_size:
+        problems.append(f"local rank {env.local_rank} of {env.local_world_size} on the node")
+    if env.num_nodes < 1 or not 0 <= env.node_rank < env.num_nodes:
+        problems.append(f"node {env.node_rank} of {env.num_nodes}")
+    if not 0 <= env.master_port <= 65535:
+        problems.append(f"port {env.master_port}")
+    if problems:
+        raise HpcDdpError(
+            f"the {env.launcher} launcher's variables describe no valid job: "
+            + "; ".join(problems),
+            "check RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE and MASTER_PORT (0-65535) "
+            "in the environment, or the SLURM_* variables; let the launcher set them",
+        )
+    return env
 
 
 def dist_env_variables(dist_env: DistEnv) -> dict[str, str]:
