@@ -76,3 +76,28 @@ def test_port_is_deterministic_in_range_and_separates_neighbours() -> None:
     assert derive_master_port(123456, 0) == derive_master_port(123456, 0)
     assert derive_master_port(123456, 0) != derive_master_port(123456, 1)
     assert derive_master_port(4242, 3) == 10000 + 242 * 10 + 3
+
+
+@pytest.mark.parametrize(
+    ("hostlist", "count"),
+    [
+        ("n[0-99999999]", "100,000,000"),  # counted from the range, never built
+        ("a[0-999]-b[0-999]", "1,000,000"),
+        (",".join("x[0-9999]" for _ in range(7)), "70,000"),
+    ],
+)
+def test_a_host_list_beyond_any_cluster_is_refused_before_it_is_built(
+    hostlist: str, count: str
+) -> None:
+    with pytest.raises(HpcDdpError) as caught:
+        expand_hostlist(hostlist)
+    message = str(caught.value)
+    assert f"names {count} hosts, more than 65,536" in message and len(message) < 400
+    assert "HINT: check SLURM_STEP_NODELIST" in message
+
+
+def test_messages_quote_long_input_cut_short() -> None:
+    with pytest.raises(HpcDdpError) as caught:
+        expand_hostlist("node[1-2]," * 50_000 + "bad[x]")
+    message = str(caught.value)
+    assert len(message) < 500 and "characters)" in message

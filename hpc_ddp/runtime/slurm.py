@@ -7,6 +7,7 @@ Nothing here reads the environment; every function takes its inputs as arguments
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import subprocess
 
@@ -39,7 +40,7 @@ def _split_top_level(text: str) -> list[str]:
             depth -= 1
             if depth < 0:
                 raise HpcDdpError(
-                    f"unbalanced ']' in Slurm host list {text!r}",
+                    f"unbalanced ']' in Slurm host list {quoted(text)}",
                     "host lists look like 'gpu[001-004,010]' or 'a,b[1-3],c'",
                 )
         if char == "," and depth == 0:
@@ -49,11 +50,30 @@ def _split_top_level(text: str) -> list[str]:
             current.append(char)
     if depth != 0:
         raise HpcDdpError(
-            f"unbalanced '[' in Slurm host list {text!r}",
+            f"unbalanced '[' in Slurm host list {quoted(text)}",
             "host lists look like 'gpu[001-004,010]' or 'a,b[1-3],c'",
         )
     parts.append("".join(current))
     return parts
+
+
+#: More hosts than any Slurm cluster has (Slurm's own limit is 65,533 nodes): a host list
+#: that expands further is a mistake, refused before it is built.
+MAX_HOSTS = 65_536
+
+
+def quoted(text: str, limit: int = 120) -> str:
+    """``text`` quoted for a message, cut to ``limit`` characters."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text):,} characters)"
+
+
+def _too_many(count: int, whole: str) -> HpcDdpError:
+    return HpcDdpError(
+        f"Slurm host list {quoted(whole)} names {count:,} hosts, more than {MAX_HOSTS:,}",
+        "check SLURM_STEP_NODELIST / SLURM_JOB_NODELIST: a range is probably mistyped",
+    )
 
 
 def _expand_bracket(body: str, whole: str) -> list[str]:
@@ -63,7 +83,7 @@ def _expand_bracket(body: str, whole: str) -> list[str]:
         match = _RANGE.match(item.strip())
         if not match:
             raise HpcDdpError(
-                f"cannot read range {item!r} in Slurm host list {whole!r}",
+                f"cannot read range {quoted(item, 40)} in Slurm host list {quoted(whole)}",
                 "a bracket holds numbers and ranges, e.g. 'node[01-04,07]'",
             )
         low_text, high_text = match.group(1), match.group(2)
@@ -71,9 +91,11 @@ def _expand_bracket(body: str, whole: str) -> list[str]:
             values.append(low_text)
             continue
         low, high = int(low_text), int(high_text)
+        if high - low + 1 + len(values) > MAX_HOSTS:
+            raise _too_many(high - low + 1 + len(values), whole)
         if high < low:
             raise HpcDdpError(
-                f"range {item!r} in Slurm host list {whole!r} runs backwards",
+                f"range {quoted(item, 40)} in Slurm host list {quoted(whole)} runs backwards",
                 "write ranges low-high, e.g. 'node[1-4]'",
             )
         width = len(low_text)
@@ -92,9 +114,12 @@ def _expand_host_pattern(pattern: str, whole: str) -> list[str]:
     pieces.append([pattern[position:]])
     if any("[" in piece or "]" in piece for group in pieces for piece in group):
         raise HpcDdpError(
-            f"nested brackets in Slurm host list {whole!r}",
+            f"nested brackets in Slurm host list {quoted(whole)}",
             "host lists look like 'gpu[001-004,010]' or 'rack[1-2]-node[01-02]'",
         )
+    count = math.prod(len(group) for group in pieces)
+    if count > MAX_HOSTS:
+        raise _too_many(count, whole)
     return ["".join(combination) for combination in itertools.product(*pieces)]
 
 
@@ -113,10 +138,12 @@ def expand_hostlist(hostlist: str) -> list[str]:
         part = part.strip()
         if not part:
             raise HpcDdpError(
-                f"empty entry in Slurm host list {hostlist!r}",
+                f"empty entry in Slurm host list {quoted(hostlist)}",
                 "host lists look like 'a,b[1-3],c' with no empty items",
             )
         hosts.extend(_expand_host_pattern(part, hostlist))
+        if len(hosts) > MAX_HOSTS:
+            raise _too_many(len(hosts), hostlist)
     return hosts
 
 
@@ -127,7 +154,7 @@ def expand_tasks_per_node(spec: str) -> list[int]:
         match = _TASKS_ITEM.match(item.strip())
         if not match:
             raise HpcDdpError(
-                f"cannot read tasks-per-node {spec!r} (at {item!r})",
+                f"cannot read tasks-per-node {quoted(spec)} (at {quoted(item, 40)})",
                 "Slurm writes it as '4', '2(x3)' or '2(x3),1'",
             )
         count = int(match.group(1))
