@@ -157,3 +157,24 @@ def test_text_settings_keep_what_was_written_where_yaml_would_read_a_number_or_b
     assert resolve_config(None, [], {}, environ).run.name == "007"
     config = load_config(None, ["run.id=12", "train.epochs=3"])
     assert (config.run.id, config.train.epochs) == ("12", 3), "numbers stay numbers elsewhere"
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"train:\n  1: a\n", "key 1 in section 'train' is a int, not text"),
+        (b"1: a\n", "section name 1 is a int, not text"),
+        (b"train:\n  epochs: 3\n  epochs: 5\n", "key 'epochs' is written twice (line 3)"),
+        (b"run: 5\n", "section 'run' is 5, not a mapping of keys"),
+        (b"train:\n  epochs: [3\n", "not valid YAML at line 3"),
+        (b"run:\n  name: caf\xe9\n", "not UTF-8 text (byte 0xe9 at position 16)"),
+    ],
+)
+def test_a_config_file_yaml_cannot_read_as_settings_is_one_line_with_a_hint(
+    tmp_path: Path, content: bytes, expected: str
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(content)
+    with pytest.raises(HpcDdpError) as caught:
+        load_config(path, ["run.name=x"])  # an override must not hide a bad section
+    assert expected in str(caught.value) and "\nHINT: " in str(caught.value)

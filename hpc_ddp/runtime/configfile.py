@@ -177,8 +177,28 @@ def parse_override(text: str, sections: Sequence[str]) -> tuple[str, str, Any]:
     return name, key, value
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _value in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, str | int | float | bool):
+                continue  # unhashable or odd keys are refused later, by name
+            if key in seen:
+                mark = key_node.start_mark
+                raise HpcDdpError(
+                    f"{mark.name}: key {key!r} is written twice (line {mark.line + 1})",
+                    "keep one of them; a later one would silently win",
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_raw(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into nested plain data."""
+    """Read a YAML config file into nested plain data: a mapping of sections, each a mapping
+    with text keys."""
     config_path = Path(path)
     if not config_path.is_file():
         raise HpcDdpError(
@@ -186,13 +206,47 @@ def load_raw(path: str | Path) -> dict[str, Any]:
             "pass --config with a path to a YAML file, e.g. configs/digits.yaml",
         )
     try:
-        raw = yaml.safe_load(config_path.read_text()) or {}
+        text = config_path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise HpcDdpError(
+            f"{config_path}: not UTF-8 text (byte {error.object[error.start]:#04x} at "
+            f"position {error.start})",
+            "save the file as UTF-8",
+        ) from None
+    try:
+        raw = yaml.load(text, Loader=_StrictLoader) or {}
     except yaml.YAMLError as error:
-        raise HpcDdpError(f"{config_path}: not valid YAML: {error}") from None
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise HpcDdpError(
+            f"{config_path}: not valid YAML{where}: {problem}",
+            "fix the YAML there (indentation and 'key: value' pairs); `hpc-ddp config` "
+            "lists every key",
+        ) from None
     if not isinstance(raw, dict):
         raise HpcDdpError(
-            f"{config_path}: expected a mapping of sections, got {type(raw).__name__}"
+            f"{config_path}: expected a mapping of sections, got {type(raw).__name__}",
+            "write sections such as 'run:' and 'train:' with their keys indented below",
         )
+    for name, section_values in raw.items():
+        if not isinstance(name, str):
+            raise HpcDdpError(
+                f"{config_path}: section name {name!r} is a {type(name).__name__}, not text",
+                "section names are words such as run, train, data",
+            )
+        if section_values is not None and not isinstance(section_values, dict):
+            raise HpcDdpError(
+                f"{config_path}: section {name!r} is {section_values!r}, not a mapping of keys",
+                f"write its keys on indented lines below '{name}:', e.g. '  key: value'",
+            )
+        for key in section_values or {}:
+            if not isinstance(key, str):
+                raise HpcDdpError(
+                    f"{config_path}: key {key!r} in section {name!r} is a "
+                    f"{type(key).__name__}, not text",
+                    "keys are names such as epochs or batch_size",
+                )
     return raw
 
 
