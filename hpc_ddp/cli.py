@@ -236,17 +236,50 @@ def _add_program_arguments(parser: argparse.ArgumentParser, dry_run: bool = Fals
     parser.add_argument("target_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum`` (a clear usage error if not)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is too small: at least {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
 def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    parser.add_argument("--nodes", type=_at_least(1), default=1, help="nodes (default 1)")
     parser.add_argument(
-        "--gpus-per-node", type=int, default=0, help="GPUs per node = tasks per node (default 0)"
+        "--gpus-per-node",
+        type=_at_least(0),
+        default=0,
+        help="GPUs per node = tasks per node (default 0)",
     )
     parser.add_argument(
-        "--tasks-per-node", type=int, default=None, help="tasks per node without GPUs (default 1)"
+        "--tasks-per-node",
+        type=_at_least(1),
+        default=None,
+        help="tasks per node without GPUs (default 1)",
     )
-    parser.add_argument("--cpus-per-task", type=int, default=None, help="CPU cores per task")
+    parser.add_argument(
+        "--cpus-per-task", type=_at_least(1), default=None, help="CPU cores per task"
+    )
     parser.add_argument("--time", default="01:00:00", help="time limit (default 01:00:00)")
     parser.add_argument("--partition", default=None, help="Slurm partition")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hpc_ddp")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _command(
@@ -255,7 +288,9 @@ def _command(
     handler: Callable[[argparse.Namespace], int],
     help_text: str,
 ) -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = commands.add_parser(name, help=help_text)
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name, help=help_text, description=help_text[:1].upper() + help_text[1:] + "."
+    )
     parser.set_defaults(handler=handler, parser=parser)
     return parser
 
@@ -281,10 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpc-ddp", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"hpc-ddp {_version()}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     local = _command(commands, "local", _local, "run a program on N local CPU ranks (gloo)")
-    local.add_argument("--nproc", type=int, default=2, help="number of ranks (default 2)")
+    local.add_argument("--nproc", type=_at_least(1), default=2, help="number of ranks (default 2)")
     _add_program_arguments(local, dry_run=True)
     run = _command(commands, "run", _run, "run your script or module as this rank (srun runs it)")
     _add_program_arguments(run)
@@ -297,13 +333,23 @@ def build_parser() -> argparse.ArgumentParser:
     render = _command(commands, "render", _render, "write a ready sbatch script")
     _add_job_arguments(render)
     render.add_argument("--job-name", default=None, help="Slurm job name")
-    render.add_argument("--launcher", choices=["srun", "torchrun"], default="srun")
+    render.add_argument(
+        "--launcher",
+        choices=["srun", "torchrun"],
+        default="srun",
+        help="srun: one task per GPU (default); torchrun: one torchrun per node",
+    )
     render.add_argument("--output", "-o", default=None, help="file to write (default stdout)")
     _add_program_arguments(render)
 
     submit = _command(commands, "submit", _submit, "submit through submitit and wait")
     _add_job_arguments(submit)
-    submit.add_argument("--cluster", choices=["slurm", "local"], default=None)
+    submit.add_argument(
+        "--cluster",
+        choices=["slurm", "local"],
+        default=None,
+        help="slurm, or local (this machine); default: Slurm when sbatch is found",
+    )
     submit.add_argument("--folder", default="logs/submitit", help="submitit's log folder")
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return")
     _add_program_arguments(submit)
@@ -321,16 +367,29 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--output", "-o", default=None, help="PNG to write (<run dir>/curves.png)")
 
     data = _command(commands, "data", lambda _args: 2, "data tools")
-    data_commands = data.add_subparsers(dest="data_command", required=True)
+    data_commands = data.add_subparsers(dest="data_command", metavar="COMMAND", required=True)
     make = _command(data_commands, "make", _data_make, "write a Parquet set (train/ and val/)")
-    make.add_argument("--kind", choices=["synthetic", "digits"], default="synthetic")
-    make.add_argument("--rows", type=int, required=True, help="training rows")
-    make.add_argument("--val-rows", type=int, default=None, help="validation rows (rows/10)")
-    make.add_argument("--row-group-size", type=int, default=4096, help="rows per row group")
-    make.add_argument("--files", type=int, default=1, help="files per split")
-    make.add_argument("--features", type=int, default=64, help="synthetic: feature columns")
-    make.add_argument("--classes", type=int, default=10, help="synthetic: classes")
-    make.add_argument("--seed", type=int, default=0)
+    make.add_argument(
+        "--kind",
+        choices=["synthetic", "digits"],
+        default="synthetic",
+        help="synthetic: deterministic rows of any size (default); digits: scikit-learn's",
+    )
+    make.add_argument("--rows", type=_at_least(1), required=True, help="training rows")
+    make.add_argument(
+        "--val-rows", type=_at_least(1), default=None, help="validation rows (rows/10)"
+    )
+    make.add_argument(
+        "--row-group-size", type=_at_least(1), default=4096, help="rows per row group"
+    )
+    make.add_argument("--files", type=_at_least(1), default=1, help="files per split")
+    make.add_argument(
+        "--features", type=_at_least(1), default=64, help="synthetic: feature columns"
+    )
+    make.add_argument("--classes", type=_at_least(2), default=10, help="synthetic: classes")
+    make.add_argument(
+        "--seed", type=_at_least(0), default=0, help="random seed for the rows (default 0)"
+    )
     make.add_argument("--out", required=True, help="output directory")
     return parser
 

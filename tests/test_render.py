@@ -302,3 +302,48 @@ def test_time_to_minutes(text: str, minutes: int) -> None:
 def test_bad_time_is_refused() -> None:
     with pytest.raises(HpcDdpError, match="not a Slurm time"):
         time_to_minutes("one hour")
+
+
+@pytest.mark.parametrize(
+    ("command", "expected"),
+    [
+        (
+            ["render", "--cpus-per-task", "-3", "train.py"],
+            "--cpus-per-task: -3 is too small: at least 1",
+        ),
+        (["submit", "--nodes", "0", "train.py"], "--nodes: 0 is too small: at least 1"),
+        (["submit", "--tasks-per-node", "0", "train.py"], "--tasks-per-node: 0 is too small"),
+        (["local", "--nproc", "0", "train.py"], "--nproc: 0 is too small: at least 1"),
+        (["data", "make", "--rows", "10", "--features", "0", "--out", "x"], "--features: 0"),
+        (["data", "make", "--rows", "10", "--classes", "1", "--out", "x"], "at least 2"),
+        (["render", "--nodes", "two", "train.py"], "--nodes: 'two' is not a whole number"),
+    ],
+)
+def test_counts_that_cannot_be_are_usage_errors(
+    command: list[str], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hpc_ddp.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(command)
+    assert exited.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_the_cli_says_its_version_and_names_no_internals(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from importlib.metadata import version
+
+    from hpc_ddp.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"hpc-ddp {version('hpc_ddp')}\n"
+    with pytest.raises(SystemExit):
+        main(["data"])
+    error = capsys.readouterr().err
+    assert "required: COMMAND" in error and "data_command" not in error
+    with pytest.raises(SystemExit):
+        main(["port", "--help"])
+    assert "Print this job's rendezvous port." in capsys.readouterr().out
