@@ -76,6 +76,10 @@ def test_unknown_section(tmp_path: Path) -> None:
         ("train.epochs", "expected section.key=value"),
         ("nope.epochs=3", "unknown section 'nope'"),
         ("data.kind=custom", "data.kind=custom needs data.factory"),
+        ("optim.momentum=-1", "optim.momentum=-1.0 is invalid: expected 0 <= x < 1"),
+        ("optim.lr=.inf", "optim.lr=inf is invalid: expected a positive finite number"),
+        ("optim.lr=.nan", "optim.lr=nan is invalid"),
+        ("data.num_classes=1", "data.num_classes=1 is invalid: expected at least 2"),
     ],
 )
 def test_bad_values_say_what_was_expected(override: str, expected: str) -> None:

@@ -417,4 +417,4 @@ def test_local_launcher_rejects_zero_ranks() -> None:
         text=True,
         check=False,
     )
-    assert result.returncode == 2 and "--nproc must be >= 1" in result.stderr
+    assert result.returncode == 2 and "argument --nproc: 0 is too small: at least 1" in result.stderr

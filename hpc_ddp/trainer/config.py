@@ -6,6 +6,7 @@ strict loader as the runtime's (:mod:`hpc_ddp.runtime.configfile`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,9 +69,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         require(self.batch_size > 0, "data.batch_size", self.batch_size, "a positive integer")
         require(0 < self.val_fraction < 1, "data.val_fraction", self.val_fraction, "0 < x < 1")
-        for key in ("num_samples", "num_val_samples", "num_features", "num_classes"):
+        for key in ("num_samples", "num_val_samples", "num_features"):
             value = getattr(self, key)
             require(value > 0, f"data.{key}", value, "a positive integer")
+        require(self.num_classes >= 2, "data.num_classes", self.num_classes, "at least 2")
         if self.num_workers != "auto":
             require(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0 or auto")
         if self.kind == "custom" and not self.factory:
@@ -132,9 +134,10 @@ class OptimConfig:
     )
 
     def __post_init__(self) -> None:
-        require(self.lr > 0, "optim.lr", self.lr, "a positive number")
+        require(0 < self.lr < math.inf, "optim.lr", self.lr, "a positive finite number")
+        require(0 <= self.momentum < 1, "optim.momentum", self.momentum, "0 <= x < 1")
         require(self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, ">= 0")
-        require(self.weight_decay >= 0, "optim.weight_decay", self.weight_decay, ">= 0")
+        require(0 <= self.weight_decay < math.inf, "optim.weight_decay", self.weight_decay, ">= 0")
         if self.grad_clip_norm is not None:
             require(self.grad_clip_norm > 0, "optim.grad_clip_norm", self.grad_clip_norm, "> 0")
 
