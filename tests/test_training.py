@@ -417,4 +417,5 @@ def test_local_launcher_rejects_zero_ranks() -> None:
         text=True,
         check=False,
     )
-    assert result.returncode == 2 and "argument --nproc: 0 is too small: at least 1" in result.stderr
+    assert result.returncode == 2
+    assert "argument --nproc: 0 is too small: at least 1" in result.stderr
