@@ -32,7 +32,7 @@ from hpc_ddp.runtime.requeue import agent_signal_gap, requeue_target
 from hpc_ddp.runtime.signals import StepAgreement, StopSignals
 from hpc_ddp.runtime.tracking import default_tracking_uri
 from hpc_ddp.trainer.config import load_config, resume_fingerprint
-from tests.helpers import REPO, clean_environ, run_local
+from tests.helpers import REPO, clean_environ, run_local, start_program
 
 RESUMABLE = [
     "data.num_samples=12800",
@@ -370,3 +370,28 @@ def test_hung_rank_is_caught_by_the_collective_timeout(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "rank 0 exited with code" in result.stderr
     assert time.monotonic() - started < 60
+
+
+def test_ranks_end_when_their_local_launcher_is_killed(tmp_path: Path) -> None:
+    """kill -9 of `hpc-ddp local` leaves no rank training unsupervised: each gets SIGTERM
+    from the kernel (a stop it handles) and ends."""
+    program = [str(REPO / "tests" / "programs" / "regression.py"), "--epochs", "50",
+               "--log-interval", "5", f"run.output_dir={tmp_path}", "run.id=orphans",
+               "tracking.enabled=false", "preempt.check_every_steps=1"]  # fmt: skip
+    launcher = start_program(2, program)
+    assert launcher.stderr is not None
+    for line in launcher.stderr:
+        if "INFO epoch 0 step" in line:
+            break
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    assert len(children) == 2, children
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in children):
+        time.sleep(0.2)
+    alive = [pid for pid in children if Path(f"/proc/{pid}").exists()]
+    assert not alive, f"ranks {alive} outlived their launcher"
+    status = json.loads((tmp_path / "regression" / "orphans" / "status.json").read_text())
+    assert status["state"] == "stopped", "rank 0 stopped as on a preemption, with a checkpoint"
+    assert list((tmp_path / "regression" / "orphans" / "checkpoints").glob("step-*.pt"))

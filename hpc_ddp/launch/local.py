@@ -121,6 +121,19 @@ def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
         time.sleep(POLL_INTERVAL_S)
 
 
+def _end_with_launcher() -> None:
+    """In each rank, before it runs: the kernel sends it SIGTERM (a stop signal it handles
+    like a preemption) when the launcher dies, even by SIGKILL, so no rank trains on
+    unsupervised. Linux only; elsewhere the ranks outlive a killed launcher."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    set_parent_death_signal = 1  # PR_SET_PDEATHSIG
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(set_parent_death_signal, int(signal.SIGTERM), 0, 0, 0)
+
+
 def launch_local(nproc: int, program: Program, environ: Mapping[str, str] | None = None) -> int:
     """Start ``nproc`` ranks of ``program`` and supervise them."""
     if nproc < 1:
@@ -130,7 +143,10 @@ def launch_local(nproc: int, program: Program, environ: Mapping[str, str] | None
     run_id = time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())
     environments = rank_environments(nproc, base, free_loopback_port(), run_id, available_cpus())
     command = [sys.executable, *program.python_args()]
-    processes = [subprocess.Popen(command, env=environment) for environment in environments]
+    processes = [
+        subprocess.Popen(command, env=environment, preexec_fn=_end_with_launcher)
+        for environment in environments
+    ]
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         for process in processes:
