@@ -128,3 +128,25 @@ def test_a_finished_run_started_again_is_left_as_it_was_and_more_epochs_continue
     assert after["global_step"] == 2 * before["global_step"]
     assert after["resumed_from_step"] == before["global_step"]
     assert math.isfinite(after["val_loss"]) and after["val_loss"] != before["val_loss"]
+
+
+def test_a_file_system_without_locks_warns_and_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file system mounted without locks (Lustre's noflock) cannot exist here: flock is
+    made to fail as it does there (ENOSYS)."""
+    import errno
+    import fcntl
+    import logging
+
+    from hpc_ddp.runtime import rundir
+
+    def no_locks(_handle: object, _operation: int) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(logging.getLogger("hpc_ddp"), "propagate", True)  # to caplog
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp"):
+        rundir.claim_run_dir(tmp_path / "run")
+    assert (tmp_path / "run" / ".lock").exists()
+    assert "cannot lock the run directory" in caplog.text and "HINT: mount" in caplog.text

@@ -52,14 +52,21 @@ def claim_run_dir(run_dir: Path) -> None:
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as error:
+        if error.errno not in (errno.EAGAIN, errno.EACCES):
+            # Some parallel file systems are mounted without locks (Lustre's noflock): run
+            # unguarded rather than not at all.
+            from hpc_ddp.runtime.logs import get_logger
+
+            get_logger().warning(
+                f"cannot lock the run directory {run_dir} ({error.strerror or error}): a "
+                "second run with the same run.id would not be refused. HINT: mount the file "
+                "system with locks (e.g. Lustre's -o flock) or keep run ids unique"
+            )
+            _HELD[run_dir] = handle
+            return
         handle.seek(0)
         holder = handle.read().strip() or "another process"
         handle.close()
-        if error.errno not in (errno.EAGAIN, errno.EACCES):
-            raise HpcDdpError(
-                f"cannot lock the run directory {run_dir}: {error.strerror or error}",
-                "put run.output_dir on a file system with file locks",
-            ) from None
         raise HpcDdpError(
             f"run directory {run_dir} is in use by a live run ({holder})",
             "wait for it to end, or give this run another run.id",
