@@ -347,3 +347,15 @@ def test_the_cli_says_its_version_and_names_no_internals(
     with pytest.raises(SystemExit):
         main(["port", "--help"])
     assert "Print this job's rendezvous port." in capsys.readouterr().out
+
+
+def test_data_make_under_a_file_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    result = subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "data", "make", "--rows", "10",
+         "--out", str(tmp_path / "file" / "data")],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "cannot create" in result.stderr and "HINT: pass --out a directory" in result.stderr
+    assert "Traceback" not in result.stderr

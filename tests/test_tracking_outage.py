@@ -168,3 +168,16 @@ def test_runs_that_open_a_new_sqlite_store_at_once_all_get_their_mlflow_run(
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     found = {run.info.run_id for run in client.search_runs(experiment_ids=["1"])}
     assert found == {fact["mlflow_run_id"] for fact in facts}
+
+
+def test_a_sqlite_uri_in_a_missing_folder_creates_no_folders(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path / 'missing' / 'dir' / 'x.db'}"
+    result = subprocess.run(
+        [sys.executable, PROGRAM, "--epochs", "1", "--log-interval", "5",
+         f"run.output_dir={tmp_path / 'runs'}", "run.id=a", f"tracking.uri={uri}"],
+        cwd=REPO, env=clean_environ(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not (tmp_path / "missing").exists(), "no folders made for a tracking URI"
+    assert f"MLflow at {uri} failed could not start" in result.stderr
+    assert summary(tmp_path / "runs", "a")["tracking"].startswith("failed: could not start")

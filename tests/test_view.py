@@ -151,3 +151,16 @@ def test_a_run_whose_process_is_gone_is_listed_as_lost(tmp_path: Path) -> None:
     (run_dir / "status.json").write_text(json.dumps({**status, "pid": int(gone.stdout)}))
     assert load_run(run_dir).state == "lost"  # type: ignore[union-attr]
     assert "lost" in format_runs(find_runs(tmp_path))
+
+
+def test_summaries_are_strict_json_even_with_a_metric_over_nothing(tmp_path: Path) -> None:
+    from hpc_ddp.runtime.summary import write_summary
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    path = write_summary(tmp_path, {"val_loss": float("nan"), "rows": [1.0, float("inf")]})
+    assert json.loads(path.read_text(), parse_constant=refuse) == {
+        "val_loss": None,
+        "rows": [1.0, None],
+    }

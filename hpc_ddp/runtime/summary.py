@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,19 @@ def run_facts(
     }
 
 
+def strict_json(value: Any) -> Any:
+    """``value`` with NaN and infinities as null: strict JSON has neither (a metric over an
+    empty set is NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(item) for item in value]
+    return value
+
+
 def write_summary(run_dir: Path, facts: dict[str, Any]) -> Path:
     """<run dir>/summary.json, replaced atomically so a reader never sees half of it."""
-    text = json.dumps(facts, indent=2, sort_keys=True, default=str) + "\n"
+    text = json.dumps(strict_json(facts), indent=2, sort_keys=True, default=str) + "\n"
     return write_atomically(run_dir / "summary.json", lambda handle: handle.write(text.encode()))

@@ -201,12 +201,17 @@ class MlflowTracker:
 @contextlib.contextmanager
 def store_lock(uri: str) -> Iterator[None]:
     """Hold an exclusive lock beside an SQLite store while opening it: two runs that open a
-    new store at once would both create its tables, and one would fail in the migration."""
+    new store at once would both create its tables, and one would fail in the migration. A
+    store in a folder that does not exist is refused (MLflow would create the folders)."""
     if not uri.startswith("sqlite:///"):
         yield
         return
     database = Path(uri.removeprefix("sqlite:///"))
-    database.parent.mkdir(parents=True, exist_ok=True)
+    if not database.parent.is_dir():  # MLflow would create every missing folder, even at /
+        raise FileNotFoundError(
+            f"the folder {database.parent} of {uri} does not exist: create it or fix "
+            "tracking.uri"
+        )
     with open(database.with_name(database.name + ".lock"), "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:

@@ -36,7 +36,13 @@ def write_split(
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise HpcDdpError(
+            f"cannot create {directory}: {error.strerror or error}",
+            "pass --out a directory that can be created (not under a file)",
+        ) from None
     written = []
     for index, rows in enumerate(np.array_split(np.arange(len(labels)), files)):
         if not len(rows):
