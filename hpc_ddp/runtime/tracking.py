@@ -209,8 +209,7 @@ def store_lock(uri: str) -> Iterator[None]:
     database = Path(uri.removeprefix("sqlite:///"))
     if not database.parent.is_dir():  # MLflow would create every missing folder, even at /
         raise FileNotFoundError(
-            f"the folder {database.parent} of {uri} does not exist: create it or fix "
-            "tracking.uri"
+            f"the folder {database.parent} of {uri} does not exist: create it or fix tracking.uri"
         )
     with open(database.with_name(database.name + ".lock"), "a") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
