@@ -55,14 +55,14 @@ class StepsInBetween:
     """A loader for ``run.steps`` that runs one timed hand-written step before handing out
     each of ``loader``'s batches (or, for the control, of the second hand-written loop's)."""
 
-    def __init__(self, loader: Any, raw: RawLoop) -> None:
+    def __init__(self, loader: Any, raw: Any, global_batch_size: int = BATCH) -> None:
         self.loader = loader
         self.raw = raw
         self.epoch = 0
         self.raw_seconds = 0.0
         self.steps_per_epoch = len(raw.loader)
         self.grad_accum_steps = 1
-        self.global_batch_size = BATCH
+        self.global_batch_size = global_batch_size
 
     def set_position(self, epoch: int, step: int) -> None:
         self.epoch = epoch

@@ -14,7 +14,6 @@ import importlib.util
 import json
 import statistics
 import time
-from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -26,7 +25,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import hpc_ddp
 from bench.harness import REPO, launch, write_result
-from bench.interleaved import summarise
+from bench.interleaved import StepsInBetween, summarise
 
 #: The example's default model: 0.8 M parameters, 128-token windows, 32 per step.
 MODEL = {"width": 128, "layers": 4, "heads": 4, "context": 128}
@@ -51,6 +50,14 @@ def optimizer_for(model: torch.nn.Module, total_steps: int) -> tuple[Any, Any]:
     return optimizer, schedule
 
 
+def as_pair(windows: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets): the batch form the paired loader hands to :meth:`HandWritten.step`."""
+    return (
+        torch.stack([window["input"] for window in windows]),
+        torch.stack([window["target"] for window in windows]),
+    )
+
+
 class HandWritten:
     """The same model and step with plain DDP, a DistributedSampler and a DataLoader."""
 
@@ -61,43 +68,20 @@ class HandWritten:
         self.optimizer, self.schedule = optimizer_for(self.model, total_steps)
         self.sampler: DistributedSampler[Any] = DistributedSampler(dataset, seed=0, drop_last=True)
         per_rank = BATCH // dist.get_world_size()
-        self.loader = DataLoader(dataset, per_rank, sampler=self.sampler, drop_last=True)
+        self.loader = DataLoader(
+            dataset, per_rank, sampler=self.sampler, drop_last=True, collate_fn=as_pair
+        )
         self.steps = 0
 
-    def step(self, batch: dict[str, torch.Tensor]) -> None:
-        logits = self.model(batch["input"])
-        loss = F.cross_entropy(logits.flatten(0, 1), batch["target"].flatten())
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        logits = self.model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-
-
-class StepsInBetween:
-    """A loader for ``run.steps`` that runs one timed hand-written step before each batch."""
-
-    def __init__(self, loader: Any, hand: HandWritten) -> None:
-        self.loader, self.hand = loader, hand
-        self.steps_per_epoch = len(hand.loader)
-        self.grad_accum_steps = 1
-        self.global_batch_size = BATCH
-        self.epoch, self.hand_seconds = 0, 0.0
-
-    def set_position(self, epoch: int, step: int) -> None:
-        self.epoch = epoch
-        self.loader.set_position(epoch, step)
-
-    def __iter__(self) -> Iterator[Any]:
-        self.hand.sampler.set_epoch(self.epoch)
-        hand_batches = iter(self.hand.loader)
-        batches = iter(self.loader)
-        for _ in range(self.steps_per_epoch):
-            started = time.perf_counter()
-            self.hand.step(next(hand_batches))
-            self.hand_seconds += time.perf_counter() - started
-            yield next(batches)
 
 
 def rank_main() -> None:
@@ -119,11 +103,11 @@ def rank_main() -> None:
     hand = HandWritten(lm, dataset, total)
     model = run.wrap(lm.TinyGPT(**MODEL, dropout=0.0))
     optimizer, scheduler = optimizer_for(model, total)
-    between = StepsInBetween(run.train_loader(dataset, BATCH), hand)
+    between = StepsInBetween(run.train_loader(dataset, BATCH), hand, BATCH)
     run.register(model=model, optimizer=optimizer, scheduler=scheduler)
     seconds = []
     for _epoch in run.epochs(rounds):
-        started, hand_before = time.perf_counter(), between.hand_seconds
+        started, hand_before = time.perf_counter(), between.raw_seconds
         for batch in run.steps(between):
             tokens = batch["target"].numel()
             with run.no_sync(model):
@@ -138,7 +122,7 @@ def rank_main() -> None:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             last_step_done = time.perf_counter()
-        hand_s = between.hand_seconds - hand_before
+        hand_s = between.raw_seconds - hand_before
         seconds.append((hand_s, last_step_done - started - hand_s))
     assert hand.steps == run.global_step, f"unequal steps: {hand.steps} vs {run.global_step}"
     tokens_per_round = len(between.loader.loader) * BATCH * context

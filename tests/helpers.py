@@ -50,27 +50,8 @@ def run_local(
     environment: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`hpc-ddp local --nproc N` exactly as a user runs it."""
-    command = [
-        sys.executable,
-        "-m",
-        "hpc_ddp",
-        "local",
-        "--nproc",
-        str(nproc),
-        "--config",
-        str(REPO / config),
-        f"run.output_dir={output_dir}",
-        *overrides,
-    ]
-    return subprocess.run(
-        command,
-        cwd=REPO,
-        env=environment or clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    program = ["--config", str(REPO / config), f"run.output_dir={output_dir}", *overrides]
+    return run_local_program(nproc, program, timeout, environment)
 
 
 def run_local_program(

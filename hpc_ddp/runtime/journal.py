@@ -32,13 +32,21 @@ METRICS_FILE = "metrics.jsonl"
 END_STATES = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "stopped"}
 
 
+def _parsed(text: str | None) -> dict[str, Any]:
+    try:
+        status = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
 def read_status(run_dir: Path) -> dict[str, Any] | None:
     """The run's status.json, or None if it has none (or it cannot be read)."""
     try:
-        status = json.loads((run_dir / STATUS_FILE).read_text())
-    except (OSError, ValueError):
+        text = (run_dir / STATUS_FILE).read_text()
+    except OSError:
         return None
-    return status if isinstance(status, dict) else None
+    return _parsed(text) or None
 
 
 def read_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
@@ -81,7 +89,7 @@ class JournalTracker:
             self._previous_text: str | None = (run_dir / STATUS_FILE).read_text()
         except OSError:
             self._previous_text = None
-        previous = read_status(run_dir) or {}
+        previous = _parsed(self._previous_text)
         self._status: dict[str, Any] = {
             "state": "running",
             "attempts": int(previous.get("attempts", 0)) + 1,
