@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="srun",
         help="srun: one task per GPU (default); torchrun: one torchrun per node",
     )
+    render.add_argument(
+        "--signal",
+        choices=["USR1", "USR2", "URG", "HUP", "INT", "ALRM"],
+        default=None,
+        help="Slurm's warning signal 120 s before the time limit (default: the config's "
+        "preempt.signal, else USR1); it must be the one the ranks handle",
+    )
     render.add_argument("--output", "-o", default=None, help="file to write (default stdout)")
     _add_program_arguments(render)
 

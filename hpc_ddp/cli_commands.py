@@ -7,9 +7,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpc_ddp.launch.program import Program, program_from
 from hpc_ddp.runtime.errors import HpcDdpError
+
+if TYPE_CHECKING:
+    from hpc_ddp.trainer.config import Config
 
 
 def split_options(
@@ -94,20 +98,35 @@ def config(_args: argparse.Namespace) -> int:
     return 0
 
 
-def check_builtin(program: Program) -> None:
+def check_builtin(program: Program) -> Config | None:
     """A script for a built-in config that cannot load is no use: load it now."""
     from hpc_ddp.trainer.config import load_config
 
     program.check()
     if program.kind == "builtin":
-        load_config(program.name or None, program.args)
+        return load_config(program.name or None, program.args)
+    return None
+
+
+def _warning_signal(requested: str | None, config: Config | None) -> str:
+    """--signal, else the built-in config's preempt.signal, else USR1; the two must agree."""
+    if config is None:
+        return requested or "USR1"
+    configured = config.runtime.preempt.signal
+    if requested is not None and requested != configured:
+        raise HpcDdpError(
+            f"--signal {requested} but the config's preempt.signal is {configured}: the ranks "
+            f"would not handle the job's warning signal",
+            f"drop --signal (the config's is used), or add preempt.signal={requested}",
+        )
+    return configured
 
 
 def render(args: argparse.Namespace) -> int:
     from hpc_ddp.launch.sbatch import RenderRequest, render_sbatch, template_path
 
     program = program_arguments(args, default_config="configs/digits.yaml")
-    check_builtin(program)
+    config = check_builtin(program)
     request = RenderRequest(
         arguments=tuple(program.template_args()),
         nodes=args.nodes,
@@ -118,6 +137,7 @@ def render(args: argparse.Namespace) -> int:
         partition=args.partition,
         job_name=args.job_name,
         launcher=args.launcher,
+        signal=_warning_signal(args.signal, config),
     )
     script = render_sbatch(template_path(args.launcher).read_text(), request)
     if args.output in (None, "-"):

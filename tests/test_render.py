@@ -359,3 +359,24 @@ def test_data_make_under_a_file_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr
     assert "cannot create" in result.stderr and "HINT: pass --out a directory" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_warning_signal_is_rendered_from_the_config(workdir: Path) -> None:
+    result = render(workdir, ["--config", "configs/digits.yaml", "preempt.signal=USR2"])
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --signal=USR2@120\n" in result.stdout
+    assert "export HPC_DDP_JOB_SIGNAL=${HPC_DDP_JOB_SIGNAL:-USR2}\n" in result.stdout
+    assert "USR1@" not in result.stdout
+    (workdir / "train.py").write_text("print(1)\n")
+    script = render(workdir, ["--signal", "URG", "train.py"])
+    assert "#SBATCH --signal=URG@120\n" in script.stdout, script.stderr
+    default = render(workdir, ["train.py"])
+    assert "#SBATCH --signal=USR1@120\n" in default.stdout, default.stderr
+
+
+def test_a_signal_the_config_does_not_handle_is_refused(workdir: Path) -> None:
+    arguments = ["--signal", "USR1", "--config", "configs/digits.yaml", "preempt.signal=USR2"]
+    result = render(workdir, arguments)
+    assert result.returncode == 2
+    assert "--signal USR1 but the config's preempt.signal is USR2" in result.stderr
+    assert "HINT: drop --signal" in result.stderr and "Traceback" not in result.stderr

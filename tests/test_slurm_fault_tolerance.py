@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -56,11 +57,16 @@ def rank_pid(job_id: str, rank: int, timeout: float = 60) -> int:
 
 
 def preempt_and_wait(
-    slurm: SlurmCluster, work: Path, script: list[str], log_name: str, overrides: list[str]
+    slurm: SlurmCluster,
+    work: Path,
+    script: list[str],
+    log_name: str,
+    overrides: list[str],
+    warning_signal: str = "USR1",
 ) -> tuple[str, str, int]:
-    """Submit LONG training (``script``: sbatch options, then the script), send USR1 as
-    preemption does at step 40-199, and wait for the requeued job to end COMPLETED; returns
-    its id, its log and the step it stopped at."""
+    """Submit LONG training (``script``: sbatch options, then the script), send the warning
+    signal as preemption does at step 40-199, and wait for the requeued job to end
+    COMPLETED; returns its id, its log and the step it stopped at."""
     job = slurm.sbatch(
         [
             "--nodes=1",
@@ -74,7 +80,7 @@ def preempt_and_wait(
     )
     log_path = work / "logs" / f"{log_name}-{job}.out"
     slurm.wait_for_log(log_path, r"\[rank 0/2\] INFO epoch 0 step (4\d|[5-9]\d|1\d\d)/1200")
-    assert slurm.run(["scancel", "--signal=USR1", job], work).returncode == 0
+    assert slurm.run(["scancel", f"--signal={warning_signal}", job], work).returncode == 0
     state = slurm.wait(job, timeout=300)
     log = log_path.read_text()
     assert state == "COMPLETED", log[-4000:]
@@ -120,6 +126,47 @@ def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
     )
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "interval/train_loss")]
     assert steps == list(range(8, 1201, 8)), "0 steps lost or repeated"
+
+
+def test_a_script_rendered_for_usr2_stops_on_usr2_and_requeues(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """preempt.signal=USR2: `hpc-ddp render` writes --signal=USR2@120 and the ranks check it."""
+    work = prepare_workdir(tmp_path / "slurm")
+    render = [sys.executable, "-m", "hpc_ddp", "render", "--gpus-per-node", "2", "--time", "10"]
+    rendered = slurm.run(
+        [*render, "-o", "job.sh", "configs/synthetic.yaml", "preempt.signal=USR2"], work
+    )
+    assert rendered.returncode == 0, rendered.stderr
+    assert "#SBATCH --signal=USR2@120" in (work / "job.sh").read_text()
+    job, _log, stop_step = preempt_and_wait(
+        slurm, work, [str(work / "job.sh")], "hpc-ddp", ["preempt.signal=USR2"], "USR2"
+    )
+    assert slurm.job_field(job, "Restarts") == "1"
+    assert 0 < stop_step < 1200
+    assert read_summary(work / "runs")["global_step"] == 1200
+
+
+def test_a_job_whose_warning_signal_the_ranks_do_not_handle_fails_at_start(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """slurm/train.sh asks for USR1; ranks told to handle USR2 refuse before training."""
+    work = prepare_workdir(tmp_path / "slurm")
+    job = slurm.sbatch(
+        [
+            "--ntasks-per-node=2",
+            TRAIN,
+            "configs/synthetic.yaml",
+            f"run.output_dir={work / 'runs'}",
+            "preempt.signal=USR2",
+        ],
+        work,
+    )
+    assert slurm.wait(job, timeout=120) == "FAILED"
+    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    assert "the job's warning signal is 'USR1'" in log and "preempt.signal=USR2" in log, log
+    assert "HINT: make the two equal" in log and "Traceback" not in log
+    assert not (work / "runs").exists(), "refused before any run directory"
 
 
 def test_torchrun_template_survives_the_warning_signal_and_the_job_resumes(

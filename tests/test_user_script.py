@@ -384,3 +384,26 @@ def test_without_epochs_every_steps_call_is_an_epoch(tmp_path: Path) -> None:
     result = run_python(["-c", EPOCHS_BY_HAND], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.splitlines()[-1]) == [[1, 4, 4.0], [2, 8, 4.0], [3, 12, 4.0]]
+
+
+@pytest.mark.parametrize("declared", ["USR1", "B:USR1@90", "SIGUSR1"])
+def test_a_job_whose_warning_signal_the_ranks_do_not_handle_is_refused(
+    declared: str, tmp_path: Path
+) -> None:
+    """What slurm/train.sh exports for its #SBATCH --signal, against preempt.signal."""
+    environment = clean_environ(HPC_DDP_JOB_SIGNAL=declared)
+    result = run_local_program(
+        2, [FAULTS, "none", f"run.output_dir={tmp_path}", "preempt.signal=USR2"], 60, environment
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "the job's warning signal is 'USR1'" in result.stderr
+    assert "ranks handle preempt.signal=USR2" in result.stderr and "HINT:" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "faults").exists()
+    matching = clean_environ(HPC_DDP_JOB_SIGNAL="USR2")
+    result = run_local_program(
+        1,
+        [FAULTS, "none", f"run.output_dir={tmp_path}", "preempt.signal=USR2", "run.id=ok"],
+        60,
+        matching,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

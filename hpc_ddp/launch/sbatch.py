@@ -22,6 +22,14 @@ from hpc_ddp.runtime.slurm import time_to_minutes
 TEMPLATE_NAMES = {"srun": "train.sh", "torchrun": "train-torchrun.sh"}
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.,+-]{1,128}$")
 _DEFAULT_ARGS_LINE = re.compile(r"^DEFAULT_ARGS=\(.*\)$", re.MULTILINE)
+_SIGNAL_LINES = (
+    re.compile(r"^(#SBATCH --signal=)[A-Z0-9]+(@\d+)$", re.MULTILINE),
+    re.compile(
+        r"^(export HPC_DDP_JOB_SIGNAL=\$\{HPC_DDP_JOB_SIGNAL:-)[A-Z0-9]+(\})$", re.MULTILINE
+    ),
+)
+#: The warning signals the ranks can handle (preempt.signal).
+SIGNALS = ("USR1", "USR2", "URG", "HUP", "INT", "ALRM")
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,8 @@ class RenderRequest:
     partition: str | None = None
     job_name: str | None = None
     launcher: str = "srun"
+    #: Slurm's warning signal before the time limit: the one the ranks handle (preempt.signal).
+    signal: str = "USR1"
 
 
 def template_path(launcher: str = "srun") -> Path:
@@ -84,6 +94,23 @@ def _set_directive(text: str, option: str, value: str | None, launcher: str) -> 
     return pattern.sub(lambda _match: replacement, text)
 
 
+def _set_signal(text: str, signal: str, launcher: str) -> str:
+    """The warning signal in the --signal directive and in the variable the ranks check."""
+    if signal not in SIGNALS:
+        raise HpcDdpError(
+            f"signal={signal!r} is not a warning signal the ranks handle",
+            f"choose one of: {', '.join(SIGNALS)}",
+        )
+    for line in _SIGNAL_LINES:
+        if len(line.findall(text)) != 1:
+            raise HpcDdpError(
+                f"the {TEMPLATE_NAMES[launcher]} template has no single {line.pattern!r} line",
+                "restore slurm/ from the repository",
+            )
+        text = line.sub(lambda match: f"{match.group(1)}{signal}{match.group(2)}", text)
+    return text
+
+
 def _directives(request: RenderRequest) -> dict[str, str | None]:
     gpus = request.gpus_per_node
     if request.launcher == "torchrun":
@@ -118,7 +145,7 @@ def render_sbatch(template: str, request: RenderRequest) -> str:
             f"time={request.time!r} is not accepted in an #SBATCH line",
             "write it as minutes, HH:MM:SS or D-HH:MM:SS, e.g. --time 02:00:00",
         )
-    text = template
+    text = _set_signal(template, request.signal, request.launcher)
     for option, value in _directives(request).items():
         text = _set_directive(text, option, value, request.launcher)
     if request.cpus_per_task is not None:

@@ -66,6 +66,13 @@ class DistConfig:
     timeout_s: float = setting(
         600.0, "Seconds a collective may wait for the other ranks before the job fails."
     )
+    stall_timeout_s: float | None = setting(
+        180.0,
+        "Seconds without a finished training micro-batch after which a rank writes every "
+        "thread's stack to its log and ends the job (exit 5), naming where it is stuck; the "
+        "first batch after start is allowed timeout_s (compilation, warm-up). Evaluation and "
+        "checkpoint writes are not watched. null: no watchdog.",
+    )
     master_port: int | None = setting(
         None,
         "Rendezvous port; wins over MASTER_PORT and over the port derived from the Slurm "
@@ -75,6 +82,8 @@ class DistConfig:
     def __post_init__(self) -> None:
         require(self.init_timeout_s > 0, "dist.init_timeout_s", self.init_timeout_s, "> 0")
         require(self.timeout_s > 0, "dist.timeout_s", self.timeout_s, "> 0")
+        if self.stall_timeout_s is not None:
+            require(self.stall_timeout_s > 0, "dist.stall_timeout_s", self.stall_timeout_s, "> 0")
         if self.master_port is not None:
             require(0 < self.master_port < 65536, "dist.master_port", self.master_port, "1-65535")
         if self.backend == "nccl" and self.device == "cpu":

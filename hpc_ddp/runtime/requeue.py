@@ -1,4 +1,5 @@
-"""Requeueing a stopped Slurm job from rank 0, and the torchrun agent's signal gap."""
+"""Requeueing a stopped Slurm job from rank 0, and the checks that Slurm's warning signal is
+the one the ranks (and torchrun's agent) handle."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import subprocess
 from collections.abc import Mapping
 
 from hpc_ddp.runtime.config import PreemptConfig
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.slurm import job_allows_requeue
+from hpc_ddp.runtime.slurm import job_allows_requeue, quoted
 
 
 def agent_signal_gap(launcher: str, environ: Mapping[str, str], warning_signal: str) -> str | None:
@@ -30,6 +32,26 @@ def agent_signal_gap(launcher: str, environ: Mapping[str, str], warning_signal: 
         f"PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,{wanted} before torchrun (as "
         "slurm/train-torchrun.sh does); with older torch start the ranks with srun "
         "(slurm/train.sh)"
+    )
+
+
+#: The warning signal of the job script's ``#SBATCH --signal`` (the templates export it).
+JOB_SIGNAL_VARIABLE = "HPC_DDP_JOB_SIGNAL"
+
+
+def check_job_signal(environ: Mapping[str, str], warning_signal: str) -> None:
+    """Refuse to start when the job script asks Slurm for one warning signal and the ranks
+    handle another: at the time limit it would kill them instead of stopping them."""
+    declared = environ.get(JOB_SIGNAL_VARIABLE, "").strip()
+    job_signal = declared.upper().removeprefix("B:").split("@")[0].removeprefix("SIG")
+    if not declared or job_signal == warning_signal:
+        return
+    raise HpcDdpError(
+        f"the job's warning signal is {quoted(job_signal)} (#SBATCH --signal, "
+        f"${JOB_SIGNAL_VARIABLE}) but the ranks handle preempt.signal={warning_signal}: at the "
+        "time limit it would kill them instead of stopping them with a checkpoint",
+        f"make the two equal: `hpc-ddp render ... preempt.signal={warning_signal}` writes "
+        f"--signal={warning_signal}@120 (or set preempt.signal to the job's signal)",
     )
 
 

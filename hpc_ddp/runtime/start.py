@@ -43,7 +43,7 @@ from hpc_ddp.runtime.plan import (
     make_launch_plan,
     threads_per_rank,
 )
-from hpc_ddp.runtime.requeue import agent_signal_gap
+from hpc_ddp.runtime.requeue import agent_signal_gap, check_job_signal
 from hpc_ddp.runtime.resume import find_resume
 from hpc_ddp.runtime.run import Run
 from hpc_ddp.runtime.rundir import claim_run_dir
@@ -67,6 +67,7 @@ def resolve_launch(settings: RuntimeConfig, name: str, environ: Mapping[str, str
         single_run_id=time.strftime("single-%Y%m%d-%H%M%S"),
         allocation_tasks=allocation_tasks,
     )
+    check_job_signal(environ, settings.preempt.signal)
     cuda_count = torch.cuda.device_count() if settings.dist.device != "cpu" else 0
     return make_launch_plan(settings.dist, settings.run, name, dist_env, cuda_count)
 

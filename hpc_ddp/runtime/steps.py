@@ -9,6 +9,7 @@ device per step; the stop agreement is a CPU (gloo) all-reduce overlapped with t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +29,7 @@ from hpc_ddp.runtime.replicas import diverged_replicas
 from hpc_ddp.runtime.requeue import requeue_job
 from hpc_ddp.runtime.signals import StepAgreement
 from hpc_ddp.runtime.state import gathered_rng_states, restore_rng
+from hpc_ddp.runtime.watchdog import StallWatchdog
 
 #: The stop-signal check period the automatic setting aims at, and its upper bound in steps.
 CHECK_PERIOD_S = 1.0
@@ -78,6 +80,7 @@ class StepLoop:
         self._interval_steps = 0
         self._interval_started = time.perf_counter()
         self._agreement: StepAgreement | None = None
+        self._watchdog: StallWatchdog | None = None
         self._begun = False
 
     # -- epochs and steps ---------------------------------------------------------------------
@@ -92,7 +95,28 @@ class StepLoop:
         several = self.context.env.world_size > 1
         self._agreement = StepAgreement(self.context.control_group if several else None)
         self.metrics.progress = Progress(self.max_steps, enabled=self.context.env.is_main)
+        self._watchdog = self._start_watchdog()
         gc.freeze()
+
+    def _start_watchdog(self) -> StallWatchdog | None:
+        context, dist_config = self.context, self.context.config.dist
+        if dist_config.stall_timeout_s is None:
+            return None
+
+        def where() -> str:
+            position = self.position
+            return (
+                f"epoch {position.epoch}, step {position.global_step + 1} of the run "
+                f"({position.step_in_epoch + 1} of the epoch)"
+            )
+
+        return StallWatchdog(
+            dist_config.stall_timeout_s,
+            dist_config.timeout_s,
+            context.env.rank,
+            where,
+            lambda: context.tracker.finish("FAILED"),
+        )
 
     def more_epochs(self) -> bool:
         """Whether :meth:`hpc_ddp.Run.epochs` goes on (a resumed epoch part-way always does)."""
@@ -128,6 +152,9 @@ class StepLoop:
         started = self._interval_started = time.perf_counter()
         self._interval_steps = 0
         micro = 0
+        watchdog = self._watchdog
+        if watchdog is not None:
+            watchdog.arm()
         try:
             batches = iter(loader)
             while left > 0:
@@ -136,6 +163,8 @@ class StepLoop:
                     break
                 self.accumulating = micro < accum - 1
                 yield batch
+                if watchdog is not None:
+                    watchdog.beat()
                 micro += 1
                 if micro < accum:
                     continue
@@ -143,6 +172,8 @@ class StepLoop:
                 left -= 1
                 self._after_step()
         finally:
+            if watchdog is not None:
+                watchdog.disarm()
             self.accumulating = False
             if self.context.device.type == "cuda":
                 torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
@@ -246,6 +277,27 @@ class StepLoop:
             position.global_step
         ):
             return
+        with self._unwatched():
+            self._save(reason)
+        position.last_checkpoint_step = position.global_step
+        position.last_save_time = time.monotonic()
+
+    @contextlib.contextmanager
+    def _unwatched(self) -> Iterator[None]:
+        """No stall watch while a checkpoint is written: a large one may take longer than
+        dist.stall_timeout_s, and its barrier is bounded by dist.timeout_s."""
+        watchdog = self._watchdog
+        if watchdog is None or not watchdog.armed:
+            yield
+            return
+        watchdog.disarm()
+        try:
+            yield
+        finally:
+            watchdog.arm()
+
+    def _save(self, reason: str) -> None:
+        context, position = self.context, self.position
         self.check_replicas()
         state = self.checkpoint_state(finished=reason == "end of training")
         if context.env.is_main:
@@ -262,8 +314,6 @@ class StepLoop:
             )
         if several_ranks():
             dist.barrier(group=context.control_group)
-        position.last_checkpoint_step = position.global_step
-        position.last_save_time = time.monotonic()
 
     def restore(self, saved: dict[str, Any]) -> bool:
         """Continue where the checkpoint left off: position, metric sums and, when it was
@@ -340,5 +390,7 @@ class StepLoop:
         """End the progress display and (``wait``) finish the stop agreement in flight; after
         a failure a peer may be gone, so nothing is waited for then."""
         self.metrics.progress.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
         if wait and self._agreement is not None:
             self._agreement.close()

@@ -37,6 +37,11 @@
 
 set -euo pipefail
 
+# The warning signal of the --signal directive above: the ranks check that it is the one they
+# handle (preempt.signal) and refuse to start if not. `hpc-ddp render` writes both; if you pass
+# --signal to sbatch, also pass --export=ALL,HPC_DDP_JOB_SIGNAL=<that signal>.
+export HPC_DDP_JOB_SIGNAL=${HPC_DDP_JOB_SIGNAL:-USR1}
+
 # The program when the sbatch command line gives none (`hpc-ddp render` fills it): a .yaml
 # config (and overrides) for the built-in trainer, a script, or -m and a module.
 DEFAULT_ARGS=('configs/my runs/it'"'"'s; echo PWNED.yaml' 'run.name=$(touch PWNED)' 'run.output_dir=`touch PWNED2`' 'tracking.experiment="x y"')
@@ -48,6 +53,15 @@ if [[ -f $site_file ]]; then
     # shellcheck source=/dev/null
     source "$site_file"
 fi
+
+# NCCL's flight recorder: the last collectives of every rank, dumped when a collective times
+# out, to logs/nccl-trace-<job id>-rank-<rank>; `torchfrtrace logs/` names the rank that
+# stalled. Costs a ring buffer of 2000 entries per process group. Set 0 to turn it off.
+: "${TORCH_FR_BUFFER_SIZE:=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}}"
+export TORCH_FR_BUFFER_SIZE TORCH_NCCL_TRACE_BUFFER_SIZE=$TORCH_FR_BUFFER_SIZE
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+: "${TORCH_FR_DUMP_TEMP_FILE:=$PWD/logs/nccl-trace-${SLURM_JOB_ID:-0}-rank-}"
+export TORCH_FR_DUMP_TEMP_FILE TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$TORCH_FR_DUMP_TEMP_FILE
 
 args=("$@")
 if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then
