@@ -7,6 +7,7 @@ hpc-ddp submit --nodes 2 --gpus-per-node 4 --time 1:00:00 -m mypkg.train
 srun hpc-ddp doctor --config configs/digits.yaml
 hpc-ddp runs                     the runs under ./runs: state, step, newest metrics
 hpc-ddp plot NAME/ID             their training and validation curves as a PNG
+hpc-ddp tracking sync NAME/ID    replay a run's record into MLflow after an outage
 """
 
 from __future__ import annotations
@@ -154,6 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run", help="a run directory, or NAME/ID or ID as `hpc-ddp runs` shows")
     plot.add_argument("--output-dir", default="runs", help="where to look for NAME/ID (runs)")
     plot.add_argument("--output", "-o", default=None, help="PNG to write (<run dir>/curves.png)")
+
+    tracking = _command(commands, "tracking", lambda _args: 2, "MLflow tools")
+    tracking_commands = tracking.add_subparsers(metavar="COMMAND", required=True)
+    sync = _command(
+        tracking_commands,
+        "sync",
+        cmd.tracking_sync,
+        "replay a run's own record (metrics.jsonl, summary, final state) into MLflow, into "
+        "the same MLflow run, skipping points already there",
+    )
+    sync.add_argument("run", help="a run directory, or NAME/ID or ID as `hpc-ddp runs` shows")
+    sync.add_argument("--output-dir", default="runs", help="where to look for NAME/ID (runs)")
+    sync.add_argument("--uri", default=None, help="MLflow tracking URI (default: the run's)")
 
     data = _command(commands, "data", lambda _args: 2, "data tools")
     data_commands = data.add_subparsers(dest="data_command", metavar="COMMAND", required=True)

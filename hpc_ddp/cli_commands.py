@@ -247,3 +247,18 @@ def plot(args: argparse.Namespace) -> int:
     run = find_run(args.run, Path(args.output_dir))
     print(save_plot(run, Path(args.output) if args.output else None))
     return 0
+
+
+def tracking_sync(args: argparse.Namespace) -> int:
+    from hpc_ddp.view.runs import find_run
+    from hpc_ddp.view.sync import sync_run
+
+    run = find_run(args.run, Path(args.output_dir)).path
+    report = sync_run(run, args.uri)
+    made = "a new MLflow run" if report.created else "MLflow run"
+    print(
+        f"synced {run} into {made} {report.run_id} at {report.uri}: {report.added} points "
+        f"added, {report.already} already there"
+        + (f"; status {report.status}" if report.status else "")
+    )
+    return 0

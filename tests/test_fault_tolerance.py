@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from hpc_ddp.runtime.checkpoint import (
     check_resumable,
     fingerprint_of,
     list_checkpoints,
+    load_checkpoint,
     load_newest,
     remove_partial_writes,
     save_checkpoint,
@@ -395,3 +397,39 @@ def test_ranks_end_when_their_local_launcher_is_killed(tmp_path: Path) -> None:
     status = json.loads((tmp_path / "regression" / "orphans" / "status.json").read_text())
     assert status["state"] == "stopped", "rank 0 stopped as on a preemption, with a checkpoint"
     assert list((tmp_path / "regression" / "orphans" / "checkpoints").glob("step-*.pt"))
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_and_names_the_path(tmp_path: Path) -> None:
+    """The full disk is real: a tmpfs (mounting one needs root, which CI has) as the run's
+    checkpoint directory, with room for one checkpoint and a half."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    common = ["run.id=x", "tracking.enabled=false", "train.epochs=1", "checkpoint.every_steps=20"]
+    measured = run_local(1, tmp_path / "measure", [*common, "checkpoint.keep_last=1"])
+    assert measured.returncode == 0, measured.stderr[-2000:]
+    size = next((tmp_path / "measure" / "synthetic-mlp" / "x" / "checkpoints").glob("*.pt"))
+    room = -(-int(size.stat().st_size * 1.5) // 4096) * 4096
+    checkpoints = tmp_path / "full" / "synthetic-mlp" / "x" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(checkpoints)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a tmpfs as root: {mounted.stderr}")
+    try:
+        result = run_local(2, tmp_path / "full", common)
+        saved = sorted(path.name for path in checkpoints.iterdir())
+        previous = load_checkpoint(checkpoints / "step-000000020.pt")
+    finally:
+        subprocess.run(["umount", str(checkpoints)], check=False)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert saved == ["step-000000020.pt"], "no partial file, the previous checkpoint kept"
+    assert previous["global_step"] == 20
+    line = next(line for line in result.stderr.splitlines() if "cannot write checkpoint" in line)
+    assert f"{checkpoints}/step-000000040.pt" in line, line
+    assert re.search(r"; \d+(\.\d)? (B|KiB) free of 1\.\d MiB on its file system;", line), line
+    assert "the previous checkpoint step-000000020.pt is kept" in line, line
+    assert "HINT: free space" in result.stderr and "Traceback" not in result.stderr

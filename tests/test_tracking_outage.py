@@ -29,6 +29,42 @@ def closed_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def start_mlflow_server(directory: Path, port: int) -> subprocess.Popen[bytes]:
+    """A real `mlflow server` on 127.0.0.1:``port`` (its store in ``directory``), listening."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{directory / 'server.db'}",
+         "--default-artifact-root", str(directory / "artifacts"), "--workers", "1"],
+        cwd=directory, env=clean_environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return server
+        except OSError:
+            time.sleep(0.5)
+    os.killpg(server.pid, signal.SIGKILL)
+    raise AssertionError("mlflow server did not start within 90 s")
+
+
+def stop_mlflow_server(server: subprocess.Popen[bytes]) -> None:
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGKILL)  # the server and its workers
+        server.wait()
+
+
+def sync(run_dir: Path, *extra: str) -> str:
+    """`hpc-ddp tracking sync RUN_DIR`; returns its one line."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "tracking", "sync", str(run_dir), *extra],
+        cwd=REPO, env=clean_environ(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
 def summary(output: Path, run_id: str) -> dict[str, Any]:
     return json.loads((output / "regression" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
 
@@ -57,6 +93,26 @@ def test_a_tracking_server_that_is_down_costs_one_warning_and_nothing_else(tmp_p
     steps = [json.loads(line)["step"] for line in lines if "interval/mse" in line]
     assert steps == list(range(5, 101, 5)), "the run's own record has every interval"
 
+    # The server is back: the run's record goes into MLflow once, whatever the repeats.
+    port = closed_port()
+    server = start_mlflow_server(tmp_path, port)
+    try:
+        server_uri = f"http://127.0.0.1:{port}"
+        first = sync(tmp_path / "regression" / "down", "--uri", server_uri)
+        again = sync(tmp_path / "regression" / "down", "--uri", server_uri)
+        client = MlflowClient(tracking_uri=server_uri)
+        run_id = re.search(r"MLflow run (\w+)", first).group(1)  # type: ignore[union-attr]
+        run = client.get_run(run_id)
+        history = client.get_metric_history(run_id, "interval/mse")
+    finally:
+        stop_mlflow_server(server)
+    points = sum(len(json.loads(line)["metrics"]) for line in lines)
+    assert f"a new MLflow run {run_id}" in first and f"{points} points added, 0 already" in first
+    assert f"0 points added, {points} already there; status FINISHED" in again, again
+    assert sorted(metric.step for metric in history) == list(range(5, 101, 5))
+    assert run.info.status == "FINISHED" and run.data.params["epochs"] == "2"
+    assert run.data.tags["hpc_ddp.world_size"] == "2"
+
 
 def test_a_stop_is_not_held_up_by_a_tracking_server_that_is_down(tmp_path: Path) -> None:
     uri = f"http://127.0.0.1:{closed_port()}"
@@ -77,23 +133,8 @@ def test_an_mlflow_server_killed_mid_run_leaves_training_and_its_record_whole(
     tmp_path: Path,
 ) -> None:
     port = closed_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1"],
-        cwd=tmp_path, env=clean_environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )  # fmt: skip
+    server = start_mlflow_server(tmp_path, port)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            raise AssertionError("mlflow server did not start within 90 s")
         program = [
             PROGRAM, "--epochs", "6", "--samples", "19200", "--log-interval", "5",
             f"run.output_dir={tmp_path}", "run.id=killed", f"tracking.uri=http://127.0.0.1:{port}",
@@ -108,14 +149,12 @@ def test_an_mlflow_server_killed_mid_run_leaves_training_and_its_record_whole(
             runs = client.search_runs(experiment_ids=["0", "1"], max_results=1) if step else []
             if step and runs and runs[0].data.metrics:
                 killed_at = int(step.group(1))  # metrics reached the server: kill it now
-                os.killpg(server.pid, signal.SIGKILL)  # the server and its workers
-                server.wait()
+                stop_mlflow_server(server)
                 break
         _out, rest = process.communicate(timeout=300)
         log = "".join(seen) + rest
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_mlflow_server(server)
     assert process.returncode == 0, log[-3000:]
     facts = summary(tmp_path, "killed")
     assert facts["tracking"].startswith("failed: "), facts["tracking"]
@@ -130,6 +169,21 @@ def test_an_mlflow_server_killed_mid_run_leaves_training_and_its_record_whole(
     lines = (tmp_path / "regression" / "killed" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines if "interval/mse" in line]
     assert steps == list(range(5, 1201, 5)), "the run's own record is whole"
+
+    # Restarted on its store: the sync completes the SAME MLflow run, without duplicates.
+    server = start_mlflow_server(tmp_path, port)
+    try:
+        synced = sync(tmp_path / "regression" / "killed")
+        client = MlflowClient(tracking_uri=f"http://127.0.0.1:{port}")
+        run = client.get_run(facts["mlflow_run_id"])
+        history = client.get_metric_history(facts["mlflow_run_id"], "interval/mse")
+    finally:
+        stop_mlflow_server(server)
+    assert f"into MLflow run {facts['mlflow_run_id']}" in synced, synced
+    already = int(re.search(r"(\d+) already there", synced).group(1))  # type: ignore[union-attr]
+    assert already > 0, "the points logged before the server died are not sent twice"
+    assert [metric.step for metric in sorted(history, key=lambda m: m.step)] == steps
+    assert run.info.status == "FINISHED"
 
 
 def test_runs_that_open_a_new_sqlite_store_at_once_all_get_their_mlflow_run(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -72,23 +73,63 @@ def write_atomically(path: Path, write: Callable[[IO[bytes]], Any]) -> Path:
     new one, never a part: a temporary file, fsynced, renamed into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(temporary, "wb") as handle:
-        write(handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a full disk must not keep a partial file
+        raise
     _fsync_directory(path.parent)
     return path
 
 
 def save_checkpoint(state: Mapping[str, Any], directory: Path, step: int, keep_last: int) -> Path:
-    """Write ``state`` atomically as step-<step>.pt; keep only the newest ``keep_last``."""
-    final = write_atomically(
-        directory / f"step-{step:09d}.pt", lambda handle: torch.save(dict(state), handle)
-    )
+    """Write ``state`` atomically as step-<step>.pt; keep only the newest ``keep_last``.
+
+    A write the file system refuses (full, over quota, read-only) leaves the earlier
+    checkpoints as they were and raises an HpcDdpError naming the path and the free space."""
+    path = directory / f"step-{step:09d}.pt"
+    try:
+        final = write_atomically(path, lambda handle: torch.save(dict(state), handle))
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
+        raise _unwritable(path, error) from None
     for old in list_checkpoints(directory)[keep_last:]:
         old.unlink(missing_ok=True)
     return final
+
+
+def _unwritable(path: Path, error: BaseException) -> HpcDdpError:
+    try:
+        usage = shutil.disk_usage(path.parent)
+        space = f"{_size(usage.free)} free of {_size(usage.total)} on its file system"
+    except OSError as unknown:
+        space = f"free space unknown ({unknown.strerror})"
+    kept = list_checkpoints(path.parent)
+    previous = f"the previous checkpoint {kept[0].name} is kept" if kept else "no checkpoint"
+    if isinstance(error, OSError):
+        reason = error.strerror or str(error)
+    else:  # torch.save's writer says only where the stream stopped short
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        reason = f"the write stopped short: full disk or quota? torch: {first[:200]}"
+    return HpcDdpError(
+        f"cannot write checkpoint {path} ({reason}); {space}; {previous}",
+        "free space (or quota) there, or set run.output_dir to a larger file system, then run "
+        "the same command again to resume from the previous checkpoint",
+    )
+
+
+def _size(count: int) -> str:
+    if count < 1024:
+        return f"{count} B"
+    value = float(count)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
 
 
 def remove_partial_writes(directory: Path) -> None:

@@ -6,7 +6,10 @@ Rank 0 keeps two small files in ``<output_dir>/<name>/<run id>/``:
   count, the step and epoch reached, where the current attempt runs (host, pid, job id),
   replaced atomically at every log interval and at the end;
 - ``metrics.jsonl``: one line per logged batch of metrics, ``{"step", "global_step",
-  "epoch", "time", "metrics"}``, appended.
+  "epoch", "time", "metrics"}``, appended;
+- ``tracking.json`` (when tracking is on): where the run is tracked (MLflow URI, experiment,
+  run name, params, tags, and the MLflow run's id once known), so that
+  ``hpc-ddp tracking sync`` can replay the record into MLflow after an outage.
 
 ``hpc-ddp runs`` and ``hpc-ddp plot`` read them. Writing is best effort: a full disk or a
 lost mount costs the record, never the training.
@@ -27,6 +30,7 @@ from hpc_ddp.runtime.tracking import Tracker
 
 STATUS_FILE = "status.json"
 METRICS_FILE = "metrics.jsonl"
+TRACKING_FILE = "tracking.json"
 
 #: What a tracker's final status means for the run.
 END_STATES = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "stopped"}
@@ -80,6 +84,7 @@ class JournalTracker:
         position: Callable[[], tuple[int, int]],
         job_id: str,
         world_size: int,
+        tracking: Mapping[str, Any] | None = None,
     ) -> None:
         self._inner = inner
         self._run_dir = run_dir
@@ -100,6 +105,27 @@ class JournalTracker:
             "started": previous.get("started", time.time()),
         }
         self._write_status()
+        self._tracking = dict(tracking) if tracking is not None else None
+        self._write_tracking()
+
+    def _write_tracking(self) -> None:
+        """tracking.json, with the MLflow run's id once the tracker knows it."""
+        tracking = self._tracking
+        if tracking is None:
+            return
+        text = json.dumps(tracking, sort_keys=True, default=str)
+
+        def write() -> None:
+            partial = self._run_dir / f".{TRACKING_FILE}.tmp"
+            partial.write_text(text + "\n")
+            partial.replace(self._run_dir / TRACKING_FILE)
+
+        self._guarded(write)
+
+    def _note_run_id(self) -> None:
+        if self._tracking is not None and self._inner.run_id != self._tracking.get("run_id"):
+            self._tracking["run_id"] = self._inner.run_id
+            self._write_tracking()
 
     @property
     def run_id(self) -> str | None:
@@ -176,7 +202,9 @@ class JournalTracker:
     def finish(self, status: str) -> None:
         self._write_status(END_STATES.get(status, status.lower()))
         self._inner.finish(status)
+        self._note_run_id()
 
     def suspend(self) -> None:
         self._write_status("requeued")
         self._inner.suspend()
+        self._note_run_id()

@@ -50,7 +50,13 @@ from hpc_ddp.runtime.rundir import claim_run_dir
 from hpc_ddp.runtime.signals import StopSignals
 from hpc_ddp.runtime.slurm import allocation_task_count
 from hpc_ddp.runtime.steps import StepLoop
-from hpc_ddp.runtime.tracking import NullTracker, RunRecord, run_tags, start_tracker
+from hpc_ddp.runtime.tracking import (
+    NullTracker,
+    RunRecord,
+    run_tags,
+    start_tracker,
+    tracking_uri,
+)
 
 __all__ = ["end_active_run", "resolve_launch", "start"]
 
@@ -99,6 +105,21 @@ def _set_threads(env: DistEnv, environ: Mapping[str, str]) -> None:
     if not environ.get("OMP_NUM_THREADS"):
         share = threads_per_rank(available_cpus(), env.local_world_size)
         torch.set_num_threads(env.cpus_per_task or share)
+
+
+def _tracking_record(settings: RuntimeConfig, record: RunRecord) -> dict[str, Any] | None:
+    """What tracking.json keeps for `hpc-ddp tracking sync` (None: tracking is off)."""
+    if not settings.tracking.enabled:
+        return None
+    return {
+        "uri": tracking_uri(settings.tracking, settings.run.output_dir),
+        "experiment": settings.tracking.experiment,
+        "artifact_root": str(Path(settings.run.output_dir).resolve() / "mlartifacts"),
+        "run_name": record.name,
+        "params": {key: str(value) for key, value in record.params.items()},
+        "tags": dict(record.tags),
+        "run_id": record.resume_run_id,
+    }
 
 
 def start(
@@ -198,6 +219,7 @@ def start(
                 lambda: (loop.position.global_step, loop.position.epoch),
                 dist_env.job_id,
                 dist_env.world_size,
+                _tracking_record(settings, record),
             )
         ending.loop = handle._loop
         torch.manual_seed(settings.run.seed)  # the same initial weights on every rank

@@ -219,6 +219,11 @@ def store_lock(uri: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def tracking_uri(config: TrackingConfig, output_dir: str | Path) -> str:
+    """tracking.uri, else the embedded SQLite store in output_dir."""
+    return config.uri or default_tracking_uri(output_dir)
+
+
 def start_tracker(config: TrackingConfig, output_dir: str, record: RunRecord) -> Tracker:
     """An MLflow run (rank 0 only: other ranks use a NullTracker), started in the background
     on first use; a failing MLflow never stops training (see GuardedTracker). A ``record``
@@ -227,7 +232,7 @@ def start_tracker(config: TrackingConfig, output_dir: str, record: RunRecord) ->
         return NullTracker()
     from hpc_ddp.runtime.tracking_guard import GuardedTracker
 
-    uri = config.uri or default_tracking_uri(output_dir)
+    uri = tracking_uri(config, output_dir)
     artifact_root = Path(output_dir) / "mlartifacts"
 
     def start() -> Tracker:
