@@ -82,3 +82,38 @@ def drifting_model(config: Any, num_features: int, num_classes: int) -> nn.Modul
     """Rank 1 changes its own weights outside the optimizer on its 3rd forward pass: the user
     error that leaves DDP replicas silently different."""
     return _FaultOnRankOne(num_features, num_classes, 3, _nudge_bias)
+
+
+def dataset_without_seed(config: Any) -> tuple[TensorDataset, TensorDataset, int, int]:
+    """A data factory with the wrong signature: it takes no seed."""
+    return tiny_dataset(config, 0)
+
+
+def strings_dataset(config: Any, seed: int) -> tuple[str, str, int, int]:
+    return "train", "val", 5, 2
+
+
+def empty_val_dataset(config: Any, seed: int) -> tuple[TensorDataset, TensorDataset, int, int]:
+    train, _val, features, classes = tiny_dataset(config, seed)
+    empty = TensorDataset(torch.zeros(0, 5), torch.zeros(0, dtype=torch.long))
+    return train, empty, features, classes
+
+
+def read_the_labels_file(config: Any, seed: int) -> tuple[TensorDataset, TensorDataset, int, int]:
+    """A data factory whose own code fails, as a user's does."""
+    with open("/nonexistent/labels.csv") as handle:
+        handle.read()
+    return tiny_dataset(config, seed)
+
+
+def model_without_classes(config: Any, num_features: int) -> nn.Module:
+    return nn.Linear(num_features, 2)
+
+
+def too_narrow_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    """Takes one feature fewer than the data has."""
+    return nn.Linear(num_features - 1, num_classes)
+
+
+def wrong_outputs_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    return nn.Linear(num_features, num_classes + 3)

@@ -235,3 +235,37 @@ def test_parquet_mid_epoch_resume_is_exact(made_set: Path, tmp_path: Path) -> No
     }
     assert summaries["resumed"]["weights_sha256"] == summaries["reference"]["weights_sha256"]
     assert summaries["resumed"]["resumed_from_step"] == stop
+
+
+BAD_SETS = {
+    "no rows": (pa.table({"f0": pa.array([], pa.float32()), "y": pa.array([], pa.int64())}),
+                "has no rows"),
+    "text feature": (pa.table({"f0": ["a", "b"] * 20, "y": [0, 1] * 20}),
+                     "feature column 'f0' holds string, not numbers"),
+    "label too big": (pa.table({"f0": [0.5] * 40, "y": [0, 7] * 20}),
+                      "label 7 in column 'y' is outside 0..1 (data.num_classes=2)"),
+    "negative label": (pa.table({"f0": [0.5] * 40, "y": [0, -1] * 20}),
+                       "label -1 in column 'y' is outside 0..1"),
+    "text label": (pa.table({"f0": [0.5] * 40, "y": ["a", "b"] * 20}),
+                   "label column 'y' holds string, expected integer class ids 0..1"),
+    "label only": (pa.table({"y": [0, 1] * 20}), "has no feature column"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SETS))
+def test_parquet_that_training_would_fail_on_is_refused_up_front(case: str, tmp_path: Path) -> None:
+    table, message = BAD_SETS[case]
+    for split in ("train", "val"):
+        (tmp_path / split).mkdir()
+        pq.write_table(table, tmp_path / split / "part.parquet")
+    from hpc_ddp.trainer.config import load_config
+    from hpc_ddp.trainer.datasets import build_datasets
+
+    config = load_config(
+        None,
+        ["data.kind=parquet", f"data.train_path={tmp_path / 'train'}",
+         f"data.val_path={tmp_path / 'val'}", "data.label_column=y", "data.num_classes=2"],
+    )  # fmt: skip
+    with pytest.raises(HpcDdpError) as refused:
+        build_datasets(config)
+    assert message in str(refused.value) and "HINT:" in str(refused.value)

@@ -21,7 +21,7 @@ from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError, lo
 from hpc_ddp.runtime.metrics import PENDING_MAX, Sums
 from hpc_ddp.runtime.replicas import replica_fingerprint
 from hpc_ddp.trainer.schedule import LrSchedule, lr_factor
-from tests.helpers import clean_environ, read_summary, run_local, run_train, summary_path
+from tests.helpers import REPO, clean_environ, read_summary, run_local, run_train, summary_path
 
 EXACT = [
     "train.max_steps=20",
@@ -419,3 +419,55 @@ def test_local_launcher_rejects_zero_ranks() -> None:
     )
     assert result.returncode == 2
     assert "argument --nproc: 0 is too small: at least 1" in result.stderr
+
+
+def train_with_factories(tmp_path: Path, data: str, model: str) -> subprocess.CompletedProcess[str]:
+    return run_train(
+        [
+            "--config",
+            "configs/synthetic.yaml",
+            "data.kind=custom",
+            f"data.factory=tests.factories:{data}",
+            "model.kind=custom",
+            f"model.factory=tests.factories:{model}",
+            f"run.output_dir={tmp_path}",
+            "tracking.enabled=false",
+            "data.batch_size=32",
+        ],
+        clean_environ(),
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "model", "message"),
+    [
+        ("dataset_without_seed", "linear_model",
+         "dataset_without_seed' cannot be called the way the trainer calls it (too many"),
+        ("strings_dataset", "linear_model", "returned str as train_dataset: not a map-style"),
+        ("empty_val_dataset", "linear_model",
+         "the validation set is empty (256 training, 0 validation samples)"),
+        ("tiny_dataset", "model_without_classes",
+         "HINT: define it as: def build(config, num_features, num_classes) -> torch.nn.Module"),
+        ("tiny_dataset", "too_narrow_model",
+         "the model cannot take one sample of the data (features of shape (5,)): RuntimeError"),
+        ("tiny_dataset", "wrong_outputs_model",
+         "returns (1, 5) for one sample; the trainer expects logits of shape (batch, num_classes)"),
+    ],
+)  # fmt: skip
+def test_a_factory_that_breaks_the_contract_is_one_line(
+    data: str, model: str, message: str, tmp_path: Path
+) -> None:
+    result = train_with_factories(tmp_path, data, model)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr, result.stderr[-2000:]
+    assert "HINT:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_error_inside_a_factory_shows_the_users_frames_with_the_rank(tmp_path: Path) -> None:
+    result = train_with_factories(tmp_path, "read_the_labels_file", "linear_model")
+    assert result.returncode == 1, result.stderr[-2000:]
+    failure = result.stderr[result.stderr.index("[rank 0] failed:") :]
+    frames = re.findall(r'File "([^"]+)", line \d+, in (\w+)', failure)
+    assert frames and frames[0] == (str(REPO / "tests" / "factories.py"), "read_the_labels_file")
+    assert not [path for path, _name in frames if "/hpc_ddp/" in path], frames
+    assert "FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/" in failure

@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Literal
 
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
-from hpc_ddp.runtime.exits import rank_label, report_failure
+from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 
 #: The config the built-in trainer uses when a launch names none.
 DEFAULT_CONFIG = "configs/digits.yaml"
-_PACKAGE = str(Path(__file__).resolve().parent.parent)
 
 
 @dataclass(frozen=True)
@@ -108,11 +107,6 @@ def program_from(
     return Program("script", first, rest)
 
 
-def _launcher_frame(path: str) -> bool:
-    """Frames of the launch itself, above the user's code in a traceback."""
-    return "runpy" in path or path.startswith(_PACKAGE)
-
-
 def run_program(program: Program) -> int:
     """Run a user's script or module in this process as ``__main__`` and return the exit
     code: theirs, or the documented one for what ended it (README: Failure)."""
@@ -135,5 +129,5 @@ def run_program(program: Program) -> int:
         started = sys.modules.get("hpc_ddp.runtime.ending")
         if started is not None:
             started.end_active_run(error)
-        return report_failure(error, rank_label(os.environ), _launcher_frame)
+        return report_failure(error, rank_label(os.environ), toolkit_frame)
     return 0

@@ -39,13 +39,17 @@ class RunConfig:
         "runs", "Root folder for run directories and the default MLflow store (relative to cwd)."
     )
     seed: int = setting(
-        0, "Seed for model initialisation and data order; ranks derive theirs from it."
+        0,
+        "Seed for model initialisation and data order; ranks derive theirs from it. 0 to 2**63-1.",
     )
     id: str | None = setting(
         None,
         "Run directory name under output_dir/name. Default: the Slurm job id (stable across "
         "requeues), the local launcher's run id, or a timestamp.",
     )
+
+    def __post_init__(self) -> None:
+        require(0 <= self.seed < 2**63, "run.seed", self.seed, "0 to 2**63-1")
 
 
 @dataclass(frozen=True)

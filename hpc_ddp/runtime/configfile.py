@@ -64,6 +64,10 @@ def _describe(hint: Any) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
+#: Integer settings fit a signed 64-bit integer (what torch, numpy and Slurm take).
+INT_LIMIT = 2**63
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -75,7 +79,7 @@ def _coerce_scalar(value: Any, hint: Any) -> tuple[bool, Any]:
     if hint is type(None) or hint is bool or hint is str:
         return isinstance(value, hint), value
     if hint is int:
-        return _is_int(value), value
+        return _is_int(value) and -INT_LIMIT <= value < INT_LIMIT, value
     if hint is float:
         if _is_int(value) or isinstance(value, float):
             return True, float(value)
@@ -105,9 +109,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         matched, coerced = _coerce_scalar(value, hint)
         if matched:
             return coerced
-    raise HpcDdpError(
-        f"{where}: got {value!r} ({type(value).__name__}), expected {_describe(hint)}"
-    )
+    shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:40]}..."
+    expected = _describe(hint)
+    if _is_int(value) and not -INT_LIMIT <= value < INT_LIMIT:
+        expected += " within a 64-bit integer"
+    raise HpcDdpError(f"{where}: got {shown} ({type(value).__name__}), expected {expected}")
 
 
 def _build_section(defaults: Any, section: str, values: Any, source: str) -> Any:

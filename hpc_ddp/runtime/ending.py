@@ -13,7 +13,7 @@ from types import TracebackType
 
 from hpc_ddp.runtime.dist import shutdown_distributed
 from hpc_ddp.runtime.errors import EXIT_FAILURE
-from hpc_ddp.runtime.exits import rank_label, report_failure
+from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.signals import StopSignals
 from hpc_ddp.runtime.steps import StepLoop
@@ -79,7 +79,7 @@ def _excepthook(
     if not isinstance(error, Exception | KeyboardInterrupt):
         _previous_hook(kind, error, trace)
         return
-    code = report_failure(error, label)
+    code = report_failure(error, label, toolkit_frame)
     if code != EXIT_FAILURE:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -6,9 +6,11 @@ Standard library only, like :mod:`hpc_ddp.runtime.errors`.
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import FrameType, TracebackType
 
 from hpc_ddp.runtime.errors import (
@@ -35,15 +37,28 @@ def rank_label(environ: Mapping[str, str]) -> str:
 
 def user_traceback(error: BaseException, hidden: Callable[[str], bool]) -> str:
     """The traceback of ``error`` without its leading frames whose file ``hidden`` names
-    (the launcher's own frames above the user's code)."""
+    (the toolkit's own frames above the user's code); whole when every frame is hidden (an
+    error of the toolkit itself)."""
     frames: TracebackType | None = error.__traceback__
-    while frames is not None and frames.tb_next is not None and hidden(_file(frames.tb_frame)):
+    every: list[TracebackType] = []
+    while frames is not None:
+        every.append(frames)
         frames = frames.tb_next
+    shown = next((tb for tb in every if not hidden(_file(tb.tb_frame))), None)
+    frames = shown or error.__traceback__
     return "".join(traceback.format_exception(type(error), error, frames))
 
 
 def _file(frame: FrameType) -> str:
     return frame.f_code.co_filename
+
+
+_PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep
+
+
+def toolkit_frame(path: str) -> bool:
+    """A frame of hpc_ddp itself (or of runpy, which starts it), not of the user's code."""
+    return "runpy" in path or path.startswith(_PACKAGE)
 
 
 def report_failure(

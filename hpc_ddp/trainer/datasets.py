@@ -12,8 +12,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.trainer.config import Config
-from hpc_ddp.trainer.models import load_factory
-from hpc_ddp.trainer.parquet import ParquetLoader, ParquetShard
+from hpc_ddp.trainer.models import call_factory
+from hpc_ddp.trainer.parquet import ParquetLoader, ParquetShard, check_columns
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,9 @@ def parquet_datasets(config: Config) -> Datasets:
     train = ParquetSource(str(data.train_path), data.feature_columns, data.label_column)
     val = ParquetSource(str(data.val_path), data.feature_columns, data.label_column)
     probe = train.shard(0, 1, config.run.seed, training=True)
-    val.shard(0, 1, config.run.seed, training=False)  # fails early on bad paths or columns
+    val_probe = val.shard(0, 1, config.run.seed, training=False)  # bad paths or columns
+    for source, shard in ((train, probe), (val, val_probe)):
+        check_columns(source.spec, shard.features, source.label_column, data.num_classes)
     return Datasets(train, val, probe.num_features, data.num_classes)
 
 
@@ -122,13 +124,37 @@ def build_datasets(config: Config) -> Datasets:
             data.num_classes,
             config.run.seed,
         )
-    result = load_factory(str(data.factory), "data.factory")(config, config.run.seed)
-    if not (isinstance(result, tuple) and len(result) == 4):
+    result = call_factory(
+        str(data.factory), "data.factory", (config, config.run.seed), DATA_CONTRACT
+    )
+    problem = _contract_problem(result)
+    if problem:
         raise HpcDdpError(
-            f"data.factory={data.factory!r} returned {type(result).__name__}",
-            "return (train_dataset, val_dataset, num_features, num_classes)",
+            f"data.factory={data.factory!r} returned {problem}", f"define it as: {DATA_CONTRACT}"
         )
     return Datasets(*result)
+
+
+DATA_CONTRACT = (
+    "def build(config, seed) -> (train_dataset, val_dataset, num_features, num_classes), "
+    "datasets of (features tensor, label) samples with len(), num_classes >= 2"
+)
+
+
+def _contract_problem(result: Any) -> str | None:
+    """What is wrong with a data factory's result, or None."""
+    if not (isinstance(result, tuple) and len(result) == 4):
+        length = f" of {len(result)}" if isinstance(result, tuple) else ""
+        return f"{type(result).__name__}{length}, not a tuple of 4"
+    for name, dataset in zip(("train_dataset", "val_dataset"), result[:2], strict=True):
+        if isinstance(dataset, str | bytes) or not (
+            hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+        ):
+            return f"{type(dataset).__name__} as {name}: not a map-style dataset"
+    for name, value, least in (("num_features", result[2], 1), ("num_classes", result[3], 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            return f"{name}={value!r}: expected an integer >= {least}"
+    return None
 
 
 class ParquetTrainLoader(ParquetLoader):

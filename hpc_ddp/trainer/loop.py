@@ -22,7 +22,7 @@ from hpc_ddp.runtime.run import Run
 from hpc_ddp.runtime.start import start
 from hpc_ddp.trainer.config import Config, OptimConfig, resume_fingerprint
 from hpc_ddp.trainer.datasets import Datasets, ParquetSource, ParquetTrainLoader, build_datasets
-from hpc_ddp.trainer.models import build_model
+from hpc_ddp.trainer.models import build_model, check_model_takes
 from hpc_ddp.trainer.parquet import ParquetLoader
 from hpc_ddp.trainer.schedule import LrSchedule
 
@@ -93,6 +93,17 @@ def _refuse_new_world_with_dropout(run: Run, config: Config) -> None:
         )
 
 
+def _refuse_empty(datasets: Datasets) -> None:
+    train_rows, val_rows = datasets.sizes()
+    if train_rows == 0 or val_rows == 0:
+        empty = "training" if train_rows == 0 else "validation"
+        raise HpcDdpError(
+            f"the {empty} set is empty ({train_rows} training, {val_rows} validation samples)",
+            "give the trainer samples to train and validate on (data.*); the validation loss "
+            "and accuracy are averages over the validation set",
+        )
+
+
 def train(config: Config) -> dict[str, Any]:
     """Train as the config says on the ranks the launcher started; returns this rank's
     summary (rank 0 also writes summary.json and model.pt)."""
@@ -104,7 +115,10 @@ def train(config: Config) -> dict[str, Any]:
         log_interval=config.train.log_interval,
     )
     datasets = build_datasets(config)
-    model = run.wrap(build_model(config, datasets.num_features, datasets.num_classes))
+    _refuse_empty(datasets)
+    model = build_model(config, datasets.num_features, datasets.num_classes)
+    check_model_takes(model, datasets.first_features(), datasets.num_classes)
+    model = run.wrap(model)
     optimizer = make_optimizer(config.optim, model)
     train_loader, val_loader = make_loaders(run, config, datasets)
     if train_loader.steps_per_epoch == 0:

@@ -18,7 +18,7 @@ import torch
 
 from hpc_ddp.runtime.ending import end_active_run
 from hpc_ddp.runtime.errors import Stopped
-from hpc_ddp.runtime.exits import rank_label, report_failure
+from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 from hpc_ddp.runtime.plan import describe_launch, micro_batch_size
 from hpc_ddp.runtime.start import resolve_launch
 from hpc_ddp.trainer.config import Config, load_config
@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         return int(stopped.code or 0)
     except (Exception, KeyboardInterrupt) as error:
         end_active_run(error)
-        return report_failure(error, rank_label(environment))
+        return report_failure(error, rank_label(environment), toolkit_frame)
     if summary.get("summary_path"):
         print(json.dumps(summary, indent=2, sort_keys=True))
     return 0

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -36,6 +38,53 @@ def load_factory(path: str, what: str) -> Callable[..., Any]:
     return factory  # type: ignore[no-any-return]
 
 
+def call_factory(path: str, what: str, arguments: tuple[Any, ...], contract: str) -> Any:
+    """Call the factory at ``path`` with ``arguments``; one that cannot take them is refused
+    with its ``contract`` (``def name(a, b) -> what``). An error raised inside it is the
+    user's and propagates with their frames."""
+    factory = load_factory(path, what)
+    try:
+        inspect.signature(factory).bind(*arguments)
+    except TypeError as error:
+        raise HpcDdpError(
+            f"{what}={path!r} cannot be called the way the trainer calls it ({error})",
+            f"define it as: {contract}",
+        ) from None
+    except ValueError:
+        pass  # no signature to check (a builtin): the call says it
+    return factory(*arguments)
+
+
+MODEL_CONTRACT = "def build(config, num_features, num_classes) -> torch.nn.Module"
+
+
+def check_model_takes(model: nn.Module, features: Any, num_classes: int) -> None:
+    """One sample through the model, in eval mode and without gradients (no random stream
+    is used): a model that does not fit the data is refused before training, not mid-way."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(features.unsqueeze(0))
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        reason = str(error).strip().splitlines()[-1][:300] if str(error).strip() else ""
+        raise HpcDdpError(
+            f"the model cannot take one sample of the data (features of shape "
+            f"{tuple(features.shape)}): {type(error).__name__}: {reason}",
+            "make the model's input width match the data's features (data.num_features, "
+            "data.feature_columns or what data.factory returns)",
+        ) from None
+    finally:
+        model.train(was_training)
+    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != (1, num_classes):
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise HpcDdpError(
+            f"the model returns {shape} for one sample; the trainer expects logits of shape "
+            f"(batch, num_classes) = (1, {num_classes})",
+            "end the model with a layer of num_classes outputs (cross-entropy on logits)",
+        )
+
+
 class MLP(nn.Module):
     """Linear-ReLU(-Dropout) layers ending in a linear layer to the class logits."""
 
@@ -61,12 +110,16 @@ def build_model(config: Config, num_features: int, num_classes: int) -> nn.Modul
     """The model the config asks for, on CPU, initialised from the global RNG."""
     if config.model.kind == "mlp":
         return MLP(num_features, list(config.model.hidden_sizes), num_classes, config.model.dropout)
-    factory = load_factory(str(config.model.factory), "model.factory")
-    model = factory(config, num_features, num_classes)
+    model = call_factory(
+        str(config.model.factory),
+        "model.factory",
+        (config, num_features, num_classes),
+        MODEL_CONTRACT,
+    )
     if not isinstance(model, nn.Module):
         raise HpcDdpError(
             f"model.factory={config.model.factory!r} returned {type(model).__name__}, "
             "not a torch.nn.Module",
-            "return the module itself from the factory",
+            f"return the module itself: {MODEL_CONTRACT}",
         )
     return model

@@ -112,6 +112,60 @@ def feature_columns_of(spec: str, label_column: str) -> list[str]:
     return [name for name in names if name != label_column]
 
 
+def check_columns(spec: str, features: list[str], label: str, num_classes: int) -> None:
+    """Refuse, from the files' metadata alone, what training could only fail on later: no
+    feature column, features that are not numbers, labels that are not integers or fall
+    outside 0..num_classes-1 (by the row groups' statistics), no rows at all."""
+    import pyarrow as pa
+
+    if not features:
+        raise HpcDdpError(
+            f"{spec!r} has no feature column: its only column is the label {label!r}",
+            "point data.train_path/data.val_path at files with feature columns, or set "
+            "data.feature_columns",
+        )
+
+    def numeric(kind: Any) -> bool:
+        return bool(pa.types.is_integer(kind) or pa.types.is_floating(kind))
+
+    rows = 0
+    for path in discover_files(spec):
+        parquet = open_parquet(path)
+        schema = parquet.schema_arrow
+        for name in features:
+            kind = schema.field(name).type
+            listed = pa.types.is_fixed_size_list(kind) and numeric(kind.value_type)
+            if not (numeric(kind) or listed):
+                raise HpcDdpError(
+                    f"{path}: feature column {name!r} holds {kind}, not numbers",
+                    "encode it as numbers, or leave it out with data.feature_columns=[...]",
+                )
+        if not pa.types.is_integer(schema.field(label).type):
+            raise HpcDdpError(
+                f"{path}: label column {label!r} holds {schema.field(label).type}, expected "
+                f"integer class ids 0..{num_classes - 1}",
+                "encode the labels as integers, or set data.label_column",
+            )
+        metadata = parquet.metadata
+        index = metadata.schema.names.index(label)
+        rows += metadata.num_rows
+        for group in range(metadata.num_row_groups):
+            stats = metadata.row_group(group).column(index).statistics
+            if stats is None or not stats.has_min_max:
+                continue
+            if stats.min < 0 or stats.max >= num_classes:
+                bad = stats.min if stats.min < 0 else stats.max
+                raise HpcDdpError(
+                    f"{path}: label {bad} in column {label!r} is outside 0..{num_classes - 1} "
+                    f"(data.num_classes={num_classes})",
+                    "set data.num_classes to the number of classes, or fix the labels",
+                )
+    if rows == 0:
+        raise HpcDdpError(
+            f"{spec!r} has no rows", "point data.train_path/data.val_path at files with data"
+        )
+
+
 def _generator(seed: int, epoch: int, salt: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, salt])
 
