@@ -24,11 +24,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install local-test test test-slurm lint format clean cluster-up cluster-down parquet-data bench
 
+# torch first and pinned, so the package's unpinned `torch` requirement is already met and pip
+# never fetches the multi-GB CUDA wheels on a CPU machine.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch first and pinned, so the package's unpinned `torch` requirement is already met
-	# and pip never fetches the multi-GB CUDA wheels on a CPU machine.
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)

@@ -62,7 +62,9 @@ def program_arguments(args: argparse.Namespace, default_config: str = "") -> Pro
 def local(args: argparse.Namespace) -> int:
     from hpc_ddp.launch.local import launch_local
 
-    return launch_local(args.nproc, program_arguments(args))
+    # The README's default, when run from a checkout; else the trainer's built-in defaults.
+    default = "configs/digits.yaml" if Path("configs/digits.yaml").is_file() else ""
+    return launch_local(args.nproc, program_arguments(args, default_config=default))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -13,7 +16,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.trainer.config import Config, config_docs, load_config
 from hpc_ddp.trainer.datamake import make_dataset
 from hpc_ddp.trainer.main import dry_run
-from tests.helpers import REPO
+from tests.helpers import REPO, clean_environ
 
 CONFIG_FILES = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -182,3 +185,28 @@ def test_a_config_file_yaml_cannot_read_as_settings_is_one_line_with_a_hint(
     with pytest.raises(HpcDdpError) as caught:
         load_config(path, ["run.name=x"])  # an override must not hide a bad section
     assert expected in str(caught.value) and "\nHINT: " in str(caught.value)
+
+
+def test_hpc_ddp_local_without_a_config_trains_the_readmes_default(tmp_path: Path) -> None:
+    def dry_run(*config: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "hpc_ddp", "local", "--nproc", "1", "--dry-run", *config],
+            cwd=REPO, env=clean_environ(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-2000:]
+        return re.sub(r"local-\d+-\d+-\d+|master=\S+", "", result.stdout)  # per launch
+
+    assert dry_run() == dry_run("--config", "configs/digits.yaml")
+    assert '"train_samples": 1438' in dry_run()
+
+
+def test_crowding_this_machine_is_warned_about() -> None:
+    from hpc_ddp.launch.local import RANK_MEMORY_BYTES, available_memory, crowding_warnings
+
+    assert crowding_warnings(2, 2, 8 * 2**30) == []
+    cpus, memory = crowding_warnings(64, 2, 4 * 2**30)
+    assert cpus.startswith("64 ranks on 2 CPU(s)") and "HINT: --nproc 2 or fewer" in cpus
+    assert f"about {64 * RANK_MEMORY_BYTES / 2**30:.1f} GiB" in memory and "4.0 GiB" in memory
+    assert crowding_warnings(64, 128, None) == []
+    measured = available_memory()
+    assert measured is None or measured > 0

@@ -132,6 +132,13 @@ def test_stop_signals_only_record(tmp_path: Path) -> None:
     assert StepAgreement(None).exchange(True, False) == (True, False)
 
 
+def _default_dispositions() -> None:
+    """The snippet's signals as a fresh shell has them: a test run under `nohup` (or
+    `trap '' HUP`) would otherwise hand its ignored SIGHUP down."""
+    for signum in (signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _run_snippet(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", code],
@@ -140,6 +147,7 @@ def _run_snippet(code: str) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=_default_dispositions,
     )
 
 

@@ -226,6 +226,27 @@ def test_rendezvous_timeout_is_an_error_not_a_hang(tmp_path: Path) -> None:
     assert time.monotonic() - started < 60
 
 
+def test_a_rank_without_rank_0_gives_up_in_one_line(tmp_path: Path) -> None:
+    """Rank 1 of 2 alone, with a tiny dist.init_timeout_s: one line, none of torch's C++
+    frames (which its own connect timeout logs)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    environment = clean_environ(
+        HPC_DDP_LOCAL_RUN_ID="alone", RANK="1", LOCAL_RANK="1", WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    result = run_train(
+        ["--config", "configs/synthetic.yaml", "dist.init_timeout_s=0.001",
+         f"run.output_dir={tmp_path}"],
+        environment,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"could not reach the rendezvous at 127.0.0.1:{port} within 0.001 s" in result.stderr
+    assert "Connection refused" in result.stderr and "HINT:" in result.stderr
+    assert "frame #" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_rendezvous_port_in_use_is_reported(tmp_path: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

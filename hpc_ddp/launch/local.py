@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import FrameType
 
 from hpc_ddp.launch.program import Program
@@ -134,11 +135,47 @@ def _end_with_launcher() -> None:
     libc.prctl(set_parent_death_signal, int(signal.SIGTERM), 0, 0, 0)
 
 
+#: What one CPU rank holds at least once torch is imported (measured: about 0.4 GB).
+RANK_MEMORY_BYTES = 500 * 2**20
+
+
+def available_memory(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """MemAvailable in bytes (Linux), or None."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def crowding_warnings(nproc: int, cpus: int, memory: int | None) -> list[str]:
+    """Why ``nproc`` ranks will crowd this machine: more ranks than CPUs, or more than its
+    available memory holds (each rank imports torch)."""
+    warnings = []
+    if nproc > cpus:
+        warnings.append(
+            f"{nproc} ranks on {cpus} CPU(s): they take turns on the cores, and every "
+            f"collective waits for the slowest; results stay the same. HINT: --nproc {cpus} "
+            "or fewer runs faster"
+        )
+    if memory is not None and nproc * RANK_MEMORY_BYTES > memory:
+        warnings.append(
+            f"{nproc} ranks need about {nproc * RANK_MEMORY_BYTES / 2**30:.1f} GiB (torch in "
+            f"each), this machine has {memory / 2**30:.1f} GiB available: ranks may be killed "
+            "for memory. HINT: fewer ranks"
+        )
+    return warnings
+
+
 def launch_local(nproc: int, program: Program, environ: Mapping[str, str] | None = None) -> int:
     """Start ``nproc`` ranks of ``program`` and supervise them."""
     if nproc < 1:
         raise HpcDdpError(f"--nproc must be >= 1, got {nproc}", "e.g. --nproc 2")
     program.check()
+    for warning in crowding_warnings(nproc, available_cpus(), available_memory()):
+        print(f"hpc-ddp local: warning: {warning}", file=sys.stderr)
     base = dict(os.environ if environ is None else environ)
     run_id = time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())
     environments = rank_environments(nproc, base, free_loopback_port(), run_id, available_cpus())

@@ -3,6 +3,8 @@ and the few cross-rank helpers the runtime uses, each a no-op without a group of
 
 from __future__ import annotations
 
+import socket
+import time
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -22,22 +24,41 @@ def _first_line(text: str) -> str:
     return text.splitlines()[0] if text else "timeout"
 
 
+def _wait_for_listener(host: str, port: int, deadline: float) -> None:
+    """Return once something accepts connections at host:port; TimeoutError at ``deadline``."""
+    last = "nothing listening"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no answer at {host}:{port} ({last})")
+        try:
+            socket.create_connection((host, port), timeout=min(left, 5.0)).close()
+            return
+        except OSError as error:
+            last = error.strerror or str(error)
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
 def _rendezvous_store(dist_env: DistEnv, init_timeout_s: float) -> Store:
     """The store all ranks meet in; every wait on it is bounded by ``init_timeout_s``."""
     if dist_env.world_size == 1:
         return HashStore()
     hosts_store = dist_env.rank == 0 and not dist_env.store_hosted_by_launcher
     where = f"{dist_env.master_addr}:{dist_env.master_port}"
+    deadline = time.monotonic() + init_timeout_s
     try:
+        if not hosts_store:
+            # Wait for the port here: torch's own timeout logs pages of C++ frames.
+            _wait_for_listener(dist_env.master_addr, dist_env.master_port, deadline)
         return TCPStore(
             host_name=dist_env.master_addr,
             port=dist_env.master_port,
             world_size=dist_env.world_size,
             is_master=hosts_store,
-            timeout=timedelta(seconds=init_timeout_s),
+            timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
             wait_for_workers=True,
         )
-    except (RuntimeError, dist.DistError) as error:
+    except (RuntimeError, dist.DistError, TimeoutError) as error:
         text = str(error)
         if "address already in use" in text.lower() or "EADDRINUSE" in text:
             raise HpcDdpError(
@@ -47,7 +68,7 @@ def _rendezvous_store(dist_env: DistEnv, init_timeout_s: float) -> Store:
             ) from None
         if hosts_store:
             raise HpcDdpError(
-                f"rank 0 waited {init_timeout_s:.0f} s at {where} and not all "
+                f"rank 0 waited {init_timeout_s:g} s at {where} and not all "
                 f"{dist_env.world_size} ranks arrived",
                 "some ranks never started or cannot reach this host: check the job's other "
                 "tasks' logs, that every task was started by the same srun, and "
@@ -55,7 +76,7 @@ def _rendezvous_store(dist_env: DistEnv, init_timeout_s: float) -> Store:
             ) from None
         raise HpcDdpError(
             f"rank {dist_env.rank} on {dist_env.hostname} could not reach the rendezvous at "
-            f"{where} within {init_timeout_s:.0f} s ({_first_line(text)})",
+            f"{where} within {init_timeout_s:g} s ({_first_line(text)})",
             "check that rank 0 is running, that MASTER_ADDR resolves from this node and that the "
             "port is not firewalled; raise dist.init_timeout_s if nodes start slowly",
         ) from None
