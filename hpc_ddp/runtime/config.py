@@ -50,6 +50,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         require(0 <= self.seed < 2**63, "run.seed", self.seed, "0 to 2**63-1")
+        require(bool(self.output_dir.strip()), "run.output_dir", self.output_dir, "a folder")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ and the built-in trainer's config are both read with it.
 from __future__ import annotations
 
 import dataclasses
+import io
 import re
 import types
 import typing
@@ -183,6 +184,14 @@ def parse_override(text: str, sections: Sequence[str]) -> tuple[str, str, Any]:
     return name, key, value
 
 
+class _Named(io.StringIO):
+    """Text with the file's name, which YAML puts in its messages."""
+
+    def __init__(self, text: str, name: str) -> None:
+        super().__init__(text)
+        self.name = name
+
+
 class _StrictLoader(yaml.SafeLoader):
     """YAML's safe loader, refusing a key written twice in one mapping."""
 
@@ -220,7 +229,7 @@ def load_raw(path: str | Path) -> dict[str, Any]:
             "save the file as UTF-8",
         ) from None
     try:
-        raw = yaml.load(text, Loader=_StrictLoader) or {}
+        raw = yaml.load(_Named(text, str(config_path)), Loader=_StrictLoader) or {}
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

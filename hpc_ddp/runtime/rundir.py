@@ -36,6 +36,21 @@ def check_plain_name(value: str, key: str) -> str:
     return value
 
 
+def check_creatable(run_dir: Path) -> None:
+    """Refuse a run directory that could not be created or written, without creating it:
+    its nearest existing ancestor must be a directory this process may write."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.is_dir() and os.access(existing, os.W_OK | os.X_OK):
+        return
+    reason = "is not a directory" if not existing.is_dir() else "is not writable"
+    raise HpcDdpError(
+        f"cannot create or write the run directory {run_dir}: {existing} {reason}",
+        "set run.output_dir to a directory this job can write (every node must see it)",
+    )
+
+
 def claim_run_dir(run_dir: Path) -> None:
     """Create ``run_dir`` and hold its lock for this process (HpcDdpError if another live
     run holds it, or if it cannot be created or written)."""

@@ -79,6 +79,12 @@ class DataConfig:
             raise HpcDdpError(
                 "data.kind=custom needs data.factory", "set data.factory=pkg.module:function"
             )
+        if self.kind != "custom" and self.factory:
+            raise HpcDdpError(
+                f"data.factory={self.factory!r} is set but data.kind={self.kind}: it would be "
+                "ignored",
+                "set data.kind=custom to use the factory, or remove data.factory",
+            )
         if self.kind == "parquet" and not (self.train_path and self.val_path):
             raise HpcDdpError(
                 "data.kind=parquet needs data.train_path and data.val_path",
@@ -114,6 +120,12 @@ class ModelConfig:
         if self.kind == "custom" and not self.factory:
             raise HpcDdpError(
                 "model.kind=custom needs model.factory", "set model.factory=pkg.module:function"
+            )
+        if self.kind != "custom" and self.factory:
+            raise HpcDdpError(
+                f"model.factory={self.factory!r} is set but model.kind={self.kind}: it would "
+                "be ignored",
+                "set model.kind=custom to use the factory, or remove model.factory",
             )
 
 

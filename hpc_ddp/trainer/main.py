@@ -20,10 +20,11 @@ from hpc_ddp.runtime.ending import end_active_run
 from hpc_ddp.runtime.errors import Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 from hpc_ddp.runtime.plan import describe_launch, micro_batch_size
+from hpc_ddp.runtime.rundir import check_creatable
 from hpc_ddp.runtime.start import resolve_launch
 from hpc_ddp.trainer.config import Config, load_config
 from hpc_ddp.trainer.datasets import build_datasets
-from hpc_ddp.trainer.models import build_model
+from hpc_ddp.trainer.models import build_model, check_model_takes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,9 +53,11 @@ def dry_run(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
         config.train.grad_accum_steps,
         ("data.batch_size", "train.grad_accum_steps"),
     )
+    check_creatable(plan.run_dir)
     datasets = build_datasets(config)
     torch.manual_seed(config.run.seed)
     model = build_model(config, datasets.num_features, datasets.num_classes)
+    check_model_takes(model, datasets.first_features(), datasets.num_classes)
     logits = model(datasets.first_features().unsqueeze(0))
     train_samples, val_samples = datasets.sizes()
     return {

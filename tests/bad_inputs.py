@@ -1,0 +1,360 @@
+"""The bad inputs the toolkit is tried with, each with the answer it must give: the exit code
+and a piece of its one-line message (with a HINT, never a traceback from the toolkit).
+
+tests/test_bad_inputs.py runs every case; docs/reliability.md shows them as a table, kept
+equal to :func:`table` (regenerate with ``python -m tests.bad_inputs > docs/reliability.md``).
+
+Kinds: ``cli`` is `hpc-ddp ARGS`; ``train`` is `python -m hpc_ddp.train --dry-run ARGS` with
+the given launcher environment (the dry run resolves the launch, builds the data and puts one
+sample through the model, without a process group); ``yaml`` is the built-in trainer with a
+config file holding ``text``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str
+    args: tuple[str, ...]
+    code: int
+    says: str
+    environ: dict[str, str] = field(default_factory=dict)
+    #: yaml: the config file's text.
+    text: str = ""
+
+    @property
+    def shown(self) -> str:
+        if self.kind == "yaml":
+            return f"config file: `{self.text.strip()[:60]!r}`".replace("|", "\\|")
+        prefix = {"cli": "hpc-ddp", "train": "train"}[self.kind]
+        env = " ".join(f"{key}={value[:30]}" for key, value in self.environ.items())
+        words = " ".join(self.args)
+        if len(words) > 90:
+            words = words[:90] + "..."
+        return f"`{(env + ' ' if env else '')}{prefix} {words}`".replace("|", "\\|")
+
+
+def cli(*args: str, code: int = 2, says: str) -> Case:
+    return Case("cli", args, code, says)
+
+
+def train(*args: str, says: str, code: int = 2, **environ: str) -> Case:
+    return Case("train", args, code, says, environ)
+
+
+def yaml_file(text: str, says: str, code: int = 2) -> Case:
+    return Case("yaml", (), code, says, text=text)
+
+
+SYNTHETIC = ("--config", "configs/synthetic.yaml")
+TORCHRUN = {
+    "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x",
+}  # fmt: skip
+SLURM_STEP = {
+    "SLURM_JOB_ID": "77", "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NTASKS": "2",
+    "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n1",
+    "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_TASKS_PER_NODE": "2",
+    "SLURM_JOB_NODELIST": "n1", "SLURM_STEP_ID": "0",
+}  # fmt: skip
+
+
+def _override_cases() -> list[Case]:
+    """A bad value for each checked setting of the built-in trainer."""
+    values = {
+        "run.seed=-1": "run.seed=-1 is invalid",
+        "run.seed=99999999999999999999999": "within a 64-bit integer",
+        "run.id=../../escaped": "run.id",
+        "run.name=a/b": "run.name",
+        "run.output_dir=": "run.output_dir='' is invalid: expected a folder",
+        "data.kind=imagenet": "data.kind",
+        "data.kind=parquet": "data.train_path",
+        "data.kind=custom": "data.kind=custom needs data.factory",
+        "data.batch_size=0": "data.batch_size",
+        "data.batch_size=-5": "data.batch_size",
+        "data.batch_size=lots": "data.batch_size",
+        "data.val_fraction=1.5": "data.val_fraction",
+        "data.val_fraction=0": "data.val_fraction",
+        "data.num_samples=0": "data.num_samples",
+        "data.num_samples=99999999999999999999999": "within a 64-bit integer",
+        "data.num_val_samples=0": "data.num_val_samples",
+        "data.num_features=0": "data.num_features",
+        "data.num_classes=1": "data.num_classes",
+        "data.num_workers=-1": "data.num_workers",
+        "data.num_workers=many": "data.num_workers",
+        "data.factory=nocolon": "is set but data.kind=synthetic: it would be ignored",
+        "model.factory=x:y": "is set but model.kind=mlp: it would be ignored",
+        "model.kind=transformer": "model.kind",
+        "model.kind=custom": "model.kind=custom needs model.factory",
+        "model.hidden_sizes=[0]": "model.hidden_sizes",
+        "model.hidden_sizes=wide": "model.hidden_sizes",
+        "model.dropout=1": "model.dropout",
+        "model.dropout=-0.1": "model.dropout",
+        "optim.name=adam": "optim.name",
+        "optim.lr=0": "optim.lr",
+        "optim.lr=-1": "optim.lr",
+        "optim.lr=.inf": "optim.lr",
+        "optim.lr=.nan": "optim.lr",
+        "optim.momentum=-1": "optim.momentum",
+        "optim.momentum=1": "optim.momentum",
+        "optim.weight_decay=-1": "optim.weight_decay",
+        "optim.schedule=exp": "optim.schedule",
+        "optim.warmup_steps=-1": "optim.warmup_steps",
+        "optim.grad_clip_norm=0": "optim.grad_clip_norm",
+        "train.epochs=0": "train.epochs",
+        "train.epochs=1.5": "train.epochs",
+        "train.grad_accum_steps=0": "train.grad_accum_steps",
+        "train.precision=fp8": "train.precision",
+        "train.log_interval=0": "train.log_interval",
+        "train.max_steps=0": "train.max_steps",
+        "train.train_accuracy=maybe": "train.train_accuracy",
+        "dist.backend=mpi": "dist.backend",
+        "dist.backend=nccl": "dist.backend=nccl",
+        "dist.device=tpu": "dist.device",
+        "dist.init_timeout_s=0": "dist.init_timeout_s",
+        "dist.timeout_s=-1": "dist.timeout_s",
+        "dist.stall_timeout_s=0": "dist.stall_timeout_s",
+        "dist.master_port=0": "dist.master_port",
+        "dist.master_port=70000": "dist.master_port",
+        "checkpoint.every_steps=0": "checkpoint.every_steps",
+        "checkpoint.every_minutes=0": "checkpoint.every_minutes",
+        "checkpoint.keep_last=0": "checkpoint.keep_last",
+        "checkpoint.enabled=perhaps": "checkpoint.enabled",
+        "preempt.signal=KILL": "preempt.signal",
+        "preempt.max_requeues=-1": "preempt.max_requeues",
+        "preempt.check_every_steps=0": "preempt.check_every_steps",
+        "preempt.requeue_timeout_s=0": "preempt.requeue_timeout_s",
+        "tracking.enabled=sometimes": "tracking.enabled",
+        "train.epochz=3": "unknown key 'train.epochz'",
+        "nosection.key=1": "nosection",
+        "train.epochs": "train.epochs",
+        "=3": "=3",
+        "train=3": "train",
+    }
+    extra = {
+        "dist.backend=nccl": ("dist.device=cpu",),
+        "data.kind=custom": (),
+    }
+    return [
+        train(*SYNTHETIC, override, *extra.get(override, ()), says=message)
+        for override, message in values.items()
+    ]
+
+
+CASES: list[Case] = [
+    # -- the command line --------------------------------------------------------------------
+    cli("local", "--nproc", "0", "x.py", says="--nproc: 0 is too small: at least 1"),
+    cli("local", "--nproc", "two", "x.py", says="--nproc: 'two' is not a whole number"),
+    cli("local", "--nproc", "2", "missing.py", says="script 'missing.py' does not exist"),
+    cli("local", "-m", "no_such_pkg.train", says="module 'no_such_pkg.train' cannot be found"),
+    cli("local", "--config", "missing.yaml", says="missing.yaml"),
+    cli("local", "--dry-run", "tests/programs/faults.py", says="--dry-run applies to the built-in"),
+    cli("run", "--config", "configs/digits.yaml", says="hpc-ddp run starts your own script"),
+    cli("render", "--nodes", "0", says="--nodes: 0 is too small: at least 1"),
+    cli("render", "--gpus-per-node", "-1", says="--gpus-per-node"),
+    cli("render", "--tasks-per-node", "0", says="--tasks-per-node: 0 is too small"),
+    cli("render", "--cpus-per-task", "-3", says="--cpus-per-task: -3 is too small"),
+    cli("render", "--time", "x", says="time='x' is not accepted"),
+    cli("render", "--time", "0", says="time='0' is not accepted"),
+    cli("render", "--time", "25:99:99:99", says="is not accepted"),
+    cli("render", "--partition", "gpu;rm -rf /", says="partition='gpu;rm -rf /' is not accepted"),
+    cli("render", "--job-name", "a b", says="job name='a b' is not accepted"),
+    cli("render", "--launcher", "mpirun", says="invalid choice: 'mpirun'"),
+    cli("render", "--signal", "KILL", says="invalid choice: 'KILL'"),
+    cli("render", "--signal", "USR1", "preempt.signal=USR2", says="--signal USR1 but the config"),
+    cli("render", "-o", "/nonexistent/dir/job.sh", says="the directory /nonexistent/dir does not"),
+    cli("render", "train.epochz=1", says="unknown key 'train.epochz'"),
+    cli("render", "missing.py", says="script 'missing.py' does not exist"),
+    cli("render", "$(touch PWNED).py", says="does not exist"),
+    cli("submit", "--nodes", "0", says="--nodes: 0 is too small: at least 1"),
+    cli("submit", "--tasks-per-node", "0", says="--tasks-per-node: 0 is too small"),
+    cli("submit", "--cluster", "aws", says="invalid choice: 'aws'"),
+    cli("submit", "--cluster", "local", "missing.py", says="script 'missing.py' does not exist"),
+    cli("port", "--job-id", "abc", says="unrecognized arguments: --job-id abc"),
+    cli("data", "make", "--rows", "0", "--out", "/tmp/x", says="--rows: 0 is too small"),
+    cli("data", "make", "--rows", "10", "--features", "0", "--out", "/tmp/x", says="--features"),
+    cli("data", "make", "--rows", "10", "--classes", "0", "--out", "/tmp/x", says="--classes"),
+    cli("data", "make", "--rows", "10", "--kind", "mnist", "--out", "/x", says="invalid choice"),
+    cli("data", "make", "--rows", "10", "--out", "/etc/hostname/x", says="/etc/hostname"),
+    cli("data", "make", "--rows", "10", says="the following arguments are required: --out"),
+    cli("data", says="the following arguments are required: COMMAND"),
+    cli("runs", "/nonexistent/runs", says="no such directory: /nonexistent/runs"),
+    cli("plot", "nothing/here", "--output-dir", "/nonexistent", says="no run 'nothing/here'"),
+    cli("tracking", "sync", "nothing/here", "--output-dir", "/nonexistent", says="no run"),
+    cli("frobnicate", says="invalid choice: 'frobnicate'"),
+    cli(says="the following arguments are required: COMMAND"),
+    cli("--version", code=0, says="hpc-ddp "),
+    # -- the launcher's environment ----------------------------------------------------------
+    train(*SYNTHETIC, says="MASTER_PORT", **{**TORCHRUN, "MASTER_PORT": "99999"}),
+    train(*SYNTHETIC, says="MASTER_PORT", **{**TORCHRUN, "MASTER_PORT": "http"}),
+    train(*SYNTHETIC, says="LOCAL_WORLD_SIZE", **{**TORCHRUN, "LOCAL_WORLD_SIZE": "0"}),
+    train(*SYNTHETIC, says="RANK", **{**TORCHRUN, "RANK": "2"}),
+    train(*SYNTHETIC, says="RANK", **{**TORCHRUN, "RANK": "-1"}),
+    train(*SYNTHETIC, says="WORLD_SIZE", **{**TORCHRUN, "WORLD_SIZE": "0"}),
+    train(*SYNTHETIC, says="LOCAL_RANK", **{**TORCHRUN, "LOCAL_RANK": "5"}),
+    train(
+        *SYNTHETIC, says="n[0-99999999]", **{**SLURM_STEP, "SLURM_STEP_NODELIST": "n[0-99999999]"}
+    ),
+    train(*SYNTHETIC, says="n[3-1]", **{**SLURM_STEP, "SLURM_STEP_NODELIST": "n[3-1]"}),
+    train(*SYNTHETIC, says="SLURM_PROCID", **{**SLURM_STEP, "SLURM_PROCID": "9"}),
+    train(*SYNTHETIC, says="warning signal", HPC_DDP_JOB_SIGNAL="USR2"),
+    train(*SYNTHETIC, "data.batch_size=7", says="data.batch_size=7", **TORCHRUN),
+    train(*SYNTHETIC, "train.grad_accum_steps=3", says="train.grad_accum_steps", **TORCHRUN),
+    train(*SYNTHETIC, "run.output_dir=/etc/hostname", says="/etc/hostname is not a directory"),
+    train(*SYNTHETIC, "data.kind=custom", "data.factory=nocolon", says="is not an import path"),
+    train(
+        *SYNTHETIC,
+        "data.kind=custom",
+        "data.factory=tests.factories:strings_dataset",
+        says="returned str as train_dataset",
+    ),
+    train(
+        *SYNTHETIC,
+        "data.kind=custom",
+        "data.factory=tests.factories:dataset_without_seed",
+        says="cannot be called the way the trainer calls it",
+    ),
+    train(
+        *SYNTHETIC,
+        "data.kind=custom",
+        "data.factory=no_such_module:build",
+        says="cannot import module 'no_such_module'",
+    ),
+    train(
+        *SYNTHETIC,
+        "data.kind=custom",
+        "data.factory=tests.factories:nothing",
+        says="has no callable 'nothing'",
+    ),
+    train(
+        *SYNTHETIC,
+        "model.kind=custom",
+        "model.factory=tests.factories:not_a_module",
+        says="returned str, not a torch.nn.Module",
+    ),
+    train(
+        *SYNTHETIC,
+        "model.kind=custom",
+        "model.factory=tests.factories:model_without_classes",
+        says="cannot be called the way the trainer calls it",
+    ),
+    train(
+        *SYNTHETIC,
+        "model.kind=custom",
+        "model.factory=tests.factories:too_narrow_model",
+        says="the model cannot take one sample of the data",
+    ),
+    train(
+        *SYNTHETIC,
+        "data.kind=parquet",
+        "data.train_path=/nonexistent/*.parquet",
+        "data.val_path=/nonexistent",
+        says="no Parquet files at '/nonexistent/*.parquet'",
+    ),
+    train(
+        *SYNTHETIC,
+        "data.kind=parquet",
+        "data.train_path=configs/synthetic.yaml",
+        "data.val_path=configs/synthetic.yaml",
+        says="cannot read Parquet file",
+    ),
+    train("--config", "missing.yaml", says="missing.yaml"),
+    train("--config", "configs", says="configs"),
+    train("--config", "README.md", says="README.md"),
+    *_override_cases(),
+    # -- config files ------------------------------------------------------------------------
+    yaml_file("run: 5\n", says="section 'run' is 5, not a mapping of keys"),
+    yaml_file("1: a\n", says="section name 1 is a int, not text"),
+    yaml_file(
+        "train:\n  epochs: 1\ntrain:\n  epochs: 2\n",
+        says="config.yaml: key 'train' is written twice (line 3)",
+    ),
+    yaml_file("train:\n  epochs: 1\n  epochs: 2\n", says="key 'epochs' is written twice"),
+    yaml_file("train: [1, 2\n", says="HINT"),
+    yaml_file("train:\n\tepochs: 1\n", says="HINT"),
+    yaml_file("- a\n- b\n", says="mapping"),
+    yaml_file("'just text'\n", says="mapping"),
+    yaml_file("train:\n  epochs: !!python/object:os.system x\n", says="HINT"),
+    yaml_file("data:\n  batch_size: 1e400\n", says="data.batch_size"),
+    yaml_file("model:\n  hidden_sizes: {a: 1}\n", says="model.hidden_sizes"),
+    yaml_file("unknown_section:\n  a: 1\n", says="unknown_section"),
+]
+
+
+#: Faults survived, each with the test that inflicts it for real and what it asserts.
+FAULTS: list[tuple[str, str, str]] = [
+    ("rank killed with kill -9 (Slurm)", "job ends within seconds naming the task; newest "
+     "checkpoint loads", "test_slurm_fault_tolerance.py::test_kill_9_of_one_rank_ends_the_job_fast_and_the_checkpoint_loads"),
+    ("a rank raises in the user's code", "job ends fast naming the rank, the user's frames "
+     "shown, MLflow FAILED", "test_user_script.py::test_an_error_in_the_users_code_shows_their_frames_and_the_rank"),
+    ("kill -9 during a checkpoint write", "previous checkpoint kept and resumed from, no "
+     "partial file", "test_slurm_fault_tolerance.py::test_kill_during_a_checkpoint_write_keeps_the_previous_one"),
+    ("disk full while checkpointing (tmpfs)", "previous checkpoint loadable, no partial file, "
+     "one line with path and free space", "test_fault_tolerance.py::test_a_full_disk_keeps_the_previous_checkpoint_and_names_the_path"),
+    ("preemption signal (USR1) mid-epoch", "checkpoint, requeue, bitwise-equal weights, one "
+     "MLflow run", "test_slurm_fault_tolerance.py::test_preemption_requeues_resumes_exactly_in_one_mlflow_run"),
+    ("preemption with preempt.signal=USR2", "rendered --signal=USR2, stop, requeue, "
+     "completed", "test_slurm_fault_tolerance.py::test_a_script_rendered_for_usr2_stops_on_usr2_and_requeues"),
+    ("job signal the ranks do not handle", "refused at start with a HINT",
+     "test_slurm_fault_tolerance.py::test_a_job_whose_warning_signal_the_ranks_do_not_handle_fails_at_start"),
+    ("time limit reached", "checkpoint on the warning signal; a resubmission resumes",
+     "test_slurm_fault_tolerance.py::test_time_limit_signal_checkpoints_and_a_resubmission_resumes"),
+    ("corrupt newest checkpoint", "reported, the previous one used",
+     "test_fault_tolerance.py::test_corrupt_newest_checkpoint_falls_back_with_a_warning"),
+    ("rendezvous port in use", "one line naming the port, exit 2",
+     "test_training.py::test_rendezvous_port_in_use_is_reported"),
+    ("rank 0 never starts", "the others give up in init_timeout_s, one line each",
+     "test_training.py::test_a_rank_without_rank_0_gives_up_in_one_line"),
+    ("tracking server down at start", "one warning, training and its record whole; sync "
+     "later adds every point once", "test_tracking_outage.py::test_a_tracking_server_that_is_down_costs_one_warning_and_nothing_else"),
+    ("tracking server killed mid-run", "one warning, exit 0, record whole; sync completes the "
+     "same MLflow run", "test_tracking_outage.py::test_an_mlflow_server_killed_mid_run_leaves_training_and_its_record_whole"),
+    ("stalled rank (sleeping in user code)", "job ends within stall_timeout_s + seconds, the "
+     "frame in the log, exit 5", "test_watchdog.py::test_a_rank_sleeping_in_the_users_code_ends_the_job_and_shows_the_frame"),
+    ("hung DataLoader worker", "named as such, job ends, worker killed",
+     "test_watchdog.py::test_a_hung_dataloader_worker_is_named"),
+    ("4 concurrent runs on one fresh MLflow store", "every run gets its MLflow run",
+     "test_tracking_outage.py::test_runs_that_open_a_new_sqlite_store_at_once_all_get_their_mlflow_run"),
+    ("second live run with the same run.id", "refused naming the first's host and pid",
+     "test_rundir.py::test_a_second_live_run_with_the_same_id_is_refused_naming_the_first"),
+    ("the local launcher killed with kill -9", "its ranks stop as on a preemption",
+     "test_fault_tolerance.py::test_ranks_end_when_their_local_launcher_is_killed"),
+]  # fmt: skip
+
+
+def table() -> str:
+    """docs/reliability.md: every case and its answer."""
+    lines = [
+        "# Bad input and faults: what the toolkit answers",
+        "",
+        "Generated from `tests/bad_inputs.py` (`python -m tests.bad_inputs > "
+        "docs/reliability.md`); `tests/test_bad_inputs.py` runs every row and fails when this",
+        "page and the cases differ. Every answer is one line (`error: ...` with a `HINT:`), no",
+        "traceback, and the exit code shown; `train` is `python -m hpc_ddp.train --dry-run`.",
+        "",
+        f"{len(CASES)} bad inputs.",
+        "",
+        "| # | input | exit | the answer says |",
+        "|---|---|---|---|",
+    ]
+    for number, case in enumerate(CASES, 1):
+        says = case.says.replace("|", "\\|")
+        lines.append(f"| {number} | {case.shown} | {case.code} | {says} |")
+    lines += [
+        "",
+        "## Faults",
+        "",
+        f"{len(FAULTS)} faults, each inflicted for real by the test named (under `tests/`).",
+        "",
+        "| fault | outcome | test |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {fault} | {outcome} | `{test}` |" for fault, outcome, test in FAULTS]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(table(), end="")

@@ -1,0 +1,74 @@
+"""Every bad input of tests/bad_inputs.py gets its one-line answer and exit code, without a
+traceback; docs/reliability.md lists them all. The entry points run in this process (their
+`main` functions, as `hpc-ddp` and `python -m hpc_ddp.train` call them): every case is
+refused before any process group or training starts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.cli import main as cli_main
+from hpc_ddp.trainer.main import main as train_main
+from tests.bad_inputs import CASES, FAULTS, Case, table
+from tests.helpers import REPO, clean_environ
+
+#: What a message may not contain: a traceback, or an internal name leaking out.
+NEVER = ("Traceback", "data_command", "Namespace(")
+
+
+def answer(case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """(exit code, everything printed) of ``case``."""
+    try:
+        if case.kind == "cli":
+            code = cli_main(list(case.args))
+        elif case.kind == "train":
+            environ = {**clean_environ(), **case.environ}
+            code = train_main([*case.args, "--dry-run"], environ)
+        else:
+            config = tmp_path / "config.yaml"
+            config.write_text(case.text)
+            code = train_main(["--config", str(config), "--dry-run"], clean_environ())
+    except SystemExit as exit_:  # argparse's usage errors
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    printed = capsys.readouterr()
+    return code, printed.out + printed.err
+
+
+def test_there_are_at_least_120_bad_inputs() -> None:
+    assert len(CASES) >= 120
+    assert len({(case.kind, case.args, case.text, str(case.environ)) for case in CASES}) == len(
+        CASES
+    ), "each case is tried once"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{n}" for n in range(1, len(CASES) + 1)])
+def test_a_bad_input_gets_its_one_line_answer(
+    case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "no-cluster.conf"))  # never ask DNS
+    code, printed = answer(case, tmp_path, capsys)
+    assert code == case.code, printed[-2000:]
+    assert case.says in printed, printed[-2000:]
+    assert not [word for word in NEVER if word in printed], printed[-2000:]
+    if case.code == 2:
+        assert "HINT:" in printed or "usage:" in printed, printed[-2000:]
+    assert not (REPO / "PWNED").exists()
+
+
+def test_the_reliability_page_lists_every_case() -> None:
+    page = (REPO / "docs" / "reliability.md").read_text()
+    assert page == table(), "regenerate: python -m tests.bad_inputs > docs/reliability.md"
+
+
+def test_every_fault_names_a_test_that_exists() -> None:
+    for _fault, _outcome, test in FAULTS:
+        module, name = test.split("::")
+        assert f"def {name}(" in (REPO / "tests" / module).read_text(), test
+
+
+def test_no_case_leaves_files_in_the_checkout() -> None:
+    assert not [name for name in os.listdir(REPO) if name in ("PWNED", "x", "job.sh")]
