@@ -41,8 +41,8 @@ def cli(*args: str, code: int = 2, says: str) -> Case:
     return Case("cli", args, code, says)
 
 
-def train(*args: str, says: str, code: int = 2, **environ: str) -> Case:
-    return Case("train", args, code, says, environ)
+def train(*args: str, says: str, code: int = 2, environ: dict[str, str] | None = None) -> Case:
+    return Case("train", args, code, says, dict(environ or {}))
 
 
 def yaml_file(text: str, says: str, code: int = 2) -> Case:
@@ -188,21 +188,23 @@ CASES: list[Case] = [
     cli(says="the following arguments are required: COMMAND"),
     cli("--version", code=0, says="hpc-ddp "),
     # -- the launcher's environment ----------------------------------------------------------
-    train(*SYNTHETIC, says="MASTER_PORT", **{**TORCHRUN, "MASTER_PORT": "99999"}),
-    train(*SYNTHETIC, says="MASTER_PORT", **{**TORCHRUN, "MASTER_PORT": "http"}),
-    train(*SYNTHETIC, says="LOCAL_WORLD_SIZE", **{**TORCHRUN, "LOCAL_WORLD_SIZE": "0"}),
-    train(*SYNTHETIC, says="RANK", **{**TORCHRUN, "RANK": "2"}),
-    train(*SYNTHETIC, says="RANK", **{**TORCHRUN, "RANK": "-1"}),
-    train(*SYNTHETIC, says="WORLD_SIZE", **{**TORCHRUN, "WORLD_SIZE": "0"}),
-    train(*SYNTHETIC, says="LOCAL_RANK", **{**TORCHRUN, "LOCAL_RANK": "5"}),
+    train(*SYNTHETIC, says="MASTER_PORT", environ={**TORCHRUN, "MASTER_PORT": "99999"}),
+    train(*SYNTHETIC, says="MASTER_PORT", environ={**TORCHRUN, "MASTER_PORT": "http"}),
+    train(*SYNTHETIC, says="LOCAL_WORLD_SIZE", environ={**TORCHRUN, "LOCAL_WORLD_SIZE": "0"}),
+    train(*SYNTHETIC, says="RANK", environ={**TORCHRUN, "RANK": "2"}),
+    train(*SYNTHETIC, says="RANK", environ={**TORCHRUN, "RANK": "-1"}),
+    train(*SYNTHETIC, says="WORLD_SIZE", environ={**TORCHRUN, "WORLD_SIZE": "0"}),
+    train(*SYNTHETIC, says="LOCAL_RANK", environ={**TORCHRUN, "LOCAL_RANK": "5"}),
     train(
-        *SYNTHETIC, says="n[0-99999999]", **{**SLURM_STEP, "SLURM_STEP_NODELIST": "n[0-99999999]"}
+        *SYNTHETIC,
+        says="n[0-99999999]",
+        environ={**SLURM_STEP, "SLURM_STEP_NODELIST": "n[0-99999999]"},
     ),
-    train(*SYNTHETIC, says="n[3-1]", **{**SLURM_STEP, "SLURM_STEP_NODELIST": "n[3-1]"}),
-    train(*SYNTHETIC, says="SLURM_PROCID", **{**SLURM_STEP, "SLURM_PROCID": "9"}),
-    train(*SYNTHETIC, says="warning signal", HPC_DDP_JOB_SIGNAL="USR2"),
-    train(*SYNTHETIC, "data.batch_size=7", says="data.batch_size=7", **TORCHRUN),
-    train(*SYNTHETIC, "train.grad_accum_steps=3", says="train.grad_accum_steps", **TORCHRUN),
+    train(*SYNTHETIC, says="n[3-1]", environ={**SLURM_STEP, "SLURM_STEP_NODELIST": "n[3-1]"}),
+    train(*SYNTHETIC, says="SLURM_PROCID", environ={**SLURM_STEP, "SLURM_PROCID": "9"}),
+    train(*SYNTHETIC, says="warning signal", environ={"HPC_DDP_JOB_SIGNAL": "USR2"}),
+    train(*SYNTHETIC, "data.batch_size=7", says="data.batch_size=7", environ=TORCHRUN),
+    train(*SYNTHETIC, "train.grad_accum_steps=3", says="train.grad_accum_steps", environ=TORCHRUN),
     train(*SYNTHETIC, "run.output_dir=/etc/hostname", says="/etc/hostname is not a directory"),
     train(*SYNTHETIC, "data.kind=custom", "data.factory=nocolon", says="is not an import path"),
     train(
