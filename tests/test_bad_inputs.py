@@ -72,3 +72,15 @@ def test_every_fault_names_a_test_that_exists() -> None:
 
 def test_no_case_leaves_files_in_the_checkout() -> None:
     assert not [name for name in os.listdir(REPO) if name in ("PWNED", "x", "job.sh")]
+
+
+def test_doctor_fails_the_check_of_a_job_signal_the_ranks_do_not_handle() -> None:
+    from hpc_ddp.launch.doctor import diagnose
+    from hpc_ddp.trainer.config import load_config
+
+    config = load_config(str(REPO / "configs/synthetic.yaml"), ["preempt.signal=USR2"])
+    report = diagnose(config, {**clean_environ(), "HPC_DDP_JOB_SIGNAL": "USR1"})
+    assert report["ok"] is False
+    (status, text), *_ = report["checks"]
+    assert status == "FAIL" and "the job's warning signal is 'USR1'" in text
+    assert diagnose(config, {**clean_environ(), "HPC_DDP_JOB_SIGNAL": "USR2"})["ok"] is True
