@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -407,3 +408,66 @@ def test_a_job_whose_warning_signal_the_ranks_do_not_handle_is_refused(
         matching,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def steps_seen(folder: Path) -> dict[int, list[int]]:
+    """Every optimizer step's sample ids, over all ranks and attempts (regression.py's
+    --record-ids)."""
+    seen: dict[int, list[int]] = {}
+    for path in folder.glob("ids-*.jsonl"):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            seen.setdefault(entry["step"], []).extend(entry["ids"])
+    return {step: sorted(ids) for step, ids in sorted(seen.items())}
+
+
+def test_a_run_stopped_on_4_ranks_resumes_on_2_and_on_3_with_the_same_global_order(
+    tmp_path: Path,
+) -> None:
+    """The global batch (96) divides over 4, 3 and 2 ranks. Stopped mid-epoch on 4 ranks,
+    resumed on 2 and on 3: every step holds the same samples as in an uninterrupted 2-rank
+    run (asserted on each step's sample ids), and the weights agree to rounding (the
+    all-reduce sums in another order)."""
+    program = [PROGRAM, "--epochs", "2", "--samples", "9600", "--log-interval", "5",
+               f"run.output_dir={tmp_path}", "preempt.check_every_steps=1"]  # fmt: skip
+    for folder in ("ids-reference", "ids-to2", "ids-to3"):
+        (tmp_path / folder).mkdir()
+    reference = run_local_program(
+        2, [*program, "run.id=reference", "tracking.enabled=false",
+            "--record-ids", str(tmp_path / "ids-reference")],
+    )  # fmt: skip
+    assert reference.returncode == 0, reference.stderr[-2000:]
+
+    process = start_program(4, [*program, "run.id=to2", "--record-ids", str(tmp_path / "ids-to2")])
+    log = signal_after(process, r"epoch 0 step (3\d|4\d|5\d)/200", signal.SIGUSR1)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert 0 < stop_step < 100, stop_step
+    shutil.copytree(tmp_path / "regression" / "to2", tmp_path / "regression" / "to3")
+    for path in (tmp_path / "ids-to2").iterdir():
+        shutil.copy(path, tmp_path / "ids-to3")
+
+    for ranks in (2, 3):
+        resumed = run_local_program(
+            ranks, [*program, f"run.id=to{ranks}", "--record-ids", str(tmp_path / f"ids-to{ranks}"),
+                    *([] if ranks == 2 else ["tracking.enabled=false"])],
+        )  # fmt: skip
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert f"checkpoint was written by 4 ranks, this run has {ranks}" in resumed.stderr
+        assert steps_seen(tmp_path / f"ids-to{ranks}") == steps_seen(tmp_path / "ids-reference")
+        facts = summary(tmp_path, f"to{ranks}")
+        assert (facts["world_size"], facts["resumed_from_world_size"]) == (ranks, 4)
+        assert (facts["resumed_from_step"], facts["global_step"]) == (stop_step, 200)
+        expected = final_weights(tmp_path, "reference")
+        actual = final_weights(tmp_path, f"to{ranks}")
+        for name, tensor in expected.items():
+            torch.testing.assert_close(actual[name], tensor, rtol=1e-4, atol=1e-5)
+    assert len(steps_seen(tmp_path / "ids-reference")) == 200
+    assert all(len(ids) == 96 for ids in steps_seen(tmp_path / "ids-reference").values())
+
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    run = client.get_run(str(summary(tmp_path, "to2")["mlflow_run_id"]))
+    tags = run.data.tags
+    assert tags["hpc_ddp.world_size_change"] == "4 -> 2"
+    attempts = (tags["hpc_ddp.attempt.0.world_size"], tags["hpc_ddp.attempt.1.world_size"])
+    assert attempts == ("4", "2")

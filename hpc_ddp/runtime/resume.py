@@ -63,6 +63,14 @@ def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, 
         f"{position.step_in_epoch} of the epoch)"
     )
     resumed = Resumed(path, position.global_step, len(saved["rng"]), bool(saved.get("finished")))
+    if not streams_restored and loop.context.env.is_main:
+        get_logger().warning(
+            f"the world size changed: the checkpoint was written by {resumed.world_size} "
+            f"ranks, this run has {loop.context.env.world_size}. The global batch, the order "
+            "of the samples and the metric sums go on exactly; each rank's own random "
+            "streams (dropout, augmentation in the main process) cannot, and are seeded anew "
+            "from (run.seed, rank, step), so such a run is not bitwise the one it continues"
+        )
     return resumed, streams_restored
 
 

@@ -107,6 +107,14 @@ def _set_threads(env: DistEnv, environ: Mapping[str, str]) -> None:
         torch.set_num_threads(env.cpus_per_task or share)
 
 
+def _world_size_change(resume: Any, world_size: int) -> dict[str, str]:
+    """The tag that records a resume on another number of ranks: old -> new."""
+    if resume is None:
+        return {}
+    saved = int(resume[1].get("world_size", len(resume[1]["rng"])))
+    return {} if saved == world_size else {"hpc_ddp.world_size_change": f"{saved} -> {world_size}"}
+
+
 def _tracking_record(settings: RuntimeConfig, record: RunRecord) -> dict[str, Any] | None:
     """What tracking.json keeps for `hpc-ddp tracking sync` (None: tracking is off)."""
     if not settings.tracking.enabled:
@@ -202,13 +210,16 @@ def start(
             record = RunRecord(
                 name=run_name,
                 params={**configfile.flatten(settings), **(params or {})},
-                tags=run_tags(
-                    dist_env.launcher,
-                    dist_env.world_size,
-                    dist_env.num_nodes,
-                    dist_env.job_id,
-                    dist_env.restart_count,
-                ),
+                tags={
+                    **run_tags(
+                        dist_env.launcher,
+                        dist_env.world_size,
+                        dist_env.num_nodes,
+                        dist_env.job_id,
+                        dist_env.restart_count,
+                    ),
+                    **_world_size_change(resume, dist_env.world_size),
+                },
                 resume_run_id=resume[1].get("mlflow_run_id") if resume else None,
                 start_step=int(resume[1]["global_step"]) if resume else 0,
             )

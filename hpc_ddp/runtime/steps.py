@@ -49,6 +49,8 @@ class Position:
     global_step: int = 0
     train_time_s: float = 0.0
     resumed_from_step: int | None = None
+    #: The world size of the checkpoint resumed from (None: a fresh run).
+    resumed_from_world_size: int | None = None
     stopped: bool = False
     last_checkpoint_step: int = -1
     last_save_time: float = field(default_factory=time.monotonic)
@@ -324,6 +326,7 @@ class StepLoop:
         position.global_step = int(saved["global_step"])
         position.train_time_s = float(saved["train_time_s"])
         position.resumed_from_step = position.global_step
+        position.resumed_from_world_size = int(saved.get("world_size", len(saved["rng"])))
         position.last_checkpoint_step = position.global_step
         self.metrics.restore(saved["metrics"])
         if len(saved["rng"]) != env.world_size:

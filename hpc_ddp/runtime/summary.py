@@ -31,6 +31,7 @@ def run_facts(
         "run_id": context.run_dir.name,
         "restart_count": env.restart_count,
         "resumed_from_step": position.resumed_from_step,
+        "resumed_from_world_size": position.resumed_from_world_size,
         "stopped_early": False,
         "device": str(context.device),
         "backend": context.plan.device.backend,

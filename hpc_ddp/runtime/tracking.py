@@ -134,6 +134,7 @@ class MlflowTracker:
             **tags,
             f"{self._attempt_prefix}.restart_count": tags.get("hpc_ddp.restart_count", "0"),
             f"{self._attempt_prefix}.start_step": str(start_step),
+            f"{self._attempt_prefix}.world_size": tags.get("hpc_ddp.world_size", ""),
             "hpc_ddp.attempts": str(attempt + 1),
         }
         # Params are written once: a resumed run may change harmless keys (e.g. epochs), and

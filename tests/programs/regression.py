@@ -38,7 +38,7 @@ class Pairs(Dataset[dict[str, torch.Tensor]]):
         return len(self.x)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"x": self.x[index], "y": self.y[index]}
+        return {"x": self.x[index], "y": self.y[index], "id": torch.tensor(index)}
 
 
 class BestLoss:
@@ -66,6 +66,12 @@ def evaluate(run: hpc_ddp.Run, model: nn.Module, loader: Any) -> hpc_ddp.Sum:
     return sums.reduce()["mse"]
 
 
+def record_ids(folder: str, run: hpc_ddp.Run, ids: torch.Tensor) -> None:
+    """One line per micro-batch: the optimizer step it belongs to and its sample ids."""
+    with open(f"{folder}/ids-{run.job_id}-rank{run.rank}.jsonl", "a") as record:
+        record.write(json.dumps({"step": run.global_step, "ids": ids.tolist()}) + "\n")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
@@ -74,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--samples", type=int, default=4800)
     parser.add_argument("--log-interval", type=int, default=None, help="steps between logs")
+    parser.add_argument("--record-ids", default=None, help="folder: each rank's sample ids")
     args, overrides = parser.parse_known_args(argv)  # the rest: hpc_ddp's dotted overrides
 
     run = hpc_ddp.start(
@@ -99,6 +106,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
                 (loss / args.accum).backward()
             run.log("mse", loss.detach() * len(batch["x"]), len(batch["x"]))
+            if args.record_ids:
+                record_ids(args.record_ids, run, batch["id"])
             if not run.accumulating:
                 optimizer.step()
                 scheduler.step()
