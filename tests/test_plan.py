@@ -107,7 +107,7 @@ def test_torchrun_with_more_gpus_uses_local_rank() -> None:
 
 
 def test_several_gpus_per_task_is_refused() -> None:
-    with pytest.raises(HpcDdpError, match="exactly one GPU per task"):
+    with pytest.raises(HpcDdpError, match="each rank drives exactly one GPU"):
         plan_device(cuda_config(), dist_env(gpus_per_task=2), cuda_device_count=2)
 
 
@@ -127,3 +127,34 @@ def test_launch_plan_run_dir_uses_job_id(tmp_path: Path) -> None:
     assert plan.device.device == "cpu"
     fixed = make_launch_plan(DistConfig(), RunConfig(id="mine"), "x", dist_env(), 0)
     assert fixed.run_dir == Path("runs") / "x" / "mine"
+
+
+def split(k: int = 2) -> DistConfig:
+    return DistConfig(device="cuda", gpus_per_rank=k)
+
+
+def test_a_rank_over_k_gpus_gets_its_own_k_in_both_slurm_layouts() -> None:
+    """Mocked GPU counts (CUDA_VISIBLE_DEVICES as Slurm sets it): no GPU here."""
+    shared = plan_device(split(), dist_env(cuda_visible_devices="0,1,2,3"), 0)
+    assert shared.devices == ("cuda:2", "cuda:3") and shared.device == "cuda:2"
+    assert "2 per rank by LOCAL_RANK" in shared.reason
+    own = plan_device(split(), dist_env(gpus_per_task=2, cuda_visible_devices="5,6"), 0)
+    assert own.devices == ("cuda:0", "cuda:1") and "--gpus-per-task=2" in own.reason
+    elastic = plan_device(split(), dist_env(launcher="torchelastic"), cuda_device_count=8)
+    assert elastic.devices == ("cuda:2", "cuda:3")
+    alone = plan_device(split(3), dist_env(local_rank=0, local_world_size=1), 3)
+    assert alone.devices == ("cuda:0", "cuda:1", "cuda:2")
+    cpu = plan_device(DistConfig(gpus_per_rank=2), dist_env(), cuda_device_count=0)
+    assert cpu.devices == ("cpu", "cpu")
+
+
+def test_layouts_that_do_not_give_every_rank_k_gpus_are_refused() -> None:
+    with pytest.raises(HpcDdpError, match="gpus_per_rank=2 need 4 GPUs, but 2 are visible"):
+        plan_device(split(), dist_env(cuda_visible_devices="0,1"), 0)
+    with pytest.raises(HpcDdpError, match="--gpus-per-task=1; each rank drives exactly 2 GPUs"):
+        plan_device(split(), dist_env(gpus_per_task=1, cuda_visible_devices="0"), 0)
+    with pytest.raises(HpcDdpError, match="4 would sit idle") as idle:
+        plan_device(split(), dist_env(cuda_visible_devices="0,1,2,3,4,5,6,7"), 0)
+    assert "--ntasks-per-node=4 with --gpus-per-node=8" in str(idle.value)
+    with pytest.raises(HpcDdpError, match=r"dist\.gpus_per_rank=0 is invalid"):
+        DistConfig(gpus_per_rank=0)

@@ -266,6 +266,47 @@ def test_doctor_with_gres_uses_local_rank(slurm: SlurmCluster, tmp_path: Path) -
     assert [r["device"] for r in reports] == ["cuda:0", "cuda:1"]
 
 
+@pytest.mark.parametrize(
+    "layout",
+    [["--ntasks-per-node=1", "--gpus-per-node=2"], ["--ntasks-per-node=1", "--gpus-per-task=2"]],
+    ids=["gpus-per-node", "gpus-per-task"],
+)
+def test_a_rank_over_two_gpus_gets_both_in_either_layout(
+    layout: list[str], slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """dist.gpus_per_rank=2 on 2 nodes of 2 GRES GPUs: one rank per node drives both."""
+    work = prepare_workdir(tmp_path)
+    result = slurm.run(
+        ["salloc", "--nodes=2", *layout, "srun", "python", "-m", "hpc_ddp", "doctor",
+         "--config", "configs/digits.yaml", "dist.device=cuda", "dist.gpus_per_rank=2"],
+        work,
+        timeout=120,
+    )  # fmt: skip
+    reports = doctor_reports(result.stdout)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [r["rank"] for r in reports] == [0, 1]
+    assert [r["cuda_visible_devices"] for r in reports] == ["0,1", "0,1"]
+    assert [r["devices"] for r in reports] == [["cuda:0", "cuda:1"]] * 2
+    if "--gpus-per-task=2" in layout:
+        assert "--gpus-per-task=2" in reports[0]["plan"]
+
+
+def test_two_ranks_per_node_cannot_have_two_gpus_each_from_two(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path)
+    result = slurm.run(
+        ["salloc", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "srun", "python",
+         "-m", "hpc_ddp", "doctor", "--config", "configs/digits.yaml", "dist.device=cuda",
+         "dist.gpus_per_rank=2"],
+        work,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "dist.gpus_per_rank=2 need 4 GPUs, but 2 are visible" in result.stdout
+    assert "HINT: request --gpus-per-node=4 with --ntasks-per-node=2" in result.stdout
+
+
 def test_more_tasks_than_gpus_fails_before_any_process_group(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:

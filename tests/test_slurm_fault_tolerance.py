@@ -34,8 +34,9 @@ LONG = [
 ]
 
 
-def rank_pid(job_id: str, rank: int, timeout: float = 60) -> int:
-    """PID of a training task of ``job_id`` (tasks share this machine's PID space)."""
+def rank_pid(job_id: str, rank: int, timeout: float = 60, variable: str = "SLURM_PROCID") -> int:
+    """PID of a training task of ``job_id`` (tasks share this machine's PID space) whose
+    ``variable`` (SLURM_PROCID, or RANK for the ranks torchrun starts) is ``rank``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for entry in Path("/proc").iterdir():
@@ -49,7 +50,7 @@ def rank_pid(job_id: str, rank: int, timeout: float = 60) -> int:
             if (
                 b"hpc_ddp.train" in cmdline
                 and f"SLURM_JOB_ID={job_id}".encode() in environ
-                and f"SLURM_PROCID={rank}".encode() in environ
+                and f"{variable}={rank}".encode() in environ
             ):
                 return int(entry.name)
         time.sleep(0.2)
@@ -188,6 +189,47 @@ def test_torchrun_template_survives_the_warning_signal_and_the_job_resumes(
     summary = read_summary(work / "runs")
     assert summary["launcher"] == "torchelastic" and summary["restart_count"] == 1
     assert summary["resumed_from_step"] == stop_step and summary["global_step"] == 1200
+
+
+def test_torchrun_restarts_a_killed_worker_in_the_allocation_and_the_run_ends_exact(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """kill -9 of one rank under the torchrun template: its agent restarts every worker in
+    the same allocation (no requeue), they resume from the newest checkpoint, and the job
+    ends with the weights of an uninterrupted run, in one MLflow run."""
+    work = prepare_workdir(tmp_path)
+    overrides = [*LONG, "checkpoint.every_steps=20", "train.epochs=1"]
+    job = slurm.sbatch(
+        [str(REPO / "slurm" / "train-torchrun.sh"), "configs/synthetic.yaml",
+         f"run.output_dir={work / 'runs'}", *overrides],
+        work,
+    )  # fmt: skip
+    checkpoints = work / "runs" / "synthetic-mlp" / job / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not list_checkpoints(checkpoints) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.kill(rank_pid(job, 1, variable="RANK"), signal.SIGKILL)
+    state = slurm.wait(job, timeout=300)
+    log = (work / "logs" / f"hpc-ddp-torchrun-{job}.out").read_text()
+    assert state == "COMPLETED", log[-4000:]
+    assert "torchrun restarted the workers (1 time(s)" in log, log[-4000:]
+    assert slurm.job_field(job, "Restarts") == "0", "restarted in the allocation, not requeued"
+    summary = read_summary(work / "runs")
+    assert (summary["elastic_restarts"], summary["restart_count"]) == (1, 0)
+    assert summary["resumed_from_step"] % 20 == 0 and summary["resumed_from_step"] > 0
+    assert summary["global_step"] == 400
+
+    reference_dir = tmp_path / "reference"
+    reference = run_local(2, reference_dir, [*overrides, "tracking.enabled=false"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert summary["weights_sha256"] == read_summary(reference_dir)["weights_sha256"]
+
+    client = MlflowClient(tracking_uri=default_tracking_uri(work / "runs"))
+    runs = client.search_runs(["1"], filter_string=f"tags.`hpc_ddp.job_id` = '{job}'")
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    tags = runs[0].data.tags
+    restarts = [tags[f"hpc_ddp.attempt.{n}.elastic_restarts"] for n in (0, 1)]
+    assert restarts == ["0", "1"]
 
 
 def test_time_limit_signal_checkpoints_and_a_resubmission_resumes(

@@ -492,3 +492,23 @@ def test_an_error_inside_a_factory_shows_the_users_frames_with_the_rank(tmp_path
     assert frames and frames[0] == (str(REPO / "tests" / "factories.py"), "read_the_labels_file")
     assert not [path for path, _name in frames if "/hpc_ddp/" in path], frames
     assert "FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/" in failure
+
+
+def test_a_model_split_in_two_stages_trains_to_the_unsplit_weights(tmp_path: Path) -> None:
+    """model.stages=2 on 2 ranks, dist.gpus_per_rank=2: the built-in MLP in two stages, each
+    on its own device of the rank. Here both devices are the CPU (a second GPU cannot exist
+    on this machine), so DDP wraps one device; the weights must be those of the unsplit
+    model, value for value, and the plan must name the rank's two devices."""
+    common = ["train.epochs=2", "tracking.enabled=false", "data.num_samples=2048"]
+    split = run_local(2, tmp_path / "split", [*common, "model.stages=2", "dist.gpus_per_rank=2"])
+    assert split.returncode == 0, split.stderr[-2000:]
+    assert "device=cpu,cpu" in split.stderr
+    whole = run_local(2, tmp_path / "whole", common)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    split_weights, whole_weights = weights(tmp_path / "split"), weights(tmp_path / "whole")
+    assert next(iter(split_weights)).startswith("stages.0.") and len(split_weights) == 6
+    assert [tuple(t.shape) for t in split_weights.values()] == [
+        tuple(t.shape) for t in whole_weights.values()
+    ]
+    pairs = zip(split_weights.values(), whole_weights.values(), strict=True)
+    assert all(torch.equal(split_tensor, whole_tensor) for split_tensor, whole_tensor in pairs)

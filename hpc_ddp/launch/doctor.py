@@ -65,7 +65,7 @@ def diagnose(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
             f"global batch {config.data.batch_size} = {env.world_size} ranks x "
             f"{micro} x {accum} accumulation",
         ],
-        ["ok", f"device {plan.device.device} ({plan.device.reason})"],
+        ["ok", f"device {','.join(plan.device.devices)} ({plan.device.reason})"],
         list(_check_master_resolves(plan)),
         list(_check_port_free(plan)),
     ]
@@ -86,6 +86,7 @@ def diagnose(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
         "master_addr": env.master_addr,
         "master_port": env.master_port,
         "device": plan.device.device,
+        "devices": list(plan.device.devices),
         "backend": plan.device.backend,
         "cuda_visible_devices": env.cuda_visible_devices,
         "per_rank_batch": micro,

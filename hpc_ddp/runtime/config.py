@@ -78,6 +78,12 @@ class DistConfig:
         "first batch after start is allowed timeout_s (compilation, warm-up). Evaluation and "
         "checkpoint writes are not watched. null: no watchdog.",
     )
+    gpus_per_rank: int = setting(
+        1,
+        "GPUs each rank drives: 1 for data parallelism; k > 1 for a model split over k GPUs "
+        "inside each rank (run.devices lists them; DDP across ranks). Slurm layouts: "
+        "--ntasks-per-node=T with --gpus-per-node=k*T, or --gpus-per-task=k.",
+    )
     master_port: int | None = setting(
         None,
         "Rendezvous port; wins over MASTER_PORT and over the port derived from the Slurm "
@@ -87,6 +93,7 @@ class DistConfig:
     def __post_init__(self) -> None:
         require(self.init_timeout_s > 0, "dist.init_timeout_s", self.init_timeout_s, "> 0")
         require(self.timeout_s > 0, "dist.timeout_s", self.timeout_s, "> 0")
+        require(self.gpus_per_rank >= 1, "dist.gpus_per_rank", self.gpus_per_rank, ">= 1")
         if self.stall_timeout_s is not None:
             require(self.stall_timeout_s > 0, "dist.stall_timeout_s", self.stall_timeout_s, "> 0")
         if self.master_port is not None:

@@ -10,7 +10,12 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed import HashStore, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed import (  # type: ignore[attr-defined]
+    HashStore,
+    PrefixStore,
+    Store,
+    TCPStore,
+)
 
 from hpc_ddp.runtime.config import DistConfig
 from hpc_ddp.runtime.env import DistEnv
@@ -50,7 +55,7 @@ def _rendezvous_store(dist_env: DistEnv, init_timeout_s: float) -> Store:
         if not hosts_store:
             # Wait for the port here: torch's own timeout logs pages of C++ frames.
             _wait_for_listener(dist_env.master_addr, dist_env.master_port, deadline)
-        return TCPStore(
+        store = TCPStore(
             host_name=dist_env.master_addr,
             port=dist_env.master_port,
             world_size=dist_env.world_size,
@@ -58,6 +63,11 @@ def _rendezvous_store(dist_env: DistEnv, init_timeout_s: float) -> Store:
             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
             wait_for_workers=True,
         )
+        if dist_env.store_hosted_by_launcher:
+            # torchrun's agent keeps its store across worker restarts: the keys of the
+            # workers it restarted (their gloo addresses) would be read as this round's.
+            return PrefixStore(f"hpc_ddp/attempt_{dist_env.elastic_restarts}", store)
+        return store
     except (RuntimeError, dist.DistError, TimeoutError) as error:
         text = str(error)
         if "address already in use" in text.lower() or "EADDRINUSE" in text:

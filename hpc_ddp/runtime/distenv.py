@@ -27,7 +27,8 @@ class DistEnv:
     master_port: int
     launcher: str
     job_id: str
-    #: How often the job was requeued/restarted (Slurm's SLURM_RESTART_COUNT, else torchrun's).
+    #: How often the job was requeued (SLURM_RESTART_COUNT); outside Slurm, how often
+    #: torchrun restarted the workers.
     restart_count: int
     hostname: str
     #: CPUs Slurm gave this task (SLURM_CPUS_PER_TASK), None outside Slurm.
@@ -38,6 +39,9 @@ class DistEnv:
     cuda_visible_devices: str | None = None
     #: torchrun's agent already hosts the rendezvous store, so rank 0 must not start one.
     store_hosted_by_launcher: bool = False
+    #: How often torchrun's agent restarted the workers in this allocation
+    #: (TORCHELASTIC_RESTART_COUNT; its --max-restarts bounds it).
+    elastic_restarts: int = 0
 
     @property
     def is_main(self) -> bool:

@@ -47,7 +47,13 @@ LAUNCHER_ORDER = ("torchelastic", "local", "slurm", "submitit-local", "single")
 def _resolve_torchelastic(environ: Mapping[str, str], hostname: str) -> DistEnv:
     world_size = read_int(environ, "WORLD_SIZE")
     local_world_size = read_int(environ, "LOCAL_WORLD_SIZE")
-    restarts = environ.get("SLURM_RESTART_COUNT") or environ.get("TORCHELASTIC_RESTART_COUNT")
+    elastic = environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    elastic_restarts = int(elastic) if elastic.isdigit() else 0
+    requeues = environ.get("SLURM_RESTART_COUNT", "")
+    if "SLURM_JOB_ID" in environ:
+        restart_count = int(requeues) if requeues.isdigit() else 0
+    else:
+        restart_count = elastic_restarts
     return DistEnv(
         rank=read_int(environ, "RANK"),
         local_rank=read_int(environ, "LOCAL_RANK"),
@@ -61,9 +67,10 @@ def _resolve_torchelastic(environ: Mapping[str, str], hostname: str) -> DistEnv:
         master_port=read_int(environ, "MASTER_PORT"),
         launcher="torchelastic",
         job_id=environ.get("SLURM_JOB_ID") or environ.get("TORCHELASTIC_RUN_ID", "torchrun"),
-        restart_count=int(restarts) if restarts and restarts.isdigit() else 0,
+        restart_count=restart_count,
         hostname=hostname,
         store_hosted_by_launcher=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        elastic_restarts=elastic_restarts,
         **gpu_fields(environ),  # type: ignore[arg-type]
     )
 

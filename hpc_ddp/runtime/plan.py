@@ -13,6 +13,7 @@ from pathlib import Path
 from hpc_ddp.runtime.config import DistConfig, RunConfig
 from hpc_ddp.runtime.env import DistEnv
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.gpus import cuda_indices, visible_gpu_count
 from hpc_ddp.runtime.rundir import check_plain_name
 
 
@@ -24,6 +25,12 @@ class DevicePlan:
     backend: str
     #: Why this device: shown by `hpc-ddp doctor`.
     reason: str
+    #: Every device this rank drives (``device`` first); several with dist.gpus_per_rank > 1.
+    devices: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            object.__setattr__(self, "devices", (self.device,))
 
 
 @dataclass(frozen=True)
@@ -83,51 +90,6 @@ def threads_per_rank(cpu_count: int, ranks: int) -> int:
     return max(1, cpu_count // ranks)
 
 
-def visible_gpu_count(cuda_visible_devices: str | None, cuda_device_count: int) -> int:
-    """GPUs this process can use: torch's count, else what CUDA_VISIBLE_DEVICES names.
-
-    The second form lets `hpc-ddp doctor` plan GPU placement on a node whose torch build
-    cannot see the devices (or before CUDA is initialised).
-    """
-    if cuda_device_count > 0:
-        return cuda_device_count
-    if cuda_visible_devices is None:
-        return 0
-    return len([item for item in cuda_visible_devices.split(",") if item.strip() and item != "-1"])
-
-
-def _cuda_index(dist_env: DistEnv, visible: int) -> tuple[int, str]:
-    """Which of the visible GPUs this rank drives (see the README's GPU section)."""
-    per_node = dist_env.local_world_size
-    if dist_env.gpus_per_task is not None:
-        if dist_env.gpus_per_task != 1 or visible != 1:
-            raise HpcDdpError(
-                f"this task sees {visible} GPU(s) with --gpus-per-task={dist_env.gpus_per_task}; "
-                "DDP drives exactly one GPU per task",
-                "request --gpus-per-task=1 with one task per GPU (--ntasks-per-node=GPUs per node)",
-            )
-        return 0, "--gpus-per-task=1: this task's own GPU is cuda:0"
-    if visible == per_node:
-        return dist_env.local_rank, f"{visible} GPUs shared by {per_node} tasks: cuda:LOCAL_RANK"
-    if visible == 1 and per_node == 1:
-        return 0, "one task, one GPU"
-    if visible < per_node:
-        raise HpcDdpError(
-            f"{per_node} tasks on node {dist_env.hostname} but only {visible} visible GPU(s)",
-            "run one task per GPU: --ntasks-per-node equal to --gpus-per-node "
-            "(`hpc-ddp render --gpus-per-node N` writes both)",
-        )
-    if dist_env.launcher == "slurm":
-        raise HpcDdpError(
-            f"{visible} GPUs visible to each of the {per_node} task(s) on node "
-            f"{dist_env.hostname}: {visible - per_node} would sit idle, and the task-to-GPU "
-            "mapping is ambiguous",
-            f"use --ntasks-per-node={visible} with --gpus-per-node={visible} (or "
-            f"--gres=gpu:{visible}): one task per GPU",
-        )
-    return dist_env.local_rank, f"{visible} GPUs visible, {per_node} local ranks: cuda:LOCAL_RANK"
-
-
 def gpu_binding_warning(dist_env: DistEnv, device: DevicePlan) -> str | None:
     """A warning when each task of a multi-GPU node sees only its own GPU (--gpus-per-task).
 
@@ -163,14 +125,15 @@ def plan_device(config: DistConfig, dist_env: DistEnv, cuda_device_count: int) -
             "dist.backend=nccl needs CUDA devices, and this process has none",
             "use dist.backend=auto (gloo on CPU)",
         )
+    k = config.gpus_per_rank
     if not use_cuda:
         backend = "gloo" if config.backend == "auto" else config.backend
-        return DevicePlan(
-            "cpu", backend, "no GPU visible" if wanted == "auto" else "dist.device=cpu"
-        )
-    index, reason = _cuda_index(dist_env, visible)
+        reason = "no GPU visible" if wanted == "auto" else "dist.device=cpu"
+        return DevicePlan("cpu", backend, reason, ("cpu",) * k)
+    indices, reason = cuda_indices(dist_env, visible, k)
     backend = "nccl" if config.backend == "auto" else config.backend
-    return DevicePlan(f"cuda:{index}", backend, reason)
+    devices = tuple(f"cuda:{index}" for index in indices)
+    return DevicePlan(devices[0], backend, reason, devices)
 
 
 def run_directory(config: RunConfig, name: str, dist_env: DistEnv) -> Path:
@@ -197,7 +160,8 @@ def describe_launch(plan: LaunchPlan) -> str:
     return (
         f"launcher={env.launcher} job={env.job_id} host={env.hostname} rank={env.rank}/"
         f"{env.world_size} local_rank={env.local_rank}/{env.local_world_size} node={env.node_rank}/"
-        f"{env.num_nodes} master={env.master_addr}:{env.master_port} device={plan.device.device} "
+        f"{env.num_nodes} master={env.master_addr}:{env.master_port} "
+        f"device={','.join(plan.device.devices)} "
         f"({plan.device.reason}) backend={plan.device.backend} cuda_visible="
         f"{env.cuda_visible_devices or '-'} run_dir={plan.run_dir}"
     )

@@ -101,6 +101,12 @@ class Run:
         return self._context.device
 
     @property
+    def devices(self) -> list[torch.device]:
+        """Every device this rank drives, :attr:`device` first: one, or ``dist.gpus_per_rank``
+        GPUs for a model split over several (place its parts there, then :meth:`wrap` it)."""
+        return [torch.device(name) for name in self._context.plan.device.devices]
+
+    @property
     def job_id(self) -> str:
         """The Slurm job id (stable across requeues), or the launcher's run id."""
         return self.env.job_id
@@ -140,8 +146,9 @@ class Run:
     def wrap(self, model: nn.Module, **ddp_options: Any) -> DistributedDataParallel:
         """``model`` on this rank's device inside DistributedDataParallel.
 
-        A module already spread over several devices (model parallel inside the rank) stays
-        where it is and is wrapped without ``device_ids``; feed its inputs to its first device.
+        A module already spread over several devices (model parallel inside the rank: its
+        parts placed on :attr:`devices`) stays where it is and is wrapped without
+        ``device_ids``; feed its inputs to its first device.
         ``ddp_options`` go to DistributedDataParallel (e.g. ``find_unused_parameters``).
         """
         devices = {tensor.device for tensor in [*model.parameters(), *model.buffers()]}

@@ -89,6 +89,11 @@ def _announce(plan: LaunchPlan, settings: RuntimeConfig, environ: Mapping[str, s
     if not env.is_main:
         return
     log.info(describe_launch(plan))
+    if env.elastic_restarts:
+        log.warning(
+            f"torchrun restarted the workers ({env.elastic_restarts} time(s) in this "
+            "allocation, at most its --max-restarts): the run goes on from its newest checkpoint"
+        )
     for warning in (
         agent_signal_gap(env.launcher, environ, settings.preempt.signal),
         gpu_binding_warning(env, plan.device),
@@ -217,6 +222,7 @@ def start(
                         dist_env.num_nodes,
                         dist_env.job_id,
                         dist_env.restart_count,
+                        dist_env.elastic_restarts,
                     ),
                     **_world_size_change(resume, dist_env.world_size),
                 },

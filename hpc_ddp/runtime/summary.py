@@ -30,6 +30,7 @@ def run_facts(
         "job_id": env.job_id,
         "run_id": context.run_dir.name,
         "restart_count": env.restart_count,
+        "elastic_restarts": env.elastic_restarts,
         "resumed_from_step": position.resumed_from_step,
         "resumed_from_world_size": position.resumed_from_world_size,
         "stopped_early": False,

@@ -133,6 +133,7 @@ class MlflowTracker:
         attempt_tags = {
             **tags,
             f"{self._attempt_prefix}.restart_count": tags.get("hpc_ddp.restart_count", "0"),
+            f"{self._attempt_prefix}.elastic_restarts": tags.get("hpc_ddp.elastic_restarts", "0"),
             f"{self._attempt_prefix}.start_step": str(start_step),
             f"{self._attempt_prefix}.world_size": tags.get("hpc_ddp.world_size", ""),
             "hpc_ddp.attempts": str(attempt + 1),
@@ -250,7 +251,12 @@ def start_tracker(config: TrackingConfig, output_dir: str, record: RunRecord) ->
 
 
 def run_tags(
-    launcher: str, world_size: int, num_nodes: int, job_id: str, restart_count: int
+    launcher: str,
+    world_size: int,
+    num_nodes: int,
+    job_id: str,
+    restart_count: int,
+    elastic_restarts: int = 0,
 ) -> dict[str, str]:
     """The tags every run carries, so runs can be found by job id and launch shape."""
     tags = {
@@ -259,6 +265,7 @@ def run_tags(
         "hpc_ddp.num_nodes": str(num_nodes),
         "hpc_ddp.job_id": job_id,
         "hpc_ddp.restart_count": str(restart_count),
+        "hpc_ddp.elastic_restarts": str(elastic_restarts),
         "hpc_ddp.hostname": socket.gethostname(),
     }
     commit = git_commit()

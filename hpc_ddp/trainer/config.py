@@ -108,6 +108,12 @@ class ModelConfig:
     )
     hidden_sizes: list[int] = setting([256, 256], "mlp: widths of the hidden layers.")
     dropout: float = setting(0.0, "mlp: dropout probability after each hidden layer.")
+    stages: int = setting(
+        1,
+        "mlp: split the layers into this many consecutive stages, stage i on the rank's "
+        "device i (model parallel inside the rank, DDP across ranks; set dist.gpus_per_rank "
+        "to the same number on GPUs). 1: one piece.",
+    )
 
     def __post_init__(self) -> None:
         require(
@@ -117,6 +123,8 @@ class ModelConfig:
             "positive widths",
         )
         require(0 <= self.dropout < 1, "model.dropout", self.dropout, "0 <= x < 1")
+        layers = len(self.hidden_sizes) + 1
+        require(1 <= self.stages <= layers, "model.stages", self.stages, f"1 to {layers}")
         if self.kind == "custom" and not self.factory:
             raise HpcDdpError(
                 "model.kind=custom needs model.factory", "set model.factory=pkg.module:function"

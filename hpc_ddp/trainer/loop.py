@@ -22,7 +22,7 @@ from hpc_ddp.runtime.run import Run
 from hpc_ddp.runtime.start import start
 from hpc_ddp.trainer.config import Config, OptimConfig, resume_fingerprint
 from hpc_ddp.trainer.datasets import Datasets, ParquetSource, ParquetTrainLoader, build_datasets
-from hpc_ddp.trainer.models import build_model, check_model_takes
+from hpc_ddp.trainer.models import StagedMLP, build_model, check_model_takes
 from hpc_ddp.trainer.parquet import ParquetLoader
 from hpc_ddp.trainer.schedule import LrSchedule
 
@@ -118,6 +118,8 @@ def train(config: Config) -> dict[str, Any]:
     _refuse_empty(datasets)
     model = build_model(config, datasets.num_features, datasets.num_classes)
     check_model_takes(model, datasets.first_features(), datasets.num_classes)
+    if isinstance(model, StagedMLP):
+        model.place(run.devices)
     model = run.wrap(model)
     optimizer = make_optimizer(config.optim, model)
     train_loader, val_loader = make_loaders(run, config, datasets)

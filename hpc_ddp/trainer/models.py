@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -106,10 +107,39 @@ class MLP(nn.Module):
         return self.layers(features)
 
 
+class StagedMLP(nn.Module):
+    """The MLP's layers (created in the same order, so from the same seed the same weights)
+    in consecutive stages, each on its own device: model parallel inside a rank. The output
+    comes back to the first stage's device, where the inputs and labels live."""
+
+    def __init__(self, mlp: MLP, stages: int) -> None:
+        super().__init__()
+        linears = [i for i, layer in enumerate(mlp.layers) if isinstance(layer, nn.Linear)]
+        per_stage = -(-len(linears) // stages)
+        starts = [linears[i] for i in range(0, len(linears), per_stage)] + [len(mlp.layers)]
+        layers = list(mlp.layers)
+        self.stages = nn.ModuleList(
+            nn.Sequential(*layers[begin:end]) for begin, end in itertools.pairwise(starts)
+        )
+
+    def place(self, devices: Sequence[torch.device]) -> StagedMLP:
+        """Stage i on ``devices[i]``."""
+        for stage, device in zip(self.stages, devices, strict=False):
+            stage.to(device)
+        return self
+
+    def forward(self, features: Any) -> Any:
+        first = features.device
+        for stage in self.stages:
+            features = stage(features.to(next(stage.parameters()).device))
+        return features.to(first)
+
+
 def build_model(config: Config, num_features: int, num_classes: int) -> nn.Module:
     """The model the config asks for, on CPU, initialised from the global RNG."""
     if config.model.kind == "mlp":
-        return MLP(num_features, list(config.model.hidden_sizes), num_classes, config.model.dropout)
+        mlp = MLP(num_features, list(config.model.hidden_sizes), num_classes, config.model.dropout)
+        return mlp if config.model.stages == 1 else StagedMLP(mlp, config.model.stages)
     model = call_factory(
         str(config.model.factory),
         "model.factory",

@@ -75,11 +75,16 @@ export OMP_NUM_THREADS=$(( threads > 0 ? threads : 1 ))
 # the ranks time to finish their checkpoint before it kills them.
 export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2}
 export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-100}
+# A worker that dies (a crash, kill -9, a lost GPU) does not end the job: torchrun's agents
+# restart every worker in this allocation, up to this many times, and they resume from the
+# newest checkpoint. Past it the step fails (--kill-on-bad-exit) and the job ends.
+max_restarts=${TORCHRUN_MAX_RESTARTS:-3}
 
 echo "job ${SLURM_JOB_ID}: torchrun on ${SLURM_JOB_NUM_NODES} node(s) x ${ranks_per_node} ranks, rendezvous ${head_node}:${rendezvous_port}"
 srun --kill-on-bad-exit=1 "$python" -m torch.distributed.run \
     --nnodes="$SLURM_JOB_NUM_NODES" \
     --nproc-per-node="$ranks_per_node" \
+    --max-restarts="$max_restarts" \
     --rdzv-backend=c10d \
     --rdzv-endpoint="${head_node}:${rendezvous_port}" \
     --rdzv-id="$SLURM_JOB_ID" \
