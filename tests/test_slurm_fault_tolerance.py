@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,6 +56,22 @@ def rank_pid(job_id: str, rank: int, timeout: float = 60, variable: str = "SLURM
                 return int(entry.name)
         time.sleep(0.2)
     pytest.fail(f"no process of rank {rank} of job {job_id}")
+
+
+def uninterrupted_weights(tmp_path: Path, overrides: list[str]) -> str:
+    """weights_sha256 of the same training on 2 local ranks, never interrupted."""
+    reference_dir = tmp_path / "reference"
+    reference = run_local(2, reference_dir, [*overrides, "tracking.enabled=false"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    return str(read_summary(reference_dir)["weights_sha256"])
+
+
+def the_mlflow_run(work: Path, job: str) -> Any:
+    """The one MLflow run every attempt of ``job`` logged into."""
+    client = MlflowClient(tracking_uri=default_tracking_uri(work / "runs"))
+    runs = client.search_runs(["1"], filter_string=f"tags.`hpc_ddp.job_id` = '{job}'")
+    assert len(runs) == 1, "every attempt logs into ONE run"
+    return runs[0]
 
 
 def preempt_and_wait(
@@ -105,15 +122,8 @@ def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
     assert summary["restart_count"] == 1 and summary["resumed_from_step"] == stop_step
     assert summary["global_step"] == 1200
 
-    reference_dir = tmp_path / "reference"
-    reference = run_local(2, reference_dir, [*LONG, "tracking.enabled=false"])
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    assert summary["weights_sha256"] == read_summary(reference_dir)["weights_sha256"]
-
-    client = MlflowClient(tracking_uri=default_tracking_uri(work / "runs"))
-    runs = client.search_runs(["1"], filter_string=f"tags.`hpc_ddp.job_id` = '{job}'")
-    assert len(runs) == 1, "both attempts log into ONE run"
-    run = runs[0]
+    assert summary["weights_sha256"] == uninterrupted_weights(tmp_path, LONG)
+    run = the_mlflow_run(work, job)
     assert run.info.status == "FINISHED"
     tags = run.data.tags
     assert (
@@ -125,6 +135,7 @@ def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
         "0",
         "1",
     )
+    client = MlflowClient(tracking_uri=default_tracking_uri(work / "runs"))
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "interval/train_loss")]
     assert steps == list(range(8, 1201, 8)), "0 steps lost or repeated"
 
@@ -219,15 +230,10 @@ def test_torchrun_restarts_a_killed_worker_in_the_allocation_and_the_run_ends_ex
     assert summary["resumed_from_step"] % 20 == 0 and summary["resumed_from_step"] > 0
     assert summary["global_step"] == 400
 
-    reference_dir = tmp_path / "reference"
-    reference = run_local(2, reference_dir, [*overrides, "tracking.enabled=false"])
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    assert summary["weights_sha256"] == read_summary(reference_dir)["weights_sha256"]
-
-    client = MlflowClient(tracking_uri=default_tracking_uri(work / "runs"))
-    runs = client.search_runs(["1"], filter_string=f"tags.`hpc_ddp.job_id` = '{job}'")
-    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
-    tags = runs[0].data.tags
+    assert summary["weights_sha256"] == uninterrupted_weights(tmp_path, overrides)
+    run = the_mlflow_run(work, job)
+    assert run.info.status == "FINISHED"
+    tags = run.data.tags
     restarts = [tags[f"hpc_ddp.attempt.{n}.elastic_restarts"] for n in (0, 1)]
     assert restarts == ["0", "1"]
 
