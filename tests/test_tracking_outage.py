@@ -186,6 +186,60 @@ def test_an_mlflow_server_killed_mid_run_leaves_training_and_its_record_whole(
     assert run.info.status == "FINISHED"
 
 
+def test_a_server_that_comes_back_mid_run_gets_the_whole_run_in_the_background(
+    tmp_path: Path,
+) -> None:
+    """Down at the start, up later: the run replays its record into MLflow on its own
+    (tracking.retry_s) and tracks on; every point is there once. The run trains until the
+    test stops it (SIGUSR1), so the server's start-up time does not matter."""
+    port = closed_port()
+    uri = f"http://127.0.0.1:{port}"
+    program = [
+        PROGRAM, "--epochs", "500", "--samples", "19200", "--log-interval", "25",
+        f"run.output_dir={tmp_path}", "run.id=back", f"tracking.uri={uri}", "tracking.retry_s=1",
+        "preempt.check_every_steps=1",
+    ]  # fmt: skip
+    process = start_program(2, program)
+    assert process.stderr is not None
+    seen: list[str] = []
+
+    def read_until(text: str) -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            seen.append(line)
+            if text in line:
+                return
+        raise AssertionError(f"{text!r} never came:\n{''.join(seen)[-3000:]}")
+
+    server = None
+    try:
+        read_until(f"MLflow at {uri} failed")
+        server = start_mlflow_server(tmp_path, port)
+        read_until(f"MLflow at {uri} answers again")
+        for _ in range(3):
+            read_until("INFO epoch")  # a few intervals logged the usual way
+        process.send_signal(signal.SIGUSR1)
+        _out, rest = process.communicate(timeout=120)
+        log = "".join(seen) + rest
+        assert process.returncode == EXIT_STOPPED, log[-3000:]
+        status = json.loads((tmp_path / "regression" / "back" / "status.json").read_text())
+        run_id = json.loads((tmp_path / "regression" / "back" / "tracking.json").read_text())
+        client = MlflowClient(tracking_uri=uri)
+        run = client.get_run(str(run_id["run_id"]))
+        history = client.get_metric_history(run.info.run_id, "interval/mse")
+    finally:
+        if process.poll() is None:
+            process.kill()
+        if server is not None:
+            stop_mlflow_server(server)
+    lines = (tmp_path / "regression" / "back" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines if "interval/mse" in line]
+    assert steps == list(range(25, status["global_step"] + 1, 25)) and len(steps) > 10
+    assert sorted(metric.step for metric in history) == steps, "every point once"
+    assert run.info.status == "KILLED" and run.data.tags["hpc_ddp.attempts"] == "1"
+    assert run.data.params["epochs"] == "500"
+
+
 def test_runs_that_open_a_new_sqlite_store_at_once_all_get_their_mlflow_run(
     tmp_path: Path,
 ) -> None:

@@ -186,6 +186,14 @@ class TrackingConfig:
         "at <output_dir>/mlflow.db, no server needed.",
     )
     experiment: str = setting("hpc_ddp", "MLflow experiment name.")
+    retry_s: float = setting(
+        60.0,
+        "After MLflow failed: seconds between background attempts to reach it again; when "
+        "one succeeds, the run's record (metrics.jsonl) is replayed and tracking goes on.",
+    )
+
+    def __post_init__(self) -> None:
+        require(self.retry_s > 0, "tracking.retry_s", self.retry_s, "> 0")
 
 
 @dataclass(frozen=True)

@@ -228,10 +228,11 @@ def start(
                 },
                 resume_run_id=resume[1].get("mlflow_run_id") if resume else None,
                 start_step=int(resume[1]["global_step"]) if resume else 0,
+                attempt_token=f"{dist_env.hostname}:{os.getpid()}:{entry_unix:.0f}",
             )
             loop = handle._loop  # the position object is replaced on resume: read it late
             context.tracker = ending.tracker = JournalTracker(
-                start_tracker(settings.tracking, settings.run.output_dir, record),
+                start_tracker(settings.tracking, settings.run.output_dir, record, plan.run_dir),
                 plan.run_dir,
                 lambda: (loop.position.global_step, loop.position.epoch),
                 dist_env.job_id,

@@ -5,6 +5,7 @@ other ranks never pay its import time (~2.4 s).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import socket
@@ -98,6 +99,9 @@ class RunRecord:
     resume_run_id: str | None = None
     #: The global step this attempt starts at.
     start_step: int = 0
+    #: Names this attempt (host, pid, time): a tracker started again for the same attempt
+    #: (after MLflow came back) continues its tags instead of adding an attempt.
+    attempt_token: str = ""
 
 
 class MlflowTracker:
@@ -129,6 +133,10 @@ class MlflowTracker:
             self._run, resumed_tags = resumed
         self.run_id: str | None = self._run
         attempt = sum(1 for key in resumed_tags if key.endswith(".start_step"))
+        for key, value in resumed_tags.items():
+            if record.attempt_token and key.endswith(".token") and value == record.attempt_token:
+                self._attempt_prefix = key.removesuffix(".token")  # this attempt, again
+                return
         self._attempt_prefix = f"hpc_ddp.attempt.{attempt}"
         attempt_tags = {
             **tags,
@@ -136,6 +144,7 @@ class MlflowTracker:
             f"{self._attempt_prefix}.elastic_restarts": tags.get("hpc_ddp.elastic_restarts", "0"),
             f"{self._attempt_prefix}.start_step": str(start_step),
             f"{self._attempt_prefix}.world_size": tags.get("hpc_ddp.world_size", ""),
+            f"{self._attempt_prefix}.token": record.attempt_token,
             "hpc_ddp.attempts": str(attempt + 1),
         }
         # Params are written once: a resumed run may change harmless keys (e.g. epochs), and
@@ -226,10 +235,13 @@ def tracking_uri(config: TrackingConfig, output_dir: str | Path) -> str:
     return config.uri or default_tracking_uri(output_dir)
 
 
-def start_tracker(config: TrackingConfig, output_dir: str, record: RunRecord) -> Tracker:
+def start_tracker(
+    config: TrackingConfig, output_dir: str, record: RunRecord, run_dir: Path | None = None
+) -> Tracker:
     """An MLflow run (rank 0 only: other ranks use a NullTracker), started in the background
     on first use; a failing MLflow never stops training (see GuardedTracker). A ``record``
-    with a ``resume_run_id`` continues that run."""
+    with a ``resume_run_id`` continues that run. With ``run_dir``, a tracker that failed is
+    tried again now and then: the run's record is replayed into MLflow and tracking goes on."""
     if not config.enabled:
         return NullTracker()
     from hpc_ddp.runtime.tracking_guard import GuardedTracker
@@ -247,7 +259,21 @@ def start_tracker(config: TrackingConfig, output_dir: str, record: RunRecord) ->
                 "pip install mlflow, or run with tracking.enabled=false",
             ) from None
 
-    return GuardedTracker(start, uri)
+    def recover() -> tuple[Tracker, set[tuple[str, int]]]:
+        from hpc_ddp.view.sync import sync_run
+
+        assert run_dir is not None
+        report = sync_run(run_dir, uri, live=True)
+        again = dataclasses.replace(record, resume_run_id=report.run_id)
+        with store_lock(uri):
+            return MlflowTracker(uri, config.experiment, artifact_root, again), report.points
+
+    return GuardedTracker(
+        start,
+        uri,
+        recover=recover if run_dir is not None else None,
+        retry_s=config.retry_s,
+    )
 
 
 def run_tags(

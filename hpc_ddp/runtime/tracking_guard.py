@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,6 +25,8 @@ MLFLOW_HTTP_SETTINGS = {
 #: The longest the training thread waits for MLflow at any one point (the run's id for a
 #: checkpoint, the run's end); past it, the run goes on without.
 WAIT_LIMIT_S = 30.0
+#: How often a tracker that failed is tried again (in the background, never in the way).
+RETRY_S = 60.0
 
 
 def export_mlflow_http_settings(environ: Any = os.environ) -> dict[str, str]:
@@ -46,9 +49,19 @@ class GuardedTracker:
     :meth:`suspend` wait, for at most ``wait_limit_s``."""
 
     def __init__(
-        self, start: Callable[[], Tracker], uri: str, wait_limit_s: float = WAIT_LIMIT_S
+        self,
+        start: Callable[[], Tracker],
+        uri: str,
+        wait_limit_s: float = WAIT_LIMIT_S,
+        recover: Callable[[], tuple[Tracker, set[tuple[str, int]]]] | None = None,
+        retry_s: float = RETRY_S,
     ) -> None:
         self._start = start
+        self._recover = recover
+        self._retry_s = retry_s
+        self._failed_at: float | None = None
+        #: (metric, step) points a recovery replayed: calls queued meanwhile skip them.
+        self._replayed: set[tuple[str, int]] = set()
         self._uri = uri
         self._wait_limit_s = wait_limit_s
         self._calls: queue.SimpleQueue[tuple[str, str, tuple[Any, ...]]] = queue.SimpleQueue()
@@ -79,21 +92,55 @@ class GuardedTracker:
         finally:
             self._started.set()
         while True:
-            doing, method, args = self._calls.get()
+            try:
+                doing, method, args = self._calls.get(timeout=self._retry_s)
+            except queue.Empty:
+                doing, method, args = "", "_idle", ()
+            if tracker is None and method not in ("finish", "suspend", "_done"):
+                tracker = self._retry()  # never at a stop or the end: they must not wait
             done = args[-1] if method == "_done" else None
             if done is not None:
                 done.set()
                 continue
-            if tracker is None:
+            if tracker is None or method == "_idle":
                 continue
+            if method == "log_metrics" and self._replayed:
+                metrics, step = args
+                metrics = {k: v for k, v in metrics.items() if (k, step) not in self._replayed}
+                if not metrics:
+                    continue
+                args = (metrics, step)
             try:
                 getattr(tracker, method)(*args)
             except BaseException as error:
                 self._fail(doing, error)
                 tracker = None
 
+    def _retry(self) -> Tracker | None:
+        """The tracker again, after replaying the run's record, once RETRY_S passed since
+        it failed; None while MLflow stays away."""
+        if self._recover is None or self._failed_at is None:
+            return None
+        if time.monotonic() - self._failed_at < self._retry_s:
+            return None
+        try:
+            tracker, self._replayed = self._recover()
+        except BaseException as error:
+            self._failed_at = time.monotonic()
+            get_logger().debug(f"MLflow at {self._uri} still fails: {_first_line(error)}")
+            return None
+        self._run_id = tracker.run_id
+        self._status = f"recovered after: {self._status.removeprefix('failed: ')}"
+        self._failed_at = None
+        get_logger().warning(
+            f"MLflow at {self._uri} answers again: the run's record was replayed into run "
+            f"{tracker.run_id} and tracking goes on"
+        )
+        return tracker
+
     def _fail(self, doing: str, error: BaseException) -> None:
-        if self._status != "ok":
+        self._failed_at = time.monotonic()
+        if self._status.startswith("failed"):
             return
         self._status = f"failed: {doing}: {_first_line(error)}"
         get_logger().warning(

@@ -33,6 +33,8 @@ class SyncReport:
     added: int
     already: int
     status: str | None
+    #: Every (metric, step) point of the record, now in MLflow.
+    points: set[tuple[str, int]]
 
 
 def _read_tracking(run_dir: Path) -> dict[str, Any]:
@@ -65,11 +67,13 @@ def _refuse_live(run_dir: Path, status: dict[str, Any]) -> None:
     )
 
 
-def sync_run(run_dir: Path, uri: str | None = None) -> SyncReport:
-    """Replay ``run_dir``'s record into MLflow at ``uri`` (default: the run's own)."""
+def sync_run(run_dir: Path, uri: str | None = None, live: bool = False) -> SyncReport:
+    """Replay ``run_dir``'s record into MLflow at ``uri`` (default: the run's own).
+    ``live``: the run itself catching up after an outage (it is running, of course)."""
     tracking = _read_tracking(run_dir)
     status = read_status(run_dir) or {}
-    _refuse_live(run_dir, status)
+    if not live:
+        _refuse_live(run_dir, status)
     uri = uri or str(tracking["uri"])
     from hpc_ddp.runtime.tracking_guard import export_mlflow_http_settings
 
@@ -116,7 +120,8 @@ def sync_run(run_dir: Path, uri: str | None = None) -> SyncReport:
             "already there are skipped",
         ) from None
     _remember(run_dir, tracking, uri, run_id)
-    return SyncReport(run_id, uri, created, len(new), len(points) - len(new), final)
+    replayed = {(point.key, point.step) for point in points}
+    return SyncReport(run_id, uri, created, len(new), len(points) - len(new), final, replayed)
 
 
 def _known_run(tracking: dict[str, Any], uri: str) -> str | None:
