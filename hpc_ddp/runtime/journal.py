@@ -106,6 +106,10 @@ class JournalTracker:
         }
         self._write_status()
         self._tracking = dict(tracking) if tracking is not None else None
+        try:
+            self._previous_tracking: str | None = (run_dir / TRACKING_FILE).read_text()
+        except OSError:
+            self._previous_tracking = None
         self._write_tracking()
 
     def _write_tracking(self) -> None:
@@ -164,14 +168,18 @@ class JournalTracker:
         self._guarded(write)
 
     def restore_previous(self) -> None:
-        """Put status.json back as this attempt found it (an attempt that did nothing)."""
-        path, previous = self._run_dir / STATUS_FILE, self._previous_text
+        """Put status.json and tracking.json back as this attempt found them (an attempt
+        that did nothing)."""
 
         def put_back() -> None:
-            if previous is None:
-                path.unlink(missing_ok=True)
-            else:
-                path.write_text(previous)
+            for name, previous in (
+                (STATUS_FILE, self._previous_text),
+                (TRACKING_FILE, self._previous_tracking),
+            ):
+                if previous is None:
+                    (self._run_dir / name).unlink(missing_ok=True)
+                else:
+                    (self._run_dir / name).write_text(previous)
 
         self._guarded(put_back)
 
