@@ -52,6 +52,11 @@ def check_resumable(saved: Mapping[str, str], current: Mapping[str, str], path: 
         )
 
 
+def saved_world_size(saved: Mapping[str, Any]) -> int:
+    """How many ranks wrote a checkpoint (older ones say it by their random streams)."""
+    return int(saved.get("world_size", len(saved["rng"])))
+
+
 def list_checkpoints(directory: Path) -> list[Path]:
     """Checkpoints in ``directory``, newest (highest step) first."""
     if not directory.is_dir():

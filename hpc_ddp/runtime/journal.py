@@ -68,6 +68,13 @@ def read_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
             yield entry
 
 
+def replace_json(path: Path, data: Any) -> None:
+    """Write a small JSON file so that readers see the old one or the new one, never half."""
+    partial = path.with_name(f".{path.name}.tmp")
+    partial.write_text(json.dumps(data, sort_keys=True, default=str) + "\n")
+    partial.replace(path)
+
+
 def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None  # strict JSON has no NaN
 
@@ -115,16 +122,8 @@ class JournalTracker:
     def _write_tracking(self) -> None:
         """tracking.json, with the MLflow run's id once the tracker knows it."""
         tracking = self._tracking
-        if tracking is None:
-            return
-        text = json.dumps(tracking, sort_keys=True, default=str)
-
-        def write() -> None:
-            partial = self._run_dir / f".{TRACKING_FILE}.tmp"
-            partial.write_text(text + "\n")
-            partial.replace(self._run_dir / TRACKING_FILE)
-
-        self._guarded(write)
+        if tracking is not None:
+            self._guarded(lambda: replace_json(self._run_dir / TRACKING_FILE, tracking))
 
     def _note_run_id(self) -> None:
         if self._tracking is not None and self._inner.run_id != self._tracking.get("run_id"):
@@ -157,13 +156,11 @@ class JournalTracker:
         if state is not None:
             self._status["state"] = state
         self._status.update(global_step=step, epoch=epoch, updated=time.time())
-        text = json.dumps(self._status, sort_keys=True)
+        status = dict(self._status)
 
         def write() -> None:
             self._run_dir.mkdir(parents=True, exist_ok=True)
-            partial = self._run_dir / f".{STATUS_FILE}.tmp"
-            partial.write_text(text + "\n")
-            partial.replace(self._run_dir / STATUS_FILE)
+            replace_json(self._run_dir / STATUS_FILE, status)
 
         self._guarded(write)
 

@@ -14,6 +14,7 @@ from hpc_ddp.runtime.checkpoint import (
     load_checkpoint,
     load_newest,
     remove_partial_writes,
+    saved_world_size,
 )
 from hpc_ddp.runtime.data import mixed_seed
 from hpc_ddp.runtime.dist import broadcast_object
@@ -62,7 +63,8 @@ def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, 
         f"resumed from {path} at step {position.global_step} (epoch {position.epoch}, step "
         f"{position.step_in_epoch} of the epoch)"
     )
-    resumed = Resumed(path, position.global_step, len(saved["rng"]), bool(saved.get("finished")))
+    finished = bool(saved.get("finished"))
+    resumed = Resumed(path, position.global_step, saved_world_size(saved), finished)
     if not streams_restored and loop.context.env.is_main:
         get_logger().warning(
             f"the world size changed: the checkpoint was written by {resumed.world_size} "

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as torch_dist
 
 from hpc_ddp.runtime import configfile
-from hpc_ddp.runtime.checkpoint import check_resumable, fingerprint_of
+from hpc_ddp.runtime.checkpoint import check_resumable, fingerprint_of, saved_world_size
 from hpc_ddp.runtime.config import (
     CheckpointConfig,
     DistConfig,
@@ -53,6 +53,7 @@ from hpc_ddp.runtime.steps import StepLoop
 from hpc_ddp.runtime.tracking import (
     NullTracker,
     RunRecord,
+    artifact_root,
     run_tags,
     start_tracker,
     tracking_uri,
@@ -116,7 +117,7 @@ def _world_size_change(resume: Any, world_size: int) -> dict[str, str]:
     """The tag that records a resume on another number of ranks: old -> new."""
     if resume is None:
         return {}
-    saved = int(resume[1].get("world_size", len(resume[1]["rng"])))
+    saved = saved_world_size(resume[1])
     return {} if saved == world_size else {"hpc_ddp.world_size_change": f"{saved} -> {world_size}"}
 
 
@@ -127,7 +128,7 @@ def _tracking_record(settings: RuntimeConfig, record: RunRecord) -> dict[str, An
     return {
         "uri": tracking_uri(settings.tracking, settings.run.output_dir),
         "experiment": settings.tracking.experiment,
-        "artifact_root": str(Path(settings.run.output_dir).resolve() / "mlartifacts"),
+        "artifact_root": str(artifact_root(settings.run.output_dir).resolve()),
         "run_name": record.name,
         "params": {key: str(value) for key, value in record.params.items()},
         "tags": dict(record.tags),

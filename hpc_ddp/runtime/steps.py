@@ -19,7 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpc_ddp.runtime.checkpoint import FORMAT_VERSION, checkpoint_dir, save_checkpoint
+from hpc_ddp.runtime.checkpoint import (
+    FORMAT_VERSION,
+    checkpoint_dir,
+    save_checkpoint,
+    saved_world_size,
+)
 from hpc_ddp.runtime.context import RunContext
 from hpc_ddp.runtime.dist import broadcast_object, several_ranks
 from hpc_ddp.runtime.errors import Stopped
@@ -326,7 +331,7 @@ class StepLoop:
         position.global_step = int(saved["global_step"])
         position.train_time_s = float(saved["train_time_s"])
         position.resumed_from_step = position.global_step
-        position.resumed_from_world_size = int(saved.get("world_size", len(saved["rng"])))
+        position.resumed_from_world_size = saved_world_size(saved)
         position.last_checkpoint_step = position.global_step
         self.metrics.restore(saved["metrics"])
         if len(saved["rng"]) != env.world_size:

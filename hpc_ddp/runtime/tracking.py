@@ -235,6 +235,11 @@ def tracking_uri(config: TrackingConfig, output_dir: str | Path) -> str:
     return config.uri or default_tracking_uri(output_dir)
 
 
+def artifact_root(output_dir: str | Path) -> Path:
+    """Where the embedded store's runs keep their artifacts."""
+    return Path(output_dir) / "mlartifacts"
+
+
 def start_tracker(
     config: TrackingConfig, output_dir: str, record: RunRecord, run_dir: Path | None = None
 ) -> Tracker:
@@ -247,12 +252,12 @@ def start_tracker(
     from hpc_ddp.runtime.tracking_guard import GuardedTracker
 
     uri = tracking_uri(config, output_dir)
-    artifact_root = Path(output_dir) / "mlartifacts"
+    artifacts = artifact_root(output_dir)
 
     def start() -> Tracker:
         try:
             with store_lock(uri):
-                return MlflowTracker(uri, config.experiment, artifact_root, record)
+                return MlflowTracker(uri, config.experiment, artifacts, record)
         except ImportError as error:
             raise HpcDdpError(
                 f"tracking.enabled=true but mlflow cannot be imported ({error})",
@@ -266,7 +271,7 @@ def start_tracker(
         report = sync_run(run_dir, uri, live=True)
         again = dataclasses.replace(record, resume_run_id=report.run_id)
         with store_lock(uri):
-            return MlflowTracker(uri, config.experiment, artifact_root, again), report.points
+            return MlflowTracker(uri, config.experiment, artifacts, again), report.points
 
     return GuardedTracker(
         start,

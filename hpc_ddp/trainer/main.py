@@ -57,8 +57,7 @@ def dry_run(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
     datasets = build_datasets(config)
     torch.manual_seed(config.run.seed)
     model = build_model(config, datasets.num_features, datasets.num_classes)
-    check_model_takes(model, datasets.first_features(), datasets.num_classes)
-    logits = model(datasets.first_features().unsqueeze(0))
+    logits = check_model_takes(model, datasets.first_features(), datasets.num_classes)
     train_samples, val_samples = datasets.sizes()
     return {
         "plan": describe_launch(plan),

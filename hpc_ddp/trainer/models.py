@@ -59,9 +59,10 @@ def call_factory(path: str, what: str, arguments: tuple[Any, ...], contract: str
 MODEL_CONTRACT = "def build(config, num_features, num_classes) -> torch.nn.Module"
 
 
-def check_model_takes(model: nn.Module, features: Any, num_classes: int) -> None:
+def check_model_takes(model: nn.Module, features: Any, num_classes: int) -> torch.Tensor:
     """One sample through the model, in eval mode and without gradients (no random stream
-    is used): a model that does not fit the data is refused before training, not mid-way."""
+    is used): a model that does not fit the data is refused before training, not mid-way.
+    Returns its logits."""
     was_training = model.training
     model.eval()
     try:
@@ -84,6 +85,7 @@ def check_model_takes(model: nn.Module, features: Any, num_classes: int) -> None
             f"(batch, num_classes) = (1, {num_classes})",
             "end the model with a layer of num_classes outputs (cross-entropy on logits)",
         )
+    return logits
 
 
 class MLP(nn.Module):

@@ -50,7 +50,8 @@ def metric_kind(name: str) -> str | None:
     return "val" if is_validation(name) else "train"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -63,7 +64,7 @@ def _pid_alive(pid: int) -> bool:
 def _state(status: dict[str, Any]) -> str:
     state = str(status.get("state", "unknown"))
     same_host = status.get("host") == socket.gethostname()
-    if state == "running" and same_host and not _pid_alive(int(status.get("pid", 0)) or -1):
+    if state == "running" and same_host and not pid_alive(int(status.get("pid", 0)) or -1):
         return "lost"
     return state
 

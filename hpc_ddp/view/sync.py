@@ -9,15 +9,15 @@ same metric at the same step) are skipped, so a sync can be repeated.
 from __future__ import annotations
 
 import json
-import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.journal import TRACKING_FILE, read_metrics, read_status
+from hpc_ddp.runtime.journal import TRACKING_FILE, read_metrics, read_status, replace_json
 from hpc_ddp.runtime.tracking import store_lock
+from hpc_ddp.view.runs import pid_alive
 
 #: MLflow takes at most 1000 metrics per log_batch call.
 BATCH = 1000
@@ -57,9 +57,7 @@ def _read_tracking(run_dir: Path) -> dict[str, Any]:
 def _refuse_live(run_dir: Path, status: dict[str, Any]) -> None:
     if status.get("state") not in ("running", None) or status.get("host") != socket.gethostname():
         return
-    try:
-        os.kill(int(status.get("pid", 0)), 0)
-    except (OSError, ValueError):
+    if not pid_alive(int(status.get("pid", 0)) or -1):
         return  # its process is gone: the run was lost, its record is final
     raise HpcDdpError(
         f"run {run_dir} is still running (pid {status['pid']} on {status['host']})",
@@ -162,6 +160,4 @@ def _remember(run_dir: Path, tracking: dict[str, Any], uri: str, run_id: str) ->
         tracking["run_id"] = run_id
     else:
         tracking["synced"] = {**dict(tracking.get("synced", {})), uri: run_id}
-    partial = run_dir / f".{TRACKING_FILE}.tmp"
-    partial.write_text(json.dumps(tracking, sort_keys=True) + "\n")
-    partial.replace(run_dir / TRACKING_FILE)
+    replace_json(run_dir / TRACKING_FILE, tracking)
