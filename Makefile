@@ -2,7 +2,8 @@
 #
 #   make local-test            train the default config on NPROC local CPU ranks (gloo)
 #   make test                  the test suite (Slurm tests skip unless a cluster is up)
-#   make cluster-up            start the test Slurm cluster (root; installs Debian packages)
+#   make cluster-up            start the test Slurm cluster (root; installs Debian packages);
+#                              NODES=16 starts 16 nodes of 2 CPUs (default 2)
 #   make test-slurm            only the Slurm tests, failing if no cluster is up
 #   make cluster-down          stop the test cluster
 #   make install TORCH=...     (re)install; TORCH is the pip requirement for torch
@@ -16,6 +17,7 @@ BIN := $(VENV)/bin
 #   make install TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
 TORCH ?= torch==2.13.0
 NPROC ?= 2
+NODES ?= 2
 CONFIG ?= configs/digits.yaml
 ARGS ?=
 PYTEST_ARGS ?=
@@ -54,7 +56,7 @@ parquet-data: $(STAMP)
 		--out data/synthetic-parquet
 
 cluster-up:
-	$(PYTHON) tests/cluster/cluster.py up
+	$(PYTHON) tests/cluster/cluster.py up --nodes $(NODES)
 
 cluster-down:
 	$(PYTHON) tests/cluster/cluster.py down

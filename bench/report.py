@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import REPO, RESULTS
+from bench.report_scale import plot, scale_section, tracking_section
 
 HEADER = """# Benchmarks
 
@@ -302,11 +303,16 @@ def write_readme() -> Path:
         ("startup", _startup),
         ("checkpoint_io", _checkpoint),
         ("data_memory", _data_memory),
+        ("scale", scale_section),
+        ("tracking_cost", tracking_section),
     ):
         data = _load(name)
         if data is not None:
             machine = f"{data['machine']['cpus']} CPUs, {data['machine']['machine']}, Python {data['machine']['python']}"
             sections.append(render(data))
+    scale = _load("scale")
+    if scale is not None:
+        plot(scale)
     gpu = _load("gpu")
     path = REPO / "bench" / "README.md"
     path.write_text(

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import sys
 
-from bench import checkpoint_io, data_memory, gpu, interleaved, lm, overhead, report, startup
+from bench import (
+    checkpoint_io,
+    data_memory,
+    gpu,
+    interleaved,
+    lm,
+    overhead,
+    report,
+    scale,
+    startup,
+    tracking_cost,
+)
 
 
 def main() -> None:
@@ -16,9 +27,13 @@ def main() -> None:
         ("overhead", overhead),
         ("overhead_paired", interleaved),
         ("lm_paired", lm),
+        ("tracking_cost", tracking_cost),
     ):
         if not only or name in only:
             module.run()
+    # The scale figures need the test Slurm cluster (`make cluster-up NODES=16`).
+    if "scale" in only or (not only and scale.cluster_answers()):
+        scale.run()
     # The GPU figures need a GPU: taken where one is visible, or when asked for by name.
     if "gpu" in only or (not only and gpu.gpu_facts() is not None):
         gpu.run()

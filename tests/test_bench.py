@@ -59,3 +59,49 @@ def test_gpu_section_names_the_gpu_and_takes_medians() -> None:
     assert "backend nccl, device cuda:0, 512 steps" in section
     assert "MLflow run created" in section
     assert "| gpu_bound MLP 64-4096-4096-10 | 100,000 | 99,000 | 0.990 |" in section
+
+
+def _scale_row(world: int) -> dict[str, object]:
+    latest = {
+        "process_start": 0.5,
+        "entry": 2.0 + world,
+        "rendezvous": 2.5 + world,
+        "dist_ready": 2.6 + world,
+        "control_group": 3.0 + world,
+        "started": 3.1 + world,
+        "training": 5.0 + world,
+    }
+    return {
+        "rank0": {"first_step": 5.25 + world},
+        "latest_rank": latest,
+        "earliest_rank": latest,
+        "checkpoint_save_s": {
+            "replica_check": 0.01,
+            "gather_state": 0.02,
+            "write": 0.03,
+            "barrier": 0.04,
+        },
+        "ending_s": {"final_checkpoint": 0.1, "summary": 0.01, "close": 0.05},
+        "peak_rss_mib": 300.0,
+        "open_sockets": 3 * world,
+        "stop": {"checkpoint_on_disk_s": 1.5, "all_ranks_stopped_s": 2.0},
+    }
+
+
+def test_scale_section_splits_start_up_into_phases_that_add_up() -> None:
+    from bench.report_scale import scale_section, startup_phases
+
+    phases = startup_phases(_scale_row(4))
+    assert phases == {
+        "srun start": 0.5,
+        "imports": 5.5,
+        "rendezvous": 0.5,
+        "process groups": 0.5,
+        "data + model": 2.0,
+        "first step": 0.25,
+    }
+    assert sum(phases.values()) == 9.25  # the first step, seconds after the job's start
+    section = scale_section({"nodes": 2, "cores": 2, "by_world_size": {"4": _scale_row(4)}})
+    assert "| 4 | 0.50 | 5.50 | 0.50 | 0.50 | 2.00 | 0.25 | 9.2 |" in section
+    stop_save_end = "| 1.5 | 2.0 | 0.10 = 0.01 / 0.02 / 0.03 / 0.04 | 0.16 = 0.10 / 0.01 / 0.05 |"
+    assert f"| 4 {stop_save_end} 300 | 12 |" in section

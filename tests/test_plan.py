@@ -95,6 +95,14 @@ def test_more_tasks_than_gpus_fails_fast() -> None:
         plan_device(cuda_config(), env, cuda_device_count=2)
 
 
+def test_more_local_ranks_than_gpus_names_the_local_fix_not_slurms() -> None:
+    env = dist_env(launcher="local", local_world_size=2, local_rank=1, cuda_visible_devices=None)
+    with pytest.raises(HpcDdpError) as caught:
+        plan_device(cuda_config(), env, cuda_device_count=1)
+    assert "hpc-ddp local --nproc 1" in str(caught.value) and "dist.device=cpu" in str(caught.value)
+    assert "--ntasks-per-node" not in str(caught.value)
+
+
 def test_idle_gpus_under_slurm_are_an_error() -> None:
     with pytest.raises(HpcDdpError, match="2 would sit idle") as caught:
         plan_device(cuda_config(), dist_env(), cuda_device_count=4)

@@ -61,6 +61,13 @@ def test_sbatch_one_node_two_tasks(slurm: SlurmCluster, tmp_path: Path) -> None:
     )
     assert summary_path(work / "runs").parent.name == job
     assert "[rank 0/2]" in log and "[rank 1/2]" in log and '"world_size": 2' in log
+    # Nothing printed once per rank beyond its start line (a log of 4,096 ranks stays short):
+    # the template sets no deprecated torch variable that every rank would warn about.
+    assert "is deprecated" not in log, [line for line in log.splitlines() if "deprecated" in line]
+    summary_timings = summary["timeline_ranks"]["latest"]
+    assert summary_timings["first_step_unix"] >= summary_timings["entry_unix"]
+    assert set(summary["ending_s"]) == {"final_checkpoint", "summary", "close"}
+    assert summary["open_sockets"] > 0 and summary["peak_rss_mib"] > 50
     client = MlflowClient(tracking_uri=default_tracking_uri(work / "runs"))
     runs = client.search_runs(
         [e.experiment_id for e in client.search_experiments()],

@@ -151,10 +151,12 @@ def _refused_by_weights_only(error: Exception) -> bool:
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """One checkpoint, with ``weights_only=True``; raises for a damaged or foreign file.
 
-    A file that is whole but holds an object ``weights_only`` loading refuses is the user's
-    to fix, so that one is an HpcDdpError, not a damaged file to skip."""
+    The file is memory-mapped: a tensor is read from disk when it is used, so each of W ranks
+    reads the weights and its own random streams, not every rank's. A file that is whole but
+    holds an object ``weights_only`` loading refuses is the user's to fix, so that one is an
+    HpcDdpError, not a damaged file to skip."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:
         if _refused_by_weights_only(error):
             first = str(error).split("Unsupported global:")[-1].splitlines()[0].strip()

@@ -3,8 +3,10 @@ and the few cross-rank helpers the runtime uses, each a no-op without a group of
 
 from __future__ import annotations
 
+import os
 import socket
 import time
+from collections.abc import MutableMapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -92,11 +94,35 @@ def _rendezvous_store(dist_env: DistEnv, init_timeout_s: float) -> Store:
         ) from None
 
 
-def init_distributed(dist_env: DistEnv, device: DevicePlan, config: DistConfig) -> None:
-    """Select the GPU (before NCCL starts), meet the other ranks, build the process group."""
+#: gloo connects each pair of ranks only when they first talk, instead of every rank to every
+#: other when a group is made: without it each rank holds W-1 sockets per gloo group and
+#: making the group costs O(W) connections per rank (O(W^2) over the job).
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+
+
+def export_gloo_lazy_init(environ: MutableMapping[str, str]) -> bool:
+    """Turn on gloo's lazy connections (read by torch when a gloo group is made) unless the
+    user set TORCH_GLOO_LAZY_INIT; returns whether it wrote it."""
+    if GLOO_LAZY_INIT in environ:
+        return False
+    environ[GLOO_LAZY_INIT] = "1"
+    return True
+
+
+def init_distributed(
+    dist_env: DistEnv,
+    device: DevicePlan,
+    config: DistConfig,
+    timeline: dict[str, float] | None = None,
+) -> None:
+    """Select the GPU (before NCCL starts), meet the other ranks, build the process group.
+    ``timeline`` gets ``rendezvous_unix``: when this rank reached the store."""
     if device.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device.device))
+    export_gloo_lazy_init(os.environ)
     store = _rendezvous_store(dist_env, config.init_timeout_s)
+    if timeline is not None:
+        timeline["rendezvous_unix"] = time.time()
     dist.init_process_group(
         backend=device.backend,
         store=store,
@@ -141,3 +167,14 @@ def all_gather_object(value: T, group: Any | None = None) -> list[T]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value, group=group)
     return gathered
+
+
+def gather_object_to_main(value: T, group: Any | None = None) -> list[T]:
+    """Every rank's ``value`` in rank order on rank 0, [] elsewhere: rank 0 receives W
+    objects, the others send one (an all-gather would send every rank W objects)."""
+    if not several_ranks():
+        return [value]
+    is_main = dist.get_rank() == 0
+    gathered: list[Any] | None = [None] * dist.get_world_size() if is_main else None
+    dist.gather_object(value, gathered, dst=0, group=group)
+    return gathered or []

@@ -64,7 +64,10 @@ def cuda_indices(env: DistEnv, visible: int, k: int = 1) -> tuple[list[int], str
         if k == 1:
             raise HpcDdpError(
                 f"{per_node} tasks on node {env.hostname} but only {visible} visible GPU(s)",
-                "run one task per GPU: --ntasks-per-node equal to --gpus-per-node "
+                f"start at most {visible} local rank(s) (`hpc-ddp local --nproc {visible}`), "
+                "or CPU ranks with dist.device=cpu"
+                if env.launcher == "local"
+                else "run one task per GPU: --ntasks-per-node equal to --gpus-per-node "
                 "(`hpc-ddp render --gpus-per-node N` writes both)",
             )
         raise HpcDdpError(

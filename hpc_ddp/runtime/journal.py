@@ -53,6 +53,15 @@ def read_status(run_dir: Path) -> dict[str, Any] | None:
     return _parsed(text) or None
 
 
+def read_tracked_run_id(run_dir: Path) -> str | None:
+    """The MLflow run named in the run's tracking.json (None: none known)."""
+    try:
+        run_id = json.loads((run_dir / TRACKING_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
 def read_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
     """The run's metrics.jsonl, line by line; a torn last line (a killed writer) is skipped."""
     try:
@@ -197,6 +206,7 @@ class JournalTracker:
         self._guarded(append)
         self._write_status()
         self._inner.log_metrics(metrics, step)
+        self._note_run_id()  # as soon as MLflow named it, for a resume
 
     def log_json_artifact(self, name: str, data: Any) -> None:
         self._inner.log_json_artifact(name, data)

@@ -7,6 +7,7 @@ rank 0's weights alone, so a divergence must be named, not hidden.
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,20 +47,39 @@ def replica_fingerprint(model: nn.Module) -> torch.Tensor:
     return torch.stack(sums).cpu()
 
 
-def diverged_replicas(
-    model: nn.Module, world_size: int, group: Any | None
-) -> list[tuple[int, str]]:
-    """(rank, first differing state_dict entry) for every rank whose weights differ from rank
-    0's; empty when all replicas are equal (a collective every rank must call)."""
+@dataclass(frozen=True)
+class Divergence:
+    """Ranks whose weights differ from rank 0's: how many, and the lowest one's first entry."""
+
+    ranks: int
+    first_rank: int
+    first_entry: str
+
+
+def diverged_replicas(model: nn.Module, world_size: int, group: Any | None) -> Divergence | None:
+    """Which ranks' weights differ from rank 0's (None: all replicas are equal); a collective
+    every rank must call.
+
+    Every message is the size of one fingerprint or smaller, whatever the world size: rank 0's
+    fingerprint is broadcast, each rank compares its own, and two one-number all-reduces name
+    how many differ and the lowest such rank with its first differing entry."""
     if world_size == 1 or not several_ranks():
-        return []
+        return None
     mine = replica_fingerprint(model)
-    every = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(every, mine, group=group)
+    reference = mine.clone()
+    dist.broadcast(reference, src=0, group=group)
     names = list(model.state_dict())
-    diverged = []
-    for rank, theirs in enumerate(every[1:], start=1):
-        differs = (theirs != every[0]).nonzero()
-        if len(differs):
-            diverged.append((rank, names[int(differs[0])]))
-    return diverged
+    differs = (mine != reference).nonzero()
+    rank = dist.get_rank(group)
+    # rank * (entries + 1) + entry orders by rank first; a rank in sync sends the largest value.
+    no_divergence = world_size * (len(names) + 1)
+    first = torch.tensor(
+        [rank * (len(names) + 1) + int(differs[0]) if len(differs) else no_divergence]
+    )
+    count = torch.tensor([1 if len(differs) else 0])
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    if int(count) == 0:
+        return None
+    first_rank, entry = divmod(int(first), len(names) + 1)
+    return Divergence(int(count), first_rank, names[entry])

@@ -28,6 +28,7 @@ from hpc_ddp.runtime.plan import resolve_num_workers
 from hpc_ddp.runtime.resume import Found, Resumed, restore, seed_rank_streams
 from hpc_ddp.runtime.steps import StepLoop
 from hpc_ddp.runtime.summary import run_facts, write_summary
+from hpc_ddp.runtime.timeline import durations, mark, process_resources, rank_spread
 
 __all__ = ["Resumed", "Run"]
 
@@ -281,7 +282,7 @@ class Run:
         loop.begin(self.resume)
         if self.resumed is not None and self.resumed.finished and not loop.more_epochs():
             self._end_already_finished()
-        self._timeline.setdefault("training_unix", time.time())
+        mark(self._timeline, "training")
         loop.in_epochs = True
         try:
             while loop.more_epochs():
@@ -315,7 +316,7 @@ class Run:
         ``optimizer.step()`` once per step, i.e. when not :attr:`accumulating`. Without
         :meth:`epochs`, each call is the next epoch."""
         self._loop.begin(self.resume)
-        self._timeline.setdefault("training_unix", time.time())
+        mark(self._timeline, "training")
         return self._loop.steps(loader)
 
     # -- metrics -----------------------------------------------------------------------------
@@ -355,9 +356,16 @@ class Run:
         if self._finished:
             raise HpcDdpError("run.finish() was called twice", "call it once, after training")
         self._finished = True
+        ending = {"final_checkpoint": time.perf_counter()}
         self._loop.finish()
+        ending["summary"] = time.perf_counter()
+        if self._loop.position.first_step_unix is not None:
+            self._timeline.setdefault("first_step_unix", self._loop.position.first_step_unix)
+        spread = rank_spread(self._timeline, self._context.control_group)
         facts = {
             **run_facts(self._context, self._loop, self._started, self._timeline),
+            "timeline_ranks": spread,
+            **process_resources(),
             **(summary or {}),
         }
         if self.is_main:
@@ -365,9 +373,19 @@ class Run:
             self._context.tracker.log_json_artifact("summary.json", facts)
             facts["summary_path"] = str(path)
             get_logger().info(f"summary: {path}")
+        ending["close"] = time.perf_counter()
         self._context.close("FINISHED")
-        if self.is_main and facts["tracking"] != self._context.tracker.status:
-            facts["tracking"] = self._context.tracker.status  # MLflow failed at the very end
+        facts["ending_s"] = durations(ending, time.perf_counter())
+        # Known now even if MLflow was still starting when the summary was first written;
+        # its status may have changed at the very end.
+        facts["mlflow_run_id"] = self._context.tracker.run_id
+        facts["tracking"] = self._context.tracker.status
+        if self.is_main:
+            get_logger().info(
+                "run ended: "
+                + ", ".join(f"{phase} {s:.2f} s" for phase, s in facts["ending_s"].items())
+            )
+            # Again, now with the end's own times (and MLflow's final state).
             write_summary(self.run_dir, {k: v for k, v in facts.items() if k != "summary_path"})
         return facts
 

@@ -34,7 +34,8 @@ from hpc_ddp.runtime.env import (
     needs_allocation_task_count,
     resolve_dist_env,
 )
-from hpc_ddp.runtime.journal import JournalTracker
+from hpc_ddp.runtime.journal import JournalTracker, read_tracked_run_id
+from hpc_ddp.runtime.limits import open_file_warning, open_files_needed, raise_open_file_limit
 from hpc_ddp.runtime.logs import get_logger, setup_logging
 from hpc_ddp.runtime.plan import (
     LaunchPlan,
@@ -50,6 +51,7 @@ from hpc_ddp.runtime.rundir import claim_run_dir
 from hpc_ddp.runtime.signals import StopSignals
 from hpc_ddp.runtime.slurm import allocation_task_count
 from hpc_ddp.runtime.steps import StepLoop
+from hpc_ddp.runtime.timeline import mark, new_timeline
 from hpc_ddp.runtime.tracking import (
     NullTracker,
     RunRecord,
@@ -77,6 +79,14 @@ def resolve_launch(settings: RuntimeConfig, name: str, environ: Mapping[str, str
     check_job_signal(environ, settings.preempt.signal)
     cuda_count = torch.cuda.device_count() if settings.dist.device != "cpu" else 0
     return make_launch_plan(settings.dist, settings.run, name, dist_env, cuda_count)
+
+
+def _raise_open_file_limit(env: DistEnv) -> None:
+    """Enough descriptors for this rank's connections at this world size (see limits)."""
+    needed = open_files_needed(env.world_size, env.is_main)
+    soft, hard, enough = raise_open_file_limit(needed)
+    if not enough and env.is_main:
+        get_logger().warning(open_file_warning(env.world_size, needed, soft, hard))
 
 
 def _announce(plan: LaunchPlan, settings: RuntimeConfig, environ: Mapping[str, str]) -> None:
@@ -183,18 +193,20 @@ def start(
         for variable, previous in export_dist_env(dist_env, os.environ).items():
             log.debug(f"exported {variable}, replacing {previous!r}")
     _set_threads(dist_env, environment)
+    _raise_open_file_limit(dist_env)
     _announce(plan, settings, environment)
     signals = StopSignals(settings.preempt.signal, settings.preempt.stop_on_sigterm).install()
     ending = Ending(signals, str(dist_env.rank))
-    timeline = {"entry_unix": entry_unix}
+    timeline = new_timeline(entry_unix)
     try:
         if dist_env.is_main:  # before the process group: a refusal costs no rendezvous
             claim_run_dir(plan.run_dir)
-        init_distributed(dist_env, plan.device, settings.dist)
-        timeline["dist_ready_unix"] = time.time()
+        init_distributed(dist_env, plan.device, settings.dist, timeline)
+        mark(timeline, "dist_ready")
         # Control messages (stop agreement, barriers) go over gloo on the CPU, so they never
         # force a GPU synchronisation.
         group = torch_dist.new_group(backend="gloo") if dist_env.world_size > 1 else None
+        mark(timeline, "control_group")
         resume = None
         if settings.checkpoint.resume:
             resume = find_resume(plan.run_dir, dist_env.is_main, group)
@@ -227,7 +239,13 @@ def start(
                     ),
                     **_world_size_change(resume, dist_env.world_size),
                 },
-                resume_run_id=resume[1].get("mlflow_run_id") if resume else None,
+                # A checkpoint written while MLflow was still starting names no run:
+                # tracking.json does once it was known.
+                resume_run_id=(
+                    resume[1].get("mlflow_run_id") or read_tracked_run_id(plan.run_dir)
+                    if resume
+                    else None
+                ),
                 start_step=int(resume[1]["global_step"]) if resume else 0,
                 attempt_token=f"{dist_env.hostname}:{os.getpid()}:{entry_unix:.0f}",
             )
@@ -247,4 +265,5 @@ def start(
         ending("FAILED")
         raise
     watch(ending)
+    mark(timeline, "started")
     return handle

@@ -11,7 +11,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from hpc_ddp.runtime.dist import all_gather_object
+from hpc_ddp.runtime.dist import gather_object_to_main
 from hpc_ddp.runtime.errors import HpcDdpError
 
 
@@ -91,7 +91,10 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "python": [version, list(internal), gauss],
+        # A tensor, not a list: a checkpoint loaded with mmap then reads only the rank's own
+        # streams from disk, not all W ranks' (the list would be in the pickle every rank
+        # unpickles).
+        "python": [version, torch.tensor(internal, dtype=torch.int64), gauss],
     }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -99,14 +102,17 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
 
 def gathered_rng_states(device: torch.device, group: Any | None) -> list[dict[str, Any]]:
-    """Every rank's random streams, in rank order (a collective)."""
-    return all_gather_object(rng_state(device), group)
+    """Every rank's random streams, in rank order, on rank 0 ([] on the others; a
+    collective)."""
+    return gather_object_to_main(rng_state(device), group)
 
 
 def restore_rng(state: Mapping[str, Any], device: torch.device) -> None:
     """Continue the random streams saved by :func:`rng_state`."""
     torch.set_rng_state(state["torch"])
     version, internal, gauss = state["python"]
+    if isinstance(internal, torch.Tensor):
+        internal = internal.tolist()
     random.setstate((version, tuple(internal), gauss))
     if device.type == "cuda" and state.get("cuda") is not None:
         torch.cuda.set_rng_state(state["cuda"], device)

@@ -34,6 +34,7 @@ from hpc_ddp.runtime.replicas import diverged_replicas
 from hpc_ddp.runtime.requeue import requeue_job
 from hpc_ddp.runtime.signals import StepAgreement
 from hpc_ddp.runtime.state import gathered_rng_states, restore_rng
+from hpc_ddp.runtime.timeline import durations
 from hpc_ddp.runtime.watchdog import StallWatchdog
 
 #: The stop-signal check period the automatic setting aims at, and its upper bound in steps.
@@ -80,6 +81,9 @@ class StepLoop:
         self.in_epochs = False
         #: Set when :meth:`hpc_ddp.Run.epochs` ran to its end.
         self.completed = False
+        #: Seconds of the last checkpoint save by phase (replica check, state gather, rank 0's
+        #: write, the barrier after it); empty before the first save.
+        self.last_save_s: dict[str, float] = {}
         preempt = context.config.preempt
         self.check_every = preempt.check_every_steps or 1
         self.log_interval = log_interval or FIRST_LOG_INTERVAL
@@ -305,10 +309,12 @@ class StepLoop:
 
     def _save(self, reason: str) -> None:
         context, position = self.context, self.position
+        phases = {"replica_check": time.perf_counter()}
         self.check_replicas()
+        phases["gather_state"] = time.perf_counter()
         state = self.checkpoint_state(finished=reason == "end of training")
+        phases["write"] = time.perf_counter()
         if context.env.is_main:
-            started = time.perf_counter()
             path = save_checkpoint(
                 state,
                 checkpoint_dir(context.run_dir),
@@ -317,10 +323,12 @@ class StepLoop:
             )
             get_logger().info(
                 f"checkpoint ({reason}) step {position.global_step}: {path} "
-                f"({time.perf_counter() - started:.2f} s)"
+                f"({time.perf_counter() - phases['write']:.2f} s)"
             )
+        phases["barrier"] = time.perf_counter()
         if several_ranks():
             dist.barrier(group=context.control_group)
+        self.last_save_s = durations(phases, time.perf_counter())
 
     def restore(self, saved: dict[str, Any]) -> bool:
         """Continue where the checkpoint left off: position, metric sums and, when it was
@@ -344,14 +352,15 @@ class StepLoop:
         context, position = self.context, self.position
         for model in context.models():
             diverged = diverged_replicas(model, context.env.world_size, context.control_group)
-            if not diverged or position.replicas_diverged_at is not None:
+            if diverged is None or position.replicas_diverged_at is not None:
                 continue
             position.replicas_diverged_at = position.global_step
             if context.env.is_main:
-                ranks = ", ".join(f"rank {rank} ({name})" for rank, name in diverged)
+                others = f" and {diverged.ranks - 1} other rank(s)" if diverged.ranks > 1 else ""
                 get_logger().error(
                     f"model replicas differ from rank 0's at step {position.global_step}: "
-                    f"{ranks}; checkpoints hold rank 0's weights. HINT: DDP keeps replicas "
+                    f"rank {diverged.first_rank} ({diverged.first_entry}){others}; checkpoints "
+                    "hold rank 0's weights. HINT: DDP keeps replicas "
                     "equal only when every rank makes the same update: look for parameters "
                     "or buffers changed outside the optimizer on some ranks only (in-place "
                     "edits, rank-dependent branches, buffers not broadcast)"

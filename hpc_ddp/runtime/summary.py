@@ -50,6 +50,7 @@ def run_facts(
         "mlflow_run_id": context.tracker.run_id,
         "tracking": context.tracker.status,
         "timeline": dict(timeline),
+        "last_checkpoint_save_s": dict(loop.last_save_s),
     }
 
 

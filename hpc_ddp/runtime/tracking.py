@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import os
 import socket
 import subprocess
 import time
@@ -17,7 +18,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hpc_ddp.runtime.config import TrackingConfig
-from hpc_ddp.runtime.errors import HpcDdpError
 
 DEFAULT_DB_NAME = "mlflow.db"
 
@@ -243,26 +243,25 @@ def artifact_root(output_dir: str | Path) -> Path:
 def start_tracker(
     config: TrackingConfig, output_dir: str, record: RunRecord, run_dir: Path | None = None
 ) -> Tracker:
-    """An MLflow run (rank 0 only: other ranks use a NullTracker), started in the background
-    on first use; a failing MLflow never stops training (see GuardedTracker). A ``record``
-    with a ``resume_run_id`` continues that run. With ``run_dir``, a tracker that failed is
-    tried again now and then: the run's record is replayed into MLflow and tracking goes on."""
+    """An MLflow run (rank 0 only: other ranks use a NullTracker) driven from a child process
+    started now (see tracking_worker), the run created or reopened on first use; a failing
+    MLflow never stops training (see GuardedTracker). A ``record`` with a ``resume_run_id``
+    continues that run. With ``run_dir``, a tracker that failed is tried again now and then:
+    the run's record is replayed into MLflow and tracking goes on."""
     if not config.enabled:
         return NullTracker()
-    from hpc_ddp.runtime.tracking_guard import GuardedTracker
+    from hpc_ddp.runtime.tracking_guard import GuardedTracker, mlflow_http_settings
+    from hpc_ddp.runtime.tracking_worker import WorkerTracker, spawn_worker
 
     uri = tracking_uri(config, output_dir)
     artifacts = artifact_root(output_dir)
+    # Now, so that its imports overlap the run's start; with MLflow's HTTP retries cut short
+    # unless the user set them (MLflow reads them from its environment only).
+    worker = spawn_worker({**os.environ, **mlflow_http_settings(os.environ)})
 
     def start() -> Tracker:
-        try:
-            with store_lock(uri):
-                return MlflowTracker(uri, config.experiment, artifacts, record)
-        except ImportError as error:
-            raise HpcDdpError(
-                f"tracking.enabled=true but mlflow cannot be imported ({error})",
-                "pip install mlflow, or run with tracking.enabled=false",
-            ) from None
+        world_size = int(record.tags.get("hpc_ddp.world_size", "1"))
+        return WorkerTracker(uri, config.experiment, artifacts, record, (0, world_size), worker)
 
     def recover() -> tuple[Tracker, set[tuple[str, int]]]:
         from hpc_ddp.view.sync import sync_run

@@ -29,10 +29,15 @@ WAIT_LIMIT_S = 30.0
 RETRY_S = 60.0
 
 
+def mlflow_http_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """:data:`MLFLOW_HTTP_SETTINGS` that ``environ`` does not set (the user's values win)."""
+    return {key: value for key, value in MLFLOW_HTTP_SETTINGS.items() if key not in environ}
+
+
 def export_mlflow_http_settings(environ: Any = os.environ) -> dict[str, str]:
-    """Write :data:`MLFLOW_HTTP_SETTINGS` into ``environ`` where the user has not set them
-    (MLflow reads them only from the environment); returns what was written."""
-    written = {key: value for key, value in MLFLOW_HTTP_SETTINGS.items() if key not in environ}
+    """Write :func:`mlflow_http_settings` into ``environ`` (MLflow reads them only from the
+    environment); returns what was written."""
+    written = mlflow_http_settings(environ)
     environ.update(written)
     return written
 
@@ -43,10 +48,10 @@ def _first_line(error: BaseException) -> str:
 
 
 class GuardedTracker:
-    """Starts the tracker (importing mlflow, ~2.4 s, and creating or reopening the run) on a
-    background thread when first used, then makes every call to it on that thread, in order.
-    Nothing here raises into training, and only :attr:`run_id`, :meth:`finish` and
-    :meth:`suspend` wait, for at most ``wait_limit_s``."""
+    """Starts the tracker (creating or reopening the run) on a background thread when first
+    used, then makes every call to it on that thread, in order. Nothing here raises into
+    training, and only :meth:`finish` and :meth:`suspend` wait, for at most
+    ``wait_limit_s``."""
 
     def __init__(
         self,
@@ -66,7 +71,6 @@ class GuardedTracker:
         self._wait_limit_s = wait_limit_s
         self._calls: queue.SimpleQueue[tuple[str, str, tuple[Any, ...]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._started = threading.Event()
         #: The MLflow run once created; still named after MLflow failed (a resume reopens it).
         self._run_id: str | None = None
         self._status = "ok"
@@ -89,8 +93,6 @@ class GuardedTracker:
             self._run_id = tracker.run_id
         except BaseException as error:
             self._fail("could not start", error)
-        finally:
-            self._started.set()
         while True:
             try:
                 doing, method, args = self._calls.get(timeout=self._retry_s)
@@ -164,8 +166,9 @@ class GuardedTracker:
 
     @property
     def run_id(self) -> str | None:
+        """The MLflow run's id once it exists; None while MLflow is still starting (never
+        waited for: a checkpoint without it resumes the run named in tracking.json)."""
         self._ensure_started()
-        self._started.wait(self._wait_limit_s)
         return self._run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:

@@ -57,11 +57,11 @@ fi
 # NCCL's flight recorder: the last collectives of every rank, dumped when a collective times
 # out, to logs/nccl-trace-<job id>-rank-<rank>; `torchfrtrace logs/` names the rank that
 # stalled. Costs a ring buffer of 2000 entries per process group. Set 0 to turn it off.
-: "${TORCH_FR_BUFFER_SIZE:=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}}"
-export TORCH_FR_BUFFER_SIZE TORCH_NCCL_TRACE_BUFFER_SIZE=$TORCH_FR_BUFFER_SIZE
+# Only the TORCH_FR_* names: the older TORCH_NCCL_* ones make every rank print a deprecation
+# warning, a line per rank in the job's log.
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-: "${TORCH_FR_DUMP_TEMP_FILE:=$PWD/logs/nccl-trace-${SLURM_JOB_ID:-0}-rank-}"
-export TORCH_FR_DUMP_TEMP_FILE TORCH_NCCL_DEBUG_INFO_TEMP_FILE=$TORCH_FR_DUMP_TEMP_FILE
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$PWD/logs/nccl-trace-${SLURM_JOB_ID:-0}-rank-}
 
 args=("$@")
 if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from typing import Any
 
 import torch
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--samples", type=int, default=4800)
     parser.add_argument("--log-interval", type=int, default=None, help="steps between logs")
     parser.add_argument("--record-ids", default=None, help="folder: each rank's sample ids")
+    parser.add_argument("--step-pause", type=float, default=0.0, help="seconds: a slower step")
     args, overrides = parser.parse_known_args(argv)  # the rest: hpc_ddp's dotted overrides
 
     run = hpc_ddp.start(
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+                time.sleep(args.step_pause)
         val = evaluate(run, model.module, val_loader)
         best.value = min(best.value, float(val.mean))
         run.log_metrics({"val_mse": val.mean}, step=run.epoch + 1)

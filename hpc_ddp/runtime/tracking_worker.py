@@ -1,0 +1,203 @@
+"""Rank 0's MLflow client in a process of its own.
+
+mlflow's import (about 2 s of CPU), the store's schema check and every call after them run in
+a child process at a lower CPU priority, so none of it holds the training process's GIL: in
+a thread of rank 0 they stalled rank 0's steps, and every other rank waited for rank 0 in the
+next all-reduce. The parent side (:class:`WorkerTracker`) is a Tracker whose calls block
+until the child answered; GuardedTracker makes them on its background thread.
+
+The child ignores the job's signals (Slurm signals every process of a step): it ends when
+the parent says so, or when the parent is gone (without ending the MLflow run, as a rank
+killed outright would leave it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, Pipe
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.runtime.tracking import RunRecord
+
+#: The child's nice value: it gets the CPU that training leaves, and an equal share only
+#: when it is alone (at a run's end, training no longer competes).
+NICENESS = 10
+#: Stop and warning signals a job step receives; the parent handles them, the child must not
+#: die of them.
+JOB_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGURG")
+)
+
+
+@dataclass
+class Worker:
+    """A started child process and the parent's end of its pipe."""
+
+    process: subprocess.Popen[bytes]
+    connection: Connection
+
+
+def spawn_worker(environ: Mapping[str, str] | None = None) -> Worker:
+    """Start the child now: it imports mlflow and the store's module at once, and touches
+    no MLflow run until it is asked to (a run that ends with nothing to track leaves
+    MLflow as it was; the child leaves when the parent does)."""
+    ours, theirs = Pipe()
+    # Blocked here, the job's signals stay blocked in the child until it ignores them: one
+    # that arrives between the fork and that moment cannot end it.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hpc_ddp.runtime.tracking_worker", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env=None if environ is None else dict(environ),
+        )
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        theirs.close()
+    return Worker(process, ours)
+
+
+class WorkerTracker:
+    """An MLflow run driven from a child process (see the module docstring): created, or
+    reopened, when this is made."""
+
+    status = "ok"
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment: str,
+        artifact_root: Path,
+        record: RunRecord,
+        log_prefix: tuple[int, int] = (0, 1),
+        worker: Worker | None = None,
+    ) -> None:
+        worker = worker or spawn_worker()
+        self._process, self._connection = worker.process, worker.connection
+        self.run_id: str | None = self._call(
+            "start", tracking_uri, experiment, str(artifact_root), record, log_prefix
+        )
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            self._connection.send((method, args))
+            outcome, value = self._connection.recv()
+        except (EOFError, OSError):
+            code = self._process.wait()
+            raise RuntimeError(f"the tracking process ended (exit status {code})") from None
+        if outcome == "error":
+            raise RuntimeError(value)
+        return value
+
+    def _end(self) -> None:
+        self._connection.close()
+        try:
+            self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self._call("log_metrics", dict(metrics), step)
+
+    def log_json_artifact(self, name: str, data: Any) -> None:
+        self._call("log_json_artifact", name, data)
+
+    def log_text_artifact(self, name: str, text: str) -> None:
+        self._call("log_text_artifact", name, text)
+
+    def finish(self, status: str) -> None:
+        try:
+            self._call("finish", status)
+        finally:
+            self._end()
+
+    def suspend(self) -> None:
+        # Not the end: a requeue that fails is followed by finish("KILLED"). After a requeue
+        # the parent exits, and the child, seeing it gone, leaves the run RUNNING.
+        self._call("suspend")
+
+
+def _start(
+    uri: str, experiment: str, artifacts: str, record: RunRecord, log_prefix: tuple[int, int]
+) -> Any:
+    from hpc_ddp.runtime.errors import HpcDdpError
+    from hpc_ddp.runtime.logs import setup_logging
+    from hpc_ddp.runtime.tracking import MlflowTracker, store_lock
+
+    setup_logging(*log_prefix)
+    try:
+        with store_lock(uri):
+            return MlflowTracker(uri, experiment, Path(artifacts), record)
+    except ImportError as error:
+        raise HpcDdpError(
+            f"tracking.enabled=true but mlflow cannot be imported ({error})",
+            "pip install mlflow, or run with tracking.enabled=false",
+        ) from None
+
+
+def serve(connection: Connection) -> int:
+    """Answer the parent's calls until it ends the run or goes away (then the MLflow run is
+    left as it is)."""
+    tracker: Any = None
+    while True:
+        try:
+            method, args = connection.recv()
+        except (EOFError, OSError):
+            return 0
+        try:
+            if method == "start":
+                tracker = _start(*args)
+                value = tracker.run_id
+            else:
+                value = getattr(tracker, method)(*args)
+            answer: tuple[str, Any] = ("ok", value)
+        except Exception as error:
+            lines = str(error).strip().splitlines()
+            answer = ("error", f"{type(error).__name__}: {lines[0] if lines else ''}")
+        try:
+            connection.send(answer)
+        except OSError:
+            return 0
+        if method == "finish":
+            # Every call was synchronous, so all is stored: skip mlflow's exit hooks (about
+            # a second of interpreter teardown) that the parent would otherwise wait for.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+
+def _leave_with(parent: int) -> None:
+    """Exit as soon as the parent is gone, even in the middle of a call (MLflow retrying a
+    server that is down): the child must not hold the rank's output open after it."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def main(argv: list[str]) -> int:
+    threading.Thread(target=_leave_with, args=(os.getppid(),), daemon=True).start()
+    for number in JOB_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
+    os.nice(NICENESS)
+    connection = Connection(int(argv[0]))
+    try:  # the slow part of starting, done while the parent starts its run
+        import mlflow
+        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+    except Exception:
+        pass  # "start" reports it, with its fix
+    return serve(connection)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

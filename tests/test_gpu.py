@@ -1,0 +1,79 @@
+"""The CUDA path on a real GPU: NCCL, bf16, the GPU's random stream in checkpoints.
+
+Skipped where torch sees no CUDA device (CI has none); on a GPU machine run
+`pytest tests/test_gpu.py`. Nothing here is mocked: one local rank drives cuda:0 over NCCL.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_ddp.runtime.errors import EXIT_STOPPED
+from tests.helpers import REPO, run_local, signal_after, start_program
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
+
+SMALL = ["data.num_samples=8192", "data.batch_size=128", "train.epochs=2", "tracking.enabled=false"]
+#: As tests/test_fault_tolerance.py's run that is stopped mid-epoch, with dropout so that the
+#: GPU's random stream shapes the weights: a resume that lost it would train differently.
+RESUMABLE = [
+    "data.num_samples=12800",
+    "data.batch_size=64",
+    "train.epochs=3",
+    "train.log_interval=8",
+    "optim.schedule=cosine",
+    "optim.warmup_steps=10",
+    "checkpoint.every_steps=50",
+    "preempt.check_every_steps=1",
+    "model.dropout=0.1",
+    "tracking.enabled=false",
+]
+
+
+def summary_of(output: Path, run_id: str) -> dict[str, object]:
+    return json.loads((output / "synthetic-mlp" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_one_rank_trains_on_the_gpu_over_nccl_in_bf16(tmp_path: Path) -> None:
+    result = run_local(1, tmp_path, [*SMALL, "train.precision=bf16", "run.id=bf16"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    facts = summary_of(tmp_path, "bf16")
+    assert facts["backend"] == "nccl" and facts["device"] == "cuda:0", facts
+    assert facts["global_step"] == 128 and facts["replicas_in_sync"] is True
+    assert isinstance(facts["val_loss"], float) and facts["val_loss"] < 1.0, facts["val_loss"]
+
+
+def test_a_gpu_run_stopped_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
+    reference = run_local(1, tmp_path, [*RESUMABLE, "run.id=reference"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    config = ["--config", str(REPO / "configs/synthetic.yaml"), f"run.output_dir={tmp_path}"]
+    process = start_program(1, [*config, *RESUMABLE, "run.id=interrupted"])
+    log = signal_after(process, r"step (8[0-9]|9[0-9]|1[0-4][0-9])/600", signal.SIGUSR1)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert stop_step % 200 > 0, f"stopped at step {stop_step}, not mid-epoch"
+
+    resumed = run_local(1, tmp_path, [*RESUMABLE, "run.id=interrupted"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, actual = summary_of(tmp_path, "reference"), summary_of(tmp_path, "interrupted")
+    assert actual["device"] == "cuda:0" and actual["resumed_from_step"] == stop_step
+    assert actual["weights_sha256"] == expected["weights_sha256"]
+    assert actual["val_loss"] == expected["val_loss"]
+
+
+def test_more_local_ranks_than_gpus_is_refused_with_a_hint(tmp_path: Path) -> None:
+    nproc = torch.cuda.device_count() + 1
+    result = run_local(nproc, tmp_path, [*SMALL, "run.id=crowded"])
+    assert result.returncode != 0
+    assert f"{nproc} tasks" in result.stderr and "HINT:" in result.stderr, result.stderr[-3000:]
+    assert "dist.device=cpu" in result.stderr, "the local fix: CPU ranks, or fewer of them"
+    assert "Traceback" not in result.stderr

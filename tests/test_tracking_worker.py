@@ -1,0 +1,64 @@
+"""Rank 0's MLflow client in its own process: it outlives the job's signals, stores every
+call before it answers, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from hpc_ddp.runtime.tracking import RunRecord, default_tracking_uri
+from hpc_ddp.runtime.tracking_worker import WorkerTracker
+
+
+def _start(tmp_path: Path) -> WorkerTracker:
+    record = RunRecord(name="worker", params={"lr": 0.1}, tags={"hpc_ddp.world_size": "2"})
+    return WorkerTracker(
+        default_tracking_uri(tmp_path), "worker-test", tmp_path / "artifacts", record, (0, 2)
+    )
+
+
+def test_the_worker_ignores_job_signals_and_ends_with_the_run(tmp_path: Path) -> None:
+    tracker = _start(tmp_path)
+    child = tracker._process
+    for number in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        os.kill(child.pid, number)  # what Slurm sends every process of a step
+    tracker.log_metrics({"loss": 0.5}, 3)
+    tracker.log_json_artifact("summary.json", {"global_step": 3})
+    tracker.finish("FINISHED")
+    assert child.poll() == 0, "the worker exits as soon as the run is ended"
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    run = client.get_run(str(tracker.run_id))
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics == {"loss": 0.5}
+    assert run.data.params == {"lr": "0.1"}
+    assert [item.path for item in client.list_artifacts(run.info.run_id)] == ["summary.json"]
+
+
+def test_a_parent_that_goes_away_leaves_the_run_running(tmp_path: Path) -> None:
+    """As a rank killed outright would: the next attempt reopens the same MLflow run."""
+    tracker = _start(tmp_path)
+    tracker.log_metrics({"loss": 0.25}, 1)
+    tracker._connection.close()
+    deadline = time.monotonic() + 30
+    while tracker._process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tracker._process.returncode == 0
+    run = MlflowClient(tracking_uri=default_tracking_uri(tmp_path)).get_run(str(tracker.run_id))
+    assert run.info.status == "RUNNING"
+    assert run.data.metrics == {"loss": 0.25}
+
+
+def test_a_suspended_run_can_still_be_ended(tmp_path: Path) -> None:
+    """A stop that asked for a requeue suspends the run first; when the requeue is not
+    possible, the run is ended KILLED after all."""
+    tracker = _start(tmp_path)
+    tracker.suspend()
+    assert tracker._process.poll() is None, "a suspended run's worker waits for more"
+    tracker.finish("KILLED")
+    run = MlflowClient(tracking_uri=default_tracking_uri(tmp_path)).get_run(str(tracker.run_id))
+    assert run.info.status == "KILLED"
+    assert tracker._process.poll() == 0
