@@ -1,5 +1,4 @@
-import sys
-
 from hpc_ddp.cli import main
+from hpc_ddp.runtime.exits import exit_process
 
-sys.exit(main())
+exit_process(main())

@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
     from hpc_ddp.runtime.startup_signals import hold_stop_signals
 
     hold_stop_signals()  # before the user's program imports torch
+    from hpc_ddp.runtime.tracking_worker import prestart
+
+    prestart(os.environ, sys.argv[1:])  # mlflow's import overlaps torch's (rank 0)
     from hpc_ddp.launch.program import run_program
 
     program = program_arguments(args)
@@ -86,6 +89,10 @@ def train(args: argparse.Namespace) -> int:
     from hpc_ddp.runtime.startup_signals import hold_stop_signals
 
     hold_stop_signals()
+    if not args.dry_run:
+        from hpc_ddp.runtime.tracking_worker import prestart
+
+        prestart(os.environ, args.overrides)
     from hpc_ddp.trainer.main import main as train_main
 
     config = ["--config", args.config] if args.config else []

@@ -1,18 +1,24 @@
 """The built-in trainer's entry point: ``python -m hpc_ddp.train --config configs/x.yaml``.
 
 Stop signals are held from the first line, before the seconds of importing torch: a stop
-signal that arrives then is handled once training starts instead of killing the rank.
+signal that arrives then is handled once training starts instead of killing the rank. Rank
+0's tracking process starts there too, so that mlflow's import overlaps torch's.
 """
 
 from __future__ import annotations
 
 if __name__ == "__main__":
-    from hpc_ddp.runtime.startup_signals import hold_stop_signals
-
-    hold_stop_signals()
-
+    import os
     import sys
 
+    from hpc_ddp.runtime.startup_signals import hold_stop_signals
+    from hpc_ddp.runtime.tracking_worker import prestart
+
+    hold_stop_signals()
+    if "--dry-run" not in sys.argv:
+        prestart(os.environ, sys.argv[1:])
+
+    from hpc_ddp.runtime.exits import exit_process
     from hpc_ddp.trainer.main import main
 
-    sys.exit(main())
+    exit_process(main())

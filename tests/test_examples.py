@@ -144,18 +144,34 @@ def test_the_digits_confusion_counts_every_held_out_image_once(tmp_path: Path) -
     assert "confusion (rows: true digit, columns: predicted):" in stdout
 
 
-def test_the_plain_tutorial_script_runs_under_torchrun(tmp_path: Path) -> None:
-    """The "before" of the README's diff, as its users run it."""
-    result = subprocess.run(
+#: What torch prints when a rank aborts in the interpreter's teardown, after the script's last
+#: line (a C++ thread still joinable while modules are cleared; seen about once in 10 runs of
+#: the plain script on 2 busy cores; not seen in hpc_ddp's own runs).
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def run_plain_tutorial(snapshot: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(REPO / "examples/tutorial/plain_ddp.py"), "4", "2",
-         "--snapshot_path", str(tmp_path / "snapshot.pt")],
-        cwd=tmp_path, env=clean_environ(), capture_output=True, text=True, timeout=240,
+         str(REPO / "examples/tutorial/plain_ddp.py"), "4", "2", "--snapshot_path", str(snapshot)],
+        cwd=snapshot.parent, env=clean_environ(), capture_output=True, text=True, timeout=240,
         check=False,
     )  # fmt: skip
+
+
+def test_the_plain_tutorial_script_runs_under_torchrun(tmp_path: Path) -> None:
+    """The "before" of the README's diff, as its users run it. torch itself sometimes aborts a
+    rank at interpreter exit (:data:`TEARDOWN_ABORT`) after training ended: that, and only
+    that, is run once more, in a fresh folder."""
+    result = run_plain_tutorial(tmp_path / "snapshot.pt")
+    pattern = r"\[rank 0\] epoch \d \| last batch loss (\d+\.\d{6})"
+    if result.returncode != 0 and TEARDOWN_ABORT in result.stderr:
+        assert len(re.findall(pattern, result.stdout)) == 4, result.stderr[-3000:]
+        (tmp_path / "again").mkdir()
+        result = run_plain_tutorial(tmp_path / "again" / "snapshot.pt")
+        tmp_path = tmp_path / "again"
     assert result.returncode == 0, result.stderr[-3000:]
-    losses = [float(x) for x in re.findall(r"\[rank 0\] epoch \d \| last batch loss (\d+\.\d{6})",
-                                           result.stdout)]  # fmt: skip
+    losses = [float(x) for x in re.findall(pattern, result.stdout)]
     assert len(losses) == 4 and losses[-1] < 0.05
     snapshot = torch.load(tmp_path / "snapshot.pt", weights_only=True)
     assert snapshot["EPOCHS_RUN"] == 3, "saved after epochs 0 and 2 (every 2)"

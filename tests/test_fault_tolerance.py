@@ -331,6 +331,54 @@ def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(tmp_path: Path) -> N
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [1, 2, 3]
 
 
+def final_model(output: Path, run_id: str) -> dict[str, torch.Tensor]:
+    newest = list_checkpoints(output / "synthetic-mlp" / run_id / "checkpoints")[-1]
+    return torch.load(newest, weights_only=True)["objects"]["model"]  # type: ignore[no-any-return]
+
+
+def test_the_trainer_stopped_on_4_ranks_resumes_on_2_as_an_uninterrupted_2_rank_run(
+    tmp_path: Path,
+) -> None:
+    """The built-in trainer's side of a world-size change: the global batch (64) is split over
+    2 ranks instead of 4, training goes on from the stop, and the weights agree with an
+    uninterrupted 2-rank run to rounding (the all-reduce sums in another order)."""
+    reference = run_local(2, tmp_path, [*RESUMABLE, "run.id=reference", "tracking.enabled=false"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+
+    process = start_local(4, tmp_path, [*RESUMABLE, "run.id=moved", "tracking.enabled=false"])
+    log = signal_after(process, r"step (4[0-9]|5[0-9]|6[0-9])/600", signal.SIGUSR1)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert stop_step % 200 > 0, f"stopped at step {stop_step}, not mid-epoch"
+
+    resumed = run_local(2, tmp_path, [*RESUMABLE, "run.id=moved", "tracking.enabled=false"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "checkpoint was written by 4 ranks, this run has 2" in resumed.stderr
+    facts, expected = summary_of(tmp_path, "moved"), summary_of(tmp_path, "reference")
+    assert (facts["world_size"], facts["resumed_from_world_size"]) == (2, 4)
+    assert (facts["resumed_from_step"], facts["global_step"]) == (stop_step, 600)
+    for name, tensor in final_model(tmp_path, "reference").items():
+        torch.testing.assert_close(
+            final_model(tmp_path, "moved")[name], tensor, rtol=1e-4, atol=1e-5
+        )
+    assert abs(float(facts["val_loss"]) - float(expected["val_loss"])) < 1e-4  # type: ignore[arg-type]
+
+
+def test_the_trainer_refuses_a_new_world_size_when_dropout_draws_per_rank(tmp_path: Path) -> None:
+    """Each rank's dropout stream cannot be split or merged into another number of ranks:
+    the resume stops before training, names both world sizes and the fix."""
+    dropout = [*RESUMABLE, "model.dropout=0.1", "run.id=dropout", "tracking.enabled=false"]
+    process = start_local(4, tmp_path, dropout)
+    log = signal_after(process, r"step ([5-9]|1[0-9])/600", signal.SIGUSR1)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+
+    refused = run_local(2, tmp_path, dropout)
+    assert refused.returncode != 0
+    assert "the checkpoint was written by 4 ranks, this run has 2" in refused.stderr
+    assert "HINT: resume with 4 ranks" in refused.stderr, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+
+
 def test_resume_with_a_changed_model_is_refused(tmp_path: Path) -> None:
     first = run_local(
         1,

@@ -6,7 +6,6 @@ Skipped where torch sees no CUDA device (CI has none); on a GPU machine run
 
 from __future__ import annotations
 
-import json
 import re
 import signal
 from pathlib import Path
@@ -16,30 +15,17 @@ import torch
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from tests.helpers import REPO, run_local, signal_after, start_program
+from tests.test_fault_tolerance import RESUMABLE as MID_EPOCH_STOPPABLE
+from tests.test_fault_tolerance import summary_of
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
 )
 
 SMALL = ["data.num_samples=8192", "data.batch_size=128", "train.epochs=2", "tracking.enabled=false"]
-#: As tests/test_fault_tolerance.py's run that is stopped mid-epoch, with dropout so that the
+#: tests/test_fault_tolerance.py's run that is stopped mid-epoch, with dropout so that the
 #: GPU's random stream shapes the weights: a resume that lost it would train differently.
-RESUMABLE = [
-    "data.num_samples=12800",
-    "data.batch_size=64",
-    "train.epochs=3",
-    "train.log_interval=8",
-    "optim.schedule=cosine",
-    "optim.warmup_steps=10",
-    "checkpoint.every_steps=50",
-    "preempt.check_every_steps=1",
-    "model.dropout=0.1",
-    "tracking.enabled=false",
-]
-
-
-def summary_of(output: Path, run_id: str) -> dict[str, object]:
-    return json.loads((output / "synthetic-mlp" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
+RESUMABLE = [*MID_EPOCH_STOPPABLE, "model.dropout=0.1", "tracking.enabled=false"]
 
 
 def test_one_rank_trains_on_the_gpu_over_nccl_in_bf16(tmp_path: Path) -> None:

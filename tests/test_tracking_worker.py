@@ -11,7 +11,14 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 from hpc_ddp.runtime.tracking import RunRecord, default_tracking_uri
-from hpc_ddp.runtime.tracking_worker import WorkerTracker
+from hpc_ddp.runtime.tracking_worker import (
+    WorkerTracker,
+    _prestarted,
+    discard_prestarted,
+    prestart,
+    take_prestarted,
+)
+from tests.helpers import clean_environ
 
 
 def _start(tmp_path: Path) -> WorkerTracker:
@@ -62,3 +69,34 @@ def test_a_suspended_run_can_still_be_ended(tmp_path: Path) -> None:
     run = MlflowClient(tracking_uri=default_tracking_uri(tmp_path)).get_run(str(tracker.run_id))
     assert run.info.status == "KILLED"
     assert tracker._process.poll() == 0
+
+
+def test_only_rank_0_prestarts_a_worker_and_only_while_tracking_is_on() -> None:
+    environ = clean_environ()
+    assert not prestart({**environ, "RANK": "1"}, [])
+    assert not prestart({**environ, "RANK": "3", "SLURM_PROCID": "0"}, []), "torchrun's rank"
+    assert not prestart({**environ, "SLURM_PROCID": "0"}, ["--lr", "1", "tracking.enabled=false"])
+    assert not prestart({**environ, "HPC_DDP_OVERRIDES": "run.id=a tracking.enabled=false"}, [])
+    assert take_prestarted() is None
+
+
+def test_a_prestarted_worker_is_handed_over_once_and_drives_the_run(tmp_path: Path) -> None:
+    assert prestart({**clean_environ(), "SLURM_PROCID": "0"}, ["--lr", "1"])
+    worker = take_prestarted()
+    assert worker is not None and worker.process.poll() is None
+    assert take_prestarted() is None, "handed over once"
+    record = RunRecord(name="early", params={"lr": 1}, tags={"hpc_ddp.world_size": "1"})
+    tracker = WorkerTracker(
+        default_tracking_uri(tmp_path), "early", tmp_path / "artifacts", record, worker=worker
+    )
+    tracker.log_metrics({"loss": 0.25}, 1)
+    tracker.finish("FINISHED")
+    run = MlflowClient(tracking_uri=default_tracking_uri(tmp_path)).get_run(str(tracker.run_id))
+    assert (run.info.status, run.data.metrics) == ("FINISHED", {"loss": 0.25})
+
+
+def test_a_prestarted_worker_that_no_run_uses_is_ended_untouched(tmp_path: Path) -> None:
+    assert prestart({**clean_environ(), "RANK": "0"}, [])
+    process = _prestarted[-1].process
+    discard_prestarted()
+    assert process.returncode == -signal.SIGKILL and take_prestarted() is None

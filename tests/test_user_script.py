@@ -30,6 +30,7 @@ from tests.programs import regression
 
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
 FAULTS = str(REPO / "tests" / "programs" / "faults.py")
+TEARDOWN = str(REPO / "tests" / "programs" / "teardown.py")
 
 
 def result_of(output: str) -> dict[str, Any]:
@@ -229,6 +230,27 @@ def test_plain_python_gets_the_same_one_line_errors(tmp_path: Path) -> None:
     assert result.returncode == 2, result.stderr[-2000:]
     assert "[rank 0] error: cannot register settings=dict" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_failed_rank_leaves_without_the_interpreters_teardown(tmp_path: Path) -> None:
+    """After a failed run the process group is still up, and torch can abort a rank while the
+    interpreter tears its modules down (SIGABRT: the launcher saw 134 in place of the
+    documented code, rarely, on 2 busy cores; it cannot be forced here). A failed rank
+    leaves once its exit handlers ran, without that teardown; a finished rank exits as
+    usual. teardown.py marks both."""
+    settings = [f"run.output_dir={tmp_path}", "tracking.enabled=false"]
+    failed = run_local_program(2, [TEARDOWN, "raise", *settings, "run.id=failed"])
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert failed.stderr.count("exit handler ran") == 2
+    assert "module teardown ran" not in failed.stderr
+
+    plain = run_python([TEARDOWN, "raise", *settings, "run.id=plain"])  # the excepthook's way
+    assert plain.returncode == 1, plain.stderr[-3000:]
+    assert "exit handler ran" in plain.stderr and "module teardown ran" not in plain.stderr
+
+    finished = run_local_program(2, [TEARDOWN, "finish", *settings, "run.id=finished"])
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.stderr.count("module teardown ran") == 2, "the marker shows the teardown"
 
 
 def test_resuming_with_other_registered_objects_is_refused(tmp_path: Path) -> None:

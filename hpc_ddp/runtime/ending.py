@@ -13,7 +13,13 @@ from types import TracebackType
 
 from hpc_ddp.runtime.dist import shutdown_distributed
 from hpc_ddp.runtime.errors import EXIT_FAILURE
-from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
+from hpc_ddp.runtime.exits import (
+    leave,
+    process_group_alive,
+    rank_label,
+    report_failure,
+    toolkit_frame,
+)
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.signals import StopSignals
 from hpc_ddp.runtime.steps import StepLoop
@@ -80,10 +86,8 @@ def _excepthook(
         _previous_hook(kind, error, trace)
         return
     code = report_failure(error, label, toolkit_frame)
-    if code != EXIT_FAILURE:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if code != EXIT_FAILURE or process_group_alive():
+        leave(code)  # see exit_process
 
 
 @atexit.register

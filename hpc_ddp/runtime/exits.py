@@ -6,12 +6,14 @@ Standard library only, like :mod:`hpc_ddp.runtime.errors`.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType, TracebackType
+from typing import NoReturn
 
 from hpc_ddp.runtime.errors import (
     EXIT_FAILURE,
@@ -84,3 +86,33 @@ def report_failure(
     text = user_traceback(error, hidden or (lambda _path: False))
     print(f"[rank {label}] failed:\n{text}", file=sys.stderr, end="")
     return EXIT_FAILURE
+
+
+def process_group_alive() -> bool:
+    """True while torch.distributed has a process group (it is never imported for this)."""
+    distributed = sys.modules.get("torch.distributed")
+    return bool(
+        distributed is not None and distributed.is_available() and distributed.is_initialized()
+    )
+
+
+def leave(code: int) -> NoReturn:
+    """End the process now with ``code``: the exit handlers run and the streams are flushed
+    as at a normal exit, the interpreter's teardown is skipped (see :func:`exit_process`)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with ``code``, the documented one for how the rank ended.
+
+    After a failed run the process group is still up (tearing it down could wait for a peer
+    that is gone), and torch can then abort the process while the interpreter tears its
+    modules down: gloo's threads outlive it ("terminate called without an active
+    exception", SIGABRT), and the launcher sees 134 in place of ``code``. With a process
+    group up, the process leaves without that teardown (:func:`leave`)."""
+    if process_group_alive():
+        leave(code)
+    sys.exit(code)

@@ -60,6 +60,7 @@ from hpc_ddp.runtime.tracking import (
     start_tracker,
     tracking_uri,
 )
+from hpc_ddp.runtime.tracking_worker import discard_prestarted
 
 __all__ = ["end_active_run", "resolve_launch", "start"]
 
@@ -188,6 +189,8 @@ def start(
     run_name = name or settings.run.name or default_run_name()
     plan = resolve_launch(settings, run_name, environment)
     dist_env = plan.dist_env
+    if not (dist_env.is_main and settings.tracking.enabled):
+        discard_prestarted()
     log = setup_logging(dist_env.rank, dist_env.world_size)
     if export_env:
         for variable, previous in export_dist_env(dist_env, os.environ).items():
@@ -262,6 +265,7 @@ def start(
         torch.manual_seed(settings.run.seed)  # the same initial weights on every rank
         random.seed(settings.run.seed)
     except BaseException:
+        discard_prestarted()
         ending("FAILED")
         raise
     watch(ending)

@@ -251,13 +251,14 @@ def start_tracker(
     if not config.enabled:
         return NullTracker()
     from hpc_ddp.runtime.tracking_guard import GuardedTracker, mlflow_http_settings
-    from hpc_ddp.runtime.tracking_worker import WorkerTracker, spawn_worker
+    from hpc_ddp.runtime.tracking_worker import WorkerTracker, spawn_worker, take_prestarted
 
     uri = tracking_uri(config, output_dir)
     artifacts = artifact_root(output_dir)
-    # Now, so that its imports overlap the run's start; with MLflow's HTTP retries cut short
-    # unless the user set them (MLflow reads them from its environment only).
-    worker = spawn_worker({**os.environ, **mlflow_http_settings(os.environ)})
+    # Started at the rank's first line where it could be (prestart), else now: its imports
+    # overlap the run's start. MLflow's HTTP retries are cut short unless the user set them
+    # (MLflow reads them from its environment only).
+    worker = take_prestarted() or spawn_worker({**os.environ, **mlflow_http_settings(os.environ)})
 
     def start() -> Tracker:
         world_size = int(record.tags.get("hpc_ddp.world_size", "1"))

@@ -19,13 +19,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hpc_ddp.runtime.tracking import RunRecord
+if TYPE_CHECKING:
+    from hpc_ddp.runtime.tracking import RunRecord
 
 #: The child's nice value: it gets the CPU that training leaves, and an equal share only
 #: when it is alone (at a run's end, training no longer competes).
@@ -65,6 +66,53 @@ def spawn_worker(environ: Mapping[str, str] | None = None) -> Worker:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         theirs.close()
     return Worker(process, ours)
+
+
+#: The worker :func:`prestart` started, until :func:`take_prestarted` hands it over.
+_prestarted: list[Worker] = []
+#: The setting that turns tracking off, as a command line or HPC_DDP_OVERRIDES writes it.
+TRACKING_OFF = "tracking.enabled=false"
+
+
+def probably_rank_0(environ: Mapping[str, str]) -> bool:
+    """Whether the launcher made this process rank 0, before anything is resolved (torchrun's
+    RANK first: under torchrun, SLURM_PROCID numbers the agents, not the ranks)."""
+    rank = (
+        environ.get("RANK")
+        or environ.get("SLURM_PROCID")
+        or environ.get("SUBMITIT_LOCAL_GLOBALID")
+        or "0"
+    )
+    return rank == "0"
+
+
+def prestart(environ: Mapping[str, str], argv: Sequence[str]) -> bool:
+    """At a rank's first line, start rank 0's tracking process: mlflow's import (about 3 s of
+    CPU) then runs while the rank imports torch, not after it, where a short run would wait
+    for it at its end. Not on the other ranks, nor when the command line or
+    HPC_DDP_OVERRIDES turns tracking off. hpc_ddp.start takes the process over, or ends it
+    when the run does not track; it touches no MLflow run before that."""
+    settings = [*argv, *environ.get("HPC_DDP_OVERRIDES", "").split()]
+    if not probably_rank_0(environ) or TRACKING_OFF in settings:
+        return False
+    from hpc_ddp.runtime.tracking_guard import mlflow_http_settings
+
+    _prestarted.append(spawn_worker({**environ, **mlflow_http_settings(environ)}))
+    return True
+
+
+def take_prestarted() -> Worker | None:
+    """The worker :func:`prestart` started, once; None if it started none."""
+    return _prestarted.pop() if _prestarted else None
+
+
+def discard_prestarted() -> None:
+    """End a prestarted worker that no run will use (it has touched no MLflow run)."""
+    while _prestarted:
+        worker = _prestarted.pop()
+        worker.connection.close()
+        worker.process.kill()
+        worker.process.wait()
 
 
 class WorkerTracker:
