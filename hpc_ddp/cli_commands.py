@@ -71,10 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from hpc_ddp.runtime.startup_signals import hold_stop_signals
 
     hold_stop_signals()  # before the user's program imports torch
-    from hpc_ddp.runtime.tracking_worker import prestart
-
-    prestart(os.environ, sys.argv[1:])  # mlflow's import overlaps torch's (rank 0)
     from hpc_ddp.launch.program import run_program
+    from hpc_ddp.runtime.tracking_worker import prestart
 
     program = program_arguments(args)
     if program.kind == "builtin":
@@ -82,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
             "hpc-ddp run starts your own script or module",
             "e.g. hpc-ddp run train.py --lr 3e-4; the built-in trainer is python -m hpc_ddp.train",
         )
+    prestart(os.environ, program.args)  # mlflow's import overlaps torch's (rank 0)
     return run_program(program)
 
 

@@ -14,6 +14,7 @@ from hpc_ddp.runtime.env import (
     export_dist_env,
     needs_allocation_task_count,
     resolve_dist_env,
+    with_agreed_elastic_restarts,
 )
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.slurm import derive_master_port
@@ -207,6 +208,20 @@ def test_torchrun_resolves_and_keeps_its_store() -> None:
     assert (env.master_addr, env.master_port) == ("node1", 29500), "torchrun's store is not moved"
     assert env.store_hosted_by_launcher
     assert (env.launcher, env.job_id, env.restart_count) == ("torchelastic", "rdzv-1", 1)
+
+
+def test_the_jobs_elastic_restart_count_is_the_largest_any_agent_counted() -> None:
+    """An agent whose workers did not fail restarts them without counting: its ranks take the
+    count the others agree on (torchrun outside Slurm: it is also the attempt count)."""
+    plain = torchrun_vars(TORCHELASTIC_RESTART_COUNT="0")
+    env = resolve_dist_env(plain, configured_port=31000, hostname="node1")
+    agreed = with_agreed_elastic_restarts(env, 2, plain)
+    assert (agreed.elastic_restarts, agreed.restart_count) == (2, 2)
+    in_slurm = {**plain, "SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"}
+    env = resolve_dist_env(in_slurm, configured_port=31000, hostname="node1")
+    agreed = with_agreed_elastic_restarts(env, 2, in_slurm)
+    assert (agreed.elastic_restarts, agreed.restart_count) == (2, 1), "requeues stay Slurm's"
+    assert with_agreed_elastic_restarts(agreed, 2, in_slurm) is agreed
 
 
 def test_launcher_priority_is_pinned() -> None:

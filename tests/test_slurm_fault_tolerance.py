@@ -238,6 +238,39 @@ def test_torchrun_restarts_a_killed_worker_in_the_allocation_and_the_run_ends_ex
     assert restarts == ["0", "1"]
 
 
+def test_torchrun_on_two_nodes_restarts_when_one_node_loses_a_rank(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """kill -9 of a rank on the second of 2 nodes: only that node's agent counts a restart,
+    the other restarts its workers without counting. Every round of workers meets in a
+    store of its own (not keyed by the agents' differing counts), the ranks agree on the
+    count, and the job ends with the weights of an uninterrupted 4-rank run."""
+    work = prepare_workdir(tmp_path)
+    overrides = [*LONG, "checkpoint.every_steps=20", "train.epochs=1", "tracking.enabled=false"]
+    job = slurm.sbatch(
+        ["--nodes=2", str(REPO / "slurm" / "train-torchrun.sh"), "configs/synthetic.yaml",
+         f"run.output_dir={work / 'runs'}", *overrides],
+        work,
+    )  # fmt: skip
+    checkpoints = work / "runs" / "synthetic-mlp" / job / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not list_checkpoints(checkpoints) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.kill(rank_pid(job, 3, variable="RANK"), signal.SIGKILL)
+    state = slurm.wait(job, timeout=300)
+    log = (work / "logs" / f"hpc-ddp-torchrun-{job}.out").read_text()
+    assert state == "COMPLETED", log[-4000:]
+    assert "torchrun restarted the workers (1 time(s)" in log, log[-4000:]
+    summary = read_summary(work / "runs")
+    assert (summary["world_size"], summary["num_nodes"]) == (4, 2)
+    assert (summary["elastic_restarts"], summary["global_step"]) == (1, 400)
+    assert summary["resumed_from_step"] % 20 == 0 and summary["resumed_from_step"] > 0
+
+    reference = run_local(4, tmp_path / "reference", [*overrides, "run.id=reference"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert summary["weights_sha256"] == read_summary(tmp_path / "reference")["weights_sha256"]
+
+
 def test_time_limit_signal_checkpoints_and_a_resubmission_resumes(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:

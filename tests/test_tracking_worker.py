@@ -72,6 +72,7 @@ def test_a_suspended_run_can_still_be_ended(tmp_path: Path) -> None:
 
 
 def test_only_rank_0_prestarts_a_worker_and_only_while_tracking_is_on() -> None:
+    discard_prestarted()  # one an earlier in-process call may have left
     environ = clean_environ()
     assert not prestart({**environ, "RANK": "1"}, [])
     assert not prestart({**environ, "RANK": "3", "SLURM_PROCID": "0"}, []), "torchrun's rank"

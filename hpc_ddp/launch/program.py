@@ -18,6 +18,7 @@ from typing import Literal
 
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
+from hpc_ddp.runtime.tracking_worker import discard_prestarted
 
 #: The config the built-in trainer uses when a launch names none.
 DEFAULT_CONFIG = "configs/digits.yaml"
@@ -110,6 +111,13 @@ def program_from(
 def run_program(program: Program) -> int:
     """Run a user's script or module in this process as ``__main__`` and return the exit
     code: theirs, or the documented one for what ended it (README: Failure)."""
+    try:
+        return _run_program(program)
+    finally:
+        discard_prestarted()  # a tracking process the program's run never took
+
+
+def _run_program(program: Program) -> int:
     program.check()
     sys.argv = [program.name, *program.args]
     try:

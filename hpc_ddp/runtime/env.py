@@ -22,6 +22,7 @@ import os
 import re
 import socket
 from collections.abc import Mapping, MutableMapping
+from dataclasses import replace
 
 from hpc_ddp.runtime.distenv import DistEnv, gpu_fields, port_override, read_int
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -42,6 +43,17 @@ __all__ = [
 LOCAL_RUN_ID_VAR = "HPC_DDP_LOCAL_RUN_ID"
 SUBMITIT_LOCAL_JOB_VAR = "SUBMITIT_LOCAL_JOB_ID"
 LAUNCHER_ORDER = ("torchelastic", "local", "slurm", "submitit-local", "single")
+
+
+def with_agreed_elastic_restarts(env: DistEnv, agreed: int, environ: Mapping[str, str]) -> DistEnv:
+    """``env`` with torchrun's restart count as the job counts it, ``agreed`` being the largest
+    any rank's agent counted: an agent whose own workers did not fail restarts them without
+    counting, so on several nodes the counts differ. Outside Slurm it is also the attempt
+    count (see _resolve_torchelastic)."""
+    if agreed == env.elastic_restarts:
+        return env
+    restart_count = env.restart_count if "SLURM_JOB_ID" in environ else agreed
+    return replace(env, elastic_restarts=agreed, restart_count=restart_count)
 
 
 def _resolve_torchelastic(environ: Mapping[str, str], hostname: str) -> DistEnv:

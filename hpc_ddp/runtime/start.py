@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -33,6 +34,7 @@ from hpc_ddp.runtime.env import (
     export_dist_env,
     needs_allocation_task_count,
     resolve_dist_env,
+    with_agreed_elastic_restarts,
 )
 from hpc_ddp.runtime.journal import JournalTracker, read_tracked_run_id
 from hpc_ddp.runtime.limits import open_file_warning, open_files_needed, raise_open_file_limit
@@ -101,17 +103,30 @@ def _announce(plan: LaunchPlan, settings: RuntimeConfig, environ: Mapping[str, s
     if not env.is_main:
         return
     log.info(describe_launch(plan))
-    if env.elastic_restarts:
-        log.warning(
-            f"torchrun restarted the workers ({env.elastic_restarts} time(s) in this "
-            "allocation, at most its --max-restarts): the run goes on from its newest checkpoint"
-        )
     for warning in (
         agent_signal_gap(env.launcher, environ, settings.preempt.signal),
         gpu_binding_warning(env, plan.device),
     ):
         if warning:
             log.warning(warning)
+
+
+def _agree_on_elastic_restarts(
+    plan: LaunchPlan, group: Any, environ: Mapping[str, str]
+) -> LaunchPlan:
+    """The plan with torchrun's restart count that every rank agrees on (one all-reduce); rank
+    0 says when the workers were restarted."""
+    env = plan.dist_env
+    counts = torch.tensor([env.elastic_restarts], dtype=torch.int64)
+    if group is not None:
+        torch_dist.all_reduce(counts, op=torch_dist.ReduceOp.MAX, group=group)
+    agreed = with_agreed_elastic_restarts(env, int(counts.item()), environ)
+    if agreed.is_main and agreed.elastic_restarts:
+        get_logger().warning(
+            f"torchrun restarted the workers ({agreed.elastic_restarts} time(s) in this "
+            "allocation, at most its --max-restarts): the run goes on from its newest checkpoint"
+        )
+    return dataclasses.replace(plan, dist_env=agreed)
 
 
 def _set_threads(env: DistEnv, environ: Mapping[str, str]) -> None:
@@ -210,6 +225,9 @@ def start(
         # force a GPU synchronisation.
         group = torch_dist.new_group(backend="gloo") if dist_env.world_size > 1 else None
         mark(timeline, "control_group")
+        if dist_env.launcher == "torchelastic":
+            plan = _agree_on_elastic_restarts(plan, group, environment)
+            dist_env = plan.dist_env
         resume = None
         if settings.checkpoint.resume:
             resume = find_resume(plan.run_dir, dist_env.is_main, group)

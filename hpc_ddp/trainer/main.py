@@ -22,6 +22,7 @@ from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 from hpc_ddp.runtime.plan import describe_launch, micro_batch_size
 from hpc_ddp.runtime.rundir import check_creatable
 from hpc_ddp.runtime.start import resolve_launch
+from hpc_ddp.runtime.tracking_worker import discard_prestarted
 from hpc_ddp.trainer.config import Config, load_config
 from hpc_ddp.trainer.datasets import build_datasets
 from hpc_ddp.trainer.models import build_model, check_model_takes
@@ -86,6 +87,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     except (Exception, KeyboardInterrupt) as error:
         end_active_run(error)
         return report_failure(error, rank_label(environment), toolkit_frame)
+    finally:
+        discard_prestarted()  # one the run never took (a bad config, a dry run)
     if summary.get("summary_path"):
         print(json.dumps(summary, indent=2, sort_keys=True))
     return 0

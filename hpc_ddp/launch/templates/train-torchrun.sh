@@ -79,6 +79,11 @@ export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-100}
 # restart every worker in this allocation, up to this many times, and they resume from the
 # newest checkpoint. Past it the step fails (--kill-on-bad-exit) and the job ends.
 max_restarts=${TORCHRUN_MAX_RESTARTS:-3}
+# Each round of workers meets in a store of its own, at a port the agents agree on. With the
+# agents' shared store, the workers' keys are told apart by each agent's own restart count,
+# and an agent whose workers did not fail does not count the restart: on several nodes the
+# rounds' keys would then differ between nodes.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 echo "job ${SLURM_JOB_ID}: torchrun on ${SLURM_JOB_NUM_NODES} node(s) x ${ranks_per_node} ranks, rendezvous ${head_node}:${rendezvous_port}"
 srun --kill-on-bad-exit=1 "$python" -m torch.distributed.run \
