@@ -2,6 +2,7 @@
 #
 #   make local-test            train the default config on NPROC local CPU ranks (gloo)
 #   make test                  the test suite (Slurm tests skip unless a cluster is up)
+#   make test-all              the test suite and the tests marked slow
 #   make cluster-up            start the test Slurm cluster (root; installs Debian packages);
 #                              NODES=16 starts 16 nodes of 2 CPUs (default 2)
 #   make test-slurm            only the Slurm tests, failing if no cluster is up
@@ -24,7 +25,7 @@ PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: install local-test test test-slurm lint format clean cluster-up cluster-down parquet-data bench
+.PHONY: install local-test test test-all test-slurm lint format clean cluster-up cluster-down parquet-data bench
 
 # torch first and pinned, so the package's unpinned `torch` requirement is already met and pip
 # never fetches the multi-GB CUDA wheels on a CPU machine.
@@ -44,6 +45,9 @@ local-test: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest --slow $(PYTEST_ARGS)
 
 test-slurm: $(STAMP)
 	HPC_DDP_REQUIRE_SLURM=1 $(BIN)/python -m pytest -m slurm $(PYTEST_ARGS)

@@ -10,6 +10,26 @@ import pytest
 
 from tests.slurm_cluster import DEFAULT_CONF, SlurmCluster, cluster_unavailable_reason
 
+#: Set to 1 to run the tests marked slow (as ``--slow`` does).
+RUN_SLOW = "HPC_DDP_RUN_SLOW"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slow", action="store_true", help=f"also run the tests marked slow (or {RUN_SLOW}=1)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The default suite stays lean: a test marked slow repeats, at more cost, a guarantee
+    that a faster test pins too, so it runs only when asked for."""
+    if config.getoption("--slow") or os.environ.get(RUN_SLOW) == "1":
+        return
+    skip = pytest.mark.skip(reason="marked slow: run with --slow (make test-all)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
 
 @pytest.fixture(scope="session")
 def slurm() -> SlurmCluster:

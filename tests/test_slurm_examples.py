@@ -50,7 +50,12 @@ def summary_of(work: Path, example: Example) -> dict[str, Any]:
     return json.loads((work / "runs" / example.name / "job" / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("example", [LM, CNN, TUTORIAL], ids=lambda example: example.name)
+# One example in the default suite; the other two repeat its requeue path (pytest --slow).
+@pytest.mark.parametrize(
+    "example",
+    [LM, pytest.param(CNN, marks=pytest.mark.slow), pytest.param(TUTORIAL, marks=pytest.mark.slow)],
+    ids=lambda example: example.name,
+)
 def test_an_example_on_two_nodes_requeues_once_and_ends_with_the_uninterrupted_weights(
     slurm: SlurmCluster, tmp_path: Path, example: Example
 ) -> None:

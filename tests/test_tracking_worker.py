@@ -10,12 +10,15 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
+from hpc_ddp.runtime.exits import rank_label
 from hpc_ddp.runtime.tracking import RunRecord, default_tracking_uri
 from hpc_ddp.runtime.tracking_worker import (
+    MLFLOW_HTTP_SETTINGS,
     WorkerTracker,
     _prestarted,
     discard_prestarted,
     prestart,
+    probably_rank_0,
     take_prestarted,
 )
 from tests.helpers import clean_environ
@@ -101,3 +104,30 @@ def test_a_prestarted_worker_that_no_run_uses_is_ended_untouched(tmp_path: Path)
     process = _prestarted[-1].process
     discard_prestarted()
     assert process.returncode == -signal.SIGKILL and take_prestarted() is None
+
+
+def test_the_worker_gets_short_http_retries_unless_the_user_set_them() -> None:
+    """MLflow reads its HTTP retry settings from its environment only: a prestarted worker
+    and one started later must both get them, and the user's own values must win."""
+    assert prestart({**clean_environ(), "RANK": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "99"}, [])
+    process = _prestarted[-1].process
+    try:
+        lines = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+        seen = dict(line.decode().split("=", 1) for line in lines if b"=" in line)
+    finally:
+        discard_prestarted()
+    assert (
+        seen["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
+        == MLFLOW_HTTP_SETTINGS["MLFLOW_HTTP_REQUEST_MAX_RETRIES"]
+    )
+    assert seen["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "99", "the user's value wins"
+
+
+def test_the_rank_is_read_as_torchrun_numbers_it_inside_a_slurm_job() -> None:
+    """Under torchrun in a Slurm job, SLURM_PROCID numbers the agents: RANK is the rank."""
+    torchrun_in_slurm = {"RANK": "5", "SLURM_PROCID": "0"}
+    assert rank_label(torchrun_in_slurm) == "5"
+    assert not probably_rank_0(torchrun_in_slurm)
+    assert rank_label({"SLURM_PROCID": "2"}) == "2"
+    assert rank_label({"SUBMITIT_LOCAL_GLOBALID": "1"}) == "1"
+    assert probably_rank_0({})

@@ -28,10 +28,12 @@ EXIT_INTERRUPTED = 130
 
 
 def rank_label(environ: Mapping[str, str]) -> str:
-    """This process's rank as the launcher set it, before anything is resolved."""
+    """This process's rank as the launcher set it, before anything is resolved (torchrun's
+    RANK first: under torchrun in a Slurm job, SLURM_PROCID numbers the agents, not the
+    ranks)."""
     return (
-        environ.get("SLURM_PROCID")
-        or environ.get("RANK")
+        environ.get("RANK")
+        or environ.get("SLURM_PROCID")
         or environ.get("SUBMITIT_LOCAL_GLOBALID")
         or "0"
     )

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import fcntl
 import json
-import os
 import socket
 import subprocess
 import time
@@ -250,15 +249,14 @@ def start_tracker(
     the run's record is replayed into MLflow and tracking goes on."""
     if not config.enabled:
         return NullTracker()
-    from hpc_ddp.runtime.tracking_guard import GuardedTracker, mlflow_http_settings
+    from hpc_ddp.runtime.tracking_guard import GuardedTracker
     from hpc_ddp.runtime.tracking_worker import WorkerTracker, spawn_worker, take_prestarted
 
     uri = tracking_uri(config, output_dir)
     artifacts = artifact_root(output_dir)
     # Started at the rank's first line where it could be (prestart), else now: its imports
-    # overlap the run's start. MLflow's HTTP retries are cut short unless the user set them
-    # (MLflow reads them from its environment only).
-    worker = take_prestarted() or spawn_worker({**os.environ, **mlflow_http_settings(os.environ)})
+    # overlap the run's start.
+    worker = take_prestarted() or spawn_worker()
 
     def start() -> Tracker:
         world_size = int(record.tags.get("hpc_ddp.world_size", "1"))

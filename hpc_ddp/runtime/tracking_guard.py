@@ -14,24 +14,13 @@ from typing import Any
 
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.tracking import Tracker
+from hpc_ddp.runtime.tracking_worker import mlflow_http_settings
 
-#: MLflow's HTTP client retries 7 times with a doubling backoff, minutes against a server
-#: that is down; with these (unless the user set them) a failing call gives up in seconds.
-MLFLOW_HTTP_SETTINGS = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-}
 #: The longest the training thread waits for MLflow at any one point (the run's id for a
 #: checkpoint, the run's end); past it, the run goes on without.
 WAIT_LIMIT_S = 30.0
 #: How often a tracker that failed is tried again (in the background, never in the way).
 RETRY_S = 60.0
-
-
-def mlflow_http_settings(environ: Mapping[str, str]) -> dict[str, str]:
-    """:data:`MLFLOW_HTTP_SETTINGS` that ``environ`` does not set (the user's values win)."""
-    return {key: value for key, value in MLFLOW_HTTP_SETTINGS.items() if key not in environ}
 
 
 def export_mlflow_http_settings(environ: Any = os.environ) -> dict[str, str]:

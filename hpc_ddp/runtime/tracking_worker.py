@@ -25,6 +25,8 @@ from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp.runtime.exits import rank_label
+
 if TYPE_CHECKING:
     from hpc_ddp.runtime.tracking import RunRecord
 
@@ -38,6 +40,19 @@ JOB_SIGNALS = tuple(
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGURG")
 )
 
+#: MLflow's HTTP client retries 7 times with a doubling backoff, minutes against a server
+#: that is down; with these (unless the user set them) a failing call gives up in seconds.
+MLFLOW_HTTP_SETTINGS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+
+
+def mlflow_http_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """:data:`MLFLOW_HTTP_SETTINGS` that ``environ`` does not set (the user's values win)."""
+    return {key: value for key, value in MLFLOW_HTTP_SETTINGS.items() if key not in environ}
+
 
 @dataclass
 class Worker:
@@ -48,9 +63,12 @@ class Worker:
 
 
 def spawn_worker(environ: Mapping[str, str] | None = None) -> Worker:
-    """Start the child now: it imports mlflow and the store's module at once, and touches
-    no MLflow run until it is asked to (a run that ends with nothing to track leaves
-    MLflow as it was; the child leaves when the parent does)."""
+    """Start the child now, in ``environ`` (default: this process's) with MLflow's HTTP
+    retries cut short unless it sets them (MLflow reads them from its environment only). It
+    imports mlflow and the store's module at once, and touches no MLflow run until it is
+    asked to (a run that ends with nothing to track leaves MLflow as it was; the child
+    leaves when the parent does)."""
+    base = os.environ if environ is None else environ
     ours, theirs = Pipe()
     # Blocked here, the job's signals stay blocked in the child until it ignores them: one
     # that arrives between the fork and that moment cannot end it.
@@ -60,7 +78,7 @@ def spawn_worker(environ: Mapping[str, str] | None = None) -> Worker:
             [sys.executable, "-m", "hpc_ddp.runtime.tracking_worker", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
-            env=None if environ is None else dict(environ),
+            env={**base, **mlflow_http_settings(base)},
         )
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
@@ -75,15 +93,8 @@ TRACKING_OFF = "tracking.enabled=false"
 
 
 def probably_rank_0(environ: Mapping[str, str]) -> bool:
-    """Whether the launcher made this process rank 0, before anything is resolved (torchrun's
-    RANK first: under torchrun, SLURM_PROCID numbers the agents, not the ranks)."""
-    rank = (
-        environ.get("RANK")
-        or environ.get("SLURM_PROCID")
-        or environ.get("SUBMITIT_LOCAL_GLOBALID")
-        or "0"
-    )
-    return rank == "0"
+    """Whether the launcher made this process rank 0, before anything is resolved."""
+    return rank_label(environ) == "0"
 
 
 def prestart(environ: Mapping[str, str], argv: Sequence[str]) -> bool:
@@ -95,9 +106,7 @@ def prestart(environ: Mapping[str, str], argv: Sequence[str]) -> bool:
     settings = [*argv, *environ.get("HPC_DDP_OVERRIDES", "").split()]
     if not probably_rank_0(environ) or TRACKING_OFF in settings:
         return False
-    from hpc_ddp.runtime.tracking_guard import mlflow_http_settings
-
-    _prestarted.append(spawn_worker({**environ, **mlflow_http_settings(environ)}))
+    _prestarted.append(spawn_worker(environ))
     return True
 
 
