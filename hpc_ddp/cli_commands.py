@@ -85,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
+    from hpc_ddp.runtime.import_gc import freeze_imports, hold_collection
     from hpc_ddp.runtime.startup_signals import hold_stop_signals
 
+    hold_collection()
     hold_stop_signals()
     if not args.dry_run:
         from hpc_ddp.runtime.tracking_worker import prestart
@@ -94,6 +96,7 @@ def train(args: argparse.Namespace) -> int:
         prestart(os.environ, args.overrides)
     from hpc_ddp.trainer.main import main as train_main
 
+    freeze_imports()
     config = ["--config", args.config] if args.config else []
     return train_main([*config, *(["--dry-run"] if args.dry_run else []), *args.overrides])
 

@@ -2,7 +2,8 @@
 
 Stop signals are held from the first line, before the seconds of importing torch: a stop
 signal that arrives then is handled once training starts instead of killing the rank. Rank
-0's tracking process starts there too, so that mlflow's import overlaps torch's.
+0's tracking process starts there too, so that mlflow's import overlaps torch's. The garbage
+collector is held off until the trainer and torch are imported (see import_gc).
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ if __name__ == "__main__":
     import os
     import sys
 
+    from hpc_ddp.runtime.import_gc import freeze_imports, hold_collection
     from hpc_ddp.runtime.startup_signals import hold_stop_signals
     from hpc_ddp.runtime.tracking_worker import prestart
 
+    hold_collection()
     hold_stop_signals()
     if "--dry-run" not in sys.argv:
         prestart(os.environ, sys.argv[1:])
@@ -21,4 +24,5 @@ if __name__ == "__main__":
     from hpc_ddp.runtime.exits import exit_process
     from hpc_ddp.trainer.main import main
 
+    freeze_imports()
     exit_process(main())

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.runtime.exits import rank_label
+from hpc_ddp.runtime.import_gc import freeze_imports, hold_collection
 
 if TYPE_CHECKING:
     from hpc_ddp.runtime.tracking import RunRecord
@@ -248,11 +249,13 @@ def main(argv: list[str]) -> int:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
     os.nice(NICENESS)
     connection = Connection(int(argv[0]))
+    hold_collection()  # a fifth of mlflow's import, and a pause at the first call after it
     try:  # the slow part of starting, done while the parent starts its run
         import mlflow
         import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
     except Exception:
         pass  # "start" reports it, with its fix
+    freeze_imports()
     return serve(connection)
 
 
