@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.runtime.exits import rank_label
-from hpc_ddp.runtime.import_gc import freeze_imports, hold_collection
+from hpc_ddp.runtime.mlflow_import import import_mlflow, let_in
 
 if TYPE_CHECKING:
     from hpc_ddp.runtime.tracking import RunRecord
@@ -197,10 +197,27 @@ def _start(
         with store_lock(uri):
             return MlflowTracker(uri, experiment, Path(artifacts), record)
     except ImportError as error:
+        if let_in():  # mlflow wanted a package this process left out
+            raise
         raise HpcDdpError(
             f"tracking.enabled=true but mlflow cannot be imported ({error})",
             "pip install mlflow, or run with tracking.enabled=false",
         ) from None
+
+
+def answer_call(tracker: Any, method: str, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """The tracker after the parent's call, and the call's value. A call that wants a
+    package this process left out (mlflow_import) is made again with it; "start" is not,
+    as it may have created the MLflow run (a failed start is retried by GuardedTracker)."""
+    if method == "start":
+        tracker = _start(*args)
+        return tracker, tracker.run_id
+    try:
+        return tracker, getattr(tracker, method)(*args)
+    except ImportError:
+        if not let_in():
+            raise
+        return tracker, getattr(tracker, method)(*args)
 
 
 def serve(connection: Connection) -> int:
@@ -213,11 +230,7 @@ def serve(connection: Connection) -> int:
         except (EOFError, OSError):
             return 0
         try:
-            if method == "start":
-                tracker = _start(*args)
-                value = tracker.run_id
-            else:
-                value = getattr(tracker, method)(*args)
+            tracker, value = answer_call(tracker, method, args)
             answer: tuple[str, Any] = ("ok", value)
         except Exception as error:
             lines = str(error).strip().splitlines()
@@ -249,13 +262,7 @@ def main(argv: list[str]) -> int:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
     os.nice(NICENESS)
     connection = Connection(int(argv[0]))
-    hold_collection()  # a fifth of mlflow's import, and a pause at the first call after it
-    try:  # the slow part of starting, done while the parent starts its run
-        import mlflow
-        import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
-    except Exception:
-        pass  # "start" reports it, with its fix
-    freeze_imports()
+    import_mlflow()  # the slow part of starting, done while the parent starts its run
     return serve(connection)
 
 
