@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,19 @@ def doctor_reports(output: str) -> list[dict[str, Any]]:
         if line.startswith("doctor-json: ")
     ]
     return sorted(reports, key=lambda report: report.get("rank", -1))
+
+
+def doctor_in_allocation(
+    slurm: SlurmCluster, work: Path, allocation: list[str], settings: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``hpc-ddp doctor`` for the digits config on CUDA, in every task of an allocation that
+    salloc makes with the options ``allocation``."""
+    return slurm.run(
+        ["salloc", *allocation, "srun", "python", "-m", "hpc_ddp", "doctor",
+         "--config", "configs/digits.yaml", "dist.device=cuda", *settings],
+        work,
+        timeout=120,
+    )  # fmt: skip
 
 
 def test_sbatch_one_node_two_tasks(slurm: SlurmCluster, tmp_path: Path) -> None:
@@ -180,23 +195,8 @@ def test_python_without_srun_in_a_two_task_job_fails_within_seconds(
 
 def test_doctor_shows_each_rank_and_its_gpu_per_task(slurm: SlurmCluster, tmp_path: Path) -> None:
     work = prepare_workdir(tmp_path)
-    result = slurm.run(
-        [
-            "salloc",
-            "--nodes=2",
-            "--ntasks-per-node=2",
-            "--gpus-per-task=1",
-            "srun",
-            "python",
-            "-m",
-            "hpc_ddp",
-            "doctor",
-            "--config",
-            "configs/digits.yaml",
-            "dist.device=cuda",
-        ],
-        work,
-        timeout=120,
+    result = doctor_in_allocation(
+        slurm, work, ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-task=1"]
     )
     reports = doctor_reports(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -249,24 +249,7 @@ def test_the_template_gives_each_task_its_nodes_gpus(slurm: SlurmCluster, tmp_pa
 
 def test_doctor_with_gres_uses_local_rank(slurm: SlurmCluster, tmp_path: Path) -> None:
     work = prepare_workdir(tmp_path)
-    result = slurm.run(
-        [
-            "salloc",
-            "--nodes=1",
-            "--ntasks-per-node=2",
-            "--gres=gpu:2",
-            "srun",
-            "python",
-            "-m",
-            "hpc_ddp",
-            "doctor",
-            "--config",
-            "configs/digits.yaml",
-            "dist.device=cuda",
-        ],
-        work,
-        timeout=120,
-    )
+    result = doctor_in_allocation(slurm, work, ["--nodes=1", "--ntasks-per-node=2", "--gres=gpu:2"])
     reports = doctor_reports(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     assert [r["cuda_visible_devices"] for r in reports] == ["0,1", "0,1"]
@@ -283,12 +266,7 @@ def test_a_rank_over_two_gpus_gets_both_in_either_layout(
 ) -> None:
     """dist.gpus_per_rank=2 on 2 nodes of 2 GRES GPUs: one rank per node drives both."""
     work = prepare_workdir(tmp_path)
-    result = slurm.run(
-        ["salloc", "--nodes=2", *layout, "srun", "python", "-m", "hpc_ddp", "doctor",
-         "--config", "configs/digits.yaml", "dist.device=cuda", "dist.gpus_per_rank=2"],
-        work,
-        timeout=120,
-    )  # fmt: skip
+    result = doctor_in_allocation(slurm, work, ["--nodes=2", *layout], ["dist.gpus_per_rank=2"])
     reports = doctor_reports(result.stdout)
     assert result.returncode == 0, result.stdout + result.stderr
     assert [r["rank"] for r in reports] == [0, 1]
@@ -302,13 +280,12 @@ def test_two_ranks_per_node_cannot_have_two_gpus_each_from_two(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     work = prepare_workdir(tmp_path)
-    result = slurm.run(
-        ["salloc", "--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2", "srun", "python",
-         "-m", "hpc_ddp", "doctor", "--config", "configs/digits.yaml", "dist.device=cuda",
-         "dist.gpus_per_rank=2"],
+    result = doctor_in_allocation(
+        slurm,
         work,
-        timeout=120,
-    )  # fmt: skip
+        ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=2"],
+        ["dist.gpus_per_rank=2"],
+    )
     assert result.returncode != 0
     assert "dist.gpus_per_rank=2 need 4 GPUs, but 2 are visible" in result.stdout
     assert "HINT: request --gpus-per-node=4 with --ntasks-per-node=2" in result.stdout

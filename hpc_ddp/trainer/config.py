@@ -25,6 +25,21 @@ from hpc_ddp.runtime.configfile import require, section, setting
 from hpc_ddp.runtime.errors import HpcDdpError
 
 
+def require_factory_for_custom(section: str, kind: str, factory: str | None) -> None:
+    """A factory exactly when ``section``'s kind is custom: one set for another kind would be
+    ignored without a word."""
+    if kind == "custom" and not factory:
+        raise HpcDdpError(
+            f"{section}.kind=custom needs {section}.factory",
+            f"set {section}.factory=pkg.module:function",
+        )
+    if kind != "custom" and factory:
+        raise HpcDdpError(
+            f"{section}.factory={factory!r} is set but {section}.kind={kind}: it would be ignored",
+            f"set {section}.kind=custom to use the factory, or remove {section}.factory",
+        )
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """What to train on and how it is batched."""
@@ -75,16 +90,7 @@ class DataConfig:
         require(self.num_classes >= 2, "data.num_classes", self.num_classes, "at least 2")
         if self.num_workers != "auto":
             require(self.num_workers >= 0, "data.num_workers", self.num_workers, ">= 0 or auto")
-        if self.kind == "custom" and not self.factory:
-            raise HpcDdpError(
-                "data.kind=custom needs data.factory", "set data.factory=pkg.module:function"
-            )
-        if self.kind != "custom" and self.factory:
-            raise HpcDdpError(
-                f"data.factory={self.factory!r} is set but data.kind={self.kind}: it would be "
-                "ignored",
-                "set data.kind=custom to use the factory, or remove data.factory",
-            )
+        require_factory_for_custom("data", self.kind, self.factory)
         if self.kind == "parquet" and not (self.train_path and self.val_path):
             raise HpcDdpError(
                 "data.kind=parquet needs data.train_path and data.val_path",
@@ -125,16 +131,7 @@ class ModelConfig:
         require(0 <= self.dropout < 1, "model.dropout", self.dropout, "0 <= x < 1")
         layers = len(self.hidden_sizes) + 1
         require(1 <= self.stages <= layers, "model.stages", self.stages, f"1 to {layers}")
-        if self.kind == "custom" and not self.factory:
-            raise HpcDdpError(
-                "model.kind=custom needs model.factory", "set model.factory=pkg.module:function"
-            )
-        if self.kind != "custom" and self.factory:
-            raise HpcDdpError(
-                f"model.factory={self.factory!r} is set but model.kind={self.kind}: it would "
-                "be ignored",
-                "set model.kind=custom to use the factory, or remove model.factory",
-            )
+        require_factory_for_custom("model", self.kind, self.factory)
 
 
 @dataclass(frozen=True)
