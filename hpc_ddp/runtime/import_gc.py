@@ -28,8 +28,9 @@ def hold_collection() -> None:
 
 
 def freeze_imports() -> None:
-    """Freeze every object that exists now and collect again, if :func:`hold_collection`
-    stopped it; nothing otherwise (a collector the caller turned off stays off)."""
+    """Freeze every object that exists now and turn collection on again, if
+    :func:`hold_collection` stopped it; nothing otherwise (a collector the caller turned off
+    stays off)."""
     if _held:
         _held.clear()
         gc.freeze()
