@@ -85,15 +85,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    from hpc_ddp.runtime.import_gc import freeze_imports, hold_collection
-    from hpc_ddp.runtime.startup_signals import hold_stop_signals
+    from hpc_ddp.trainer.entry import before_imports
 
-    hold_collection()
-    hold_stop_signals()
-    if not args.dry_run:
-        from hpc_ddp.runtime.tracking_worker import prestart
-
-        prestart(os.environ, args.overrides)
+    before_imports(os.environ, args.overrides, args.dry_run)
+    from hpc_ddp.runtime.import_gc import freeze_imports
     from hpc_ddp.trainer.main import main as train_main
 
     freeze_imports()

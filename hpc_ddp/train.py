@@ -12,16 +12,12 @@ if __name__ == "__main__":
     import os
     import sys
 
-    from hpc_ddp.runtime.import_gc import freeze_imports, hold_collection
-    from hpc_ddp.runtime.startup_signals import hold_stop_signals
-    from hpc_ddp.runtime.tracking_worker import prestart
+    from hpc_ddp.trainer.entry import before_imports
 
-    hold_collection()
-    hold_stop_signals()
-    if "--dry-run" not in sys.argv:
-        prestart(os.environ, sys.argv[1:])
+    before_imports(os.environ, sys.argv[1:], dry_run="--dry-run" in sys.argv)
 
     from hpc_ddp.runtime.exits import exit_process
+    from hpc_ddp.runtime.import_gc import freeze_imports
     from hpc_ddp.trainer.main import main
 
     freeze_imports()
