@@ -88,12 +88,14 @@ def train(args: argparse.Namespace) -> int:
     from hpc_ddp.trainer.entry import before_imports
 
     before_imports(os.environ, args.overrides, args.dry_run)
-    from hpc_ddp.runtime.import_gc import freeze_imports
+    from hpc_ddp.runtime.import_gc import freeze_for_exit, freeze_imports
     from hpc_ddp.trainer.main import main as train_main
 
     freeze_imports()
     config = ["--config", args.config] if args.config else []
-    return train_main([*config, *(["--dry-run"] if args.dry_run else []), *args.overrides])
+    code = train_main([*config, *(["--dry-run"] if args.dry_run else []), *args.overrides])
+    freeze_for_exit()  # the command's last step: the process exits next
+    return code
 
 
 def config(_args: argparse.Namespace) -> int:

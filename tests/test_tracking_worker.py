@@ -14,7 +14,12 @@ from mlflow import MlflowClient
 
 from hpc_ddp.runtime.exits import rank_label
 from hpc_ddp.runtime.mlflow_import import LEFT_OUT
-from hpc_ddp.runtime.tracking import RunRecord, default_tracking_uri
+from hpc_ddp.runtime.tracking import (
+    MAX_METRICS_PER_CALL,
+    LoggedMetrics,
+    RunRecord,
+    default_tracking_uri,
+)
 from hpc_ddp.runtime.tracking_worker import (
     MLFLOW_HTTP_SETTINGS,
     WorkerTracker,
@@ -49,6 +54,29 @@ def test_the_worker_ignores_job_signals_and_ends_with_the_run(tmp_path: Path) ->
     assert run.data.metrics == {"loss": 0.5}
     assert run.data.params == {"lr": "0.1"}
     assert [item.path for item in client.list_artifacts(run.info.run_id)] == ["summary.json"]
+
+
+def test_metrics_of_many_steps_reach_mlflow_in_one_call_with_their_times(tmp_path: Path) -> None:
+    """More metrics than MLflow takes in one call: all of them are stored, each at its step
+    and the time it was logged."""
+    tracker = _start(tmp_path)
+    keys = [f"layer{i}/grad_norm" for i in range(500)]
+    logged = [
+        LoggedMetrics({key: step + i / 1000 for i, key in enumerate(keys)}, step, 1_000 * step)
+        for step in (10, 20, 30)
+    ]
+    assert sum(len(point.metrics) for point in logged) > MAX_METRICS_PER_CALL
+    tracker.log_metric_steps(logged)
+    tracker.finish("FINISHED")
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    run = client.get_run(str(tracker.run_id))
+    assert len(run.data.metrics) == 500 and run.data.metrics["layer7/grad_norm"] == 30.007
+    history = client.get_metric_history(run.info.run_id, "layer499/grad_norm")
+    assert sorted((m.step, m.timestamp, m.value) for m in history) == [
+        (10, 10_000, 10.499),
+        (20, 20_000, 20.499),
+        (30, 30_000, 30.499),
+    ]
 
 
 def test_a_parent_that_goes_away_leaves_the_run_running(tmp_path: Path) -> None:

@@ -11,14 +11,16 @@ import json
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from hpc_ddp.runtime.config import TrackingConfig
 
 DEFAULT_DB_NAME = "mlflow.db"
+#: MLflow takes at most this many metrics in one call (log_batch).
+MAX_METRICS_PER_CALL = 1000
 
 
 class Tracker(Protocol):
@@ -40,6 +42,22 @@ class Tracker(Protocol):
     def finish(self, status: str) -> None: ...
 
     def suspend(self) -> None: ...
+
+
+class LoggedMetrics(NamedTuple):
+    """Metrics logged at one step, and when."""
+
+    metrics: Mapping[str, float]
+    step: int
+    #: Unix time in milliseconds, as MLflow stores it.
+    time_ms: int
+
+
+class StoreTracker(Tracker, Protocol):
+    """A tracker that writes to the store itself (what GuardedTracker drives): it also takes
+    metrics of several steps in one call."""
+
+    def log_metric_steps(self, logged: Sequence[LoggedMetrics]) -> None: ...
 
 
 class NullTracker:
@@ -186,11 +204,18 @@ class MlflowTracker:
             return str(again.experiment_id)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self.log_metric_steps([LoggedMetrics(metrics, step, int(time.time() * 1000))])
+
+    def log_metric_steps(self, logged: Sequence[LoggedMetrics]) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        batch = [Metric(key, float(value), now, step) for key, value in metrics.items()]
-        self._client.log_batch(self._run, metrics=batch)
+        batch = [
+            Metric(key, float(value), point.time_ms, point.step)
+            for point in logged
+            for key, value in point.metrics.items()
+        ]
+        for first in range(0, len(batch), MAX_METRICS_PER_CALL):
+            self._client.log_batch(self._run, metrics=batch[first : first + MAX_METRICS_PER_CALL])
 
     def log_json_artifact(self, name: str, data: Any) -> None:
         self._client.log_text(self._run, json.dumps(data, indent=2, sort_keys=True), name)
@@ -258,11 +283,11 @@ def start_tracker(
     # overlap the run's start.
     worker = take_prestarted() or spawn_worker()
 
-    def start() -> Tracker:
+    def start() -> StoreTracker:
         world_size = int(record.tags.get("hpc_ddp.world_size", "1"))
         return WorkerTracker(uri, config.experiment, artifacts, record, (0, world_size), worker)
 
-    def recover() -> tuple[Tracker, set[tuple[str, int]]]:
+    def recover() -> tuple[StoreTracker, set[tuple[str, int]]]:
         from hpc_ddp.view.sync import sync_run
 
         assert run_dir is not None

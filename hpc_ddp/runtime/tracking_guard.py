@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.tracking import Tracker
+from hpc_ddp.runtime.tracking import LoggedMetrics, StoreTracker
 from hpc_ddp.runtime.tracking_worker import mlflow_http_settings
 
 #: The longest the training thread waits for MLflow at any one point (the run's id for a
@@ -21,6 +21,10 @@ from hpc_ddp.runtime.tracking_worker import mlflow_http_settings
 WAIT_LIMIT_S = 30.0
 #: How often a tracker that failed is tried again (in the background, never in the way).
 RETRY_S = 60.0
+#: How long the background thread holds logged metrics for more to send with them: one MLflow
+#: call then stores everything logged meanwhile (a loop that logs every step makes about one
+#: call a second, not one per step). A stop, an artifact or the run's end sends them at once.
+GATHER_S = 1.0
 
 
 def export_mlflow_http_settings(environ: Any = os.environ) -> dict[str, str]:
@@ -36,19 +40,24 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
 
 
+#: A call handed over to the background thread: (what it does, for a warning; method; args).
+Call = tuple[str, str, tuple[Any, ...]]
+
+
 class GuardedTracker:
     """Starts the tracker (creating or reopening the run) on a background thread when first
-    used, then makes every call to it on that thread, in order. Nothing here raises into
-    training, and only :meth:`finish` and :meth:`suspend` wait, for at most
-    ``wait_limit_s``."""
+    used, then makes every call to it on that thread, in order; metrics logged within
+    ``gather_s`` of each other go in one call. Nothing here raises into training, and only
+    :meth:`finish` and :meth:`suspend` wait, for at most ``wait_limit_s``."""
 
     def __init__(
         self,
-        start: Callable[[], Tracker],
+        start: Callable[[], StoreTracker],
         uri: str,
         wait_limit_s: float = WAIT_LIMIT_S,
-        recover: Callable[[], tuple[Tracker, set[tuple[str, int]]]] | None = None,
+        recover: Callable[[], tuple[StoreTracker, set[tuple[str, int]]]] | None = None,
         retry_s: float = RETRY_S,
+        gather_s: float = GATHER_S,
     ) -> None:
         self._start = start
         self._recover = recover
@@ -58,7 +67,10 @@ class GuardedTracker:
         self._replayed: set[tuple[str, int]] = set()
         self._uri = uri
         self._wait_limit_s = wait_limit_s
-        self._calls: queue.SimpleQueue[tuple[str, str, tuple[Any, ...]]] = queue.SimpleQueue()
+        self._gather_s = gather_s
+        self._calls: queue.SimpleQueue[Call] = queue.SimpleQueue()
+        #: A call taken from the queue while gathering metrics, made next.
+        self._taken: Call | None = None
         self._thread: threading.Thread | None = None
         #: The MLflow run once created; still named after MLflow failed (a resume reopens it).
         self._run_id: str | None = None
@@ -75,7 +87,7 @@ class GuardedTracker:
             self._thread.start()
 
     def _work(self) -> None:
-        tracker: Tracker | None = None
+        tracker: StoreTracker | None = None
         try:
             export_mlflow_http_settings()
             tracker = self._start()
@@ -83,10 +95,7 @@ class GuardedTracker:
         except BaseException as error:
             self._fail("could not start", error)
         while True:
-            try:
-                doing, method, args = self._calls.get(timeout=self._retry_s)
-            except queue.Empty:
-                doing, method, args = "", "_idle", ()
+            doing, method, args = self._next_call()
             if tracker is None and method not in ("finish", "suspend", "_done"):
                 tracker = self._retry()  # never at a stop or the end: they must not wait
             done = args[-1] if method == "_done" else None
@@ -95,19 +104,54 @@ class GuardedTracker:
                 continue
             if tracker is None or method == "_idle":
                 continue
-            if method == "log_metrics" and self._replayed:
-                metrics, step = args
-                metrics = {k: v for k, v in metrics.items() if (k, step) not in self._replayed}
-                if not metrics:
+            if method == "log_metrics":
+                method, args = "log_metric_steps", (self._unreplayed(self._gather(args[0])),)
+                if not args[0]:
                     continue
-                args = (metrics, step)
             try:
                 getattr(tracker, method)(*args)
             except BaseException as error:
                 self._fail(doing, error)
                 tracker = None
 
-    def _retry(self) -> Tracker | None:
+    def _next_call(self) -> Call:
+        if self._taken is not None:
+            call, self._taken = self._taken, None
+            return call
+        try:
+            return self._calls.get(timeout=self._retry_s)
+        except queue.Empty:
+            return "", "_idle", ()
+
+    def _gather(self, first: LoggedMetrics) -> list[LoggedMetrics]:
+        """``first`` and the metrics logged after it, until ``gather_s`` passed or another
+        call comes (then made next)."""
+        logged = [first]
+        deadline = time.monotonic() + self._gather_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                call = self._calls.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if call[1] != "log_metrics":
+                self._taken = call
+                return logged
+            logged.append(call[2][0])
+        return logged
+
+    def _unreplayed(self, logged: list[LoggedMetrics]) -> list[LoggedMetrics]:
+        """``logged`` less the points a recovery already replayed into MLflow."""
+        if not self._replayed:
+            return logged
+        kept = []
+        for point in logged:
+            replayed = self._replayed
+            metrics = {k: v for k, v in point.metrics.items() if (k, point.step) not in replayed}
+            if metrics:
+                kept.append(point._replace(metrics=metrics))
+        return kept
+
+    def _retry(self) -> StoreTracker | None:
         """The tracker again, after replaying the run's record, once RETRY_S passed since
         it failed; None while MLflow stays away."""
         if self._recover is None or self._failed_at is None:
@@ -161,7 +205,8 @@ class GuardedTracker:
         return self._run_id
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self._submit("logging metrics", "log_metrics", dict(metrics), step)
+        logged = LoggedMetrics(dict(metrics), step, int(time.time() * 1000))
+        self._submit("logging metrics", "log_metrics", logged)
 
     def log_json_artifact(self, name: str, data: Any) -> None:
         self._submit(f"storing {name}", "log_json_artifact", name, data)

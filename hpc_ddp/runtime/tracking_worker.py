@@ -29,7 +29,7 @@ from hpc_ddp.runtime.exits import rank_label
 from hpc_ddp.runtime.mlflow_import import import_mlflow, let_in
 
 if TYPE_CHECKING:
-    from hpc_ddp.runtime.tracking import RunRecord
+    from hpc_ddp.runtime.tracking import LoggedMetrics, RunRecord
 
 #: The child's nice value: it gets the CPU that training leaves, and an equal share only
 #: when it is alone (at a run's end, training no longer competes).
@@ -166,6 +166,9 @@ class WorkerTracker:
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self._call("log_metrics", dict(metrics), step)
+
+    def log_metric_steps(self, logged: Sequence[LoggedMetrics]) -> None:
+        self._call("log_metric_steps", list(logged))
 
     def log_json_artifact(self, name: str, data: Any) -> None:
         self._call("log_json_artifact", name, data)

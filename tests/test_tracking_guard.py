@@ -1,0 +1,91 @@
+"""Rank 0's hand-over to MLflow: the calls run in order on a background thread, and metrics
+logged close together go to MLflow in one call. The store behind it is a recording stand-in
+here (what reaches a real MLflow store is in test_tracking_worker and test_tracking_outage)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from hpc_ddp.runtime.tracking import LoggedMetrics
+from hpc_ddp.runtime.tracking_guard import GuardedTracker
+
+
+class RecordingStore:
+    """Records each call; its start waits until the test lets it go, as MLflow's import
+    does, so that calls pile up behind it."""
+
+    run_id = "recorded"
+    status = "ok"
+
+    def __init__(self, go: threading.Event) -> None:
+        self.go = go
+        self.calls: list[tuple[str, Any]] = []
+        self.times: list[int] = []
+
+    def started(self) -> RecordingStore:
+        self.go.wait(30)
+        return self
+
+    def log_metrics(self, metrics: Any, step: int) -> None:
+        self.calls.append(("log_metrics", (metrics, step)))
+
+    def log_metric_steps(self, logged: Sequence[LoggedMetrics]) -> None:
+        self.calls.append(("log_metric_steps", [(dict(p.metrics), p.step) for p in logged]))
+        self.times += [p.time_ms for p in logged]
+
+    def log_json_artifact(self, name: str, data: Any) -> None:
+        self.calls.append(("log_json_artifact", name))
+
+    def log_text_artifact(self, name: str, text: str) -> None:
+        self.calls.append(("log_text_artifact", name))
+
+    def finish(self, status: str) -> None:
+        self.calls.append(("finish", status))
+
+    def suspend(self) -> None:
+        self.calls.append(("suspend", None))
+
+
+def test_metrics_logged_together_go_in_one_call_and_keep_their_order() -> None:
+    go = threading.Event()
+    store = RecordingStore(go)
+    # A gather window far longer than the test: only another call or the end closes it.
+    tracker = GuardedTracker(store.started, "stand-in", wait_limit_s=20, gather_s=600)
+    before_ms = time.time() * 1000
+    tracker.log_metrics({"loss": 2.0}, 1)
+    tracker.log_metrics({"loss": 1.5, "lr": 0.1}, 2)
+    tracker.log_json_artifact("config.json", {})
+    tracker.log_metrics({"loss": 1.0}, 3)
+    after_ms = time.time() * 1000
+    time.sleep(0.1)  # MLflow still starting
+    go.set()
+    tracker.finish("FINISHED")
+    assert store.calls == [
+        ("log_metric_steps", [({"loss": 2.0}, 1), ({"loss": 1.5, "lr": 0.1}, 2)]),
+        ("log_json_artifact", "config.json"),
+        ("log_metric_steps", [({"loss": 1.0}, 3)]),
+        ("finish", "FINISHED"),
+    ]
+    assert tracker.status == "ok", "the end did not wait for the gather window"
+    assert all(before_ms - 1 <= t <= after_ms + 1 for t in store.times), (
+        "each point keeps the time it was logged at, not the time MLflow got it"
+    )
+
+
+def test_metrics_logged_a_window_apart_go_in_calls_of_their_own() -> None:
+    go = threading.Event()
+    go.set()
+    store = RecordingStore(go)
+    tracker = GuardedTracker(store.started, "stand-in", wait_limit_s=20, gather_s=0.2)
+    tracker.log_metrics({"loss": 2.0}, 1)
+    time.sleep(1.0)  # the window closed meanwhile
+    tracker.log_metrics({"loss": 1.0}, 2)
+    tracker.finish("FINISHED")
+    assert store.calls == [
+        ("log_metric_steps", [({"loss": 2.0}, 1)]),
+        ("log_metric_steps", [({"loss": 1.0}, 2)]),
+        ("finish", "FINISHED"),
+    ]
