@@ -143,9 +143,8 @@ class GuardedTracker:
         """``logged`` less the points a recovery already replayed into MLflow."""
         if not self._replayed:
             return logged
-        kept = []
+        kept, replayed = [], self._replayed
         for point in logged:
-            replayed = self._replayed
             metrics = {k: v for k, v in point.metrics.items() if (k, point.step) not in replayed}
             if metrics:
                 kept.append(point._replace(metrics=metrics))
