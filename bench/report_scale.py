@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 from bench.harness import REPO
@@ -144,11 +145,21 @@ def tracking_section(data: dict[str, Any]) -> str:
         f"The off runs took {min(data['off_wall_s']):.2f} to {max(data['off_wall_s']):.2f} s, "
         f"the tracked ones {min(data['tracked_wall_s']):.2f} to "
         f"{max(data['tracked_wall_s']):.2f} s; tracking added "
-        f"{data['tracked_median_s'] - data['off_median_s']:.2f} s to the median.\n\n"
+        f"{data['tracked_median_s'] - data['off_median_s']:.2f} s to the median; the median of "
+        f"the paired ratios (each tracked run against the off run before it) is "
+        f"{100 * _paired_median(data):+.1f}%.\n\n"
         + _short_run(data)
         + _per_step(data)
         + _notes("tracking")
     )
+
+
+def _paired_median(data: dict[str, Any]) -> float:
+    ratios = [
+        float(t) / float(o) - 1
+        for o, t in zip(data["off_wall_s"], data["tracked_wall_s"], strict=True)
+    ]
+    return statistics.median(ratios)
 
 
 def _per_step(data: dict[str, Any]) -> str:
