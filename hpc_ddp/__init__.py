@@ -30,6 +30,7 @@ from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 
 if TYPE_CHECKING:
     from hpc_ddp.launch.jobs import submit, wait
+    from hpc_ddp.launch.spawn import spawn
     from hpc_ddp.runtime.config import RuntimeConfig
     from hpc_ddp.runtime.metrics import Sum, Sums
     from hpc_ddp.runtime.run import Resumed, Run
@@ -44,6 +45,7 @@ __all__ = [
     "Stopped",
     "Sum",
     "Sums",
+    "spawn",
     "start",
     "submit",
     "wait",
@@ -56,6 +58,7 @@ _LAZY = {
     "Sum": "hpc_ddp.runtime.metrics",
     "Sums": "hpc_ddp.runtime.metrics",
     "RuntimeConfig": "hpc_ddp.runtime.config",
+    "spawn": "hpc_ddp.launch.spawn",
     "submit": "hpc_ddp.launch.jobs",
     "wait": "hpc_ddp.launch.jobs",
 }

@@ -39,6 +39,8 @@ class RunContext:
     #: restores the signal handlers and takes the process group down.
     close: Callable[[str | None], None]
     registry: Registry = field(default_factory=Registry)
+    #: Plain values the user keeps in :attr:`hpc_ddp.Run.state`, saved in every checkpoint.
+    values: dict[str, Any] = field(default_factory=dict)
     #: Models given to :meth:`hpc_ddp.Run.wrap` (their modules).
     wrapped: list[nn.Module] = field(default_factory=list)
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.plan import micro_batch_size
 
 
@@ -101,10 +102,33 @@ class ResumableDistributedSampler(DistributedSampler[Any]):
         return max(0, super().__len__() - self.skip)
 
 
-def _worker_kwargs(num_workers: int) -> dict[str, Any]:
-    if num_workers == 0:
-        return {}
-    return {"persistent_workers": True, "prefetch_factor": 4}
+#: DataLoader options the run's loaders set themselves, and what to do instead.
+SHARDING_OPTIONS = {
+    "sampler": "pass your own DataLoader (with its per-rank sampler) to run.steps() instead",
+    "batch_sampler": "pass your own DataLoader to run.steps() instead",
+    "batch_size": "give the batch as the second argument (the GLOBAL batch)",
+    "drop_last": "the training loader keeps full global batches only; evaluation never "
+    "drops a sample (every sample once)",
+}
+
+
+def loader_options(
+    num_workers: int, device: torch.device | None, given: Mapping[str, Any], what: str
+) -> dict[str, Any]:
+    """The DataLoader options for one of the run's loaders: its defaults (pinned memory on a
+    GPU, persistent prefetching workers) with the user's ``given`` ones over them; an option
+    that would undo the sharding is refused, naming what to do instead."""
+    for name in given:
+        if name in SHARDING_OPTIONS:
+            raise HpcDdpError(
+                f"{what}(..., {name}=...): the run's loader shards the data itself",
+                SHARDING_OPTIONS[name],
+            )
+    options: dict[str, Any] = {"pin_memory": device is not None and device.type == "cuda"}
+    if num_workers:
+        options.update(persistent_workers=True, prefetch_factor=4)
+    options.update(given)
+    return options
 
 
 class _DeviceBatches:
@@ -158,17 +182,18 @@ class TrainLoader(_DeviceBatches):
         self.sampler = ResumableDistributedSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
         )
-        self._generator = torch.Generator()
+        options = loader_options(num_workers, device, dataloader_kwargs, "run.train_loader")
+        # Reseeded from the position at every epoch (set_position), a user's own one too.
+        self._generator = options.pop("generator", None) or torch.Generator()
         loader: DataLoader[Any] = DataLoader(
             dataset,
             batch_size=self.micro_batch_size,
             sampler=self.sampler,
             drop_last=True,
             num_workers=num_workers,
-            pin_memory=device is not None and device.type == "cuda",
             collate_fn=collate_fn,
             generator=self._generator,
-            **{**_worker_kwargs(num_workers), **dataloader_kwargs},
+            **options,
         )
         super().__init__(loader, device)
         self.steps_per_epoch = len(loader) // grad_accum_steps
@@ -194,14 +219,20 @@ def eval_loader(
 ) -> _DeviceBatches:
     """Every sample of ``dataset`` exactly once across ranks, ``batch_size`` per rank (see
     ShardedEvalSampler): sum and count per batch, and the reduced result is exact."""
+    if dataloader_kwargs.get("shuffle"):
+        raise HpcDdpError(
+            "run.eval_loader(..., shuffle=True): evaluation visits every sample once, in order",
+            "leave shuffle out; the sums are the same in any order",
+        )
+    dataloader_kwargs = {k: v for k, v in dataloader_kwargs.items() if k != "shuffle"}
+    options = loader_options(num_workers, device, dataloader_kwargs, "run.eval_loader")
+    options.setdefault("generator", torch.Generator().manual_seed(mixed_seed(rank)))
     loader: DataLoader[Any] = DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=ShardedEvalSampler(len(dataset), rank, world_size),  # type: ignore[arg-type]
         num_workers=num_workers,
-        pin_memory=device is not None and device.type == "cuda",
         collate_fn=collate_fn,
-        generator=torch.Generator().manual_seed(mixed_seed(rank)),
-        **{**_worker_kwargs(num_workers), **dataloader_kwargs},
+        **options,
     )
     return _DeviceBatches(loader, device)

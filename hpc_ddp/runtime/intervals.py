@@ -73,12 +73,18 @@ class MetricLog:
             name: values[2 * i] / values[2 * i + 1] if values[2 * i + 1] else float("nan")
             for i, name in enumerate(report.names)
         }
-        samples_per_s = report.steps * self.global_batch_size / max(1e-9, report.seconds)
-        self.progress.update(report.step, report.epoch, means, samples_per_s)
+        steps_per_s = report.steps / max(1e-9, report.seconds)
         metrics = {f"interval/{name}": value for name, value in means.items()}
-        metrics["interval/samples_per_s"] = samples_per_s
+        if self.global_batch_size:
+            samples_per_s = steps_per_s * self.global_batch_size
+            rate = f"{samples_per_s:,.0f} samples/s"
+            metrics["interval/samples_per_s"] = samples_per_s
+        else:  # a user's batches of no known size
+            rate = f"{steps_per_s:,.2f} steps/s"
+            metrics["interval/steps_per_s"] = steps_per_s
+        self.progress.update(report.step, report.epoch, means, rate)
         if report.lr is not None:
-            metrics["lr"] = report.lr
+            metrics["interval/lr"] = report.lr
         self.context.tracker.log_metrics(metrics, report.step)
 
     def end_epoch(self, epoch: int) -> None:

@@ -87,19 +87,16 @@ class Progress:
         self._bar.set_postfix_str(postfix, refresh=False)
         self._bar.update(step - self._bar.n)
 
-    def update(
-        self, step: int, epoch: int, metrics: Mapping[str, float], samples_per_s: float
-    ) -> None:
+    def update(self, step: int, epoch: int, metrics: Mapping[str, float], rate: str) -> None:
+        """Show step ``step``'s interval ``metrics`` and ``rate`` (e.g. "1,200 samples/s")."""
         if not self.enabled:
             return
         values = "".join(f" {name} {value:.4f}" for name, value in metrics.items())
         if self.is_tty:
-            self._draw(step, epoch, f"{values.strip()} {samples_per_s:,.0f} samples/s")
+            self._draw(step, epoch, f"{values.strip()} {rate}")
             return
         total = f"/{self.total_steps}" if self.total_steps else ""
-        get_logger().info(
-            f"epoch {epoch} step {step}{total}{values} {samples_per_s:,.0f} samples/s"
-        )
+        get_logger().info(f"epoch {epoch} step {step}{total}{values} {rate}")
 
     def close(self) -> None:
         if self._bar is not None:

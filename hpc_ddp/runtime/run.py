@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
@@ -27,10 +27,14 @@ from hpc_ddp.runtime.metrics import Sum, Sums
 from hpc_ddp.runtime.plan import resolve_num_workers
 from hpc_ddp.runtime.resume import Found, Resumed, restore, seed_rank_streams
 from hpc_ddp.runtime.steps import StepLoop
+from hpc_ddp.runtime.streams import BatchStream, Ticks
 from hpc_ddp.runtime.summary import run_facts, write_summary
 from hpc_ddp.runtime.timeline import durations, mark, process_resources, rank_spread
 
 __all__ = ["Resumed", "Run"]
+
+#: Interval metrics the run logs itself (as interval/<name>).
+RESERVED_METRICS = frozenset({"lr", "samples_per_s", "steps_per_s"})
 
 
 class Run:
@@ -142,6 +146,15 @@ class Run:
         """The last finished epoch's :meth:`log` metrics, summed over all ranks."""
         return self._loop.metrics.epoch_metrics
 
+    @property
+    def state(self) -> dict[str, Any]:
+        """Plain values saved in every checkpoint and restored on resume, no wrapper needed:
+        numbers, strings, bools, None, tensors and lists/dicts of them (e.g.
+        ``run.state["best_val_loss"] = 1e9``). Rank 0's values are saved; a resume gives
+        them to every rank when training begins (read them through ``run.state`` after
+        :meth:`resume`)."""
+        return self._context.values
+
     # -- model and data ----------------------------------------------------------------------
 
     def wrap(self, model: nn.Module, **ddp_options: Any) -> DistributedDataParallel:
@@ -164,15 +177,23 @@ class Run:
         self._context.wrapped.append(wrapped.module)
         return wrapped
 
-    def no_sync(self, model: nn.Module) -> AbstractContextManager[Any]:
-        """Skip DDP's gradient all-reduce while :attr:`accumulating`::
+    def accumulate(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """Gradient accumulation in one context: while :attr:`accumulating` (a micro-batch
+        that is not the last of its optimizer step) DDP's gradient all-reduce is skipped;
+        take the optimizer step when it is not::
 
-        with run.no_sync(model):
-            loss.backward()
+            for batch in run.steps(loader, grad_accum_steps=4):
+                with run.accumulate(model):
+                    (loss_of(model, batch) / 4).backward()
+                if not run.accumulating:
+                    optimizer.step()
+                    optimizer.zero_grad()
         """
         if self.accumulating and isinstance(model, DistributedDataParallel):
             return model.no_sync()
         return contextlib.nullcontext()
+
+    no_sync = accumulate
 
     def train_loader(
         self,
@@ -261,6 +282,7 @@ class Run:
         if self._resume is not None:
             self.resumed, streams_restored = restore(self._resume, context.registry, self._loop)
             self._resume = None
+        context.registry.check_loadable()
         if not streams_restored:
             seed_rank_streams(self.config.run.seed, self.rank, self.global_step)
         if not context.registry.objects and context.config.checkpoint.enabled and self.is_main:
@@ -306,18 +328,80 @@ class Run:
         self._context.close(None)  # no status: its MLflow run stays as it ended
         raise AlreadyFinished(self.resumed.step, str(self.run_dir))
 
-    def steps(self, loader: StepLoader) -> Iterator[Any]:
-        """The current epoch's micro-batches from where the run stands (a resumed run skips
-        the samples already trained on, without loading them).
+    def steps(
+        self,
+        loader: StepLoader | Iterable[Any],
+        *,
+        grad_accum_steps: int | None = None,
+        max_steps: int | None = None,
+    ) -> Iterator[Any]:
+        """The current epoch's micro-batches from where the run stands.
 
-        Between optimizer steps (every ``grad_accum_steps`` micro-batches) it does what the
-        run needs: interval metrics, the stop all ranks agree on (checkpoint, then requeue or
-        exit, raising :class:`hpc_ddp.Stopped`), periodic checkpoints. Call
-        ``optimizer.step()`` once per step, i.e. when not :attr:`accumulating`. Without
-        :meth:`epochs`, each call is the next epoch."""
+        ``loader``: :meth:`train_loader` (a resumed run skips the samples already trained
+        on, without loading them) or any iterable of batches: your own DataLoader (with your
+        own sampler), a StatefulDataLoader, an endless generator. How each kind resumes is
+        in :mod:`hpc_ddp.runtime.streams` and is said once at a resume; an iterable's
+        batches are handed out as they come (move them to :attr:`device` yourself).
+        ``grad_accum_steps``: micro-batches per optimizer step for an iterable
+        (train_loader's own otherwise). ``max_steps``: end after that many optimizer steps
+        over all attempts (like :meth:`epochs`'s).
+
+        Between optimizer steps it does what the run needs: interval metrics, the stop all
+        ranks agree on (checkpoint, then requeue or exit, raising :class:`hpc_ddp.Stopped`),
+        periodic and requested checkpoints. Call ``optimizer.step()`` once per step, i.e.
+        when not :attr:`accumulating`. Without :meth:`epochs`, each call is the next epoch
+        (an endless iterable is one epoch)."""
+        if isinstance(loader, TrainLoader) or hasattr(loader, "set_position"):
+            if grad_accum_steps is not None:
+                raise HpcDdpError(
+                    "run.steps(loader, grad_accum_steps=...) with a run.train_loader()",
+                    "give grad_accum_steps to run.train_loader(); it shapes the loader's "
+                    "micro-batches",
+                )
+            source: Any = loader
+        else:
+            source = BatchStream(loader, 1 if grad_accum_steps is None else grad_accum_steps)
+        if max_steps is not None:
+            self._loop.max_steps = max_steps
         self._loop.begin(self.resume)
         mark(self._timeline, "training")
-        return self._loop.steps(loader)
+        return self._loop.steps(source)
+
+    def iterations(self, max_steps: int | None = None) -> Iterator[int]:
+        """The optimizer steps of a loop that draws its own batches (nanoGPT's ``while
+        True`` with ``iter_num``): yields the step's number, counted over all attempts, so a
+        resumed run goes on from its checkpoint's. Do the micro-steps and the optimizer step
+        inside; between iterations it does what :meth:`steps` does (stops, checkpoints,
+        metrics). The random streams your batches come from are restored on resume::
+
+            for iter_num in run.iterations(max_steps=5000):
+                if run.every(eval_interval):
+                    evaluate()
+                for micro_step in range(accum):
+                    ...
+                optimizer.step()
+        """
+        for _ in self.steps(Ticks(), max_steps=max_steps):
+            yield self.global_step
+
+    def every(self, steps: int) -> bool:
+        """True once every ``steps`` optimizer steps (when the steps done so far divide by
+        it; step 0 included), on the first micro-batch of the step whatever the
+        accumulation, so ``if run.every(200): evaluate()`` runs once per 200 steps on every
+        rank. The stall watchdog rests while your code runs (an evaluation longer than
+        ``dist.stall_timeout_s`` is no stall)."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise HpcDdpError(
+                f"run.every({steps!r}): the period must be a whole number of steps >= 1",
+                "e.g. run.every(200)",
+            )
+        return self._loop.every(steps)
+
+    def save(self) -> None:
+        """Write a checkpoint (a collective: call it on every rank, e.g. under
+        :meth:`every`): inside :meth:`steps` at the end of the optimizer step in progress,
+        so it resumes exactly; between epochs at once."""
+        self._loop.request_save()
 
     # -- metrics -----------------------------------------------------------------------------
 
@@ -325,6 +409,11 @@ class Run:
         """Add a training metric: ``total`` summed over ``count`` items (a loss times the
         batch size, and the batch size). Logged as total/count over all ranks per interval
         (``interval/<name>``) and per epoch (``<name>``); never synchronises the device."""
+        if name in RESERVED_METRICS:
+            raise HpcDdpError(
+                f"run.log({name!r}, ...): the run logs interval/{name} itself",
+                f"log it under another name (e.g. 'my_{name}'), or with run.log_metrics()",
+            )
         if isinstance(total, torch.Tensor) and total.dim() != 0:
             raise HpcDdpError(
                 f"run.log({name!r}, ...) got a tensor of shape {tuple(total.shape)}",

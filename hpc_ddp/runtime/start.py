@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import random
 import time
@@ -28,9 +29,11 @@ from hpc_ddp.runtime.config import (
 from hpc_ddp.runtime.context import RunContext
 from hpc_ddp.runtime.dist import init_distributed
 from hpc_ddp.runtime.ending import Ending, end_active_run, install_excepthook, watch
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.env import (
     DistEnv,
     available_cpus,
+    detect_launcher,
     export_dist_env,
     needs_allocation_task_count,
     resolve_dist_env,
@@ -82,6 +85,27 @@ def resolve_launch(settings: RuntimeConfig, name: str, environ: Mapping[str, str
     check_job_signal(environ, settings.preempt.signal)
     cuda_count = torch.cuda.device_count() if settings.dist.device != "cpu" else 0
     return make_launch_plan(settings.dist, settings.run, name, dist_env, cuda_count)
+
+
+def refuse_nested_start(environ: Mapping[str, str], initialized: bool, child: bool) -> None:
+    """Refuse a start that would not join the job it belongs to: a process group already up
+    (``init_process_group`` or an earlier :func:`start` not finished), or a
+    ``multiprocessing`` child with no launcher (``mp.spawn``), which would train alone at
+    world size 1."""
+    if initialized:
+        raise HpcDdpError(
+            "hpc_ddp.start() found a process group already initialized (your own "
+            "init_process_group, or an earlier start() whose run did not finish)",
+            "remove init_process_group: start() joins the ranks itself; call start() once "
+            "per run and end the run with run.finish() before starting another",
+        )
+    if child and detect_launcher(environ) == "single":
+        raise HpcDdpError(
+            "hpc_ddp.start() in a process started by multiprocessing (torch.multiprocessing"
+            ".spawn?) with no launcher: every such process would train alone at world size 1",
+            "replace mp.spawn(main, args=..., nprocs=N) with hpc_ddp.spawn(main, args=..., "
+            "nprocs=N), or launch the script with hpc-ddp local --nproc N",
+        )
 
 
 def _raise_open_file_limit(env: DistEnv) -> None:
@@ -199,6 +223,11 @@ def start(
     started, entry_unix = time.perf_counter(), time.time()
     install_excepthook()
     environment = os.environ if environ is None else environ
+    refuse_nested_start(
+        environment,
+        torch_dist.is_available() and torch_dist.is_initialized(),
+        multiprocessing.parent_process() is not None,
+    )
     sections = {"run": run, "dist": dist, "checkpoint": checkpoint, "preempt": preempt}
     settings = resolve_config(config, overrides, {**sections, "tracking": tracking}, environment)
     run_name = name or settings.run.name or default_run_name()

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import io
 import random
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map
 
 from hpc_ddp.runtime.dist import gather_object_to_main
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -56,6 +59,12 @@ class Registry:
                 value = value.module
             self.objects[name] = value
 
+    def check_loadable(self) -> None:
+        """Refuse an object whose state a resume could not load back (see
+        :func:`check_loadable`), before any checkpoint of the run is written."""
+        for name, value in self.objects.items():
+            check_loadable(f"the registered {name!r} ({type(value).__name__})", value.state_dict())
+
     def state_dicts(self) -> dict[str, Any]:
         return {name: value.state_dict() for name, value in self.objects.items()}
 
@@ -77,13 +86,48 @@ class Registry:
             try:
                 value.load_state_dict(saved[name])
             except Exception as error:
-                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                reason, hint = describe_load_error(error)
                 raise HpcDdpError(
-                    f"cannot restore {name!r} from {path}: {type(error).__name__}: {first}",
-                    "build the registered objects the same way as the run that wrote the "
-                    "checkpoint (same shapes and parameter groups), or start a fresh run with "
-                    "another run.id",
+                    f"cannot restore {name!r} from {path}: {type(error).__name__}: {reason}",
+                    hint,
                 ) from None
+
+
+#: Keys listed of each kind (missing, unexpected) when a state does not load.
+KEYS_SHOWN = 6
+_COMPILED_PREFIX = "_orig_mod."
+
+
+def _keys_line(line: str) -> tuple[str, list[str]]:
+    label, _, keys = line.partition(":")
+    return label.strip(), [key.strip().strip('".') for key in keys.split(",") if key.strip()]
+
+
+def describe_load_error(error: BaseException) -> tuple[str, str]:
+    """Why ``load_state_dict`` refused a saved state, in one line that keeps torch's reason
+    (the keys missing and unexpected, a few of each and their counts), and the HINT."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    hint = (
+        "build the registered objects the same way as the run that wrote the checkpoint "
+        "(same shapes and parameter groups), or start a fresh run with another run.id"
+    )
+    keyed = [line for line in lines if line.startswith(("Missing key", "Unexpected key"))]
+    if not keyed:
+        reasons = [line for line in lines[1:] if not line.startswith("Error(s)")]
+        return "; ".join(line.rstrip(".") for line in reasons[:3] or lines[:1]), hint
+    parts, every_key = [], []
+    for line in keyed:
+        label, keys = _keys_line(line)
+        every_key += keys
+        shown = ", ".join(keys[:KEYS_SHOWN]) + (" ..." if len(keys) > KEYS_SHOWN else "")
+        parts.append(f"{label} ({len(keys)}): {shown}")
+    if any(key.startswith(_COMPILED_PREFIX) for key in every_key):
+        hint = (
+            "one side is a torch.compile'd model (its keys start with _orig_mod.): register "
+            "the model as it is before compiling it (run.register(model=model), then "
+            "model = torch.compile(model)), in both runs"
+        )
+    return "; ".join(parts), hint
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
@@ -116,3 +160,36 @@ def restore_rng(state: Mapping[str, Any], device: torch.device) -> None:
     random.setstate((version, tuple(internal), gauss))
     if device.type == "cuda" and state.get("cuda") is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _refusal(state: Any) -> str | None:
+    """Why ``torch.load(weights_only=True)`` would refuse ``state``, or None; tensors are
+    replaced by empty ones first, so only the structure is written."""
+    skeleton = tree_map(
+        lambda leaf: torch.empty(0) if isinstance(leaf, torch.Tensor) else leaf, state
+    )
+    buffer = io.BytesIO()
+    try:
+        torch.save(skeleton, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as error:  # pickling or safe loading refused it: both are the answer
+        refused = re.search(r"GLOBAL (\S+) was not an allowed global", str(error))
+        if refused:
+            return f"it holds a {refused.group(1)}, which safe loading (weights_only) refuses"
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return None
+
+
+def check_loadable(what: str, state: Any) -> None:
+    """Raise when ``state`` could be saved but a resume could not load it safely
+    (``weights_only=True`` allows tensors, numbers, strings, None and containers of them)."""
+    why = _refusal(state)
+    if why is not None:
+        raise HpcDdpError(
+            f"{what} has a state that a resume could not load back: {why}",
+            "keep checkpointed state to tensors, numbers, strings, bools, None and "
+            "lists/tuples/dicts of them (a numpy array: torch.from_numpy(array); a float64 "
+            "scalar: float(value))",
+        )

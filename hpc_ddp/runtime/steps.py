@@ -26,14 +26,15 @@ from hpc_ddp.runtime.checkpoint import (
     saved_world_size,
 )
 from hpc_ddp.runtime.context import RunContext
-from hpc_ddp.runtime.dist import broadcast_object, several_ranks
+from hpc_ddp.runtime.dist import broadcast_object, gather_object_to_main, several_ranks
 from hpc_ddp.runtime.errors import Stopped
 from hpc_ddp.runtime.intervals import MetricLog
 from hpc_ddp.runtime.logs import Progress, get_logger
 from hpc_ddp.runtime.replicas import diverged_replicas
 from hpc_ddp.runtime.requeue import requeue_job
 from hpc_ddp.runtime.signals import StepAgreement
-from hpc_ddp.runtime.state import gathered_rng_states, restore_rng
+from hpc_ddp.runtime.state import check_loadable, gathered_rng_states, restore_rng
+from hpc_ddp.runtime.streams import BatchStream, batch_length
 from hpc_ddp.runtime.timeline import durations
 from hpc_ddp.runtime.watchdog import StallWatchdog
 
@@ -44,6 +45,8 @@ CHECK_EVERY_MAX = 1000
 FIRST_LOG_INTERVAL = 20
 LOG_PERIOD_S = 5.0
 LOG_INTERVAL_MAX = 10000
+
+_END = object()
 
 
 @dataclass
@@ -93,6 +96,16 @@ class StepLoop:
         self._agreement: StepAgreement | None = None
         self._watchdog: StallWatchdog | None = None
         self._begun = False
+        #: The user's own iterable being stepped through (None: a TrainLoader, or none yet).
+        self._stream: BatchStream | None = None
+        #: Each rank's stream state from the checkpoint resumed from, until a stream takes it.
+        self._saved_streams: list[Any] | None = None
+        self._stream_said = False
+        #: The micro-batch index within the optimizer step being handed out.
+        self._micro = 0
+        self._save_requested = False
+        self._unwatched_by_user = False
+        self._stepping = False
 
     # -- epochs and steps ---------------------------------------------------------------------
 
@@ -142,56 +155,116 @@ class StepLoop:
         self.position.epoch += 1
         self.position.step_in_epoch = 0
 
-    def _total_steps(self, steps_per_epoch: int) -> int | None:
+    def _total_steps(self, steps_per_epoch: int | None) -> int | None:
         limits = [self.max_steps]
-        if self.num_epochs is not None:
+        if self.num_epochs is not None and steps_per_epoch is not None:
             limits.append(self.num_epochs * steps_per_epoch)
         known = [limit for limit in limits if limit is not None]
         return min(known) if known else None
 
     def steps(self, loader: Any) -> Iterator[Any]:
-        """The rest of the current epoch's micro-batches (see :meth:`hpc_ddp.Run.steps`)."""
+        """The rest of the current epoch's micro-batches (see :meth:`hpc_ddp.Run.steps`):
+        ``loader`` is a TrainLoader or a :class:`BatchStream` over the user's iterable."""
         position = self.position
         accum = loader.grad_accum_steps
-        self.metrics.global_batch_size = loader.global_batch_size
+        if isinstance(loader, BatchStream):
+            self._take_stream(loader)
+        else:
+            self.metrics.global_batch_size = loader.global_batch_size
         total = self._total_steps(loader.steps_per_epoch)
         self.metrics.progress.total_steps = total
-        left = loader.steps_per_epoch - position.step_in_epoch
+        left: float = float("inf")
+        if loader.steps_per_epoch is not None:
+            left = loader.steps_per_epoch - position.step_in_epoch
         if total is not None:
             left = min(left, total - position.global_step)
         loader.set_position(position.epoch, position.step_in_epoch)
         started = self._interval_started = time.perf_counter()
         self._interval_steps = 0
-        micro = 0
+        self._micro = 0
         watchdog = self._watchdog
         if watchdog is not None:
             watchdog.arm()
+        self._stepping = True
         try:
-            batches = iter(loader)
+            batches = iter(loader) if left > 0 else iter(())
             while left > 0:
-                batch = next(batches, None)
-                if batch is None:
+                batch = next(batches, _END)
+                if batch is _END:
                     break
-                self.accumulating = micro < accum - 1
+                if not self.metrics.global_batch_size:
+                    self._measure_batch(batch, accum)
+                self.accumulating = self._micro < accum - 1
                 yield batch
                 if watchdog is not None:
+                    if self._unwatched_by_user:
+                        self._unwatched_by_user = False
+                        watchdog.arm()
                     watchdog.beat()
-                micro += 1
-                if micro < accum:
+                self._micro += 1
+                if self._micro < accum:
                     continue
-                micro = 0
+                self._micro = 0
                 left -= 1
                 self._after_step()
         finally:
+            self._stepping = False
             if watchdog is not None:
                 watchdog.disarm()
             self.accumulating = False
+            self._unwatched_by_user = False
             if self.context.device.type == "cuda":
                 torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
             position.train_time_s += time.perf_counter() - started
         self.metrics.end_epoch(position.epoch)
         if not self.in_epochs:
             self.next_epoch()
+
+    def _take_stream(self, stream: BatchStream) -> None:
+        """Step through a user's iterable: load its saved state, say once how it resumes."""
+        self._stream = stream
+        context, saved = self.context, self._saved_streams
+        if saved is not None and stream.stateful:
+            self._saved_streams = None
+            if len(saved) == context.env.world_size:
+                stream.load_state_dict(saved[context.env.rank])
+            elif context.env.is_main:
+                get_logger().warning(
+                    f"the checkpoint holds the batches' state of {len(saved)} ranks, this run "
+                    f"has {context.env.world_size}: each rank's {type(stream.batches).__name__} "
+                    "starts from its own beginning, not where the run stopped"
+                )
+        resumed = self.position.resumed_from_step
+        if resumed and not self._stream_said and context.env.is_main:
+            self._stream_said = True
+            get_logger().info(f"resuming the batches at step {resumed}: {stream.kind}")
+
+    def _measure_batch(self, batch: Any, accum: int) -> None:
+        """The global batch of a user's iterable, from its first micro-batch (for samples/s
+        and the summary's samples_seen)."""
+        size = batch_length(batch)
+        if size is not None:
+            self.metrics.global_batch_size = size * accum * self.context.env.world_size
+
+    # -- at step boundaries, on the user's terms ---------------------------------------------
+
+    def every(self, steps: int) -> bool:
+        """Whether the optimizer step about to be taken is one of every ``steps`` (its index,
+        the steps done so far, divides by ``steps``), once per step whatever the
+        accumulation. When it is, the stall watchdog rests until the next micro-batch."""
+        due = self.position.global_step % steps == 0 and self._micro == 0
+        if due and self._watchdog is not None and self._watchdog.armed:
+            self._watchdog.disarm()
+            self._unwatched_by_user = True
+        return due
+
+    def request_save(self) -> None:
+        """A checkpoint at the end of the optimizer step in progress (every rank asks), or at
+        once between steps."""
+        if self._stepping:
+            self._save_requested = True
+        else:
+            self.save("requested")
 
     def _after_step(self) -> None:
         position = self.position
@@ -210,8 +283,9 @@ class StepLoop:
         if stop:
             self._stop()
         every_steps = self.context.config.checkpoint.every_steps
-        if save_now or (every_steps and position.global_step % every_steps == 0):
-            self.save("periodic")
+        requested, self._save_requested = self._save_requested, False
+        if save_now or requested or (every_steps and position.global_step % every_steps == 0):
+            self.save("requested" if requested else "periodic")
 
     def _save_due_by_time(self) -> bool:
         minutes = self.context.config.checkpoint.every_minutes
@@ -260,13 +334,22 @@ class StepLoop:
         """Everything a resume needs (collective: every rank calls it, rank 0 writes it).
         ``finished``: the run's training ended with this checkpoint."""
         context, position = self.context, self.position
+        check_loadable("run.state", context.values)
         rng = gathered_rng_states(context.device, context.control_group)
+        stream = self._stream
+        streams = None
+        if stream is not None and stream.stateful:
+            mine = stream.state_dict()
+            check_loadable(f"the batches' {type(stream.batches).__name__}", mine)
+            streams = gather_object_to_main(mine, context.control_group)
         metrics = self.metrics.saved()
         if not context.env.is_main:
             return {}
         return {
             "format": FORMAT_VERSION,
             "objects": context.registry.state_dicts(),
+            "values": dict(context.values),
+            "streams": streams,
             "epoch": position.epoch,
             "step_in_epoch": position.step_in_epoch,
             "global_step": position.global_step,
@@ -342,6 +425,8 @@ class StepLoop:
         position.resumed_from_world_size = saved_world_size(saved)
         position.last_checkpoint_step = position.global_step
         self.metrics.restore(saved["metrics"])
+        self.context.values.update(saved.get("values") or {})
+        self._saved_streams = saved.get("streams")
         if len(saved["rng"]) != env.world_size:
             return False
         restore_rng(saved["rng"][env.rank], self.context.device)

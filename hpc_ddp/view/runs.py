@@ -14,7 +14,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.journal import STATUS_FILE, read_metrics, read_status
 
 #: Interval metrics that describe speed, not the model.
-NOT_CURVES = {"samples_per_s", "lr"}
+NOT_CURVES = {"samples_per_s", "steps_per_s", "lr"}
 
 
 @dataclass(frozen=True)

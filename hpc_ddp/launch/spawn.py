@@ -1,0 +1,70 @@
+""":func:`spawn`: a drop-in for ``torch.multiprocessing.spawn(main, args, nprocs)``.
+
+The classic DDP script starts its ranks itself::
+
+    if __name__ == "__main__":
+        mp.spawn(main, args=(world_size,), nprocs=world_size)
+
+With ``hpc_ddp.spawn`` in its place (and ``hpc_ddp.start()`` inside ``main`` instead of
+``init_process_group``) the same script runs under every launcher: started by plain
+``python`` it starts ``nprocs`` local ranks as ``hpc-ddp local`` does (same supervisor, same
+environment: each rank runs the script again and calls ``main(rank, *args)``); under a
+launcher that already made one process per rank (``srun``, torchrun, ``hpc-ddp local``,
+submitit) it calls ``main(rank, *args)`` in this process and ``nprocs`` is the launcher's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hpc_ddp.launch.program import Program
+from hpc_ddp.runtime.env import detect_launcher
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.exits import rank_label
+
+__all__ = ["spawn"]
+
+#: Set in the ranks :func:`spawn` starts: they end after ``main``, as mp.spawn's children do.
+SPAWNED_VAR = "HPC_DDP_SPAWNED"
+
+
+def this_program(argv: list[str], main_module: Any) -> Program:
+    """The program this process runs, to start it again on each rank: the module it was
+    started as (``python -m pkg.train``), else the script."""
+    spec = getattr(main_module, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        return Program("module", spec.name.removesuffix(".__main__"), tuple(argv[1:]))
+    return Program("script", argv[0], tuple(argv[1:]))
+
+
+def spawn(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    nprocs: int = 1,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> None:
+    """Run ``fn(rank, *args)`` on every rank (see the module docstring). Call it from the
+    script's ``if __name__ == "__main__":`` block, as with ``mp.spawn``. In a rank it
+    started, the process ends after ``fn`` returns; a failed rank ends the launch with its
+    exit code (SystemExit), the others stopped."""
+    environment = os.environ if environ is None else environ
+    if detect_launcher(environment) != "single":
+        fn(int(rank_label(environment)), *args)
+        if environment.get(SPAWNED_VAR):
+            sys.exit(0)
+        return
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise HpcDdpError(
+            f"hpc_ddp.spawn(..., nprocs={nprocs!r}): the number of ranks must be an integer >= 1",
+            "e.g. nprocs=2 (torch.cuda.device_count() on a GPU node)",
+        )
+    from hpc_ddp.launch.local import launch_local
+
+    program = this_program(sys.argv, sys.modules["__main__"])
+    code = launch_local(nprocs, program, {**environment, SPAWNED_VAR: "1"})
+    if code:
+        sys.exit(code)

@@ -1,0 +1,68 @@
+"""The conversion diffs in docs/converting.md (and the README's) stay as small as promised:
+a changed line counts once whether it was replaced, added or removed."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.helpers import REPO
+
+CONVERTING = (REPO / "docs" / "converting.md").read_text()
+
+
+def diffs(text: str) -> list[str]:
+    return re.findall(r"```diff\n(.*?)```", text, flags=re.DOTALL)
+
+
+def changed_lines(diff: str) -> int:
+    """Per run of adjacent +/- lines, the larger of its additions and removals."""
+    total, plus, minus = 0, 0, 0
+    for line in [*diff.splitlines(), " "]:
+        if line.startswith("+"):
+            plus += 1
+        elif line.startswith("-"):
+            minus += 1
+        else:
+            total += max(plus, minus)
+            plus = minus = 0
+    return total
+
+
+def test_the_count_treats_a_replaced_line_as_one_change() -> None:
+    assert changed_lines("-a\n+b\n c\n+d\n-e\n-f\n g") == 1 + 2
+    assert changed_lines(" a\n b") == 0
+
+
+@pytest.mark.parametrize(
+    ("index", "most", "kept"),
+    [
+        (0, 10, ["sampler.set_epoch(epoch)", "loss.backward()", "optimizer.step()"]),
+        (
+            1,
+            20,
+            [
+                "for micro_step in range(gradient_accumulation_steps):",
+                "model.require_backward_grad_sync = (micro_step",
+                "scaler.scale(loss).backward()",
+                "lr = get_lr(iter_num)",
+            ],
+        ),
+        (2, 10, ["def main(rank: int, world_size: int, epochs: int)", "sampler.set_epoch(epoch)"]),
+    ],
+    ids=["ddp-tutorial", "nanogpt", "mp-spawn"],
+)
+def test_each_shape_converts_in_few_lines_keeping_its_structure(
+    index: int, most: int, kept: list[str]
+) -> None:
+    diff = diffs(CONVERTING)[index]
+    assert 0 < changed_lines(diff) <= most, diff
+    context = [line for line in diff.splitlines() if line.startswith(" ")]
+    for text in kept:
+        assert any(text in line for line in context), f"{text!r} is no longer as it was"
+
+
+def test_the_readme_script_diff_is_as_small() -> None:
+    readme = diffs((REPO / "README.md").read_text())
+    assert readme and changed_lines(readme[0]) <= 10
