@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from bench.harness import median, write_result
-from hpc_ddp.runtime.checkpoint import FORMAT_VERSION, load_newest, save_checkpoint
+from hpc_ddp.runtime.checkpoint.files import FORMAT_VERSION, load_newest, save_checkpoint
 
 WIDTHS = (256, 1024, 2048, 4096)
 #: Ranks of one node that load the same checkpoint at once, as at a resume.
@@ -25,7 +25,7 @@ READERS = 4
 READ_ONE = """
 import sys
 from pathlib import Path
-from hpc_ddp.runtime.checkpoint import load_checkpoint
+from hpc_ddp.runtime.checkpoint.files import load_checkpoint
 import torch
 def tensors(value):
     if isinstance(value, torch.Tensor):

@@ -177,6 +177,34 @@ def _lm_paired(data: dict[str, Any]) -> str:
     )
 
 
+def _iterations_paired(data: dict[str, Any]) -> str:
+    model = data["model"]
+    low, high = data["ratio_ci95"]
+    return (
+        "\n".join(
+            [
+                "### 1d. An iteration-based loop (nanoGPT's shape), paired",
+                "",
+                "`bench/iterations.py`: a loop over `run.iterations()` that draws its own random "
+                "batches, with micro-steps (the gradient sync on the last), `run.every` and "
+                "`run.log`, against the same loop written by hand with plain DDP, alternating "
+                f"single steps in one pair of gloo ranks as in 1a. The 1c model, "
+                f"{data['accumulation']} micro-steps per step, global batch "
+                f"{data['global_batch']} windows of {model['context']} tokens; "
+                f"{data['rounds']} rounds of {data['steps_per_round']} steps.",
+                "",
+                "| hand-written tokens/s | hpc_ddp tokens/s | ratio (95% interval) |",
+                "|---:|---:|---:|",
+                f"| {data['raw_tokens_per_s_median']:,.0f} | "
+                f"{data['hpc_ddp_tokens_per_s_median']:,.0f} "
+                f"| **{data['ratio']:.3f}** ({low:.3f}-{high:.3f}) |",
+                "",
+            ]
+        )
+        + "\n"
+    )
+
+
 def _startup(data: dict[str, Any]) -> str:
     stages = data["stages_with_mlflow_median_s"]
     return (
@@ -314,6 +342,7 @@ def write_readme() -> Path:
         ("overhead_paired", _overhead_paired),
         ("overhead", _overhead),
         ("lm_paired", _lm_paired),
+        ("iterations_paired", _iterations_paired),
         ("startup", _startup),
         ("checkpoint_io", _checkpoint),
         ("data_memory", _data_memory),

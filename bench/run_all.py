@@ -9,6 +9,7 @@ from bench import (
     data_memory,
     gpu,
     interleaved,
+    iterations,
     lm,
     overhead,
     report,
@@ -27,6 +28,7 @@ def main() -> None:
         ("overhead", overhead),
         ("overhead_paired", interleaved),
         ("lm_paired", lm),
+        ("iterations_paired", iterations),
         ("tracking_cost", tracking_cost),
     ):
         if not only or name in only:

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import launch, median, write_result
-from hpc_ddp.runtime.tracking import RunRecord, default_tracking_uri
-from hpc_ddp.runtime.tracking_guard import GATHER_S, GuardedTracker
-from hpc_ddp.runtime.tracking_worker import WorkerTracker
+from hpc_ddp.runtime.tracking.base import RunRecord, default_tracking_uri
+from hpc_ddp.runtime.tracking.guard import GATHER_S, GuardedTracker
+from hpc_ddp.runtime.tracking.worker import WorkerTracker
 
 RUN = [
     "--config",

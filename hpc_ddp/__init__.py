@@ -32,9 +32,9 @@ if TYPE_CHECKING:
     from hpc_ddp.launch.jobs import submit, wait
     from hpc_ddp.launch.spawn import spawn
     from hpc_ddp.runtime.config import RuntimeConfig
-    from hpc_ddp.runtime.metrics import Sum, Sums
-    from hpc_ddp.runtime.run import Resumed, Run
-    from hpc_ddp.runtime.start import start
+    from hpc_ddp.runtime.loop.metrics import Sum, Sums
+    from hpc_ddp.runtime.session.run import Resumed, Run
+    from hpc_ddp.runtime.session.start import start
 
 __version__ = "0.1.0"
 __all__ = [
@@ -52,11 +52,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "start": "hpc_ddp.runtime.start",
-    "Run": "hpc_ddp.runtime.run",
-    "Resumed": "hpc_ddp.runtime.run",
-    "Sum": "hpc_ddp.runtime.metrics",
-    "Sums": "hpc_ddp.runtime.metrics",
+    "start": "hpc_ddp.runtime.session.start",
+    "Run": "hpc_ddp.runtime.session.run",
+    "Resumed": "hpc_ddp.runtime.session.run",
+    "Sum": "hpc_ddp.runtime.loop.metrics",
+    "Sums": "hpc_ddp.runtime.loop.metrics",
     "RuntimeConfig": "hpc_ddp.runtime.config",
     "spawn": "hpc_ddp.launch.spawn",
     "submit": "hpc_ddp.launch.jobs",

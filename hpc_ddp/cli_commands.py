@@ -68,11 +68,11 @@ def local(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hpc_ddp.runtime.startup_signals import hold_stop_signals
+    from hpc_ddp.runtime.preempt.startup_signals import hold_stop_signals
 
     hold_stop_signals()  # before the user's program imports torch
     from hpc_ddp.launch.program import run_program
-    from hpc_ddp.runtime.tracking_worker import prestart
+    from hpc_ddp.runtime.tracking.worker import prestart
 
     program = program_arguments(args)
     if program.kind == "builtin":
@@ -223,10 +223,10 @@ def data_make(args: argparse.Namespace) -> int:
 
 
 def port(_args: argparse.Namespace) -> int:
-    from hpc_ddp.runtime.slurm import derive_master_port
+    from hpc_ddp.runtime.place.slurm import derive_master_port
 
     if os.environ.get("MASTER_PORT"):
-        from hpc_ddp.runtime.distenv import port_override
+        from hpc_ddp.runtime.place.distenv import port_override
 
         print(port_override(os.environ, None))  # checked: a number from 1 to 65535
         return 0
@@ -258,8 +258,8 @@ def plot(args: argparse.Namespace) -> int:
 
 
 def tracking_sync(args: argparse.Namespace) -> int:
+    from hpc_ddp.runtime.tracking.sync import sync_run
     from hpc_ddp.view.runs import find_run
-    from hpc_ddp.view.sync import sync_run
 
     run = find_run(args.run, Path(args.output_dir)).path
     report = sync_run(run, args.uri)

@@ -20,7 +20,7 @@ import torch
 from mlflow import MlflowClient
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
-from hpc_ddp.runtime.tracking import default_tracking_uri
+from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, clean_environ, run_local_program, signal_after
 
 LM = str(REPO / "tests" / "programs" / "lm_loop.py")

@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from hpc_ddp.runtime.distenv import port_override
-from hpc_ddp.runtime.env import (
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.place.distenv import port_override
+from hpc_ddp.runtime.place.env import (
     LAUNCHER_ORDER,
     detect_launcher,
     dist_env_variables,
@@ -16,8 +17,7 @@ from hpc_ddp.runtime.env import (
     resolve_dist_env,
     with_agreed_elastic_restarts,
 )
-from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.slurm import derive_master_port
+from hpc_ddp.runtime.place.slurm import derive_master_port
 
 
 def slurm_step(**overrides: str) -> dict[str, str]:

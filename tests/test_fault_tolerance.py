@@ -18,7 +18,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from hpc_ddp.runtime.checkpoint import (
+from hpc_ddp.runtime.checkpoint.files import (
     FORMAT_VERSION,
     check_resumable,
     fingerprint_of,
@@ -28,11 +28,11 @@ from hpc_ddp.runtime.checkpoint import (
     remove_partial_writes,
     save_checkpoint,
 )
-from hpc_ddp.runtime.data import ResumableDistributedSampler
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
-from hpc_ddp.runtime.requeue import agent_signal_gap, requeue_target
-from hpc_ddp.runtime.signals import StepAgreement, StopSignals
-from hpc_ddp.runtime.tracking import default_tracking_uri
+from hpc_ddp.runtime.loop.data import ResumableDistributedSampler
+from hpc_ddp.runtime.preempt.requeue import agent_signal_gap, requeue_target
+from hpc_ddp.runtime.preempt.signals import StepAgreement, StopSignals
+from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from hpc_ddp.trainer.config import load_config, resume_fingerprint
 from tests.helpers import REPO, clean_environ, run_local, start_program
 
@@ -153,11 +153,11 @@ def _run_snippet(code: str) -> subprocess.CompletedProcess[str]:
 
 HOLD_AND_SEND = """
 import os, signal
-from hpc_ddp.runtime.startup_signals import hold_stop_signals
+from hpc_ddp.runtime.preempt.startup_signals import hold_stop_signals
 hold_stop_signals()
 for name in {names}:
     os.kill(os.getpid(), getattr(signal, name))
-from hpc_ddp.runtime.signals import StopSignals
+from hpc_ddp.runtime.preempt.signals import StopSignals
 signals = StopSignals({warning!r}, stop_on_sigterm={on_term}).install()
 print(sorted(signal.Signals(s).name for s in signals.received), signals.wants_requeue)
 signals.restore()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mlflow import MlflowClient
 
-from hpc_ddp.runtime.tracking import default_tracking_uri
+from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import read_summary, run_local
 
 
@@ -45,7 +45,9 @@ def test_two_rank_run_is_tracked_once_with_params_metrics_tags_artifacts(tmp_pat
     history = client.get_metric_history(run.info.run_id, "val_loss")
     assert [m.step for m in history] == [1, 2, 3]
     assert history[-1].value == summary["val_loss"]
-    assert {"train_loss", "val_accuracy", "interval/lr", "interval/samples_per_s"} <= set(run.data.metrics)
+    assert {"train_loss", "val_accuracy", "interval/lr", "interval/samples_per_s"} <= set(
+        run.data.metrics
+    )
     assert "train_accuracy" not in run.data.metrics, "train accuracy is opt-in"
     interval = client.get_metric_history(run.info.run_id, "interval/train_loss")
     assert len(interval) == summary["global_step"] // 5

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from hpc_ddp.runtime.config import DistConfig, RunConfig
-from hpc_ddp.runtime.env import DistEnv
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.plan import (
+from hpc_ddp.runtime.place.env import DistEnv
+from hpc_ddp.runtime.place.plan import (
     gpu_binding_warning,
     make_launch_plan,
     micro_batch_size,

@@ -14,7 +14,7 @@ import pytest
 
 from hpc_ddp.launch.sbatch import RenderRequest, render_sbatch, template_path
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.slurm import time_to_minutes
+from hpc_ddp.runtime.place.slurm import time_to_minutes
 from tests.helpers import REPO, clean_environ
 
 GOLDEN = REPO / "tests" / "golden"

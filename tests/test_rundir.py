@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.rundir import check_plain_name
+from hpc_ddp.runtime.place.rundir import check_plain_name
 from tests.helpers import REPO, clean_environ, run_local_program, start_program
 
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
@@ -95,7 +95,7 @@ def test_a_finished_run_started_again_is_left_as_it_was_and_more_epochs_continue
     """The built-in trainer (the same holds for any script using run.epochs)."""
     from mlflow import MlflowClient
 
-    from hpc_ddp.runtime.tracking import default_tracking_uri
+    from hpc_ddp.runtime.tracking.base import default_tracking_uri
     from tests.helpers import run_local
 
     run_dir = tmp_path / "synthetic-mlp" / "f"
@@ -139,7 +139,7 @@ def test_a_file_system_without_locks_warns_and_runs(
     import fcntl
     import logging
 
-    from hpc_ddp.runtime import rundir
+    from hpc_ddp.runtime.place import rundir
 
     def no_locks(_handle: object, _operation: int) -> None:
         raise OSError(errno.ENOSYS, "Function not implemented")

@@ -20,19 +20,19 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 from torch.multiprocessing.spawn import spawn
 
 from hpc_ddp.launch.local import free_loopback_port
-from hpc_ddp.runtime.checkpoint import FORMAT_VERSION, load_checkpoint, saved_world_size
-from hpc_ddp.runtime.dist import gather_object_to_main
-from hpc_ddp.runtime.journal import read_tracked_run_id
-from hpc_ddp.runtime.limits import open_files_needed
-from hpc_ddp.runtime.replicas import Divergence, diverged_replicas
-from hpc_ddp.runtime.state import restore_rng, rng_state
-from hpc_ddp.runtime.timeline import (
+from hpc_ddp.runtime.checkpoint.files import FORMAT_VERSION, load_checkpoint, saved_world_size
+from hpc_ddp.runtime.checkpoint.state import restore_rng, rng_state
+from hpc_ddp.runtime.loop.replicas import Divergence, diverged_replicas
+from hpc_ddp.runtime.loop.timeline import (
     durations,
     process_resources,
     process_start_unix,
     rank_spread,
     this_process_start_unix,
 )
+from hpc_ddp.runtime.place.dist import gather_object_to_main
+from hpc_ddp.runtime.place.limits import open_files_needed
+from hpc_ddp.runtime.tracking.journal import read_tracked_run_id
 from tests.helpers import REPO
 
 WORLD = 3
@@ -117,7 +117,7 @@ def test_the_open_file_limit_is_raised_for_the_world_size() -> None:
     assert open_files_needed(4096, is_main=True) == 3 * 4096 + 256
     assert open_files_needed(4096, is_main=False) == 2 * 4095 + 1 + 256
     code = (
-        "from hpc_ddp.runtime.limits import raise_open_file_limit as r; import resource;"
+        "from hpc_ddp.runtime.place.limits import raise_open_file_limit as r; import resource;"
         "print(r(5000), resource.getrlimit(resource.RLIMIT_NOFILE))"
     )
     result = _with_limits(1024, 8192, code)

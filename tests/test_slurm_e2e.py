@@ -22,7 +22,7 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from hpc_ddp.runtime.tracking import default_tracking_uri
+from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, read_summary, run_local, summary_path
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
 

@@ -17,8 +17,8 @@ import torch
 from mlflow import MlflowClient
 
 from hpc_ddp.launch.jobs import submit, wait
-from hpc_ddp.runtime.checkpoint import list_checkpoints
-from hpc_ddp.runtime.tracking import default_tracking_uri
+from hpc_ddp.runtime.checkpoint.files import list_checkpoints
+from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, read_summary, run_local, summary_path
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.slurm import (
+from hpc_ddp.runtime.place.slurm import (
     PORT_BASE,
     PORT_SPAN,
     derive_master_port,

@@ -9,17 +9,18 @@ import json
 import random
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from hpc_ddp.runtime.data import TrainLoader, eval_loader
+from hpc_ddp.runtime.checkpoint.state import describe_load_error
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.start import refuse_nested_start
-from hpc_ddp.runtime.state import describe_load_error
-from hpc_ddp.runtime.streams import BatchStream, batch_length
+from hpc_ddp.runtime.loop.data import TrainLoader, eval_loader
+from hpc_ddp.runtime.loop.streams import BatchStream, batch_length
+from hpc_ddp.runtime.session.start import refuse_nested_start
 from tests.helpers import REPO, clean_environ
 
 
@@ -37,7 +38,7 @@ def test_each_kind_of_iterable_is_counted_and_resumed_its_own_way() -> None:
         def __init__(self) -> None:
             self.position = 0
 
-        def __iter__(self):  # type: ignore[no-untyped-def]
+        def __iter__(self) -> Iterator[torch.Tensor]:
             while True:
                 self.position += 1
                 yield torch.tensor([self.position])
@@ -123,7 +124,7 @@ def test_options_that_would_undo_the_sharding_are_refused_with_what_to_do(option
             seed=0,
             num_workers=0,
             device=None,
-            **{option: None},
+            **{option: None},  # type: ignore[arg-type]
         )
     assert refused.value.hint
     with pytest.raises(HpcDdpError, match="drop_last"):

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.launch.jobs import submit, wait
-from hpc_ddp.runtime.env import resolve_dist_env
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.slurm import derive_master_port
+from hpc_ddp.runtime.place.env import resolve_dist_env
+from hpc_ddp.runtime.place.slurm import derive_master_port
 from hpc_ddp.trainer.config import load_config
 from tests.helpers import REPO
 from tests.slurm_cluster import SlurmCluster

@@ -9,8 +9,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hpc_ddp.runtime.tracking import LoggedMetrics
-from hpc_ddp.runtime.tracking_guard import GuardedTracker
+from hpc_ddp.runtime.tracking.base import LoggedMetrics
+from hpc_ddp.runtime.tracking.guard import GuardedTracker
 
 
 class RecordingStore:

@@ -13,14 +13,14 @@ from pathlib import Path
 from mlflow import MlflowClient
 
 from hpc_ddp.runtime.exits import rank_label
-from hpc_ddp.runtime.mlflow_import import LEFT_OUT
-from hpc_ddp.runtime.tracking import (
+from hpc_ddp.runtime.tracking.base import (
     MAX_METRICS_PER_CALL,
     LoggedMetrics,
     RunRecord,
     default_tracking_uri,
 )
-from hpc_ddp.runtime.tracking_worker import (
+from hpc_ddp.runtime.tracking.mlflow_import import LEFT_OUT
+from hpc_ddp.runtime.tracking.worker import (
     MLFLOW_HTTP_SETTINGS,
     WorkerTracker,
     _prestarted,
@@ -183,8 +183,8 @@ def test_a_call_that_wants_a_left_out_package_gets_it() -> None:
     with the packages let in, and it answers."""
     code = """
 import sys
-from hpc_ddp.runtime.mlflow_import import import_mlflow
-from hpc_ddp.runtime.tracking_worker import answer_call
+from hpc_ddp.runtime.tracking.mlflow_import import import_mlflow
+from hpc_ddp.runtime.tracking.worker import answer_call
 import_mlflow()
 assert "mlflow" in sys.modules and sys.modules["numpy"] is None
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from hpc_ddp.launch.local import PEER_GRACE_S, failure_to_report
-from hpc_ddp.runtime.data import ShardedEvalSampler
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError, lost_peer
-from hpc_ddp.runtime.metrics import PENDING_MAX, Sums
-from hpc_ddp.runtime.replicas import replica_fingerprint
+from hpc_ddp.runtime.loop.data import ShardedEvalSampler
+from hpc_ddp.runtime.loop.metrics import PENDING_MAX, Sums
+from hpc_ddp.runtime.loop.replicas import replica_fingerprint
 from hpc_ddp.trainer.schedule import LrSchedule, lr_factor
 from tests.helpers import REPO, clean_environ, read_summary, run_local, run_train, summary_path
 

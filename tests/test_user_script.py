@@ -20,9 +20,9 @@ import torch
 from mlflow import MlflowClient
 
 import hpc_ddp
-from hpc_ddp.runtime.data import TrainLoader, move_to
 from hpc_ddp.runtime.errors import EXIT_STOPPED
-from hpc_ddp.runtime.tracking import default_tracking_uri
+from hpc_ddp.runtime.loop.data import TrainLoader, move_to
+from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from hpc_ddp.view.plot import curves
 from hpc_ddp.view.runs import load_run
 from tests.helpers import REPO, clean_environ, run_local_program, signal_after, start_program

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from hpc_ddp.runtime.journal import JournalTracker, read_status
-from hpc_ddp.runtime.tracking import NullTracker
+from hpc_ddp.runtime.tracking.base import NullTracker
+from hpc_ddp.runtime.tracking.journal import JournalTracker, read_status
 from hpc_ddp.view.plot import plot_run
 from hpc_ddp.view.runs import find_run, find_runs, format_runs, load_run
 from tests.helpers import REPO, clean_environ, run_local_program
@@ -154,7 +154,7 @@ def test_a_run_whose_process_is_gone_is_listed_as_lost(tmp_path: Path) -> None:
 
 
 def test_summaries_are_strict_json_even_with_a_metric_over_nothing(tmp_path: Path) -> None:
-    from hpc_ddp.runtime.summary import write_summary
+    from hpc_ddp.runtime.session.summary import write_summary
 
     def refuse(constant: str) -> None:
         raise AssertionError(f"{constant} is not JSON")

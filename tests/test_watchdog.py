@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.runtime.errors import EXIT_STALLED
-from hpc_ddp.runtime.watchdog import where_stuck
+from hpc_ddp.runtime.preempt.watchdog import where_stuck
 from tests.helpers import REPO, run_local_program
 
 FAULTS = str(REPO / "tests" / "programs" / "faults.py")

@@ -11,7 +11,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.plan import LaunchPlan, describe_launch, gpu_binding_warning, micro_batch_size
+from hpc_ddp.runtime.place.plan import (
+    LaunchPlan,
+    describe_launch,
+    gpu_binding_warning,
+    micro_batch_size,
+)
 from hpc_ddp.trainer.config import Config
 
 
@@ -44,7 +49,7 @@ def diagnose(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
 
     The batch check is the built-in trainer's (``data.batch_size``); for your own script it
     shows what that batch would give."""
-    from hpc_ddp.runtime.start import resolve_launch
+    from hpc_ddp.runtime.session.start import resolve_launch
 
     accum = config.train.grad_accum_steps
     try:

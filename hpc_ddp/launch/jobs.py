@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.launch.program import Program, program_from, run_program
 from hpc_ddp.runtime.errors import CONSEQUENTIAL_FAILURE_MARKERS, HpcDdpError, Stopped
-from hpc_ddp.runtime.slurm import time_to_minutes
+from hpc_ddp.runtime.place.slurm import time_to_minutes
 
 if TYPE_CHECKING:
     from hpc_ddp.trainer.config import Config
@@ -60,7 +60,7 @@ class CallTask:
                 f"not requeued; submit again with run.id={stopped.run_id} to continue"
             ) from None
         except Exception as error:
-            started = sys.modules.get("hpc_ddp.runtime.ending")
+            started = sys.modules.get("hpc_ddp.runtime.session.ending")
             if started is not None:
                 started.end_active_run(error)
             raise RuntimeError(f"rank {rank} on {socket.gethostname()} failed: {error}") from error

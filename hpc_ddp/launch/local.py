@@ -18,9 +18,9 @@ from pathlib import Path
 from types import FrameType
 
 from hpc_ddp.launch.program import Program
-from hpc_ddp.runtime.env import LOCAL_RUN_ID_VAR, available_cpus
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError
-from hpc_ddp.runtime.plan import threads_per_rank
+from hpc_ddp.runtime.place.env import LOCAL_RUN_ID_VAR, available_cpus
+from hpc_ddp.runtime.place.plan import threads_per_rank
 
 STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.1

@@ -18,7 +18,7 @@ from typing import Literal
 
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
-from hpc_ddp.runtime.tracking_worker import discard_prestarted
+from hpc_ddp.runtime.tracking.worker import discard_prestarted
 
 #: The config the built-in trainer uses when a launch names none.
 DEFAULT_CONFIG = "configs/digits.yaml"
@@ -134,7 +134,7 @@ def _run_program(program: Program) -> int:
         print(exiting.code, file=sys.stderr)
         return 1
     except (Exception, KeyboardInterrupt) as error:
-        started = sys.modules.get("hpc_ddp.runtime.ending")
+        started = sys.modules.get("hpc_ddp.runtime.session.ending")
         if started is not None:
             started.end_active_run(error)
         return report_failure(error, rank_label(os.environ), toolkit_frame)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.slurm import time_to_minutes
+from hpc_ddp.runtime.place.slurm import time_to_minutes
 
 TEMPLATE_NAMES = {"srun": "train.sh", "torchrun": "train-torchrun.sh"}
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.,+-]{1,128}$")

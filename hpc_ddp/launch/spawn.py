@@ -21,9 +21,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from hpc_ddp.launch.program import Program
-from hpc_ddp.runtime.env import detect_launcher
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.exits import rank_label
+from hpc_ddp.runtime.place.env import detect_launcher
 
 __all__ = ["spawn"]
 

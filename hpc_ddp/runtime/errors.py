@@ -15,7 +15,7 @@ EXIT_STOPPED = 3
 #: output shows the cause.
 EXIT_PEER_LOST = 4
 #: No training step finished for ``dist.stall_timeout_s``: the rank wrote its threads'
-#: stacks to its log and ended the job (:mod:`hpc_ddp.runtime.watchdog`).
+#: stacks to its log and ended the job (:mod:`hpc_ddp.runtime.preempt.watchdog`).
 EXIT_STALLED = 5
 
 #: What gloo and NCCL say when the other end of a collective has gone (crashed, killed).

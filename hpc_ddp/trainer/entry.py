@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from hpc_ddp.runtime.import_gc import hold_collection
-from hpc_ddp.runtime.startup_signals import hold_stop_signals
-from hpc_ddp.runtime.tracking_worker import prestart
+from hpc_ddp.runtime.preempt.startup_signals import hold_stop_signals
+from hpc_ddp.runtime.tracking.worker import prestart
 
 
 def before_imports(environ: Mapping[str, str], settings: Sequence[str], dry_run: bool) -> None:

@@ -11,15 +11,13 @@ import torch
 import yaml
 from torch import nn
 
-from hpc_ddp.runtime.checkpoint import write_atomically
+from hpc_ddp import Run, Sum, start
+from hpc_ddp.runtime.checkpoint.files import write_atomically
 from hpc_ddp.runtime.configfile import to_dict
-from hpc_ddp.runtime.env import available_cpus
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.metrics import Sum
-from hpc_ddp.runtime.plan import micro_batch_size, resolve_num_workers
-from hpc_ddp.runtime.run import Run
-from hpc_ddp.runtime.start import start
+from hpc_ddp.runtime.place.env import available_cpus
+from hpc_ddp.runtime.place.plan import micro_batch_size, resolve_num_workers
 from hpc_ddp.trainer.config import Config, OptimConfig, resume_fingerprint
 from hpc_ddp.trainer.datasets import Datasets, ParquetSource, ParquetTrainLoader, build_datasets
 from hpc_ddp.trainer.models import StagedMLP, build_model, check_model_takes

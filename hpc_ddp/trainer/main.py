@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from hpc_ddp.runtime.ending import end_active_run
 from hpc_ddp.runtime.errors import Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
-from hpc_ddp.runtime.plan import describe_launch, micro_batch_size
-from hpc_ddp.runtime.rundir import check_creatable
-from hpc_ddp.runtime.start import resolve_launch
-from hpc_ddp.runtime.tracking_worker import discard_prestarted
+from hpc_ddp.runtime.place.plan import describe_launch, micro_batch_size
+from hpc_ddp.runtime.place.rundir import check_creatable
+from hpc_ddp.runtime.session.ending import end_active_run
+from hpc_ddp.runtime.session.start import resolve_launch
+from hpc_ddp.runtime.tracking.worker import discard_prestarted
 from hpc_ddp.trainer.config import Config, load_config
 from hpc_ddp.trainer.datasets import build_datasets
 from hpc_ddp.trainer.models import build_model, check_model_takes

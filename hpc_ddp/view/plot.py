@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.journal import read_metrics
+from hpc_ddp.runtime.tracking.journal import read_metrics
 from hpc_ddp.view.runs import RunView, metric_kind
 
 Series = dict[str, tuple[list[float], list[float]]]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections.abc import Iterable
@@ -11,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.journal import STATUS_FILE, read_metrics, read_status
+from hpc_ddp.runtime.tracking.journal import STATUS_FILE, pid_alive, read_metrics, read_status
 
 #: Interval metrics that describe speed, not the model.
 NOT_CURVES = {"samples_per_s", "steps_per_s", "lr"}
@@ -48,17 +47,6 @@ def metric_kind(name: str) -> str | None:
     if base in NOT_CURVES:
         return None
     return "val" if is_validation(name) else "train"
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _state(status: dict[str, Any]) -> str:

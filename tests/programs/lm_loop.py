@@ -83,7 +83,9 @@ def main() -> None:
             starts = torch.randint(len(train_data) - args.context, (micro_batch,))
         else:  # the global batch from the iteration, this rank's share of it
             generator = torch.Generator().manual_seed(1000 * iter_num + micro_step)
-            every = torch.randint(len(train_data) - args.context, (args.batch,), generator=generator)
+            every = torch.randint(
+                len(train_data) - args.context, (args.batch,), generator=generator
+            )
             share = every.view(args.accum, run.world_size, micro_batch)
             starts = share[micro_step, run.rank]
         x = torch.stack([train_data[i : i + args.context] for i in starts.tolist()])
@@ -104,7 +106,7 @@ def main() -> None:
         return float(sums.reduce()["val_loss"].mean)
 
     def get_lr(iter_num: int) -> float:
-        return args.lr * 0.5 * (1 + math.cos(math.pi * iter_num / args.max_iters))
+        return float(args.lr) * 0.5 * (1 + math.cos(math.pi * iter_num / args.max_iters))
 
     for iter_num in run.iterations(max_steps=args.max_iters):
         for group in optimizer.param_groups:

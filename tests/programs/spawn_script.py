@@ -32,7 +32,9 @@ def main(rank: int, world_size: int, args: argparse.Namespace, overrides: list[s
     run = hpc_ddp.start(overrides=overrides, params=vars(args), log_interval=5)
     assert run.rank == rank, (run.rank, rank)
     dataset = make_dataset(args.samples)
-    sampler = DistributedSampler(dataset, seed=args.seed)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
+        dataset, seed=args.seed
+    )
     loader = DataLoader(dataset, batch_size=args.batch // run.world_size, sampler=sampler)
     model = run.wrap(nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 1)))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

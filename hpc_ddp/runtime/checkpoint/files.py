@@ -1,0 +1,189 @@
+"""Atomic checkpoint files in <run dir>/checkpoints: write, keep the last K, load the newest
+good one.
+
+A checkpoint is written to a temporary file in the same directory, flushed and fsynced, then
+renamed over its final name (and the directory fsynced), so a kill at any moment leaves every
+earlier checkpoint loadable. Files hold only tensors and plain data: they load with
+``torch.load(weights_only=True)``. What goes into one is
+:mod:`hpc_ddp.runtime.checkpoint.state`'s job.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.logs import get_logger
+
+FORMAT_VERSION = 2
+_NAME = re.compile(r"^step-(\d{9})\.pt$")
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def fingerprint_of(values: Mapping[str, Any]) -> dict[str, str]:
+    """``values`` as a checkpoint keeps them: each value's repr, so any type compares."""
+    return {key: repr(value) for key, value in values.items()}
+
+
+def check_resumable(saved: Mapping[str, str], current: Mapping[str, str], path: Path) -> None:
+    """Refuse a resume whose fingerprint (see :func:`fingerprint_of`) changed, naming every
+    change."""
+    changed = [
+        f"{key}: {saved.get(key, '<absent>')} -> {current.get(key, '<absent>')}"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key)
+    ]
+    if changed:
+        raise HpcDdpError(
+            f"cannot resume from {path}: the config changed in ways that break resuming: "
+            + "; ".join(changed),
+            "restore those values, or start a fresh run with another run.id (or "
+            "checkpoint.resume=false); epochs, log interval, tracking, dist and checkpoint "
+            "settings may change freely",
+        )
+
+
+def saved_world_size(saved: Mapping[str, Any]) -> int:
+    """How many ranks wrote a checkpoint (older ones say it by their random streams)."""
+    return int(saved.get("world_size", len(saved["rng"])))
+
+
+def list_checkpoints(directory: Path) -> list[Path]:
+    """Checkpoints in ``directory``, newest (highest step) first."""
+    if not directory.is_dir():
+        return []
+    found = [path for path in directory.iterdir() if _NAME.match(path.name)]
+    return sorted(found, key=lambda path: path.name, reverse=True)
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def write_atomically(path: Path, write: Callable[[IO[bytes]], Any]) -> Path:
+    """Write ``path`` through ``write(handle)`` so that readers see the old file or the whole
+    new one, never a part: a temporary file, fsynced, renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with open(temporary, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a full disk must not keep a partial file
+        raise
+    _fsync_directory(path.parent)
+    return path
+
+
+def save_checkpoint(state: Mapping[str, Any], directory: Path, step: int, keep_last: int) -> Path:
+    """Write ``state`` atomically as step-<step>.pt; keep only the newest ``keep_last``.
+
+    A write the file system refuses (full, over quota, read-only) leaves the earlier
+    checkpoints as they were and raises an HpcDdpError naming the path and the free space."""
+    path = directory / f"step-{step:09d}.pt"
+    try:
+        final = write_atomically(path, lambda handle: torch.save(dict(state), handle))
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
+        raise _unwritable(path, error) from None
+    for old in list_checkpoints(directory)[keep_last:]:
+        old.unlink(missing_ok=True)
+    return final
+
+
+def _unwritable(path: Path, error: BaseException) -> HpcDdpError:
+    try:
+        usage = shutil.disk_usage(path.parent)
+        space = f"{_size(usage.free)} free of {_size(usage.total)} on its file system"
+    except OSError as unknown:
+        space = f"free space unknown ({unknown.strerror})"
+    kept = list_checkpoints(path.parent)
+    previous = f"the previous checkpoint {kept[0].name} is kept" if kept else "no checkpoint"
+    if isinstance(error, OSError):
+        reason = error.strerror or str(error)
+    else:  # torch.save's writer says only where the stream stopped short
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        reason = f"the write stopped short: full disk or quota? torch: {first[:200]}"
+    return HpcDdpError(
+        f"cannot write checkpoint {path} ({reason}); {space}; {previous}",
+        "free space (or quota) there, or set run.output_dir to a larger file system, then run "
+        "the same command again to resume from the previous checkpoint",
+    )
+
+
+def _size(count: int) -> str:
+    if count < 1024:
+        return f"{count} B"
+    value = float(count)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def remove_partial_writes(directory: Path) -> None:
+    """Temporary files left by a writer that was killed mid-save."""
+    if directory.is_dir():
+        for path in directory.glob(".step-*.pt.tmp-*"):
+            path.unlink(missing_ok=True)
+
+
+def _refused_by_weights_only(error: Exception) -> bool:
+    return "weights_only" in str(error) and "Unsupported global" in str(error)
+
+
+def load_checkpoint(path: Path) -> dict[str, Any]:
+    """One checkpoint, with ``weights_only=True``; raises for a damaged or foreign file.
+
+    The file is memory-mapped: a tensor is read from disk when it is used, so each of W ranks
+    reads the weights and its own random streams, not every rank's. A file that is whole but
+    holds an object ``weights_only`` loading refuses is the user's to fix, so that one is an
+    HpcDdpError, not a damaged file to skip."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:
+        if _refused_by_weights_only(error):
+            first = str(error).split("Unsupported global:")[-1].splitlines()[0].strip()
+            raise HpcDdpError(
+                f"checkpoint {path} holds an object that safe loading (weights_only=True) "
+                f"refuses: {first}",
+                "make every registered object's state_dict() return tensors and plain "
+                "Python data (numbers, strings, lists, dicts)",
+            ) from None
+        raise
+    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
+        raise ValueError(f"not an hpc_ddp checkpoint of format {FORMAT_VERSION}")
+    return state
+
+
+def load_newest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint that loads; a corrupt or truncated one is reported and skipped."""
+    log = get_logger()
+    for path in list_checkpoints(directory):
+        try:
+            return path, load_checkpoint(path)
+        except HpcDdpError:
+            raise
+        except Exception as error:  # a damaged file can fail in many ways; all mean: skip it
+            log.warning(
+                f"checkpoint {path} cannot be loaded ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}); trying the previous one"
+            )
+    return None

@@ -1,0 +1,67 @@
+"""What the parts of a run share: its settings, place, device, groups and services."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpc_ddp.runtime.checkpoint.state import Registry
+from hpc_ddp.runtime.config import RuntimeConfig
+from hpc_ddp.runtime.place.env import DistEnv
+from hpc_ddp.runtime.place.plan import LaunchPlan
+from hpc_ddp.runtime.preempt.signals import StopSignals
+from hpc_ddp.runtime.tracking.base import Tracker
+
+
+@dataclass
+class RunContext:
+    """One run's shared state on this rank, built once by :func:`hpc_ddp.start`."""
+
+    config: RuntimeConfig
+    plan: LaunchPlan
+    #: The (gloo) group for control messages: stop agreement, barriers, small objects. None
+    #: with one rank.
+    control_group: Any | None
+    signals: StopSignals
+    tracker: Tracker
+    #: The environment the launch was resolved from (requeue reads the job's ids from it).
+    environ: Mapping[str, str]
+    #: Values a resume must find unchanged in the checkpoint.
+    fingerprint: dict[str, str]
+    #: Steps between interval metrics; None: about every 5 s (measured).
+    log_interval: int | None
+    registry: Registry = field(default_factory=Registry)
+    #: Plain values the user keeps in :attr:`hpc_ddp.Run.state`, saved in every checkpoint.
+    values: dict[str, Any] = field(default_factory=dict)
+    #: Models given to :meth:`hpc_ddp.Run.wrap` (their modules).
+    wrapped: list[nn.Module] = field(default_factory=list)
+
+    @property
+    def env(self) -> DistEnv:
+        return self.plan.dist_env
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.plan.device.device)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.plan.run_dir
+
+    def models(self) -> list[nn.Module]:
+        """The models whose replicas are compared: the wrapped ones, else the registered."""
+        if self.wrapped:
+            return list(self.wrapped)
+        return [value for value in self.registry.objects.values() if isinstance(value, nn.Module)]
+
+    def current_lr(self) -> float | None:
+        """The first registered optimizer's first parameter group's learning rate."""
+        for value in self.registry.objects.values():
+            if isinstance(value, torch.optim.Optimizer):
+                return float(value.param_groups[0]["lr"])
+        return None

@@ -1,0 +1,138 @@
+"""Training metrics between log intervals and over epochs, summed across ranks off the hot
+path: each interval's all-reduce runs in the background and is read one interval later."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.logs import Progress
+from hpc_ddp.runtime.loop.context import RunContext
+from hpc_ddp.runtime.loop.metrics import PendingSums, Sum, Sums, restore_sums, saved_sums
+from hpc_ddp.runtime.loop.streams import batch_length
+
+#: Interval metrics the run logs itself (as interval/<name>).
+RESERVED_METRICS = frozenset({"lr", "samples_per_s", "steps_per_s"})
+
+
+@dataclass(frozen=True)
+class IntervalReport:
+    """One log interval's metrics, summed across ranks in the background."""
+
+    sums: PendingSums
+    names: list[str]
+    step: int
+    epoch: int
+    steps: int
+    seconds: float
+    lr: float | None
+
+
+class MetricLog:
+    """What :meth:`hpc_ddp.Run.log` adds up: per interval (progress line, ``interval/<name>``)
+    and per epoch (``<name>``, :attr:`epoch_metrics`)."""
+
+    def __init__(self, context: RunContext) -> None:
+        self.context = context
+        self.interval = Sums(context.device, context.control_group)
+        self.epoch = Sums(context.device, context.control_group)
+        #: The last finished epoch's metrics, summed over all ranks.
+        self.epoch_metrics: dict[str, Sum] = {}
+        #: Samples per step over all ranks (from the loader), for samples/s.
+        self.global_batch_size = 0
+        self.progress = Progress(None, enabled=False)
+        self._pending: IntervalReport | None = None
+
+    def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
+        """A training metric's total over ``count`` items (see :meth:`hpc_ddp.Run.log`)."""
+        if name in RESERVED_METRICS:
+            raise HpcDdpError(
+                f"run.log({name!r}, ...): the run logs interval/{name} itself",
+                f"log it under another name (e.g. 'my_{name}'), or with run.log_metrics()",
+            )
+        if isinstance(total, torch.Tensor) and total.dim() != 0:
+            raise HpcDdpError(
+                f"run.log({name!r}, ...) got a tensor of shape {tuple(total.shape)}",
+                "log a scalar (e.g. loss.detach() * batch_size); use run.sums() for tensors",
+            )
+        self.interval.add(name, total, count)
+
+    def measure_batch(self, batch: Any, grad_accum_steps: int) -> None:
+        """The global batch of a user's iterable, from a micro-batch (for samples/s and the
+        summary's samples_seen); unknown for batches that hold no tensor."""
+        size = batch_length(batch)
+        if size is not None:
+            self.global_batch_size = size * grad_accum_steps * self.context.env.world_size
+
+    def _move_interval_to_epoch(self) -> tuple[list[str], torch.Tensor]:
+        """The interval's metrics, packed, added to the epoch's (a collective: the names are
+        compared across ranks)."""
+        self.interval.agree()
+        names, local = self.interval.names, self.interval.local()
+        for index, name in enumerate(names):
+            self.epoch.add(name, local[2 * index], local[2 * index + 1])
+        self.interval.clear()
+        return names, local
+
+    def close_interval(self, step: int, epoch: int, steps: int, seconds: float) -> None:
+        """Start summing this interval's metrics across ranks; publish the previous one's.
+
+        The all-reduce runs in the background until the next log step, so no rank waits for
+        the others here and a GPU is never synchronised; each interval's line and metrics
+        appear one interval late, under their own step."""
+        names, local = self._move_interval_to_epoch()
+        lr = self.context.current_lr()
+        report = IntervalReport(PendingSums(local.clone()), names, step, epoch, steps, seconds, lr)
+        self.publish()
+        self._pending = report
+
+    def publish(self) -> None:
+        """Log the interval whose sums are on their way (if any): progress line and metrics."""
+        report, self._pending = self._pending, None
+        if report is None:
+            return
+        values = report.sums.result()
+        means = {
+            name: values[2 * i] / values[2 * i + 1] if values[2 * i + 1] else float("nan")
+            for i, name in enumerate(report.names)
+        }
+        steps_per_s = report.steps / max(1e-9, report.seconds)
+        metrics = {f"interval/{name}": value for name, value in means.items()}
+        if self.global_batch_size:
+            samples_per_s = steps_per_s * self.global_batch_size
+            rate = f"{samples_per_s:,.0f} samples/s"
+            metrics["interval/samples_per_s"] = samples_per_s
+        else:  # a user's batches of no known size
+            rate = f"{steps_per_s:,.2f} steps/s"
+            metrics["interval/steps_per_s"] = steps_per_s
+        self.progress.update(report.step, report.epoch, means, rate)
+        if report.lr is not None:
+            metrics["interval/lr"] = report.lr
+        self.context.tracker.log_metrics(metrics, report.step)
+
+    def end_epoch(self, epoch: int) -> None:
+        """The epoch's metrics, summed over all ranks, logged under ``epoch + 1``."""
+        self.publish()
+        self._move_interval_to_epoch()
+        self.epoch_metrics = self.epoch.reduce()
+        self.epoch.clear()
+        scalars = {
+            name: float(value.mean)
+            for name, value in self.epoch_metrics.items()
+            if not isinstance(value.total, torch.Tensor)
+        }
+        if scalars:
+            self.context.tracker.log_metrics(scalars, epoch + 1)
+
+    def saved(self) -> dict[str, Any]:
+        """The partial sums, over all ranks, for a checkpoint (a collective)."""
+        return {"interval": saved_sums(self.interval), "epoch": saved_sums(self.epoch)}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Carry a checkpoint's partial sums on (rank 0 holds them; they are global)."""
+        carrier = self.context.env.is_main
+        restore_sums(self.interval, saved["interval"], carrier=carrier)
+        restore_sums(self.epoch, saved["epoch"], carrier=carrier)

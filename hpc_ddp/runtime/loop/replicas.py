@@ -1,0 +1,85 @@
+"""Are the model replicas still equal? Exact weight fingerprints compared across ranks.
+
+DDP keeps replicas equal only while every rank applies the same update; a checkpoint holds
+rank 0's weights alone, so a divergence must be named, not hidden.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hpc_ddp.runtime.place.dist import several_ranks
+
+
+def weights_sha256(model: nn.Module) -> str:
+    """A fingerprint of the state_dict: names, dtypes, shapes and bytes, in sorted order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        value = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+def replica_fingerprint(model: nn.Module) -> torch.Tensor:
+    """One exact integer per state_dict entry: the sum of its bits, on the CPU.
+
+    Integer sums are order-independent, so equal tensors give equal numbers whatever the
+    device or thread count, and a change of one bit in one element changes its number."""
+    sums = []
+    for tensor in model.state_dict().values():
+        flat = tensor.detach().contiguous().view(-1)
+        if flat.numel() == 0:
+            sums.append(torch.zeros((), dtype=torch.int64, device=flat.device))
+            continue
+        as_bits = flat.view(torch.int32) if flat.element_size() == 4 else flat.view(torch.uint8)
+        sums.append(as_bits.sum(dtype=torch.int64))
+    if not sums:
+        return torch.zeros(0, dtype=torch.int64)
+    if len({value.device for value in sums}) > 1:  # a module spread over several devices
+        sums = [value.cpu() for value in sums]
+    return torch.stack(sums).cpu()
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Ranks whose weights differ from rank 0's: how many, and the lowest one's first entry."""
+
+    ranks: int
+    first_rank: int
+    first_entry: str
+
+
+def diverged_replicas(model: nn.Module, world_size: int, group: Any | None) -> Divergence | None:
+    """Which ranks' weights differ from rank 0's (None: all replicas are equal); a collective
+    every rank must call.
+
+    Every message is the size of one fingerprint or smaller, whatever the world size: rank 0's
+    fingerprint is broadcast, each rank compares its own, and two one-number all-reduces name
+    how many differ and the lowest such rank with its first differing entry."""
+    if world_size == 1 or not several_ranks():
+        return None
+    mine = replica_fingerprint(model)
+    reference = mine.clone()
+    dist.broadcast(reference, src=0, group=group)
+    names = list(model.state_dict())
+    differs = (mine != reference).nonzero()
+    rank = dist.get_rank(group)
+    # rank * (entries + 1) + entry orders by rank first; a rank in sync sends the largest value.
+    no_divergence = world_size * (len(names) + 1)
+    first = torch.tensor(
+        [rank * (len(names) + 1) + int(differs[0]) if len(differs) else no_divergence]
+    )
+    count = torch.tensor([1 if len(differs) else 0])
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    if int(count) == 0:
+        return None
+    first_rank, entry = divmod(int(first), len(names) + 1)
+    return Divergence(int(count), first_rank, names[entry])

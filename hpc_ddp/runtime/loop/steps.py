@@ -1,0 +1,263 @@
+"""The step boundary: what happens between one optimizer step and the next.
+
+:class:`StepLoop` counts epochs and steps over a loader's (or any iterable's) micro-batches
+and, at step boundaries only, calls its named parts: :class:`MetricLog` (interval metrics,
+exact epoch sums), :class:`Stopper` (every rank stops after the SAME step), and
+:class:`Checkpointer` (periodic, requested and final checkpoints; what they hold). Nothing in
+it synchronises the device per step; the stop agreement is a CPU (gloo) all-reduce
+overlapped with the next step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.logs import Progress
+from hpc_ddp.runtime.loop.cadence import Cadence
+from hpc_ddp.runtime.loop.checkpointer import Checkpointer
+from hpc_ddp.runtime.loop.context import RunContext
+from hpc_ddp.runtime.loop.intervals import MetricLog
+from hpc_ddp.runtime.loop.position import Position
+from hpc_ddp.runtime.loop.stopper import Stopper
+from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
+from hpc_ddp.runtime.preempt.watchdog import StallWatchdog
+
+_END = object()
+_KEEP = object()
+
+
+def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | None:
+    """The stall watchdog for this rank's steps (None: ``dist.stall_timeout_s`` is off)."""
+    settings = context.config.dist
+    if settings.stall_timeout_s is None:
+        return None
+
+    def where() -> str:
+        return (
+            f"epoch {position.epoch}, step {position.global_step + 1} of the run "
+            f"({position.step_in_epoch + 1} of the epoch)"
+        )
+
+    return StallWatchdog(
+        settings.stall_timeout_s,
+        settings.timeout_s,
+        context.env.rank,
+        where,
+        lambda: context.tracker.finish("FAILED"),
+    )
+
+
+class StepLoop:
+    """Epochs and steps of one run on this rank (see the module docstring)."""
+
+    def __init__(self, context: RunContext, position: Position) -> None:
+        self.context = context
+        self.position = position
+        self.metrics = MetricLog(context)
+        self.streams = StreamStates(context.env.rank, context.env.world_size)
+        self.checkpointer = Checkpointer(
+            context, position, self.metrics, self.streams, self._unwatched
+        )
+        self.stopper = Stopper(context, position, self.checkpointer)
+        self.cadence = Cadence(
+            context.config.preempt.check_every_steps,
+            context.log_interval,
+            context.control_group,
+            context.env.is_main,
+        )
+        self.max_steps: int | None = None
+        self.num_epochs: int | None = None
+        #: True while a micro-batch that is not the last of its optimizer step is out.
+        self.accumulating = False
+        self._in_epochs = False
+        self._micro = 0
+        self._stepping = False
+        self._save_requested = False
+        self._resting = False  # the watchdog rests for the user's code (every())
+        self._interval = (time.perf_counter(), 0)  # (when, at which step) it began
+        self._watchdog: StallWatchdog | None = None
+        self._begun = False
+
+    def begin(self, before_first_step: Callable[[], object]) -> None:
+        """Once, before the first step: ``before_first_step`` (the resume), the stop
+        agreement, and the garbage collector told that everything alive now stays."""
+        if self._begun:
+            return
+        self._begun = True
+        before_first_step()
+        self.stopper.begin()
+        self.metrics.progress = Progress(self.max_steps, enabled=self.context.env.is_main)
+        self._watchdog = start_watchdog(self.context, self.position)
+        gc.freeze()
+
+    # -- epochs and steps ---------------------------------------------------------------------
+
+    def limit(
+        self, *, num_epochs: int | object | None = _KEEP, max_steps: int | object | None = _KEEP
+    ) -> None:
+        """The run ends after ``num_epochs`` epochs or ``max_steps`` optimizer steps (over all
+        attempts), whichever comes first; None: no such limit. A limit not given stays."""
+        if num_epochs is not _KEEP:
+            self.num_epochs = num_epochs  # type: ignore[assignment]
+        if max_steps is not _KEEP:
+            self.max_steps = max_steps  # type: ignore[assignment]
+
+    def epochs(self) -> Iterator[int]:
+        """The epochs left (a resumed epoch part-way always goes on); marks the run completed
+        when they ran to their end."""
+        self._in_epochs = True
+        try:
+            while self.more_epochs():
+                yield self.position.epoch
+                self._next_epoch()
+        finally:
+            self._in_epochs = False
+        self.position.completed = True
+
+    def more_epochs(self) -> bool:
+        position = self.position
+        if position.step_in_epoch > 0:
+            return True
+        if self.num_epochs is not None and position.epoch >= self.num_epochs:
+            return False
+        return self.max_steps is None or position.global_step < self.max_steps
+
+    def _next_epoch(self) -> None:
+        self.position.epoch += 1
+        self.position.step_in_epoch = 0
+
+    def _steps_left(self, steps_per_epoch: int | None) -> float:
+        position, limits = self.position, [self.max_steps]
+        if self.num_epochs is not None and steps_per_epoch is not None:
+            limits.append(self.num_epochs * steps_per_epoch)
+        known = [limit for limit in limits if limit is not None]
+        self.metrics.progress.total_steps = min(known) if known else None
+        left = float("inf") if steps_per_epoch is None else steps_per_epoch - position.step_in_epoch
+        return min(left, min(known) - position.global_step) if known else left
+
+    def steps(self, loader: Any) -> Iterator[Any]:
+        """The rest of the current epoch's micro-batches (see :meth:`hpc_ddp.Run.steps`):
+        ``loader`` is a TrainLoader or a :class:`BatchStream` over the user's iterable."""
+        position, accum = self.position, loader.grad_accum_steps
+        if isinstance(loader, BatchStream):
+            self.streams.take(loader, position.resumed_from_step)
+        else:
+            self.metrics.global_batch_size = loader.global_batch_size
+        left = self._steps_left(loader.steps_per_epoch)
+        loader.set_position(position.epoch, position.step_in_epoch)
+        started = time.perf_counter()
+        self._interval, self._micro, self._stepping = (started, position.global_step), 0, True
+        watchdog = self._watchdog
+        if watchdog is not None:
+            watchdog.arm()
+        try:
+            batches = iter(loader) if left > 0 else iter(())
+            while left > 0:
+                batch = next(batches, _END)
+                if batch is _END:
+                    break
+                if not self.metrics.global_batch_size:
+                    self.metrics.measure_batch(batch, accum)
+                self.accumulating = self._micro < accum - 1
+                yield batch
+                if watchdog is not None:
+                    if self._resting:
+                        self._resting = False
+                        watchdog.arm()
+                    watchdog.beat()
+                self._micro = (self._micro + 1) % accum
+                if self._micro == 0:
+                    left -= 1
+                    self._after_step()
+        finally:
+            self._stepping, self.accumulating, self._resting = False, False, False
+            if watchdog is not None:
+                watchdog.disarm()
+            if self.context.device.type == "cuda":
+                torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
+            position.train_time_s += time.perf_counter() - started
+        self.metrics.end_epoch(position.epoch)
+        if not self._in_epochs:
+            self._next_epoch()
+
+    def _after_step(self) -> None:
+        position, cadence = self.position, self.cadence
+        if position.first_step_unix is None:
+            position.first_step_unix = time.time()
+        position.global_step += 1
+        position.step_in_epoch += 1
+        if position.global_step % cadence.log_interval == 0:
+            self._close_interval()
+        stop, save_now = False, False
+        if position.global_step % cadence.check_every == 0:
+            stop, save_now = self.stopper.decide()
+        if stop:
+            self.stopper.stop()
+        every_steps = self.context.config.checkpoint.every_steps
+        requested, self._save_requested = self._save_requested, False
+        if save_now or requested or (every_steps and position.global_step % every_steps == 0):
+            self.checkpointer.save("requested" if requested else "periodic")
+
+    def _close_interval(self) -> None:
+        now, position = time.perf_counter(), self.position
+        started, first_step = self._interval
+        steps, seconds = position.global_step - first_step, now - started
+        if not self.cadence.calibrated:
+            self.cadence.calibrate(steps, seconds)
+        self.metrics.close_interval(position.global_step, position.epoch, steps, seconds)
+        self._interval = (now, position.global_step)
+
+    # -- at step boundaries, on the user's terms ---------------------------------------------
+
+    def every(self, steps: int) -> bool:
+        """Whether the optimizer step about to be taken is one of every ``steps``, once per
+        step whatever the accumulation; the stall watchdog then rests until the next
+        micro-batch."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise HpcDdpError(
+                f"run.every({steps!r}): the period must be a whole number of steps >= 1",
+                "e.g. run.every(200)",
+            )
+        due = self.position.global_step % steps == 0 and self._micro == 0
+        if due and self._watchdog is not None and self._watchdog.armed:
+            self._watchdog.disarm()
+            self._resting = True
+        return due
+
+    def request_save(self) -> None:
+        """A checkpoint at the end of the optimizer step in progress, or at once between
+        steps (every rank asks)."""
+        if self._stepping:
+            self._save_requested = True
+        else:
+            self.checkpointer.save("requested")
+
+    def _unwatched(self) -> contextlib.AbstractContextManager[None]:
+        """No stall watch while a checkpoint is written: a large one may take longer than
+        dist.stall_timeout_s, and its barrier is bounded by dist.timeout_s."""
+        return contextlib.nullcontext() if self._watchdog is None else self._watchdog.paused()
+
+    # -- ending ------------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """After the last step: the final checkpoint and replica check."""
+        self.metrics.publish()
+        self.checkpointer.save("end of training")
+        if self.position.last_checkpoint_step != self.position.global_step:
+            self.checkpointer.check_replicas()  # not checked by a save at this step
+
+    def close(self, wait: bool = True) -> None:
+        """End the progress display and (``wait``) finish the stop agreement in flight; after
+        a failure a peer may be gone, so nothing is waited for then."""
+        self.metrics.progress.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
+        if wait:
+            self.stopper.close()

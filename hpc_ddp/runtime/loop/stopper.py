@@ -1,0 +1,79 @@
+"""The stop all ranks agree on: every few steps the ranks exchange whether a stop signal
+came (and whether a save is due by time); after the SAME step they checkpoint, requeue if
+asked and allowed, and end the run."""
+
+from __future__ import annotations
+
+import time
+from typing import NoReturn
+
+from hpc_ddp.runtime.errors import Stopped
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.loop.checkpointer import Checkpointer
+from hpc_ddp.runtime.loop.context import RunContext
+from hpc_ddp.runtime.loop.position import Position
+from hpc_ddp.runtime.place.dist import broadcast_object
+from hpc_ddp.runtime.preempt.requeue import requeue_job
+from hpc_ddp.runtime.preempt.signals import StepAgreement
+
+
+class Stopper:
+    """Decides with the other ranks when to stop or save, and carries a stop out."""
+
+    def __init__(self, context: RunContext, position: Position, checkpointer: Checkpointer) -> None:
+        self.context = context
+        self.position = position
+        self.checkpointer = checkpointer
+        self._agreement: StepAgreement | None = None
+
+    def begin(self) -> None:
+        """Before the first step: the agreement's background exchange."""
+        several = self.context.env.world_size > 1
+        self._agreement = StepAgreement(self.context.control_group if several else None)
+
+    def decide(self) -> tuple[bool, bool]:
+        """(stop, save now), the same on every rank: a stop signal on any rank stops all;
+        rank 0's clock decides a save by ``checkpoint.every_minutes``."""
+        if self._agreement is None:
+            return False, False
+        return self._agreement.exchange(self.context.signals.requested, self._save_due())
+
+    def _save_due(self) -> bool:
+        minutes = self.context.config.checkpoint.every_minutes
+        if minutes is None or not self.context.env.is_main:
+            return False
+        return time.monotonic() - self.position.last_save_time >= minutes * 60
+
+    def stop(self) -> NoReturn:
+        """The ranks agreed to stop: checkpoint, requeue if asked and allowed, then raise
+        :class:`hpc_ddp.Stopped` (the session ends the run as it leaves the loop)."""
+        context, position = self.context, self.position
+        position.stopped = True
+        self.checkpointer.save("stop signal")
+        requeued = False
+        if context.env.is_main:
+            if context.signals.wants_requeue:
+                context.tracker.suspend()  # before requeueing: Slurm ends this step right after
+                requeued = requeue_job(
+                    context.environ, context.env.restart_count, context.config.preempt
+                )
+            if not requeued:
+                context.tracker.finish("KILLED")
+        # Every rank learns the outcome before exiting, so none exits early and takes the
+        # step down while rank 0 is still requeueing.
+        requeued = bool(broadcast_object(requeued, context.control_group))
+        if context.env.is_main:
+            if requeued:
+                get_logger().info(f"stopped at step {position.global_step}; the job was requeued")
+            else:
+                get_logger().warning(
+                    f"stopped at step {position.global_step} after a checkpoint; to continue, "
+                    f"run the same command with run.id={context.run_dir.name}"
+                )
+        raise Stopped(position.global_step, requeued, context.run_dir.name)
+
+    def close(self) -> None:
+        """Finish the exchange in flight (only on a clean end: after a failure a peer may be
+        gone)."""
+        if self._agreement is not None:
+            self._agreement.close()

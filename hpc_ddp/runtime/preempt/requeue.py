@@ -1,0 +1,97 @@
+"""Requeueing a stopped Slurm job from rank 0, and the checks that Slurm's warning signal is
+the one the ranks (and torchrun's agent) handle."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Mapping
+
+from hpc_ddp.runtime.config import PreemptConfig
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.place.slurm import job_allows_requeue, quoted
+
+
+def agent_signal_gap(launcher: str, environ: Mapping[str, str], warning_signal: str) -> str | None:
+    """Why the warning signal may be lost under torchrun in a Slurm job, or None.
+
+    Slurm signals every process of a step, torchrun's agent included; an agent that does not
+    handle the signal dies of it and takes the step down while the ranks checkpoint. torch
+    >= 2.9 tells its ranks which signals the agent handles (TORCHELASTIC_SIGNALS_TO_HANDLE).
+    """
+    if launcher != "torchelastic" or "SLURM_JOB_ID" not in environ:
+        return None
+    wanted = f"SIG{warning_signal}"
+    handled = environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    if handled is not None and wanted in {name.strip() for name in handled.split(",")}:
+        return None
+    seen = "this torch's torchrun cannot" if handled is None else f"it handles only {handled}"
+    return (
+        f"torchrun's agent does not handle {wanted} ({seen}): Slurm's warning signal kills the "
+        "agent and ends the step while the ranks checkpoint. HINT: with torch >= 2.9 export "
+        f"PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,{wanted} before torchrun (as "
+        "slurm/train-torchrun.sh does); with older torch start the ranks with srun "
+        "(slurm/train.sh)"
+    )
+
+
+#: The warning signal of the job script's ``#SBATCH --signal`` (the templates export it).
+JOB_SIGNAL_VARIABLE = "HPC_DDP_JOB_SIGNAL"
+
+
+def check_job_signal(environ: Mapping[str, str], warning_signal: str) -> None:
+    """Refuse to start when the job script asks Slurm for one warning signal and the ranks
+    handle another: at the time limit it would kill them instead of stopping them."""
+    declared = environ.get(JOB_SIGNAL_VARIABLE, "").strip()
+    job_signal = declared.upper().removeprefix("B:").split("@")[0].removeprefix("SIG")
+    if not declared or job_signal == warning_signal:
+        return
+    raise HpcDdpError(
+        f"the job's warning signal is {quoted(job_signal)} (#SBATCH --signal, "
+        f"${JOB_SIGNAL_VARIABLE}) but the ranks handle preempt.signal={warning_signal}: at the "
+        "time limit it would kill them instead of stopping them with a checkpoint",
+        f"make the two equal: `hpc-ddp render ... preempt.signal={warning_signal}` writes "
+        f"--signal={warning_signal}@120 (or set preempt.signal to the job's signal)",
+    )
+
+
+def requeue_target(environ: Mapping[str, str]) -> str | None:
+    """The id `scontrol requeue` needs: the array task (<array id>_<task id>) or the job."""
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return environ.get("SLURM_JOB_ID")
+
+
+def requeue_job(environ: Mapping[str, str], restart_count: int, config: PreemptConfig) -> bool:
+    """Rank 0: requeue this Slurm job if allowed and within budget. True if it was requeued."""
+    log = get_logger()
+    target = requeue_target(environ)
+    if not config.requeue or target is None:
+        log.info("not requeueing: " + ("preempt.requeue=false" if target else "not a Slurm job"))
+        return False
+    if restart_count >= config.max_requeues:
+        log.warning(
+            f"not requeueing: the job was already requeued {restart_count} time(s), "
+            f"preempt.max_requeues={config.max_requeues}"
+        )
+        return False
+    if not job_allows_requeue(target, config.requeue_timeout_s):
+        log.warning(f"not requeueing: job {target} does not allow requeue (submit with --requeue)")
+        return False
+    try:
+        result = subprocess.run(
+            ["scontrol", "requeue", target],
+            capture_output=True,
+            text=True,
+            timeout=config.requeue_timeout_s,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        log.error(f"scontrol requeue {target} failed: {error}")
+        return False
+    if result.returncode != 0:
+        log.error(f"scontrol requeue {target} failed: {result.stderr.strip()}")
+        return False
+    log.info(f"requeued job {target} (attempt {restart_count + 1} of {config.max_requeues})")
+    return True

@@ -1,0 +1,100 @@
+"""Stop signals: recorded by the handler, agreed by all ranks at a step boundary.
+
+The signal handler only records the signal. At step boundaries the ranks agree through one
+tiny all-reduce on a CPU (gloo) group, overlapped with the next step, so every rank stops
+after the SAME step; then they checkpoint together (see :mod:`hpc_ddp.runtime.loop.steps`).
+"""
+
+from __future__ import annotations
+
+import signal
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.preempt.startup_signals import release_stop_signals
+
+
+class StopSignals:
+    """Records stop signals; nothing else happens inside the handler."""
+
+    def __init__(self, warning_signal: str, stop_on_sigterm: bool = True) -> None:
+        self.warning = signal.Signals[f"SIG{warning_signal}"]
+        self.stop_on_sigterm = stop_on_sigterm
+        self.received: set[int] = set()
+        self._previous: dict[int, Any] = {}
+
+    def _record(self, signum: int, _frame: FrameType | None) -> None:
+        self.received.add(signum)
+
+    def _ignore(self, _signum: int, _frame: FrameType | None) -> None:
+        pass
+
+    def install(self) -> StopSignals:
+        """Handle the stop signals from now on, including any held during start-up.
+
+        A held signal is raised again once the handlers are in place, so it meets exactly the
+        handling it would have met arriving now: recorded, ignored, or (not a stop signal
+        here) its default action."""
+        arrived_during_startup = release_stop_signals()
+        self._previous[self.warning] = signal.signal(self.warning, self._record)
+        if self.warning != signal.SIGTERM:
+            term_handler = self._record if self.stop_on_sigterm else self._ignore
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, term_handler)
+        for signum in arrived_during_startup:
+            get_logger().warning(
+                f"{signal.Signals(signum).name} arrived while this rank was starting; "
+                "handling it now"
+            )
+            signal.raise_signal(signum)
+        return self
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.received)
+
+    @property
+    def wants_requeue(self) -> bool:
+        """The warning signal (preemption, time limit ahead) asks for a requeue; SIGTERM alone
+        (scancel) asks only to stop cleanly."""
+        return self.warning in self.received
+
+
+class StepAgreement:
+    """Every rank learns whether ANY rank wants to stop (or save), at the same step.
+
+    Each call sends this step's flags and returns the agreed flags of the previous call: the
+    all-reduce runs in the background during the step in between, so the hot loop never
+    waits for it, and all ranks act on the same decision at the same step.
+    """
+
+    def __init__(self, group: Any | None) -> None:
+        self.group = group
+        self._pending: Any | None = None
+        self._flags = torch.zeros(2)
+
+    def exchange(self, stop: bool, save: bool) -> tuple[bool, bool]:
+        agreed = (False, False)
+        if self._pending is not None:
+            self._pending.wait()
+            agreed = (bool(self._flags[0] > 0), bool(self._flags[1] > 0))
+        self._flags = torch.tensor([float(stop), float(save)])
+        if self.group is None:
+            self._pending = None
+            return agreed[0] or stop, agreed[1] or save
+        self._pending = dist.all_reduce(self._flags, group=self.group, async_op=True)
+        return agreed
+
+    def close(self) -> None:
+        """Finish the collective in flight, so the group is quiet before teardown."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None

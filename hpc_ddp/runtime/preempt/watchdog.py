@@ -1,0 +1,163 @@
+"""The stall watchdog: a rank whose training makes no progress says where it is stuck and
+ends the job, instead of waiting out the collective timeout with no clue.
+
+While :meth:`hpc_ddp.Run.steps` hands out batches, every micro-batch is a heartbeat. When
+none comes for ``dist.stall_timeout_s`` (the first one after start is allowed
+``dist.timeout_s``: it includes compilation and warm-up), the rank writes every thread's
+Python stack to its log (faulthandler), one line naming the rank, the step and what its main
+thread is doing, ends its run (MLflow FAILED) and exits with :data:`EXIT_STALLED`; the
+launcher then ends the other ranks. Evaluation between epochs and checkpoint writes are not
+watched: they are bounded by ``dist.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import multiprocessing
+import os
+import sys
+import sysconfig
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import FrameType
+
+import torch
+
+from hpc_ddp.runtime.errors import EXIT_STALLED
+from hpc_ddp.runtime.logs import get_logger
+
+#: Seconds between the watchdog's looks at the heartbeat.
+CHECK_PERIOD_S = 0.5
+#: Seconds the run's end (MLflow FAILED, status.json) may take before the rank exits anyway.
+ENDING_GRACE_S = 15.0
+
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_TORCH_DATA = os.path.join(_TORCH, "utils", "data") + os.sep
+#: The package's own folder (hpc_ddp/), three levels above this file.
+_OWN = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_INSTALLED = tuple({sysconfig.get_paths()[key] + os.sep for key in ("purelib", "platlib")})
+
+
+def _is_library(path: str) -> bool:
+    if path.startswith((_TORCH, _OWN)):
+        return True
+    return path.startswith(_STDLIB) and not path.startswith(_INSTALLED)
+
+
+def where_stuck(frame: FrameType | None) -> str:
+    """What a thread whose innermost frame is ``frame`` waits for, in words: the innermost
+    frame of the user's code (outside torch, hpc_ddp and the standard library), and whether
+    it waits in torch's data loading or elsewhere inside torch (a collective, the device)."""
+    frames: list[FrameType] = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    if not frames:
+        return "no Python frame"
+    user = next((f for f in frames if not _is_library(f.f_code.co_filename)), None)
+    called_from = (
+        f"{user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name}()" if user else "?"
+    )
+    below_user = frames[: frames.index(user)] if user is not None else frames
+    if any(f.f_code.co_filename.startswith(_TORCH_DATA) for f in below_user):
+        return f"waiting for a DataLoader worker (called from {called_from})"
+    if any(f.f_code.co_filename.startswith(_TORCH) for f in below_user):
+        return f"inside torch, waiting for other ranks or the device (called from {called_from})"
+    return f"in {called_from}"
+
+
+class StallWatchdog:
+    """Ends this rank when :meth:`beat` is not called for ``timeout_s`` while armed (see the
+    module docstring). ``where``: the run's position in words; ``end_run``: ends the run
+    (MLflow FAILED) before the rank exits."""
+
+    def __init__(
+        self,
+        timeout_s: float,
+        first_timeout_s: float,
+        rank: int,
+        where: Callable[[], str],
+        end_run: Callable[[], None],
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.first_timeout_s = max(timeout_s, first_timeout_s)
+        self.rank = rank
+        self._where = where
+        self._end_run = end_run
+        self._main = threading.main_thread()
+        self._last = time.monotonic()
+        self._allowed = self.first_timeout_s
+        self.armed = False
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hpc_ddp-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self) -> None:
+        """Watch from now on (a training loop begins or goes on)."""
+        self._last = time.monotonic()
+        self.armed = True
+
+    def beat(self) -> None:
+        """A micro-batch finished: training makes progress."""
+        self._last = time.monotonic()
+        self._allowed = self.timeout_s
+
+    def disarm(self) -> None:
+        """Stop watching (the loop ended, or a checkpoint is being written)."""
+        self.armed = False
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No watch inside (a checkpoint being written); watched again after, if it was."""
+        if not self.armed:
+            yield
+            return
+        self.disarm()
+        try:
+            yield
+        finally:
+            self.arm()
+
+    def close(self) -> None:
+        self.armed = False
+        self._closed.set()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(CHECK_PERIOD_S):
+            waited = time.monotonic() - self._last
+            if self.armed and waited > self._allowed:
+                self._fire(waited)
+                return
+
+    def _fire(self, waited: float) -> None:
+        frame = sys._current_frames().get(self._main.ident or -1)
+        stuck = where_stuck(frame)
+        log = get_logger()
+        log.error(
+            f"rank {self.rank} stalled: no training step finished for {waited:.0f} s "
+            f"(dist.stall_timeout_s={self.timeout_s:g}) at {self._where()}; its main thread is "
+            f"{stuck}. Every thread's stack follows."
+        )
+        for handler in log.handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        log.error(
+            f"rank {self.rank} ends the job: stalled {stuck}. HINT: the stack above shows "
+            "where; a rank inside torch waits for another one (look for the rank stalled in "
+            "its own code or in a DataLoader worker); raise dist.stall_timeout_s if a step "
+            "legitimately takes this long"
+        )
+        ending = threading.Thread(target=self._end_run, daemon=True)
+        ending.start()
+        ending.join(ENDING_GRACE_S)
+        # A hung DataLoader worker would outlive the rank (holding its output open): kill it.
+        for child in multiprocessing.active_children():
+            child.kill()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STALLED)

@@ -1,0 +1,68 @@
+"""DDP's gradient buckets, laid out before the first step so every attempt of a run sums
+gradients in the same order.
+
+DDP all-reduces gradients in buckets, and each element's sum over the ranks runs in an
+order set by its position in its bucket (a ring all-reduce sums each chunk starting at a
+different rank). DDP builds its first buckets in parameter order and rebuilds them after the
+first backward in the order the gradients became ready. A run resumed from a checkpoint
+starts a new DDP, so its first step used the first layout while the uninterrupted run used
+the rebuilt one: at three or more ranks the sums differ in the last bits and a resumed run
+was no longer bitwise equal. Rebuilding right away, in reverse parameter order (the order a
+backward pass produces gradients in a model used in the order it is defined, the order
+DDP's own first layout assumes), gives every attempt the same buckets from its first step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hpc_ddp.runtime.logs import get_logger
+
+
+def settle_buckets(model: DistributedDataParallel) -> bool:
+    """Rebuild ``model``'s buckets now (a collective every rank must call, right after
+    wrapping); False where DDP would not rebuild them anyway or cannot be driven."""
+    if model.static_graph or model.find_unused_parameters:
+        return False  # DDP never rebuilds with unused parameters; a static graph settles itself
+    reducer = model.reducer
+    try:
+        parameters, sparse = model._build_params_for_reducer()
+        if any(sparse):
+            return False
+        first = parameters[0].device
+        reducer.prepare_for_forward()
+        total = torch.zeros((), device=first)
+        for parameter in parameters:  # the backward pass readies them in reverse
+            total = total + (parameter.reshape(-1)[:1] * 0).sum().to(first)
+        reducer.prepare_for_backward([])
+        total.backward()
+        for parameter in parameters:
+            parameter.grad = None
+        return bool(reducer._rebuild_buckets())
+    except (AttributeError, RuntimeError, TypeError) as error:  # another torch's internals
+        get_logger().warning(
+            f"could not lay out DDP's buckets ahead of the first step ({error}); a resumed "
+            "run at 3 or more ranks may differ from an uninterrupted one in the last bits"
+        )
+        return False
+
+
+def wrap_in_ddp(
+    model: nn.Module, device: torch.device, ddp_options: Mapping[str, Any]
+) -> DistributedDataParallel:
+    """``model`` on ``device`` inside DDP, its buckets settled (a collective). A module already
+    spread over several devices stays where it is and is wrapped without ``device_ids``."""
+    devices = {tensor.device for tensor in [*model.parameters(), *model.buffers()]}
+    if len(devices) > 1:
+        wrapped = DistributedDataParallel(model, device_ids=None, **ddp_options)
+    else:
+        model = model.to(device)
+        device_ids = [device.index] if device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, **ddp_options)
+    settle_buckets(wrapped)
+    return wrapped

@@ -1,0 +1,115 @@
+"""How a run ends on this rank, whichever way: finish, an agreed stop, an exception nobody
+caught, or the interpreter exiting. MLflow gets the true final status once, the signal
+handlers are given back and, on a clean end, the process groups are taken down."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+import time
+from types import TracebackType
+
+from hpc_ddp.runtime.errors import EXIT_FAILURE
+from hpc_ddp.runtime.exits import (
+    leave,
+    process_group_alive,
+    rank_label,
+    report_failure,
+    toolkit_frame,
+)
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.loop.steps import StepLoop
+from hpc_ddp.runtime.place.dist import shutdown_distributed
+from hpc_ddp.runtime.preempt.signals import StopSignals
+from hpc_ddp.runtime.tracking.base import Tracker
+
+#: How long a run's end leaves the GIL to the process groups' worker threads (see Ending).
+WORKER_RELEASE_S = 0.05
+
+
+class Ending:
+    """Ends a run once, whichever way it ends: finish, stop, an exception or exit."""
+
+    def __init__(self, signals: StopSignals, label: str, tracker: Tracker, loop: StepLoop) -> None:
+        self.signals = signals
+        self.label = label
+        self.tracker = tracker
+        self.loop = loop
+        self.done = False
+
+    def __call__(self, status: str | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        clean = status in (None, "FINISHED")
+        try:
+            self.loop.close(wait=clean)
+            if status is not None:
+                self.tracker.finish(status)
+            # Training froze every object alive at its start (gc.freeze): let the collector
+            # free them now, while the process group and torch are whole, not at exit.
+            gc.unfreeze()
+        finally:
+            self.signals.restore()
+            if _ACTIVE and _ACTIVE[-1] is self:
+                _ACTIVE.pop()
+            if clean:  # after a failure a peer may be gone: tearing down could hang
+                shutdown_distributed()
+                # gloo's worker threads free a finished collective's tensors after its wait()
+                # returned, and need the GIL for that: give it to them now, or they may ask for
+                # it while the interpreter finalizes, which aborts the process.
+                time.sleep(WORKER_RELEASE_S)
+
+
+_ACTIVE: list[Ending] = []
+_previous_hook = sys.excepthook
+
+
+def end_active_run(error: BaseException) -> None:
+    """End the run this process holds, if any, after ``error`` ended the script: MLflow
+    FAILED (KILLED for Ctrl-C), signal handlers restored."""
+    if _ACTIVE:
+        _ACTIVE[-1]("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+
+
+def _excepthook(
+    kind: type[BaseException], error: BaseException, trace: TracebackType | None
+) -> None:
+    """An exception nobody caught: end the run (MLflow FAILED), then say why on one line
+    with the documented exit code, or show the traceback (exit 1)."""
+    label = _ACTIVE[-1].label if _ACTIVE else rank_label(os.environ)
+    end_active_run(error)
+    if not isinstance(error, Exception | KeyboardInterrupt):
+        _previous_hook(kind, error, trace)
+        return
+    code = report_failure(error, label, toolkit_frame)
+    if code != EXIT_FAILURE or process_group_alive():
+        leave(code)  # see exit_process
+
+
+@atexit.register
+def _at_exit() -> None:
+    """A script that ended without run.finish() (or exited on its own) still ends its run."""
+    while _ACTIVE:
+        ending = _ACTIVE[-1]
+        completed = ending.loop.position.completed
+        get_logger().warning(
+            "the script ended without run.finish(): no final checkpoint or summary.json. "
+            "HINT: call run.finish() after training"
+        )
+        ending("FINISHED" if completed else "FAILED")
+
+
+def install_excepthook() -> None:
+    """Errors nobody catches get hpc_ddp's one-line reports and exit codes, also those raised
+    while :func:`hpc_ddp.start` is still checking the launch."""
+    sys.excepthook = _excepthook
+
+
+def watch(ending: Ending) -> None:
+    """Make ``ending`` the run this process holds: an uncaught exception or the interpreter
+    exiting ends it."""
+    _ACTIVE.append(ending)
+    sys.excepthook = _excepthook

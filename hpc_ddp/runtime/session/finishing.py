@@ -1,0 +1,76 @@
+"""How a run ends well: the final checkpoint, summary.json and MLflow FINISHED; and a run
+started again after it had finished, left as it was."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+from hpc_ddp.runtime.errors import AlreadyFinished
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.loop.context import RunContext
+from hpc_ddp.runtime.loop.steps import StepLoop
+from hpc_ddp.runtime.loop.timeline import durations, process_resources, rank_spread
+from hpc_ddp.runtime.session.ending import Ending
+from hpc_ddp.runtime.session.resume import Resumed
+from hpc_ddp.runtime.session.summary import run_facts, write_summary
+from hpc_ddp.runtime.tracking.journal import JournalTracker
+
+
+def finish_run(
+    context: RunContext,
+    loop: StepLoop,
+    ending: Ending,
+    started: float,
+    timeline: dict[str, float],
+    summary: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The end of :meth:`hpc_ddp.Run.finish` (see there); the summary on every rank."""
+    phases = {"final_checkpoint": time.perf_counter()}
+    loop.finish()
+    phases["summary"] = time.perf_counter()
+    if loop.position.first_step_unix is not None:
+        timeline.setdefault("first_step_unix", loop.position.first_step_unix)
+    spread = rank_spread(timeline, context.control_group)
+    facts = {
+        **run_facts(context, loop, started, timeline),
+        "timeline_ranks": spread,
+        **process_resources(),
+        **(summary or {}),
+    }
+    is_main = context.env.is_main
+    if is_main:
+        path = write_summary(context.run_dir, facts)
+        context.tracker.log_json_artifact("summary.json", facts)
+        facts["summary_path"] = str(path)
+        get_logger().info(f"summary: {path}")
+    phases["close"] = time.perf_counter()
+    ending("FINISHED")
+    facts["ending_s"] = durations(phases, time.perf_counter())
+    # Known now even if MLflow was still starting when the summary was first written; its
+    # status may have changed at the very end.
+    facts["mlflow_run_id"] = context.tracker.run_id
+    facts["tracking"] = context.tracker.status
+    if is_main:
+        get_logger().info(
+            "run ended: "
+            + ", ".join(f"{phase} {s:.2f} s" for phase, s in facts["ending_s"].items())
+        )
+        # Again, now with the end's own times (and MLflow's final state).
+        write_summary(context.run_dir, {k: v for k, v in facts.items() if k != "summary_path"})
+    return facts
+
+
+def end_already_finished(context: RunContext, ending: Ending, resumed: Resumed) -> NoReturn:
+    """The run finished before and nothing is left to train: leave its files alone."""
+    if context.env.is_main:
+        if isinstance(context.tracker, JournalTracker):
+            context.tracker.restore_previous()
+        get_logger().warning(
+            f"run {context.run_dir} already finished at step {resumed.step}; nothing "
+            "to train, its summary.json and checkpoints are kept as they were. HINT: "
+            "train more epochs to continue it, or give a new run another run.id"
+        )
+    ending(None)  # no status: its MLflow run stays as it ended
+    raise AlreadyFinished(resumed.step, str(context.run_dir))

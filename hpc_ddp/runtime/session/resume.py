@@ -1,0 +1,105 @@
+"""Which checkpoint a run resumes from, and how its random streams go on."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_ddp.runtime.checkpoint.files import (
+    checkpoint_dir,
+    load_checkpoint,
+    load_newest,
+    remove_partial_writes,
+    saved_world_size,
+)
+from hpc_ddp.runtime.checkpoint.state import Registry
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.loop.context import RunContext
+from hpc_ddp.runtime.loop.data import mixed_seed
+from hpc_ddp.runtime.loop.steps import StepLoop
+from hpc_ddp.runtime.place.dist import broadcast_object
+
+#: A checkpoint's path and its contents.
+Found = tuple[Path, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a run resumed from."""
+
+    path: Path
+    step: int
+    #: How many ranks wrote it.
+    world_size: int
+    #: Whether it is the checkpoint a finished run ended with.
+    finished: bool = False
+
+
+def find_resume(run_dir: Path, is_main: bool, group: Any | None) -> Found | None:
+    """The newest good checkpoint of this run: rank 0 chooses, every rank loads the same."""
+    directory = checkpoint_dir(run_dir)
+    found = None
+    if is_main:
+        remove_partial_writes(directory)
+        found = load_newest(directory)
+    chosen = broadcast_object(str(found[0]) if found else "", group)
+    if not chosen:
+        return None
+    path = Path(chosen)
+    return path, found[1] if found else load_checkpoint(path)
+
+
+def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, bool]:
+    """Put the registered objects and the loop's position, metric sums and random streams
+    back as ``found`` has them; also says whether the streams fitted this world size."""
+    path, saved = found
+    registry.restore(saved["objects"], path)
+    streams_restored = loop.checkpointer.restore(saved)
+    position = loop.position
+    get_logger().info(
+        f"resumed from {path} at step {position.global_step} (epoch {position.epoch}, step "
+        f"{position.step_in_epoch} of the epoch)"
+    )
+    finished = bool(saved.get("finished"))
+    resumed = Resumed(path, position.global_step, saved_world_size(saved), finished)
+    if not streams_restored and loop.context.env.is_main:
+        get_logger().warning(
+            f"the world size changed: the checkpoint was written by {resumed.world_size} "
+            f"ranks, this run has {loop.context.env.world_size}. The global batch, the order "
+            "of the samples and the metric sums go on exactly; each rank's own random "
+            "streams (dropout, augmentation in the main process) cannot, and are seeded anew "
+            "from (run.seed, rank, step), so such a run is not bitwise the one it continues"
+        )
+    return resumed, streams_restored
+
+
+def seed_rank_streams(seed: int, rank: int, step: int) -> None:
+    """Each rank's own random streams (dropout, augmentation in the main process), from the
+    run's seed, the rank and the step: for a fresh run, and for one resumed on another
+    number of ranks, whose saved per-rank streams do not fit."""
+    rank_seed = mixed_seed(seed, rank, step)
+    torch.manual_seed(rank_seed)
+    random.seed(rank_seed)
+
+
+def resume_run(found: Found | None, context: RunContext, loop: StepLoop) -> Resumed | None:
+    """Before training: restore ``found`` (the registered objects, the position, the random
+    streams), or seed each rank's streams; refuse a registered object whose state a resume
+    could not load, and warn when nothing is registered."""
+    resumed, streams_restored = None, False
+    if found is not None:
+        resumed, streams_restored = restore(found, context.registry, loop)
+    if context.config.checkpoint.enabled:
+        context.registry.check_loadable()
+    if not streams_restored:
+        seed_rank_streams(context.config.run.seed, context.env.rank, loop.position.global_step)
+    if not context.registry.objects and context.config.checkpoint.enabled and context.env.is_main:
+        get_logger().warning(
+            "nothing is registered for checkpoints: a resumed run could not restore its "
+            "model. HINT: run.register(model=model, optimizer=optimizer) before training"
+        )
+    return resumed

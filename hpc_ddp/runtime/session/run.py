@@ -1,0 +1,411 @@
+"""The run a user's script holds: :class:`Run`, made by :func:`hpc_ddp.start`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import Dataset
+
+from hpc_ddp.runtime.config import RuntimeConfig
+from hpc_ddp.runtime.errors import HpcDdpError, Stopped
+from hpc_ddp.runtime.loop.context import RunContext
+from hpc_ddp.runtime.loop.data import StepLoader, TrainLoader, eval_loader
+from hpc_ddp.runtime.loop.metrics import Sum, Sums
+from hpc_ddp.runtime.loop.steps import StepLoop
+from hpc_ddp.runtime.loop.streams import Ticks, step_source
+from hpc_ddp.runtime.loop.timeline import mark
+from hpc_ddp.runtime.place.env import DistEnv, available_cpus
+from hpc_ddp.runtime.place.plan import resolve_num_workers
+from hpc_ddp.runtime.session.buckets import wrap_in_ddp
+from hpc_ddp.runtime.session.ending import Ending
+from hpc_ddp.runtime.session.finishing import end_already_finished, finish_run
+from hpc_ddp.runtime.session.resume import Found, Resumed, resume_run
+
+__all__ = ["Resumed", "Run"]
+
+
+class Run:
+    """One training run on this rank; made by :func:`hpc_ddp.start`, never directly.
+
+    Add a few calls to a plain PyTorch loop::
+
+        run = hpc_ddp.start()
+        model = run.wrap(model)                       # DDP on this rank's device
+        optimizer = torch.optim.AdamW(model.parameters())
+        loader = run.train_loader(dataset, batch_size=256)   # the GLOBAL batch
+        run.register(model=model, optimizer=optimizer)       # checkpointed and resumed
+        for epoch in run.epochs(10):                  # a resumed run starts where it stopped
+            for batch in run.steps(loader):           # stops, saves and requeues between steps
+                loss = compute_loss(model, batch)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                run.log("loss", loss.detach() * len(batch), len(batch))
+        run.finish()
+    """
+
+    def __init__(
+        self,
+        context: RunContext,
+        loop: StepLoop,
+        ending: Ending,
+        resume: Found | None,
+        started: float,
+        timeline: dict[str, float],
+    ) -> None:
+        self._context = context
+        self._loop = loop
+        self._ending = ending
+        self._resume = resume
+        self._resume_done = False
+        self._finished = False
+        self._started = started
+        self._timeline = timeline
+        self.resumed: Resumed | None = None
+        """The checkpoint this run resumed from, once :meth:`resume` ran (None: a fresh run)."""
+
+    # -- where this rank is ------------------------------------------------------------------
+
+    @property
+    def env(self) -> DistEnv:
+        """This rank's place in the job, resolved once from the launcher's environment."""
+        return self._context.env
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the rank that logs, tracks and writes files."""
+        return self.env.is_main
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device: ``cuda:LOCAL_RANK`` (or ``cuda:0`` with one GPU per task), else
+        the CPU; already selected with ``torch.cuda.set_device``."""
+        return self._context.device
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Every device this rank drives, :attr:`device` first: one, or ``dist.gpus_per_rank``
+        GPUs for a model split over several (place its parts there, then :meth:`wrap` it)."""
+        return [torch.device(name) for name in self._context.plan.device.devices]
+
+    @property
+    def job_id(self) -> str:
+        """The Slurm job id (stable across requeues), or the launcher's run id."""
+        return self.env.job_id
+
+    @property
+    def run_dir(self) -> Path:
+        """<output_dir>/<name>/<id>: checkpoints, summary.json; the same across requeues."""
+        return self._context.run_dir
+
+    @property
+    def config(self) -> RuntimeConfig:
+        return self._context.config
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch (0-based)."""
+        return self._loop.position.epoch
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps done so far, over all attempts of the run."""
+        return self._loop.position.global_step
+
+    @property
+    def accumulating(self) -> bool:
+        """True while :meth:`steps` hands out a micro-batch that is not the last of its
+        optimizer step (gradient accumulation): skip ``optimizer.step()`` then."""
+        return self._loop.accumulating
+
+    @property
+    def train_metrics(self) -> dict[str, Sum]:
+        """The last finished epoch's :meth:`log` metrics, summed over all ranks."""
+        return self._loop.metrics.epoch_metrics
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """Plain values saved in every checkpoint and restored on resume, no wrapper needed:
+        numbers, strings, bools, None, tensors and lists/dicts of them (e.g.
+        ``run.state["best_val_loss"] = 1e9``). Rank 0's values are saved; a resume gives
+        them to every rank when training begins (read them through ``run.state`` after
+        :meth:`resume`)."""
+        return self._context.values
+
+    # -- model and data ----------------------------------------------------------------------
+
+    def wrap(self, model: nn.Module, **ddp_options: Any) -> DistributedDataParallel:
+        """``model`` on this rank's device inside DistributedDataParallel.
+
+        A module already spread over several devices (model parallel inside the rank: its
+        parts placed on :attr:`devices`) stays where it is and is wrapped without
+        ``device_ids``; feed its inputs to its first device.
+        ``ddp_options`` go to DistributedDataParallel (e.g. ``find_unused_parameters``).
+        """
+        wrapped = wrap_in_ddp(model, self.device, ddp_options)
+        self._context.wrapped.append(wrapped.module)
+        return wrapped
+
+    def accumulate(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """Gradient accumulation in one context: while :attr:`accumulating` (a micro-batch
+        that is not the last of its optimizer step) DDP's gradient all-reduce is skipped;
+        take the optimizer step when it is not::
+
+            for batch in run.steps(loader, grad_accum_steps=4):
+                with run.accumulate(model):
+                    (loss_of(model, batch) / 4).backward()
+                if not run.accumulating:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        """
+        if self.accumulating and isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    no_sync = accumulate
+
+    def train_loader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        *,
+        grad_accum_steps: int = 1,
+        num_workers: int | Literal["auto"] = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        shuffle: bool = True,
+        **dataloader_options: Any,
+    ) -> TrainLoader:
+        """This rank's share of ``dataset`` for :meth:`steps`.
+
+        ``batch_size`` is GLOBAL: samples per optimizer step over all ranks; each rank loads
+        ``batch_size / (world_size * grad_accum_steps)`` per micro-batch, and a batch that
+        does not divide is refused naming the world sizes that work. Only full batches:
+        every step holds exactly ``batch_size`` samples at any world size. Batches (tensors,
+        tuples, dicts, nested) arrive on :attr:`device`. ``num_workers="auto"``: this
+        rank's CPUs minus one. Other options go to DataLoader.
+        """
+        return TrainLoader(
+            dataset,
+            rank=self.rank,
+            world_size=self.world_size,
+            global_batch_size=batch_size,
+            grad_accum_steps=grad_accum_steps,
+            seed=self.config.run.seed,
+            num_workers=self._workers(num_workers),
+            device=self.device,
+            collate_fn=collate_fn,
+            shuffle=shuffle,
+            **dataloader_options,
+        )
+
+    def eval_loader(
+        self,
+        dataset: Dataset[Any],
+        batch_size: int,
+        *,
+        num_workers: int | Literal["auto"] = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        **dataloader_options: Any,
+    ) -> Any:
+        """Every sample of ``dataset`` exactly once over all ranks (no padding, nothing
+        dropped), in batches of about ``batch_size / world_size`` per rank. Sum with
+        :meth:`sums` for exact results."""
+        return eval_loader(
+            dataset,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=max(1, batch_size // self.world_size),
+            num_workers=self._workers(num_workers),
+            device=self.device,
+            collate_fn=collate_fn,
+            **dataloader_options,
+        )
+
+    def _workers(self, setting: int | Literal["auto"]) -> int:
+        return resolve_num_workers(
+            setting, self.env.cpus_per_task, available_cpus(), self.env.local_world_size
+        )
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def register(self, **objects: Any) -> None:
+        """Save these objects in every checkpoint and restore them on resume: anything with
+        ``state_dict()`` and ``load_state_dict()`` (models, optimizers, schedulers, your
+        own). Register before :meth:`resume` (or the first :meth:`epochs`)."""
+        if self._resume_done:
+            raise HpcDdpError(
+                f"register({', '.join(objects)}) after the run resumed or started training",
+                "register every object before run.resume() and run.epochs()",
+            )
+        self._context.registry.add(objects)
+
+    def resume(self) -> Resumed | None:
+        """Restore the registered objects, the position and every rank's random streams from
+        the newest good checkpoint of this run, if there is one (also done by the first
+        :meth:`epochs` or :meth:`steps`). Returns what it resumed from."""
+        if not self._resume_done:
+            self._resume_done = True
+            self.resumed = resume_run(self._resume, self._context, self._loop)
+            self._resume = None
+        return self.resumed
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def epochs(
+        self, num_epochs: int | None = None, *, max_steps: int | None = None
+    ) -> Iterator[int]:
+        """The epochs left: a resumed run starts at its saved epoch. ``max_steps`` ends the
+        run after that many optimizer steps (over all attempts); None: no limit."""
+        loop = self._loop
+        loop.limit(num_epochs=num_epochs, max_steps=max_steps)
+        loop.begin(self.resume)
+        if self.resumed is not None and self.resumed.finished and not loop.more_epochs():
+            end_already_finished(self._context, self._ending, self.resumed)
+        mark(self._timeline, "training")
+        yield from loop.epochs()
+
+    def steps(
+        self,
+        loader: StepLoader | Iterable[Any],
+        *,
+        grad_accum_steps: int | None = None,
+        max_steps: int | None = None,
+    ) -> Iterator[Any]:
+        """The current epoch's micro-batches from where the run stands.
+
+        ``loader``: :meth:`train_loader` (a resumed run skips the samples already trained
+        on, without loading them) or any iterable of batches: your own DataLoader (with your
+        own sampler), a StatefulDataLoader, an endless generator. How each kind resumes is
+        in :mod:`hpc_ddp.runtime.loop.streams` and is said once at a resume; an iterable's
+        batches are handed out as they come (move them to :attr:`device` yourself).
+        ``grad_accum_steps``: micro-batches per optimizer step for an iterable
+        (train_loader's own otherwise). ``max_steps``: end after that many optimizer steps
+        over all attempts (like :meth:`epochs`'s).
+
+        Between optimizer steps it does what the run needs: interval metrics, the stop all
+        ranks agree on (checkpoint, then requeue or exit, raising :class:`hpc_ddp.Stopped`),
+        periodic and requested checkpoints. Call ``optimizer.step()`` once per step, i.e.
+        when not :attr:`accumulating`. Without :meth:`epochs`, each call is the next epoch
+        (an endless iterable is one epoch)."""
+        source = step_source(loader, grad_accum_steps)
+        if max_steps is not None:
+            self._loop.limit(max_steps=max_steps)
+        self._loop.begin(self.resume)
+        mark(self._timeline, "training")
+        return self._ended_on_stop(self._loop.steps(source))
+
+    def _ended_on_stop(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``; an agreed stop leaving them ends the run on this rank (its MLflow run
+        already ended or suspended by the stopper) before :class:`hpc_ddp.Stopped` goes on."""
+        try:
+            yield from batches
+        except Stopped:
+            self._ending(None)
+            raise
+
+    def iterations(self, max_steps: int | None = None) -> Iterator[int]:
+        """The optimizer steps of a loop that draws its own batches (nanoGPT's ``while
+        True`` with ``iter_num``): yields the step's number, counted over all attempts, so a
+        resumed run goes on from its checkpoint's. Do the micro-steps and the optimizer step
+        inside; between iterations it does what :meth:`steps` does (stops, checkpoints,
+        metrics). The random streams your batches come from are restored on resume::
+
+            for iter_num in run.iterations(max_steps=5000):
+                if run.every(eval_interval):
+                    evaluate()
+                for micro_step in range(accum):
+                    ...
+                optimizer.step()
+        """
+        for _ in self.steps(Ticks(), max_steps=max_steps):
+            yield self.global_step
+
+    def every(self, steps: int) -> bool:
+        """True once every ``steps`` optimizer steps (when the steps done so far divide by
+        it; step 0 included), on the first micro-batch of the step whatever the
+        accumulation, so ``if run.every(200): evaluate()`` runs once per 200 steps on every
+        rank. The stall watchdog rests while your code runs (an evaluation longer than
+        ``dist.stall_timeout_s`` is no stall)."""
+        return self._loop.every(steps)
+
+    def save(self) -> None:
+        """Write a checkpoint (a collective: call it on every rank, e.g. under
+        :meth:`every`): inside :meth:`steps` at the end of the optimizer step in progress,
+        so it resumes exactly; between epochs at once."""
+        self._loop.request_save()
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    def log(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float = 1) -> None:
+        """Add a training metric: ``total`` summed over ``count`` items (a loss times the
+        batch size, and the batch size). Logged as total/count over all ranks per interval
+        (``interval/<name>``) and per epoch (``<name>``); never synchronises the device."""
+        self._loop.metrics.add(name, total, count)
+
+    def sums(self) -> Sums:
+        """Exact sums over all ranks, for evaluation: ``sums.add(name, total, count)`` per
+        batch, then ``sums.reduce()`` on every rank."""
+        return Sums(self.device, self._context.control_group)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Record values that are already the same on every rank (rank 0 writes them), at
+        ``step`` (default: the global step)."""
+        step = self.global_step if step is None else step
+        self._context.tracker.log_metrics({k: float(v) for k, v in metrics.items()}, step)
+
+    def log_text(self, name: str, text: str) -> None:
+        """Store ``text`` as an artifact of the MLflow run (rank 0)."""
+        self._context.tracker.log_text_artifact(name, text)
+
+    # -- the end -----------------------------------------------------------------------------
+
+    def finish(self, summary: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """End the run: the final checkpoint, the replica check, summary.json (rank 0; the
+        run's facts plus ``summary``), MLflow FINISHED, the process group down. Returns the
+        summary on every rank."""
+        if self._finished:
+            raise HpcDdpError("run.finish() was called twice", "call it once, after training")
+        self._finished = True
+        return finish_run(
+            self._context, self._loop, self._ending, self._started, self._timeline, summary
+        )
+
+    def close(self, status: str = "FAILED") -> None:
+        """End the run without a final checkpoint (after an error): MLflow ``status``,
+        signal handlers restored. :meth:`finish` is the normal end."""
+        self._ending(status)
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if error is None:
+            if not self._finished:
+                self.finish()
+        elif not isinstance(error, SystemExit):
+            self.close("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")

@@ -1,0 +1,327 @@
+""":func:`start`: one call at the top of a training script turns it into an hpc_ddp run."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import random
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from hpc_ddp.runtime import configfile
+from hpc_ddp.runtime.checkpoint.files import check_resumable, fingerprint_of, saved_world_size
+from hpc_ddp.runtime.config import (
+    CheckpointConfig,
+    DistConfig,
+    PreemptConfig,
+    RunConfig,
+    RuntimeConfig,
+    TrackingConfig,
+    default_run_name,
+    resolve_config,
+)
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.logs import get_logger, setup_logging
+from hpc_ddp.runtime.loop.context import RunContext
+from hpc_ddp.runtime.loop.position import Position
+from hpc_ddp.runtime.loop.steps import StepLoop
+from hpc_ddp.runtime.loop.timeline import mark, new_timeline
+from hpc_ddp.runtime.place.dist import init_distributed
+from hpc_ddp.runtime.place.env import (
+    DistEnv,
+    available_cpus,
+    detect_launcher,
+    export_dist_env,
+    needs_allocation_task_count,
+    resolve_dist_env,
+    with_agreed_elastic_restarts,
+)
+from hpc_ddp.runtime.place.limits import open_file_warning, open_files_needed, raise_open_file_limit
+from hpc_ddp.runtime.place.plan import (
+    LaunchPlan,
+    describe_launch,
+    gpu_binding_warning,
+    make_launch_plan,
+    threads_per_rank,
+)
+from hpc_ddp.runtime.place.rundir import claim_run_dir
+from hpc_ddp.runtime.place.slurm import allocation_task_count
+from hpc_ddp.runtime.preempt.requeue import agent_signal_gap, check_job_signal
+from hpc_ddp.runtime.preempt.signals import StopSignals
+from hpc_ddp.runtime.session.ending import Ending, end_active_run, install_excepthook, watch
+from hpc_ddp.runtime.session.resume import Found, find_resume
+from hpc_ddp.runtime.session.run import Run
+from hpc_ddp.runtime.tracking.base import (
+    NullTracker,
+    RunRecord,
+    Tracker,
+    artifact_root,
+    run_tags,
+    tracking_uri,
+)
+from hpc_ddp.runtime.tracking.factory import start_tracker
+from hpc_ddp.runtime.tracking.journal import JournalTracker, read_tracked_run_id
+from hpc_ddp.runtime.tracking.worker import discard_prestarted
+
+__all__ = ["end_active_run", "resolve_launch", "start"]
+
+
+def resolve_launch(settings: RuntimeConfig, name: str, environ: Mapping[str, str]) -> LaunchPlan:
+    """This rank's place, device and run directory, checked before any process group (the
+    one place that asks Slurm and torch what they see)."""
+    allocation_tasks = None
+    if needs_allocation_task_count(environ):
+        allocation_tasks = allocation_task_count(environ["SLURM_JOB_ID"])
+    dist_env = resolve_dist_env(
+        environ,
+        settings.dist.master_port,
+        single_run_id=time.strftime("single-%Y%m%d-%H%M%S"),
+        allocation_tasks=allocation_tasks,
+    )
+    check_job_signal(environ, settings.preempt.signal)
+    cuda_count = torch.cuda.device_count() if settings.dist.device != "cpu" else 0
+    return make_launch_plan(settings.dist, settings.run, name, dist_env, cuda_count)
+
+
+def refuse_nested_start(environ: Mapping[str, str], initialized: bool, child: bool) -> None:
+    """Refuse a start that would not join the job it belongs to: a process group already up
+    (``init_process_group`` or an earlier :func:`start` not finished), or a
+    ``multiprocessing`` child with no launcher (``mp.spawn``), which would train alone at
+    world size 1."""
+    if initialized:
+        raise HpcDdpError(
+            "hpc_ddp.start() found a process group already initialized (your own "
+            "init_process_group, or an earlier start() whose run did not finish)",
+            "remove init_process_group: start() joins the ranks itself; call start() once "
+            "per run and end the run with run.finish() before starting another",
+        )
+    if child and detect_launcher(environ) == "single":
+        raise HpcDdpError(
+            "hpc_ddp.start() in a process started by multiprocessing (torch.multiprocessing"
+            ".spawn?) with no launcher: every such process would train alone at world size 1",
+            "replace mp.spawn(main, args=..., nprocs=N) with hpc_ddp.spawn(main, args=..., "
+            "nprocs=N), or launch the script with hpc-ddp local --nproc N",
+        )
+
+
+def _raise_open_file_limit(env: DistEnv) -> None:
+    """Enough descriptors for this rank's connections at this world size (see limits)."""
+    needed = open_files_needed(env.world_size, env.is_main)
+    soft, hard, enough = raise_open_file_limit(needed)
+    if not enough and env.is_main:
+        get_logger().warning(open_file_warning(env.world_size, needed, soft, hard))
+
+
+def _announce(plan: LaunchPlan, settings: RuntimeConfig, environ: Mapping[str, str]) -> None:
+    """One line per rank (where it runs, what it drives); the plan and warnings on rank 0."""
+    env, log = plan.dist_env, get_logger()
+    log.info(
+        f"host {env.hostname} node {env.node_rank}/{env.num_nodes} local_rank {env.local_rank}/"
+        f"{env.local_world_size} device {plan.device.device} threads {torch.get_num_threads()} "
+        f"master {env.master_addr}:{env.master_port}"
+    )
+    if not env.is_main:
+        return
+    log.info(describe_launch(plan))
+    for warning in (
+        agent_signal_gap(env.launcher, environ, settings.preempt.signal),
+        gpu_binding_warning(env, plan.device),
+    ):
+        if warning:
+            log.warning(warning)
+
+
+def _agree_on_elastic_restarts(
+    plan: LaunchPlan, group: Any, environ: Mapping[str, str]
+) -> LaunchPlan:
+    """The plan with torchrun's restart count that every rank agrees on (one all-reduce); rank
+    0 says when the workers were restarted."""
+    env = plan.dist_env
+    counts = torch.tensor([env.elastic_restarts], dtype=torch.int64)
+    if group is not None:
+        torch_dist.all_reduce(counts, op=torch_dist.ReduceOp.MAX, group=group)
+    agreed = with_agreed_elastic_restarts(env, int(counts.item()), environ)
+    if agreed.is_main and agreed.elastic_restarts:
+        get_logger().warning(
+            f"torchrun restarted the workers ({agreed.elastic_restarts} time(s) in this "
+            "allocation, at most its --max-restarts): the run goes on from its newest checkpoint"
+        )
+    return dataclasses.replace(plan, dist_env=agreed)
+
+
+def _set_threads(env: DistEnv, environ: Mapping[str, str]) -> None:
+    """Each rank's intra-op threads: OMP_NUM_THREADS when set (torch reads it), else the CPUs
+    Slurm gave the task, else this machine's CPUs shared by its ranks, as `hpc-ddp local` and
+    slurm/train.sh do; a bare `srun` or submitit task would otherwise take every core of the
+    node, and results would change with the thread count."""
+    if not environ.get("OMP_NUM_THREADS"):
+        share = threads_per_rank(available_cpus(), env.local_world_size)
+        torch.set_num_threads(env.cpus_per_task or share)
+
+
+def _open_tracker(
+    settings: RuntimeConfig,
+    plan: LaunchPlan,
+    run_name: str,
+    params: Mapping[str, Any] | None,
+    resume: Found | None,
+    position: Position,
+    entry_unix: float,
+) -> Tracker:
+    """Rank 0's tracker: MLflow (in the background) behind the run's own record."""
+    env = plan.dist_env
+    saved = resume[1] if resume else None
+    record = RunRecord(
+        name=run_name,
+        params={**configfile.flatten(settings), **(params or {})},
+        tags=run_tags(
+            env.launcher,
+            env.world_size,
+            env.num_nodes,
+            env.job_id,
+            env.restart_count,
+            env.elastic_restarts,
+            saved_world_size(saved) if saved else None,
+        ),
+        # A checkpoint written while MLflow was still starting names no run: tracking.json
+        # does once it was known.
+        resume_run_id=(
+            saved.get("mlflow_run_id") or read_tracked_run_id(plan.run_dir) if saved else None
+        ),
+        start_step=int(saved["global_step"]) if saved else 0,
+        attempt_token=f"{env.hostname}:{os.getpid()}:{entry_unix:.0f}",
+    )
+    return JournalTracker(
+        start_tracker(settings.tracking, settings.run.output_dir, record, plan.run_dir),
+        plan.run_dir,
+        lambda: (position.global_step, position.epoch),
+        env.job_id,
+        env.world_size,
+        _tracking_record(settings, record),
+    )
+
+
+def _tracking_record(settings: RuntimeConfig, record: RunRecord) -> dict[str, Any] | None:
+    """What tracking.json keeps for `hpc-ddp tracking sync` (None: tracking is off)."""
+    if not settings.tracking.enabled:
+        return None
+    return {
+        "uri": tracking_uri(settings.tracking, settings.run.output_dir),
+        "experiment": settings.tracking.experiment,
+        "artifact_root": str(artifact_root(settings.run.output_dir).resolve()),
+        "run_name": record.name,
+        "params": {key: str(value) for key, value in record.params.items()},
+        "tags": dict(record.tags),
+        "run_id": record.resume_run_id,
+    }
+
+
+def start(
+    config: RuntimeConfig | str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    name: str | None = None,
+    run: Mapping[str, Any] | RunConfig | None = None,
+    dist: Mapping[str, Any] | DistConfig | None = None,
+    checkpoint: Mapping[str, Any] | CheckpointConfig | None = None,
+    preempt: Mapping[str, Any] | PreemptConfig | None = None,
+    tracking: Mapping[str, Any] | TrackingConfig | None = None,
+    params: Mapping[str, Any] | None = None,
+    fingerprint: Mapping[str, Any] | None = None,
+    log_interval: int | None = None,
+    export_env: bool = True,
+    environ: Mapping[str, str] | None = None,
+) -> Run:
+    """Start a run on this rank; see :class:`Run` for what to do with it.
+
+    It resolves the launcher (torchrun, ``hpc-ddp local``, a Slurm step, submitit, or one
+    process) once, checks the launch before any process group (HpcDdpError with a HINT),
+    selects the GPU, joins the other ranks within ``dist.init_timeout_s``, handles stop
+    signals (also those that came while the script was starting), seeds the random streams
+    with ``run.seed`` and finds the newest checkpoint of this run to resume from. MLflow
+    starts lazily on rank 0 only.
+
+    Settings: ``config`` (a RuntimeConfig or a YAML file of the sections run, dist,
+    checkpoint, preempt, tracking), then the sections as keyword arguments (a dict of keys,
+    or the section's dataclass), then dotted ``overrides`` such as ``checkpoint.every_steps=100``.
+    ``name``: the run's name (default ``run.name``, else the script's name). ``params``:
+    your hyper-parameters, logged to MLflow. ``fingerprint``: values a resume must find
+    unchanged. ``log_interval``: steps between interval metrics (default about 5 s).
+    ``export_env`` writes RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... into os.environ
+    for code that reads them (each overwrite is logged).
+    """
+    started, entry_unix = time.perf_counter(), time.time()
+    install_excepthook()
+    environment = os.environ if environ is None else environ
+    refuse_nested_start(
+        environment,
+        torch_dist.is_available() and torch_dist.is_initialized(),
+        multiprocessing.parent_process() is not None,
+    )
+    sections = {"run": run, "dist": dist, "checkpoint": checkpoint, "preempt": preempt}
+    settings = resolve_config(config, overrides, {**sections, "tracking": tracking}, environment)
+    run_name = name or settings.run.name or default_run_name()
+    plan = resolve_launch(settings, run_name, environment)
+    dist_env = plan.dist_env
+    if not (dist_env.is_main and settings.tracking.enabled):
+        discard_prestarted()
+    log = setup_logging(dist_env.rank, dist_env.world_size)
+    if export_env:
+        for variable, previous in export_dist_env(dist_env, os.environ).items():
+            log.debug(f"exported {variable}, replacing {previous!r}")
+    _set_threads(dist_env, environment)
+    _raise_open_file_limit(dist_env)
+    _announce(plan, settings, environment)
+    signals = StopSignals(settings.preempt.signal, settings.preempt.stop_on_sigterm).install()
+    timeline = new_timeline(entry_unix)
+    tracker: Tracker = NullTracker()
+    try:
+        if dist_env.is_main:  # before the process group: a refusal costs no rendezvous
+            claim_run_dir(plan.run_dir)
+        init_distributed(dist_env, plan.device, settings.dist, timeline)
+        mark(timeline, "dist_ready")
+        # Control messages (stop agreement, barriers) go over gloo on the CPU, so they never
+        # force a GPU synchronisation.
+        group = torch_dist.new_group(backend="gloo") if dist_env.world_size > 1 else None
+        mark(timeline, "control_group")
+        if dist_env.launcher == "torchelastic":
+            plan = _agree_on_elastic_restarts(plan, group, environment)
+            dist_env = plan.dist_env
+        resume = None
+        if settings.checkpoint.resume:
+            resume = find_resume(plan.run_dir, dist_env.is_main, group)
+        values = fingerprint_of(fingerprint or {})
+        if resume is not None:  # refused before MLflow reopens the run it names
+            check_resumable(resume[1]["fingerprint"], values, resume[0])
+        position = Position()
+        if dist_env.is_main:
+            tracker = _open_tracker(settings, plan, run_name, params, resume, position, entry_unix)
+        context = RunContext(
+            config=settings,
+            plan=plan,
+            control_group=group,
+            signals=signals,
+            tracker=tracker,
+            environ=environment,
+            fingerprint=values,
+            log_interval=log_interval,
+        )
+        loop = StepLoop(context, position)
+        ending = Ending(signals, str(dist_env.rank), tracker, loop)
+        handle = Run(context, loop, ending, resume, started, timeline)
+        torch.manual_seed(settings.run.seed)  # the same initial weights on every rank
+        random.seed(settings.run.seed)
+    except BaseException:
+        discard_prestarted()
+        tracker.finish("FAILED")
+        signals.restore()
+        raise
+    watch(ending)
+    mark(timeline, "started")
+    return handle

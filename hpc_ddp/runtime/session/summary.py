@@ -1,0 +1,72 @@
+"""summary.json: the facts of a finished run, written by rank 0."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_ddp.runtime.checkpoint.files import write_atomically
+from hpc_ddp.runtime.loop.context import RunContext
+from hpc_ddp.runtime.loop.replicas import weights_sha256
+from hpc_ddp.runtime.loop.steps import StepLoop
+
+
+def run_facts(
+    context: RunContext, loop: StepLoop, started: float, timeline: dict[str, float]
+) -> dict[str, Any]:
+    """Where and how the run trained, identical on every rank but for timings."""
+    env, position = context.env, loop.position
+    samples = position.global_step * loop.metrics.global_batch_size
+    models = context.models()
+    return {
+        "world_size": env.world_size,
+        "num_nodes": env.num_nodes,
+        "launcher": env.launcher,
+        "job_id": env.job_id,
+        "run_id": context.run_dir.name,
+        "restart_count": env.restart_count,
+        "elastic_restarts": env.elastic_restarts,
+        "resumed_from_step": position.resumed_from_step,
+        "resumed_from_world_size": position.resumed_from_world_size,
+        "stopped_early": False,
+        "device": str(context.device),
+        "backend": context.plan.device.backend,
+        "epochs": position.epoch,
+        "global_step": position.global_step,
+        "samples_seen": samples,
+        "wall_time_s": round(time.perf_counter() - started, 3),
+        "train_time_s": round(position.train_time_s, 3),
+        "samples_per_s": round(samples / max(1e-9, position.train_time_s), 1),
+        "weights_sha256": weights_sha256(models[0]) if len(models) == 1 else None,
+        "replicas_in_sync": position.replicas_diverged_at is None,
+        "replicas_diverged_at": position.replicas_diverged_at,
+        "torch_threads": torch.get_num_threads(),
+        "first_step_unix": position.first_step_unix,
+        "mlflow_run_id": context.tracker.run_id,
+        "tracking": context.tracker.status,
+        "timeline": dict(timeline),
+        "last_checkpoint_save_s": dict(loop.checkpointer.last_save_s),
+    }
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with NaN and infinities as null: strict JSON has neither (a metric over an
+    empty set is NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(item) for item in value]
+    return value
+
+
+def write_summary(run_dir: Path, facts: dict[str, Any]) -> Path:
+    """<run dir>/summary.json, replaced atomically so a reader never sees half of it."""
+    text = json.dumps(strict_json(facts), indent=2, sort_keys=True, default=str) + "\n"
+    return write_atomically(run_dir / "summary.json", lambda handle: handle.write(text.encode()))

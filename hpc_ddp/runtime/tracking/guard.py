@@ -1,0 +1,222 @@
+"""Tracking that cannot hurt training: rank 0's MLflow calls run on one background thread,
+in order, and the training thread only hands them over. A tracker that cannot start, or fails
+later (a server that is down or dies), costs one warning: the run goes on, its metrics stay
+in its own record (metrics.jsonl), and the summary says what happened to tracking."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.tracking.base import LoggedMetrics, StoreTracker
+from hpc_ddp.runtime.tracking.worker import mlflow_http_settings
+
+#: The longest the training thread waits for MLflow at any one point (the run's id for a
+#: checkpoint, the run's end); past it, the run goes on without.
+WAIT_LIMIT_S = 30.0
+#: How often a tracker that failed is tried again (in the background, never in the way).
+RETRY_S = 60.0
+#: How long the background thread holds logged metrics for more to send with them: one MLflow
+#: call then stores everything logged meanwhile (a loop that logs every step makes about one
+#: call a second, not one per step). A stop, an artifact or the run's end sends them at once.
+GATHER_S = 1.0
+
+
+def export_mlflow_http_settings(environ: Any = os.environ) -> dict[str, str]:
+    """Write :func:`mlflow_http_settings` into ``environ`` (MLflow reads them only from the
+    environment); returns what was written."""
+    written = mlflow_http_settings(environ)
+    environ.update(written)
+    return written
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
+
+
+#: A call handed over to the background thread: (what it does, for a warning; method; args).
+Call = tuple[str, str, tuple[Any, ...]]
+
+
+class GuardedTracker:
+    """Starts the tracker (creating or reopening the run) on a background thread when first
+    used, then makes every call to it on that thread, in order; metrics logged within
+    ``gather_s`` of each other go in one call. Nothing here raises into training, and only
+    :meth:`finish` and :meth:`suspend` wait, for at most ``wait_limit_s``."""
+
+    def __init__(
+        self,
+        start: Callable[[], StoreTracker],
+        uri: str,
+        wait_limit_s: float = WAIT_LIMIT_S,
+        recover: Callable[[], tuple[StoreTracker, set[tuple[str, int]]]] | None = None,
+        retry_s: float = RETRY_S,
+        gather_s: float = GATHER_S,
+    ) -> None:
+        self._start = start
+        self._recover = recover
+        self._retry_s = retry_s
+        self._failed_at: float | None = None
+        #: (metric, step) points a recovery replayed: calls queued meanwhile skip them.
+        self._replayed: set[tuple[str, int]] = set()
+        self._uri = uri
+        self._wait_limit_s = wait_limit_s
+        self._gather_s = gather_s
+        self._calls: queue.SimpleQueue[Call] = queue.SimpleQueue()
+        #: A call taken from the queue while gathering metrics, made next.
+        self._taken: Call | None = None
+        self._thread: threading.Thread | None = None
+        #: The MLflow run once created; still named after MLflow failed (a resume reopens it).
+        self._run_id: str | None = None
+        self._status = "ok"
+
+    @property
+    def status(self) -> str:
+        """ "ok", or "failed: <what>: <error>" once MLflow failed and the run went on without."""
+        return self._status
+
+    def _ensure_started(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="hpc-ddp-tracker", daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        tracker: StoreTracker | None = None
+        try:
+            export_mlflow_http_settings()
+            tracker = self._start()
+            self._run_id = tracker.run_id
+        except BaseException as error:
+            self._fail("could not start", error)
+        while True:
+            doing, method, args = self._next_call()
+            if tracker is None and method not in ("finish", "suspend", "_done"):
+                tracker = self._retry()  # never at a stop or the end: they must not wait
+            done = args[-1] if method == "_done" else None
+            if done is not None:
+                done.set()
+                continue
+            if tracker is None or method == "_idle":
+                continue
+            if method == "log_metrics":
+                method, args = "log_metric_steps", (self._unreplayed(self._gather(args[0])),)
+                if not args[0]:
+                    continue
+            try:
+                getattr(tracker, method)(*args)
+            except BaseException as error:
+                self._fail(doing, error)
+                tracker = None
+
+    def _next_call(self) -> Call:
+        if self._taken is not None:
+            call, self._taken = self._taken, None
+            return call
+        try:
+            return self._calls.get(timeout=self._retry_s)
+        except queue.Empty:
+            return "", "_idle", ()
+
+    def _gather(self, first: LoggedMetrics) -> list[LoggedMetrics]:
+        """``first`` and the metrics logged after it, until ``gather_s`` passed or another
+        call comes (then made next)."""
+        logged = [first]
+        deadline = time.monotonic() + self._gather_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                call = self._calls.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if call[1] != "log_metrics":
+                self._taken = call
+                return logged
+            logged.append(call[2][0])
+        return logged
+
+    def _unreplayed(self, logged: list[LoggedMetrics]) -> list[LoggedMetrics]:
+        """``logged`` less the points a recovery already replayed into MLflow."""
+        if not self._replayed:
+            return logged
+        kept, replayed = [], self._replayed
+        for point in logged:
+            metrics = {k: v for k, v in point.metrics.items() if (k, point.step) not in replayed}
+            if metrics:
+                kept.append(point._replace(metrics=metrics))
+        return kept
+
+    def _retry(self) -> StoreTracker | None:
+        """The tracker again, after replaying the run's record, once RETRY_S passed since
+        it failed; None while MLflow stays away."""
+        if self._recover is None or self._failed_at is None:
+            return None
+        if time.monotonic() - self._failed_at < self._retry_s:
+            return None
+        try:
+            tracker, self._replayed = self._recover()
+        except BaseException as error:
+            self._failed_at = time.monotonic()
+            get_logger().debug(f"MLflow at {self._uri} still fails: {_first_line(error)}")
+            return None
+        self._run_id = tracker.run_id
+        self._status = f"recovered after: {self._status.removeprefix('failed: ')}"
+        self._failed_at = None
+        get_logger().warning(
+            f"MLflow at {self._uri} answers again: the run's record was replayed into run "
+            f"{tracker.run_id} and tracking goes on"
+        )
+        return tracker
+
+    def _fail(self, doing: str, error: BaseException) -> None:
+        self._failed_at = time.monotonic()
+        if self._status.startswith("failed"):
+            return
+        self._status = f"failed: {doing}: {_first_line(error)}"
+        get_logger().warning(
+            f"MLflow at {self._uri} failed {doing} ({_first_line(error)}); training goes on "
+            "without it, and the run's metrics stay in metrics.jsonl in its directory. HINT: "
+            "check tracking.uri and that the server is up, or set tracking.enabled=false"
+        )
+
+    def _submit(self, doing: str, method: str, *args: Any) -> None:
+        self._ensure_started()
+        self._calls.put((doing, method, args))
+
+    def _wait(self, what: str) -> bool:
+        """Wait (bounded) until every call handed over so far is done."""
+        done = threading.Event()
+        self._submit("", "_done", done)
+        if done.wait(self._wait_limit_s):
+            return True
+        self._fail(what, TimeoutError(f"no answer within {self._wait_limit_s:.0f} s"))
+        return False
+
+    @property
+    def run_id(self) -> str | None:
+        """The MLflow run's id once it exists; None while MLflow is still starting (never
+        waited for: a checkpoint without it resumes the run named in tracking.json)."""
+        self._ensure_started()
+        return self._run_id
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        logged = LoggedMetrics(dict(metrics), step, int(time.time() * 1000))
+        self._submit("logging metrics", "log_metrics", logged)
+
+    def log_json_artifact(self, name: str, data: Any) -> None:
+        self._submit(f"storing {name}", "log_json_artifact", name, data)
+
+    def log_text_artifact(self, name: str, text: str) -> None:
+        self._submit(f"storing {name}", "log_text_artifact", name, text)
+
+    def finish(self, status: str) -> None:
+        self._submit("ending the run", "finish", status)
+        self._wait("ending the run")
+
+    def suspend(self) -> None:
+        self._submit("suspending the run", "suspend")
+        self._wait("suspending the run")

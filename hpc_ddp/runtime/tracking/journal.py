@@ -1,0 +1,236 @@
+"""The run's own record in its directory, readable without MLflow or a server.
+
+Rank 0 keeps two small files in ``<output_dir>/<name>/<run id>/``:
+
+- ``status.json``: the state (running, requeued, finished, failed, stopped), the attempt
+  count, the step and epoch reached, where the current attempt runs (host, pid, job id),
+  replaced atomically at every log interval and at the end;
+- ``metrics.jsonl``: one line per logged batch of metrics, ``{"step", "global_step",
+  "epoch", "time", "metrics"}``, appended;
+- ``tracking.json`` (when tracking is on): where the run is tracked (MLflow URI, experiment,
+  run name, params, tags, and the MLflow run's id once known), so that
+  ``hpc-ddp tracking sync`` can replay the record into MLflow after an outage.
+
+``hpc-ddp runs`` and ``hpc-ddp plot`` read them. Writing is best effort: a full disk or a
+lost mount costs the record, never the training.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.runtime.tracking.base import Tracker
+
+STATUS_FILE = "status.json"
+METRICS_FILE = "metrics.jsonl"
+TRACKING_FILE = "tracking.json"
+
+#: What a tracker's final status means for the run.
+END_STATES = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "stopped"}
+
+
+def _parsed(text: str | None) -> dict[str, Any]:
+    try:
+        status = json.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def read_status(run_dir: Path) -> dict[str, Any] | None:
+    """The run's status.json, or None if it has none (or it cannot be read)."""
+    try:
+        text = (run_dir / STATUS_FILE).read_text()
+    except OSError:
+        return None
+    return _parsed(text) or None
+
+
+def read_tracked_run_id(run_dir: Path) -> str | None:
+    """The MLflow run named in the run's tracking.json (None: none known)."""
+    try:
+        run_id = json.loads((run_dir / TRACKING_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) and run_id else None
+
+
+def read_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
+    """The run's metrics.jsonl, line by line; a torn last line (a killed writer) is skipped."""
+    try:
+        lines = (run_dir / METRICS_FILE).read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("metrics"), dict):
+            yield entry
+
+
+def replace_json(path: Path, data: Any) -> None:
+    """Write a small JSON file so that readers see the old one or the new one, never half."""
+    partial = path.with_name(f".{path.name}.tmp")
+    partial.write_text(json.dumps(data, sort_keys=True, default=str) + "\n")
+    partial.replace(path)
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None  # strict JSON has no NaN
+
+
+class JournalTracker:
+    """Rank 0's tracker: the run's files in its directory, then ``inner`` (MLflow or none).
+
+    ``position`` gives (global step, epoch) when called."""
+
+    def __init__(
+        self,
+        inner: Tracker,
+        run_dir: Path,
+        position: Callable[[], tuple[int, int]],
+        job_id: str,
+        world_size: int,
+        tracking: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._inner = inner
+        self._run_dir = run_dir
+        self._position = position
+        self._failed_write: str | None = None
+        try:
+            self._previous_text: str | None = (run_dir / STATUS_FILE).read_text()
+        except OSError:
+            self._previous_text = None
+        previous = _parsed(self._previous_text)
+        self._status: dict[str, Any] = {
+            "state": "running",
+            "attempts": int(previous.get("attempts", 0)) + 1,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "job_id": job_id,
+            "world_size": world_size,
+            "started": previous.get("started", time.time()),
+        }
+        self._write_status()
+        self._tracking = dict(tracking) if tracking is not None else None
+        try:
+            self._previous_tracking: str | None = (run_dir / TRACKING_FILE).read_text()
+        except OSError:
+            self._previous_tracking = None
+        self._write_tracking()
+
+    def _write_tracking(self) -> None:
+        """tracking.json, with the MLflow run's id once the tracker knows it."""
+        tracking = self._tracking
+        if tracking is not None:
+            self._guarded(lambda: replace_json(self._run_dir / TRACKING_FILE, tracking))
+
+    def _note_run_id(self) -> None:
+        if self._tracking is not None and self._inner.run_id != self._tracking.get("run_id"):
+            self._tracking["run_id"] = self._inner.run_id
+            self._write_tracking()
+
+    @property
+    def run_id(self) -> str | None:
+        return self._inner.run_id
+
+    @property
+    def status(self) -> str:
+        return self._inner.status
+
+    def _guarded(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except OSError as error:
+            if self._failed_write is None:
+                from hpc_ddp.runtime.logs import get_logger
+
+                get_logger().warning(
+                    f"cannot write the run's record in {self._run_dir} ({error}); training "
+                    "goes on. HINT: check the file system's space and permissions"
+                )
+            self._failed_write = str(error)
+
+    def _write_status(self, state: str | None = None) -> None:
+        step, epoch = self._position()
+        if state is not None:
+            self._status["state"] = state
+        self._status.update(global_step=step, epoch=epoch, updated=time.time())
+        status = dict(self._status)
+
+        def write() -> None:
+            self._run_dir.mkdir(parents=True, exist_ok=True)
+            replace_json(self._run_dir / STATUS_FILE, status)
+
+        self._guarded(write)
+
+    def restore_previous(self) -> None:
+        """Put status.json and tracking.json back as this attempt found them (an attempt
+        that did nothing)."""
+
+        def put_back() -> None:
+            for name, previous in (
+                (STATUS_FILE, self._previous_text),
+                (TRACKING_FILE, self._previous_tracking),
+            ):
+                if previous is None:
+                    (self._run_dir / name).unlink(missing_ok=True)
+                else:
+                    (self._run_dir / name).write_text(previous)
+
+        self._guarded(put_back)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        global_step, epoch = self._position()
+        entry = {
+            "step": step,
+            "global_step": global_step,
+            "epoch": epoch,
+            "time": round(time.time(), 3),
+            "metrics": {key: _finite(float(value)) for key, value in metrics.items()},
+        }
+
+        def append() -> None:
+            with open(self._run_dir / METRICS_FILE, "a") as handle:
+                handle.write(json.dumps(entry, sort_keys=True) + "\n")
+
+        self._guarded(append)
+        self._write_status()
+        self._inner.log_metrics(metrics, step)
+        self._note_run_id()  # as soon as MLflow named it, for a resume
+
+    def log_json_artifact(self, name: str, data: Any) -> None:
+        self._inner.log_json_artifact(name, data)
+
+    def log_text_artifact(self, name: str, text: str) -> None:
+        self._inner.log_text_artifact(name, text)
+
+    def finish(self, status: str) -> None:
+        self._write_status(END_STATES.get(status, status.lower()))
+        self._inner.finish(status)
+        self._note_run_id()
+
+    def suspend(self) -> None:
+        self._write_status("requeued")
+        self._inner.suspend()
+        self._note_run_id()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,123 @@
+"""One MLflow run, driven with MLflow's client: created or reopened, tagged per attempt."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.runtime.tracking.base import MAX_METRICS_PER_CALL, LoggedMetrics, RunRecord
+
+
+class MlflowTracker:
+    """One MLflow run. Its calls block: GuardedTracker makes them on its own thread."""
+
+    status = "ok"
+
+    def __init__(
+        self, tracking_uri: str, experiment: str, artifact_root: Path, record: RunRecord
+    ) -> None:
+        import mlflow
+        from mlflow.entities import Param, RunTag
+
+        from hpc_ddp.runtime.logs import adopt_logger
+
+        adopt_logger("mlflow")  # after its import, which sets mlflow's own handler
+        self._mlflow = mlflow
+        self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        resumed = self._reopen(record.resume_run_id) if record.resume_run_id else None
+        tags, params, start_step = record.tags, record.params, record.start_step
+        if resumed is None:
+            experiment_id = self._experiment_id(experiment, artifact_root)
+            run = self._client.create_run(
+                experiment_id, run_name=record.name, tags={"mlflow.runName": record.name}
+            )
+            resumed_tags: dict[str, str] = {}
+            self._run = str(run.info.run_id)
+        else:
+            self._run, resumed_tags = resumed
+        self.run_id: str | None = self._run
+        attempt = sum(1 for key in resumed_tags if key.endswith(".start_step"))
+        for key, value in resumed_tags.items():
+            if record.attempt_token and key.endswith(".token") and value == record.attempt_token:
+                self._attempt_prefix = key.removesuffix(".token")  # this attempt, again
+                return
+        self._attempt_prefix = f"hpc_ddp.attempt.{attempt}"
+        attempt_tags = {
+            **tags,
+            f"{self._attempt_prefix}.restart_count": tags.get("hpc_ddp.restart_count", "0"),
+            f"{self._attempt_prefix}.elastic_restarts": tags.get("hpc_ddp.elastic_restarts", "0"),
+            f"{self._attempt_prefix}.start_step": str(start_step),
+            f"{self._attempt_prefix}.world_size": tags.get("hpc_ddp.world_size", ""),
+            f"{self._attempt_prefix}.token": record.attempt_token,
+            "hpc_ddp.attempts": str(attempt + 1),
+        }
+        # Params are written once: a resumed run may change harmless keys (e.g. epochs), and
+        # MLflow refuses to overwrite a param with another value.
+        self._client.log_batch(
+            self._run,
+            params=[] if resumed else [Param(key, str(value)) for key, value in params.items()],
+            tags=[RunTag(key, value) for key, value in attempt_tags.items()],
+        )
+
+    def _reopen(self, run_id: str) -> tuple[str, dict[str, str]] | None:
+        """The run a checkpoint names, set RUNNING again; None if the store lost it."""
+        try:
+            run = self._client.get_run(run_id)
+        except self._mlflow.exceptions.MlflowException:
+            from hpc_ddp.runtime.logs import get_logger
+
+            get_logger().warning(
+                f"MLflow run {run_id} from the checkpoint is gone; starting a new one"
+            )
+            return None
+        self._client.update_run(run_id, status="RUNNING")
+        return run_id, dict(run.data.tags)
+
+    def _experiment_id(self, name: str, artifact_root: Path) -> str:
+        existing = self._client.get_experiment_by_name(name)
+        if existing is not None:
+            return str(existing.experiment_id)
+        try:
+            return str(
+                self._client.create_experiment(
+                    name, artifact_location=(artifact_root / name).resolve().as_uri()
+                )
+            )
+        except self._mlflow.exceptions.MlflowException:
+            # Another job created it between our lookup and create.
+            again = self._client.get_experiment_by_name(name)
+            if again is None:
+                raise
+            return str(again.experiment_id)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self.log_metric_steps([LoggedMetrics(metrics, step, int(time.time() * 1000))])
+
+    def log_metric_steps(self, logged: Sequence[LoggedMetrics]) -> None:
+        from mlflow.entities import Metric
+
+        batch = [
+            Metric(key, float(value), point.time_ms, point.step)
+            for point in logged
+            for key, value in point.metrics.items()
+        ]
+        for first in range(0, len(batch), MAX_METRICS_PER_CALL):
+            self._client.log_batch(self._run, metrics=batch[first : first + MAX_METRICS_PER_CALL])
+
+    def log_json_artifact(self, name: str, data: Any) -> None:
+        self._client.log_text(self._run, json.dumps(data, indent=2, sort_keys=True), name)
+
+    def log_text_artifact(self, name: str, text: str) -> None:
+        self._client.log_text(self._run, text, name)
+
+    def finish(self, status: str) -> None:
+        """End the run: FINISHED, FAILED or KILLED (stopped and not requeued)."""
+        self._client.set_tag(self._run, f"{self._attempt_prefix}.end", status.lower())
+        self._client.set_terminated(self._run, status=status)
+
+    def suspend(self) -> None:
+        """The job was requeued: leave the run RUNNING for the next attempt to continue."""
+        self._client.set_tag(self._run, f"{self._attempt_prefix}.end", "requeued")

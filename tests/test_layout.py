@@ -1,0 +1,93 @@
+"""The package's shape stays as the README describes it: no import circle (a function-level
+import counts too), the runtime's rooms import only from the rooms before them, nothing in
+the runtime reaches up into the launchers, the trainer, the views or the CLI, and no folder
+grows past a dozen modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.helpers import REPO
+
+PACKAGE = REPO / "hpc_ddp"
+#: The runtime's rooms in the order they may import each other ("" is the shared leaves).
+ROOMS = ["", "place", "checkpoint", "tracking", "preempt", "loop", "session"]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts).removesuffix(".__init__")
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every hpc_ddp module ``path`` imports when it runs, at any level of the file (not the
+    names it imports for type checking only)."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hpc_ddp"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("hpc_ddp"))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {name for name in found if name in MODULES}
+
+
+GRAPH = {name: imports_of(path) - {name} for name, path in MODULES.items()}
+
+
+def room_of(name: str) -> str:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 3 and parts[2] in ROOMS else ""
+
+
+def test_no_module_imports_itself_back_through_others() -> None:
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            current = todo.pop()
+            for nxt in GRAPH[current]:
+                if nxt == goal:
+                    return True
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return False
+
+    circles = sorted(name for name in GRAPH if reaches(name, name))
+    assert circles == [], f"import circles through: {circles}"
+
+
+def test_the_runtimes_rooms_import_only_from_the_rooms_before_them() -> None:
+    wrong = []
+    for name, imported in GRAPH.items():
+        if not name.startswith("hpc_ddp.runtime"):
+            continue
+        for other in imported:
+            if other == "hpc_ddp":
+                continue
+            if not other.startswith("hpc_ddp.runtime"):
+                wrong.append(f"{name} -> {other} (outside the runtime)")
+            elif ROOMS.index(room_of(other)) > ROOMS.index(room_of(name)):
+                wrong.append(f"{name} -> {other} (a later room)")
+    assert wrong == []
+
+
+def test_no_folder_holds_more_than_a_dozen_modules() -> None:
+    sizes = {
+        str(folder.relative_to(REPO)): len([p for p in folder.glob("*.py") if p.stem != "__init__"])
+        for folder in {path.parent for path in MODULES.values()}
+    }
+    assert max(sizes.values()) <= 12, sizes
+    assert set(ROOMS[1:]) <= {Path(f).name for f in sizes}, "every room is a folder"

@@ -1,0 +1,174 @@
+"""The step boundary's named parts, each on its own, in this process at world size 1 (no
+process group: the collectives they make are then no-ops): the position, the cadence, the
+checkpointer (what a checkpoint holds, written and restored), the stopper (the agreed stop's
+consequences) and the per-rank states of a user's iterable."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpc_ddp.runtime.checkpoint.files import checkpoint_dir, load_newest
+from hpc_ddp.runtime.config import RunConfig, RuntimeConfig
+from hpc_ddp.runtime.errors import HpcDdpError, Stopped
+from hpc_ddp.runtime.loop.cadence import CHECK_EVERY_MAX, Cadence, steps_for
+from hpc_ddp.runtime.loop.checkpointer import Checkpointer
+from hpc_ddp.runtime.loop.context import RunContext
+from hpc_ddp.runtime.loop.intervals import MetricLog
+from hpc_ddp.runtime.loop.position import Position
+from hpc_ddp.runtime.loop.stopper import Stopper
+from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
+from hpc_ddp.runtime.preempt.signals import StopSignals
+from hpc_ddp.runtime.session.start import resolve_launch
+from hpc_ddp.runtime.tracking.base import NullTracker
+
+
+class Counting:
+    """A user's endless iterable that keeps its own position."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while True:
+            self.position += 1
+            yield torch.tensor([float(self.position)])
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["position"]
+
+
+class Recorder(NullTracker):
+    """A tracker that remembers how the run ended."""
+
+    def __init__(self) -> None:
+        self.ended: list[str] = []
+
+    def finish(self, status: str) -> None:
+        self.ended.append(status)
+
+
+def context_in(tmp_path: Path, tracker: Any = None) -> RunContext:
+    settings = RuntimeConfig(run=RunConfig(output_dir=str(tmp_path), id="unit"))
+    plan = resolve_launch(settings, "unit", {})
+    plan.run_dir.mkdir(parents=True)
+    return RunContext(
+        config=settings,
+        plan=plan,
+        control_group=None,
+        signals=StopSignals("USR1"),
+        tracker=tracker or NullTracker(),
+        environ={},
+        fingerprint={"lr": "0.1"},
+        log_interval=None,
+    )
+
+
+def parts(context: RunContext) -> tuple[Position, StreamStates, Checkpointer]:
+    position = Position()
+    streams = StreamStates(rank=0, world_size=1)
+    checkpointer = Checkpointer(context, position, MetricLog(context), streams, nullcontext)
+    return position, streams, checkpointer
+
+
+def test_the_position_saves_its_numbers_and_resumes_from_them() -> None:
+    position = Position(epoch=2, step_in_epoch=7, global_step=47, train_time_s=3.5)
+    saved = position.saved()
+    assert saved == {"epoch": 2, "step_in_epoch": 7, "global_step": 47, "train_time_s": 3.5}
+    resumed = Position()
+    resumed.restore(saved, world_size=4)
+    assert (resumed.epoch, resumed.step_in_epoch, resumed.global_step) == (2, 7, 47)
+    assert (resumed.resumed_from_step, resumed.resumed_from_world_size) == (47, 4)
+    assert resumed.last_checkpoint_step == 47, "no second checkpoint at the step resumed from"
+
+
+def test_the_cadence_keeps_what_is_set_and_measures_the_rest() -> None:
+    fixed = Cadence(check_every=3, log_interval=7, group=None, is_main=False)
+    assert fixed.calibrated and (fixed.check_every, fixed.log_interval) == (3, 7)
+    measured = Cadence(check_every=None, log_interval=None, group=None, is_main=False)
+    assert not measured.calibrated
+    measured.calibrate(steps=200, elapsed_s=2.0)  # 100 steps/s
+    assert (measured.check_every, measured.log_interval) == (100, 500)
+    assert steps_for(1e9, 1.0, CHECK_EVERY_MAX) == CHECK_EVERY_MAX and steps_for(0.01, 1, 9) == 1
+
+
+def test_the_checkpointer_owns_what_a_checkpoint_holds_and_puts_it_back(tmp_path: Path) -> None:
+    context = context_in(tmp_path)
+    model = torch.nn.Linear(3, 2)
+    context.registry.add({"model": model})
+    context.values["best"] = 0.25
+    position, streams, checkpointer = parts(context)
+    counting = Counting()
+    streams.take(BatchStream(counting, grad_accum_steps=1), resumed_from_step=None)
+    counting.position = 11
+    position.global_step, position.epoch, position.step_in_epoch = 30, 1, 5
+    torch.manual_seed(3)
+    checkpointer.save("periodic")
+    expected_draw = torch.rand(3)
+    path, saved = load_newest(checkpoint_dir(context.run_dir))  # type: ignore[misc]
+    assert path.name == "step-000000030.pt"
+    assert set(saved) >= {"objects", "values", "streams", "rng", "metrics", "fingerprint"}
+    assert saved["values"] == {"best": 0.25} and saved["streams"] == [{"position": 11}]
+    assert (saved["global_step"], saved["epoch"], saved["step_in_epoch"]) == (30, 1, 5)
+    assert saved["fingerprint"] == {"lr": "0.1"} and saved["finished"] is False
+    checkpointer.save("periodic")
+    assert len(list(checkpoint_dir(context.run_dir).glob("step-*.pt"))) == 1, "once per step"
+
+    again = context_in(tmp_path / "again")
+    again.registry.add({"model": torch.nn.Linear(3, 2)})
+    position2, streams2, checkpointer2 = parts(again)
+    torch.manual_seed(99)
+    assert checkpointer2.restore(saved) is True, "one rank wrote it, one rank reads it"
+    assert torch.equal(torch.rand(3), expected_draw), "the random stream goes on"
+    assert (position2.global_step, position2.resumed_from_step) == (30, 30)
+    assert again.values == {"best": 0.25}
+    fresh = Counting()
+    streams2.take(BatchStream(fresh, grad_accum_steps=1), resumed_from_step=30)
+    assert fresh.position == 11, "the stream's own state came back"
+
+
+def test_a_value_a_resume_could_not_load_is_refused_at_the_save(tmp_path: Path) -> None:
+    context = context_in(tmp_path)
+    context.values["when"] = object()
+    _position, _streams, checkpointer = parts(context)
+    with pytest.raises(HpcDdpError, match=r"run\.state has a state that a resume could not"):
+        checkpointer.save("periodic")
+    assert not list(checkpoint_dir(context.run_dir).glob("step-*.pt")), "nothing half-written"
+
+
+def test_the_stopper_checkpoints_ends_the_tracking_and_raises_stopped(tmp_path: Path) -> None:
+    tracker = Recorder()
+    context = context_in(tmp_path, tracker)
+    position, _streams, checkpointer = parts(context)
+    stopper = Stopper(context, position, checkpointer)
+    assert stopper.decide() == (False, False), "no agreement before the loop begins"
+    stopper.begin()
+    context.signals.received.add(signal.SIGUSR1)
+    assert stopper.decide() == (True, False)
+    position.global_step = 12
+    with pytest.raises(Stopped) as stopped:
+        stopper.stop()
+    assert (stopped.value.step, stopped.value.requeued) == (12, False)
+    assert position.stopped and tracker.ended == ["KILLED"]
+    assert (checkpoint_dir(context.run_dir) / "step-000000012.pt").is_file()
+    stopper.close()
+
+
+def test_per_rank_states_of_another_world_size_are_not_forced_on_a_stream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    streams = StreamStates(rank=0, world_size=2)
+    streams.restore([{"position": 5}, {"position": 6}, {"position": 7}])
+    counting = Counting()
+    streams.take(BatchStream(counting, grad_accum_steps=1), resumed_from_step=9)
+    assert counting.position == 0
+    assert streams.gathered(None) == [{"position": 0}]
