@@ -2,9 +2,9 @@
 
 hpc-ddp local --nproc 4 train.py --lr 3e-4                 your script on 4 local CPU ranks
 hpc-ddp local --nproc 4 --config configs/digits.yaml train.epochs=3    the built-in trainer
-hpc-ddp render --nodes 2 --gpus-per-node 4 --time 02:00:00 train.py -o job.sh
+hpc-ddp render --nodes 2 --gpus-per-node 4 --time 02:00:00 -o job.sh train.py
 hpc-ddp submit --nodes 2 --gpus-per-node 4 --time 1:00:00 -m mypkg.train
-srun hpc-ddp doctor --config configs/digits.yaml
+srun hpc-ddp doctor train.py     each rank's plan and checks (or --config for the trainer)
 hpc-ddp runs                     the runs under ./runs: state, step, newest metrics
 hpc-ddp plot NAME/ID             their training and validation curves as a PNG
 hpc-ddp tracking sync NAME/ID    replay a run's record into MLflow after an outage
@@ -13,6 +13,7 @@ hpc-ddp tracking sync NAME/ID    replay a run's record into MLflow after an outa
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -146,7 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = _command(commands, "doctor", cmd.doctor, "print each rank's plan and checks")
     doctor.add_argument("--config", help="YAML config file")
-    doctor.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=3")
+    doctor.add_argument(
+        "overrides",
+        nargs=argparse.REMAINDER,
+        help="your script and its arguments (train.py --lr 3e-4 dist.timeout_s=60), or the "
+        "built-in trainer's dotted overrides (train.epochs=3)",
+    )
     _command(commands, "port", cmd.port, "print this job's rendezvous port")
 
     runs = _command(commands, "runs", cmd.runs, "list runs: state, step, newest metrics")
@@ -200,10 +206,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.handler(args))
+        code = int(args.handler(args))
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return code
     except HpcDdpError as error:
         print(f"hpc-ddp {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `hpc-ddp runs | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

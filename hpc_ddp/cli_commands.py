@@ -192,8 +192,21 @@ def submit(args: argparse.Namespace) -> int:
     return 0
 
 
+#: The sections of a script's own settings (the rest of its command line is its own).
+RUNTIME_SECTIONS = ("run.", "dist.", "checkpoint.", "preempt.", "tracking.")
+
+
 def doctor(args: argparse.Namespace) -> int:
     from hpc_ddp.launch.doctor import diagnose, print_report
+
+    first = args.overrides[0] if args.overrides else ""
+    if first and "=" not in first and args.config is None:  # a script, not the built-in trainer
+        from hpc_ddp.runtime.config import resolve_config
+
+        Program("script", first).check()
+        settings = [a for a in args.overrides[1:] if "=" in a and a.startswith(RUNTIME_SECTIONS)]
+        runtime = resolve_config(None, settings, {}, os.environ)
+        return print_report(diagnose(runtime, os.environ, Path(first).stem))
     from hpc_ddp.trainer.config import load_config
 
     return print_report(diagnose(load_config(args.config, args.overrides), os.environ))

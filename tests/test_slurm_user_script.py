@@ -1,6 +1,7 @@
 """A user's own script (tests/programs/regression.py) on the real test Slurm cluster: sbatch
 on 2 nodes x 2 tasks through a preemption, requeue and exact resume; the torchrun template;
-and submitit running a callable on 2 nodes. (Two "nodes" are two slurmd on this machine; a
+submitit running a callable on 2 nodes; and an iteration-based LM loop (lm_loop.py) requeued
+by `scancel --signal=USR1`. (Two "nodes" are two slurmd on this machine; a
 second physical host cannot exist here.)"""
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mlflow import MlflowClient
 
 from hpc_ddp.launch.jobs import submit, wait
+from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO
 from tests.programs import regression
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
@@ -110,3 +113,49 @@ def test_submitit_runs_a_callable_on_two_nodes_and_returns_every_rank(
     assert {result["job_id"] for result in results} == {str(job.job_id)}
     assert len({result["weights_sha256"] for result in results}) == 1
     assert {result["val_count"] for result in results} == {1001}
+
+
+LM = str(REPO / "tests" / "programs" / "lm_loop.py")
+
+
+def lm_job(slurm: SlurmCluster, work: Path) -> str:
+    """The iteration-based LM loop on 2 nodes x 1 task through slurm/train.sh, tracked in
+    MLflow (its own get_batch, dropout: the restored random streams carry both on)."""
+    program = [LM, "--max-iters", "300", "--step-pause", "0.02", f"run.output_dir={work / 'runs'}"]
+    return slurm.sbatch(
+        ["--nodes=2", "--ntasks-per-node=1", TRAIN, *program, "preempt.check_every_steps=1"], work
+    )
+
+
+def test_an_iteration_based_loop_requeued_by_scancel_resumes_bitwise_in_one_mlflow_run(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path / "preempted")
+    job = lm_job(slurm, work)
+    log_path = work / "logs" / f"hpc-ddp-{job}.out"
+    slurm.wait_for_log(log_path, r"\[rank 0/2\] INFO epoch 0 step (6\d|[7-9]\d|1[0-4]\d)/300")
+    assert slurm.run(["scancel", "--signal=USR1", job], work).returncode == 0
+    state = slurm.wait(job, timeout=300)
+    log = log_path.read_text()
+    assert state == "COMPLETED", log[-4000:]
+    assert f"requeued job {job}" in log and slurm.job_field(job, "Restarts") == "1"
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert f"resuming the batches at step {stop_step}: run.iterations() draws nothing" in log
+    resumed = json.loads(next((work / "runs").glob("lm_loop/*/summary.json")).read_text())
+    assert resumed["restart_count"] == 1 and resumed["resumed_from_step"] == stop_step
+
+    reference = prepare_workdir(tmp_path / "uninterrupted")
+    assert slurm.wait(lm_job(slurm, reference), timeout=300) == "COMPLETED"
+    expected = json.loads(next((reference / "runs").glob("lm_loop/*/summary.json")).read_text())
+    assert resumed["global_step"] == expected["global_step"] == 300
+    assert resumed["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
+    assert resumed["best_val_loss"] == expected["best_val_loss"]
+
+    client = MlflowClient(tracking_uri=default_tracking_uri(work / "runs"))
+    runs = client.search_runs([client.get_experiment_by_name("hpc_ddp").experiment_id])  # type: ignore[union-attr]
+    assert [run.info.run_id for run in runs] == [resumed["mlflow_run_id"]], "one MLflow run"
+    (run,) = runs
+    assert run.info.status == "FINISHED" and run.data.tags["hpc_ddp.attempts"] == "2"
+    assert run.data.tags["hpc_ddp.attempt.0.end"] == "requeued"
+    evaluated = [point.step for point in client.get_metric_history(run.info.run_id, "val_loss")]
+    assert evaluated == [0, 50, 100, 150, 200, 250], "each evaluation once across the requeue"

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from hpc_ddp.runtime.config import RuntimeConfig
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.place.plan import (
     LaunchPlan,
@@ -44,32 +45,40 @@ def _check_port_free(plan: LaunchPlan) -> tuple[str, str]:
     return "ok", f"port {env.master_port} is free on {env.hostname}"
 
 
-def diagnose(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
+def diagnose(
+    config: Config | RuntimeConfig, environ: Mapping[str, str], name: str = "doctor"
+) -> dict[str, Any]:
     """This rank's plan and checks as plain data (the plan errors become a failed check).
 
-    The batch check is the built-in trainer's (``data.batch_size``); for your own script it
-    shows what that batch would give."""
+    With the built-in trainer's config the global batch is checked too (``data.batch_size``);
+    a script's settings (a RuntimeConfig) have no batch to check: the script divides its own."""
     from hpc_ddp.runtime.session.start import resolve_launch
 
-    accum = config.train.grad_accum_steps
+    trainer = config if isinstance(config, Config) else None
+    runtime = config.runtime if isinstance(config, Config) else config
+    micro = None
     try:
-        plan = resolve_launch(config.runtime, str(config.run.name), environ)
-        micro = micro_batch_size(
-            config.data.batch_size,
-            plan.dist_env.world_size,
-            accum,
-            ("data.batch_size", "train.grad_accum_steps"),
-        )
+        plan = resolve_launch(runtime, str(runtime.run.name or name), environ)
+        if trainer is not None:
+            micro = micro_batch_size(
+                trainer.data.batch_size,
+                plan.dist_env.world_size,
+                trainer.train.grad_accum_steps,
+                ("data.batch_size", "train.grad_accum_steps"),
+            )
     except HpcDdpError as error:
         return {"ok": False, "checks": [["FAIL", str(error)]]}
     env = plan.dist_env
-    checks = [
-        ["ok", f"launcher {env.launcher}: rank {env.rank} of {env.world_size}"],
-        [
-            "ok",
-            f"global batch {config.data.batch_size} = {env.world_size} ranks x "
-            f"{micro} x {accum} accumulation",
-        ],
+    checks = [["ok", f"launcher {env.launcher}: rank {env.rank} of {env.world_size}"]]
+    if trainer is not None:
+        checks.append(
+            [
+                "ok",
+                f"global batch {trainer.data.batch_size} = {env.world_size} ranks x "
+                f"{micro} x {trainer.train.grad_accum_steps} accumulation",
+            ]
+        )
+    checks += [
         ["ok", f"device {','.join(plan.device.devices)} ({plan.device.reason})"],
         list(_check_master_resolves(plan)),
         list(_check_port_free(plan)),

@@ -43,6 +43,24 @@ class Sum:
         return self.total / self.count
 
 
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """``metrics`` as floats for a tracker: a :class:`Sum` as its mean, a 0-d tensor or a
+    number as it is; anything else refused naming the metric."""
+    values = {}
+    for name, value in metrics.items():
+        value = value.mean if isinstance(value, Sum) else value
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise HpcDdpError(
+                f"run.log_metrics got {name}={type(value).__name__}, which is not one number",
+                "log numbers, 0-d tensors or hpc_ddp.Sum values; a tensor metric's parts "
+                "one by one (e.g. {f'acc_{i}': v for i, v in enumerate(sum.mean.tolist())})",
+            )
+        values[name] = float(value)
+    return values
+
+
 @dataclass
 class _Entry:
     """One metric's running total and count on this rank.

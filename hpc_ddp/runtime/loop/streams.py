@@ -88,6 +88,11 @@ class BatchStream:
     def kind(self) -> str:
         """How this stream resumes, in words (for the one line said at a resume)."""
         name = type(self.batches).__name__
+        if isinstance(self.batches, Ticks):
+            return (
+                "run.iterations() draws nothing itself; the random streams your batches come "
+                "from (torch, Python) are restored, so draws from them go on exactly"
+            )
         if self.stateful:
             return f"{name}: its state_dict() is saved per rank and loaded back"
         if self.endless:

@@ -18,7 +18,7 @@ from hpc_ddp.runtime.config import RuntimeConfig
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.data import StepLoader, TrainLoader, eval_loader
-from hpc_ddp.runtime.loop.metrics import Sum, Sums
+from hpc_ddp.runtime.loop.metrics import Sum, Sums, scalar_metrics
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import Ticks, step_source
 from hpc_ddp.runtime.loop.timeline import mark
@@ -367,11 +367,12 @@ class Run:
         batch, then ``sums.reduce()`` on every rank."""
         return Sums(self.device, self._context.control_group)
 
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+    def log_metrics(self, metrics: Mapping[str, float | Sum], step: int | None = None) -> None:
         """Record values that are already the same on every rank (rank 0 writes them), at
-        ``step`` (default: the global step)."""
+        ``step`` (default: the global step). A :class:`hpc_ddp.Sum` is logged as its mean,
+        so ``run.log_metrics(sums.reduce())`` logs an evaluation's means."""
         step = self.global_step if step is None else step
-        self._context.tracker.log_metrics({k: float(v) for k, v in metrics.items()}, step)
+        self._context.tracker.log_metrics(scalar_metrics(metrics), step)
 
     def log_text(self, name: str, text: str) -> None:
         """Store ``text`` as an artifact of the MLflow run (rank 0)."""

@@ -1,0 +1,89 @@
+"""What a new user meets in the first hour and used to stumble on: `hpc-ddp doctor` on their
+own script, the tools piped into `head`, an evaluation's sums logged as they come. Real
+processes and real pipes."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hpc_ddp
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.loop.metrics import scalar_metrics
+from tests.helpers import REPO, clean_environ
+
+LM = str(REPO / "tests" / "programs" / "lm_loop.py")
+
+
+def hpc_ddp_cli(*arguments: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", *arguments],
+        cwd=cwd,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_doctor_checks_a_users_script_with_its_own_arguments_and_settings() -> None:
+    result = hpc_ddp_cli("doctor", LM, "--max-iters", "5", "dist.timeout_s=60", "run.name=lm")
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.split("doctor-json: ")[1])
+    assert report["ok"] and report["launcher"] == "single" and report["world_size"] == 1
+    assert "/lm/" in report["plan"], "the script's run.name setting reached the plan"
+    assert not [check for check in report["checks"] if "global batch" in check[1]]
+
+
+def test_doctor_of_a_script_that_is_not_there_is_one_line(tmp_path: Path) -> None:
+    result = hpc_ddp_cli("doctor", "nothere.py", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "script 'nothere.py' does not exist" in result.stderr and "HINT:" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command", [["config"], ["render", "--nodes", "2", LM]])
+def test_a_tool_piped_into_head_ends_quietly(command: list[str]) -> None:
+    """`hpc-ddp config | head -1`: the reader closes the pipe after its first line."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hpc_ddp", *command],
+        cwd=REPO,
+        env=clean_environ(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.readline()
+    process.stdout.close()
+    errors = process.stderr.read().decode()
+    assert process.wait(timeout=60) == 0
+    assert "Traceback" not in errors and "BrokenPipeError" not in errors, errors
+
+
+def test_an_evaluations_sums_are_logged_as_their_means() -> None:
+    values = scalar_metrics(
+        {
+            "val_loss": hpc_ddp.Sum(6.0, 4),
+            "acc": 0.5,
+            "n": torch.tensor(3),
+            "none": hpc_ddp.Sum(1.0, 0),
+        }
+    )
+    assert values["val_loss"] == 1.5 and values["acc"] == 0.5 and values["n"] == 3.0
+    assert math.isnan(values["none"])
+    with pytest.raises(HpcDdpError, match=r"run\.log_metrics got name=str"):
+        scalar_metrics({"name": "x"})
+
+
+def test_the_help_writes_the_output_file_before_the_script() -> None:
+    result = hpc_ddp_cli("--help")
+    assert "render --nodes 2 --gpus-per-node 4 --time 02:00:00 -o job.sh train.py" in (
+        result.stdout
+    )
