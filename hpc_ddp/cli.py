@@ -131,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
         "preempt.signal, else USR1); it must be the one the ranks handle",
     )
     render.add_argument("--output", "-o", default=None, help="file to write (default stdout)")
+    render.add_argument(
+        "--log-dir",
+        default="logs",
+        help="folder for the job's log, created now and written as an absolute path "
+        "(default ./logs)",
+    )
     _add_program_arguments(render)
 
     submit = _command(commands, "submit", cmd.submit, "submit through submitit and wait")

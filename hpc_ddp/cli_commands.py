@@ -135,6 +135,16 @@ def render(args: argparse.Namespace) -> int:
 
     program = program_arguments(args, default_config="configs/digits.yaml")
     config = check_builtin(program)
+    # Slurm opens the job's log before the script runs and never creates its folder: name it
+    # absolutely and create it now, so the job can be submitted from anywhere.
+    log_dir = Path(args.log_dir).resolve()
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise HpcDdpError(
+            f"cannot create the job's log folder {log_dir}: {error.strerror}",
+            "pass --log-dir with a folder you can write, e.g. --log-dir ~/logs",
+        ) from None
     request = RenderRequest(
         arguments=tuple(program.template_args()),
         nodes=args.nodes,
@@ -146,6 +156,7 @@ def render(args: argparse.Namespace) -> int:
         job_name=args.job_name,
         launcher=args.launcher,
         signal=_warning_signal(args.signal, config),
+        log_dir=str(log_dir),
     )
     script = render_sbatch(template_path(args.launcher).read_text(), request)
     if args.output in (None, "-"):
@@ -159,7 +170,10 @@ def render(args: argparse.Namespace) -> int:
         )
     output.write_text(script)
     output.chmod(0o755)
-    print(f"wrote {output}: submit it with sbatch {output}", file=sys.stderr)
+    print(
+        f"wrote {output}: submit it with sbatch {output}; its log goes to {log_dir}",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ from mlflow import MlflowClient
 
 from hpc_ddp.launch.jobs import submit, wait
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
-from tests.helpers import REPO
+from tests.helpers import REPO, clean_environ
 from tests.programs import regression
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
 
@@ -159,3 +161,28 @@ def test_an_iteration_based_loop_requeued_by_scancel_resumes_bitwise_in_one_mlfl
     assert run.data.tags["hpc_ddp.attempt.0.end"] == "requeued"
     evaluated = [point.step for point in client.get_metric_history(run.info.run_id, "val_loss")]
     assert evaluated == [0, 50, 100, 150, 200, 250], "each evaluation once across the requeue"
+
+
+def test_a_rendered_job_submitted_from_elsewhere_writes_its_log(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """Outside a checkout there is no logs/ folder and Slurm does not create one: `hpc-ddp
+    render` creates it and names it absolutely, so the job runs from any directory."""
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    rendered = subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "render", "--nodes", "1", "--gpus-per-node", "0",
+         "--tasks-per-node", "2", "-o", "job.sh", LM, "--max-iters", "20",
+         f"run.output_dir={project / 'runs'}", "tracking.enabled=false"],
+        cwd=project, env=clean_environ(), capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    assert f"its log goes to {project / 'logs'}" in rendered.stderr
+    job = slurm.sbatch([str(project / "job.sh")], elsewhere)
+    state = slurm.wait(job, timeout=240)
+    log = project / "logs" / f"hpc-ddp-{job}.out"
+    assert log.is_file(), f"no log: {sorted(project.rglob('*'))}"
+    assert state == "COMPLETED", log.read_text()[-3000:]
+    assert '"global_step": 20' in log.read_text(), "rank 0's RESULT line"
+    assert not (elsewhere / "logs").exists()

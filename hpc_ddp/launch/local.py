@@ -180,8 +180,10 @@ def launch_local(nproc: int, program: Program, environ: Mapping[str, str] | None
     run_id = time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())
     environments = rank_environments(nproc, base, free_loopback_port(), run_id, available_cpus())
     command = [sys.executable, *program.python_args()]
+    # The ranks in a process group of their own: a terminal's Ctrl-C reaches this launcher
+    # only, which passes each one on exactly once (see interrupt).
     processes = [
-        subprocess.Popen(command, env=environment, preexec_fn=_end_with_launcher)
+        subprocess.Popen(command, env=environment, preexec_fn=_end_with_launcher, process_group=0)
         for environment in environments
     ]
 
@@ -190,12 +192,27 @@ def launch_local(nproc: int, program: Program, environ: Mapping[str, str] | None
             if process.poll() is None:
                 process.send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    interrupts = []
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        """Ctrl-C: the ranks stop after the same step with a checkpoint; a second one makes
+        them abort at once; a third ends them."""
+        interrupts.append(signum)
+        if len(interrupts) > 2:
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+            return
+        forward(signum, frame)
+
+    handlers = {signal.SIGTERM: forward, signal.SIGUSR1: forward, signal.SIGINT: interrupt}
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}
     try:
-        return supervise(processes)
-    except KeyboardInterrupt:
+        code = supervise(processes)
+    except KeyboardInterrupt:  # a handler of our own replaced by someone: end the ranks
         _stop(processes)
         return 130
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    return 130 if len(interrupts) > 1 and code else code

@@ -21,6 +21,8 @@ from hpc_ddp.runtime.place.slurm import time_to_minutes
 
 TEMPLATE_NAMES = {"srun": "train.sh", "torchrun": "train-torchrun.sh"}
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.,+-]{1,128}$")
+#: A folder Slurm reads from an #SBATCH line as it is: no spaces, quotes or shell syntax.
+_SAFE_PATH = re.compile(r"^[A-Za-z0-9_.,+/-]{1,4000}$")
 _DEFAULT_ARGS_LINE = re.compile(r"^DEFAULT_ARGS=\(.*\)$", re.MULTILINE)
 _SIGNAL_LINES = (
     re.compile(r"^(#SBATCH --signal=)[A-Z0-9]+(@\d+)$", re.MULTILINE),
@@ -50,6 +52,9 @@ class RenderRequest:
     launcher: str = "srun"
     #: Slurm's warning signal before the time limit: the one the ranks handle (preempt.signal).
     signal: str = "USR1"
+    #: Where the job's log and NCCL's flight-recorder dumps go; relative paths are resolved
+    #: against the directory sbatch is called from (Slurm does not create it).
+    log_dir: str = "logs"
 
 
 def template_path(launcher: str = "srun") -> Path:
@@ -127,6 +132,16 @@ def _directives(request: RenderRequest) -> dict[str, str | None]:
     }
 
 
+def _set_log_dir(text: str, log_dir: str) -> str:
+    """The template with its logs/ folder replaced by ``log_dir`` (the job's log and NCCL's
+    flight-recorder dumps)."""
+    folder = _check_safe(
+        log_dir.rstrip("/"), "log folder", _SAFE_PATH, "--log-dir /scratch/me/logs"
+    )
+    text = re.sub(r"^(#SBATCH --(?:output|error)=)logs/", rf"\g<1>{folder}/", text, flags=re.M)
+    return text.replace("$PWD/logs/nccl-trace", f"{folder}/nccl-trace")
+
+
 def render_sbatch(template: str, request: RenderRequest) -> str:
     """The template with the request's values in place; raises HpcDdpError on unsafe input."""
     if request.nodes < 1 or request.gpus_per_node < 0 or request.cpu_tasks_per_node < 1:
@@ -162,6 +177,8 @@ def render_sbatch(template: str, request: RenderRequest) -> str:
             count=1,
             flags=re.MULTILINE,
         )
+    if request.log_dir != "logs":
+        text = _set_log_dir(text, request.log_dir)
     arguments = [_check_shell_value(item, "argument") for item in request.arguments]
     if len(_DEFAULT_ARGS_LINE.findall(text)) != 1:
         raise HpcDdpError(

@@ -26,8 +26,8 @@
 # Wall-clock limit (HH:MM:SS).
 #SBATCH --time=02:00:00
 # stdout and stderr of the batch script and every task: logs/<job name>-<job id>.out
-#SBATCH --output=logs/%x-%j.out
-#SBATCH --error=logs/%x-%j.out
+#SBATCH --output=<submission dir>/logs/%x-%j.out
+#SBATCH --error=<submission dir>/logs/%x-%j.out
 # Append, so a requeued job adds its attempt to the same log instead of truncating it.
 #SBATCH --open-mode=append
 # SIGUSR1 to every task 120 s before the time limit: time to checkpoint and stop.
@@ -61,7 +61,7 @@ fi
 # warning, a line per rank in the job's log.
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$PWD/logs/nccl-trace-${SLURM_JOB_ID:-0}-rank-}
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-<submission dir>/logs/nccl-trace-${SLURM_JOB_ID:-0}-rank-}
 
 args=("$@")
 if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then

@@ -18,8 +18,8 @@
 #SBATCH --cpus-per-task=2
 # Wall-clock limit (HH:MM:SS).
 #SBATCH --time=1-00:00:00
-#SBATCH --output=logs/%x-%j.out
-#SBATCH --error=logs/%x-%j.out
+#SBATCH --output=<submission dir>/logs/%x-%j.out
+#SBATCH --error=<submission dir>/logs/%x-%j.out
 #SBATCH --open-mode=append
 # SIGUSR1 to the tasks 120 s before the time limit.
 #SBATCH --signal=USR1@120
@@ -48,7 +48,7 @@ fi
 # warning, a line per rank in the job's log.
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
 export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$PWD/logs/nccl-trace-${SLURM_JOB_ID:-0}-rank-}
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-<submission dir>/logs/nccl-trace-${SLURM_JOB_ID:-0}-rank-}
 
 args=("$@")
 if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then

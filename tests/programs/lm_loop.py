@@ -66,10 +66,11 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--sampling", choices=["rank", "global"], default="rank")
     parser.add_argument("--step-pause", type=float, default=0.0)
+    parser.add_argument("--log-interval", type=int, default=10)
     parser.add_argument("--best", default="", help="where rank 0 saves the best model")
     args, overrides = parser.parse_known_args()
 
-    run = hpc_ddp.start(overrides=overrides, params=vars(args), log_interval=10)
+    run = hpc_ddp.start(overrides=overrides, params=vars(args), log_interval=args.log_interval)
     data = corpus(20_000)
     train_data, val_data = data[:18_000], data[18_000:]
     model = run.wrap(TinyLM(args.context, args.dropout))

@@ -8,6 +8,7 @@ after the SAME step; then they checkpoint together (see :mod:`hpc_ddp.runtime.lo
 from __future__ import annotations
 
 import signal
+import sys
 from types import FrameType
 from typing import Any
 
@@ -21,14 +22,30 @@ from hpc_ddp.runtime.preempt.startup_signals import release_stop_signals
 class StopSignals:
     """Records stop signals; nothing else happens inside the handler."""
 
-    def __init__(self, warning_signal: str, stop_on_sigterm: bool = True) -> None:
+    def __init__(
+        self, warning_signal: str, stop_on_sigterm: bool = True, announce: bool = False
+    ) -> None:
         self.warning = signal.Signals[f"SIG{warning_signal}"]
         self.stop_on_sigterm = stop_on_sigterm
+        #: Say on stderr what a Ctrl-C does (rank 0).
+        self.announce = announce
         self.received: set[int] = set()
         self._previous: dict[int, Any] = {}
 
     def _record(self, signum: int, _frame: FrameType | None) -> None:
         self.received.add(signum)
+
+    def _interrupt(self, signum: int, _frame: FrameType | None) -> None:
+        """Ctrl-C: the first is a stop like SIGTERM (all ranks stop after the same step, with
+        a checkpoint); a second one aborts at once, as Python's own handler does."""
+        if signum in self.received:
+            raise KeyboardInterrupt
+        self.received.add(signum)
+        if self.announce:
+            sys.stderr.write(
+                "\nCtrl-C: stopping after the current step with a checkpoint; "
+                "press Ctrl-C again to abort without one\n"
+            )
 
     def _ignore(self, _signum: int, _frame: FrameType | None) -> None:
         pass
@@ -44,6 +61,9 @@ class StopSignals:
         if self.warning != signal.SIGTERM:
             term_handler = self._record if self.stop_on_sigterm else self._ignore
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, term_handler)
+        interrupt_is_pythons = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        if self.warning != signal.SIGINT and interrupt_is_pythons:  # not a handler of yours
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
         for signum in arrived_during_startup:
             get_logger().warning(
                 f"{signal.Signals(signum).name} arrived while this rank was starting; "

@@ -278,7 +278,8 @@ def start(
     _set_threads(dist_env, environment)
     _raise_open_file_limit(dist_env)
     _announce(plan, settings, environment)
-    signals = StopSignals(settings.preempt.signal, settings.preempt.stop_on_sigterm).install()
+    preempt = settings.preempt
+    signals = StopSignals(preempt.signal, preempt.stop_on_sigterm, dist_env.is_main).install()
     timeline = new_timeline(entry_unix)
     tracker: Tracker = NullTracker()
     try:

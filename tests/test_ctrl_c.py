@@ -1,0 +1,141 @@
+"""Ctrl-C in a terminal, as a person presses it: the launcher runs on a real pty in a session
+of its own, and SIGINT goes to its whole process group, as a terminal sends it. The first
+Ctrl-C is a stop the ranks agree on (a checkpoint, then "to continue: ..."), a rerun goes on
+from it in the same MLflow run; a second Ctrl-C aborts at once."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import re
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from pathlib import Path
+
+from mlflow import MlflowClient
+
+from hpc_ddp.runtime.errors import EXIT_STOPPED
+from hpc_ddp.runtime.tracking.base import default_tracking_uri
+from tests.helpers import REPO, clean_environ
+
+LM = str(REPO / "tests" / "programs" / "lm_loop.py")
+
+
+class Terminal:
+    """A command on a pty in its own session, its output collected as it comes."""
+
+    def __init__(self, command: list[str]) -> None:
+        main, tty = pty.openpty()
+        # A terminal 120 columns wide (a fresh pty has none, and a progress bar draws nothing).
+        fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        self.process = subprocess.Popen(
+            command,
+            cwd=REPO,
+            env=clean_environ(),
+            stdin=tty,
+            stdout=tty,
+            stderr=tty,
+            start_new_session=True,
+        )
+        os.close(tty)
+        self._main = main
+        self._chunks: list[bytes] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self._main, 4096)
+            except OSError:
+                return
+            if not chunk:
+                return
+            self._chunks.append(chunk)
+
+    @property
+    def text(self) -> str:
+        return b"".join(self._chunks).decode(errors="replace").replace("\r", "")
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not re.search(pattern, self.text):
+            assert time.monotonic() < deadline, f"{pattern!r} not seen:\n{self.text[-3000:]}"
+            assert self.process.poll() is None, f"ended early:\n{self.text[-3000:]}"
+            time.sleep(0.05)
+
+    def ctrl_c(self) -> None:
+        """SIGINT to the foreground process group, as the terminal sends it."""
+        os.killpg(self.process.pid, signal.SIGINT)
+
+    def finish(self, timeout: float = 120) -> int:
+        code = self.process.wait(timeout=timeout)
+        self._reader.join(timeout=5)
+        os.close(self._main)
+        return code
+
+
+def local(nproc: int, *arguments: str) -> list[str]:
+    return [sys.executable, "-m", "hpc_ddp", "local", "--nproc", str(nproc), *arguments]
+
+
+def test_ctrl_c_stops_with_a_checkpoint_and_a_rerun_continues_in_the_same_mlflow_run(
+    tmp_path: Path,
+) -> None:
+    program = [LM, "--max-iters", "300", "--step-pause", "0.02", f"run.output_dir={tmp_path}"]
+    terminal = Terminal(local(2, *program, "run.id=ctrl-c", "preempt.check_every_steps=1"))
+    terminal.wait_for(r"\b[4-9]\d/300\b")  # the progress bar on a terminal
+    terminal.ctrl_c()
+    assert terminal.finish() == EXIT_STOPPED, terminal.text[-3000:]
+    text = terminal.text
+    stop = int(re.search(r"checkpoint \(stop signal\) step (\d+)", text).group(1))  # type: ignore[union-attr]
+    assert 40 <= stop < 300
+    assert "Ctrl-C: stopping after the current step with a checkpoint" in text
+    assert "to continue, run the same command with run.id=ctrl-c" in text
+    assert "Traceback" not in text and "interrupted" not in text
+
+    rerun = subprocess.run(
+        local(2, *program, "run.id=ctrl-c"),
+        cwd=REPO,
+        env=clean_environ(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"at step {stop} " in rerun.stderr
+    summary = json.loads(next(tmp_path.glob("lm_loop/ctrl-c/summary.json")).read_text())
+    assert summary["global_step"] == 300 and summary["resumed_from_step"] == stop
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    experiment = client.get_experiment_by_name("hpc_ddp")
+    assert experiment is not None
+    runs = client.search_runs([experiment.experiment_id])
+    assert [run.info.run_id for run in runs] == [summary["mlflow_run_id"]], "one MLflow run"
+    assert runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags["hpc_ddp.attempt.0.end"] == "killed"
+
+
+def test_a_second_ctrl_c_aborts_at_once(tmp_path: Path) -> None:
+    """Steps of a second each: the first Ctrl-C's stop is still waiting for the step to end
+    when the second one comes."""
+    program = [LM, "--max-iters", "50", "--step-pause", "1.0", "--log-interval", "1"]
+    program.append(f"run.output_dir={tmp_path}")
+    terminal = Terminal(local(2, *program, "tracking.enabled=false"))
+    terminal.wait_for(r"stop signals are checked every")
+    terminal.ctrl_c()
+    time.sleep(0.3)
+    terminal.ctrl_c()
+    started = time.monotonic()
+    code = terminal.finish(timeout=60)
+    assert code == 130, terminal.text[-3000:]
+    assert time.monotonic() - started < 10
+    assert "interrupted" in terminal.text
+    assert not list(tmp_path.glob("lm_loop/*/checkpoints/step-*.pt")), "aborted: no checkpoint"
