@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.logs import Progress
+from hpc_ddp.runtime.logs import Progress, get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.metrics import PendingSums, Sum, Sums, restore_sums, saved_sums
 from hpc_ddp.runtime.loop.streams import batch_length
@@ -65,7 +65,19 @@ class MetricLog:
         summary's samples_seen); unknown for batches that hold no tensor."""
         size = batch_length(batch)
         if size is not None:
-            self.global_batch_size = size * grad_accum_steps * self.context.env.world_size
+            self.set_batch(size, grad_accum_steps)
+
+    def set_batch(self, micro_batch: int, grad_accum_steps: int) -> None:
+        """Samples per micro-batch on each rank, and micro-batches per step: the global batch,
+        said once on rank 0 (a script's own batch split is seen nowhere else)."""
+        world_size = self.context.env.world_size
+        size = micro_batch * grad_accum_steps * world_size
+        if size != self.global_batch_size and self.context.env.is_main:
+            get_logger().info(
+                f"global batch {size} = {world_size} rank(s) x {micro_batch} per micro-batch x "
+                f"{grad_accum_steps} micro-batch(es) per step"
+            )
+        self.global_batch_size = size
 
     def _move_interval_to_epoch(self) -> tuple[list[str], torch.Tensor]:
         """The interval's metrics, packed, added to the epoch's (a collective: the names are

@@ -149,7 +149,8 @@ class StepLoop:
         if isinstance(loader, BatchStream):
             self.streams.take(loader, position.resumed_from_step)
         else:
-            self.metrics.global_batch_size = loader.global_batch_size
+            micro = loader.global_batch_size // (accum * self.context.env.world_size)
+            self.metrics.set_batch(micro, accum)
         left = self._steps_left(loader.steps_per_epoch)
         loader.set_position(position.epoch, position.step_in_epoch)
         started = time.perf_counter()
