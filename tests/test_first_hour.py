@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from mlflow import MlflowClient
 
 import hpc_ddp
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.loop.metrics import scalar_metrics
+from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, clean_environ
 
 LM = str(REPO / "tests" / "programs" / "lm_loop.py")
@@ -87,3 +89,17 @@ def test_the_help_writes_the_output_file_before_the_script() -> None:
     assert "render --nodes 2 --gpus-per-node 4 --time 02:00:00 -o job.sh train.py" in (
         result.stdout
     )
+
+
+def test_a_rerun_without_a_checkpoint_says_so_and_stays_one_mlflow_run(tmp_path: Path) -> None:
+    program = [LM, "--max-iters", "20", f"run.output_dir={tmp_path}", "run.id=again"]
+    first = hpc_ddp_cli("local", "--nproc", "1", *program, "checkpoint.enabled=false")
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = hpc_ddp_cli("local", "--nproc", "1", *program)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "ran before but left no checkpoint: it starts again at step 0" in second.stderr
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    experiment = client.get_experiment_by_name("hpc_ddp")
+    assert experiment is not None
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.data.tags["hpc_ddp.attempts"] == "2" and run.info.status == "FINISHED"

@@ -66,7 +66,7 @@ from hpc_ddp.runtime.tracking.base import (
     tracking_uri,
 )
 from hpc_ddp.runtime.tracking.factory import start_tracker
-from hpc_ddp.runtime.tracking.journal import JournalTracker, read_tracked_run_id
+from hpc_ddp.runtime.tracking.journal import STATUS_FILE, JournalTracker, read_tracked_run_id
 from hpc_ddp.runtime.tracking.worker import discard_prestarted
 
 __all__ = ["end_active_run", "resolve_launch", "start"]
@@ -189,10 +189,11 @@ def _open_tracker(
             env.elastic_restarts,
             saved_world_size(saved) if saved else None,
         ),
-        # A checkpoint written while MLflow was still starting names no run: tracking.json
-        # does once it was known.
+        # One MLflow run per run id: the checkpoint's, else the one tracking.json names (a
+        # checkpoint written while MLflow was still starting names none; a run stopped
+        # before its first checkpoint has none).
         resume_run_id=(
-            saved.get("mlflow_run_id") or read_tracked_run_id(plan.run_dir) if saved else None
+            (saved.get("mlflow_run_id") if saved else None) or read_tracked_run_id(plan.run_dir)
         ),
         start_step=int(saved["global_step"]) if saved else 0,
         attempt_token=f"{env.hostname}:{os.getpid()}:{entry_unix:.0f}",
@@ -297,6 +298,13 @@ def start(
         resume = None
         if settings.checkpoint.resume:
             resume = find_resume(plan.run_dir, dist_env.is_main, group)
+            ran_before = dist_env.is_main and (plan.run_dir / STATUS_FILE).exists()
+            if resume is None and ran_before and settings.checkpoint.enabled:
+                log.warning(
+                    f"run {plan.run_dir} ran before but left no checkpoint: it starts again "
+                    "at step 0, in the same MLflow run. HINT: stop a run with Ctrl-C or a "
+                    "stop signal (it checkpoints first), or set checkpoint.every_steps"
+                )
         values = fingerprint_of(fingerprint or {})
         if resume is not None:  # refused before MLflow reopens the run it names
             check_resumable(resume[1]["fingerprint"], values, resume[0])
