@@ -383,3 +383,38 @@ def test_a_signal_the_config_does_not_handle_is_refused(workdir: Path) -> None:
     assert result.returncode == 2
     assert "--signal USR1 but the config's preempt.signal is USR2" in result.stderr
     assert "HINT: drop --signal" in result.stderr and "Traceback" not in result.stderr
+
+
+TRAINER = ["-m", "hpc_ddp.train", "--config"]
+
+
+@pytest.mark.parametrize(
+    ("arguments", "program"),
+    [
+        (["train.py", "--lr", "a b"], ["-m", "hpc_ddp", "run", "train.py", "--lr", "a b"]),
+        (["train.epochs=2"], [*TRAINER, "configs/digits.yaml", "train.epochs=2"]),
+        ([], [*TRAINER, "configs/digits.yaml"]),
+        (["-m", "pkg.train"], ["-m", "hpc_ddp", "run", "-m", "pkg.train"]),
+    ],
+)
+def test_the_body_both_templates_share_picks_the_program(
+    arguments: list[str], program: list[str], tmp_path: Path
+) -> None:
+    """job-body.sh, found as the templates find it, sourced by bash with a job's arguments."""
+    script = (
+        "DEFAULT_ARGS=(configs/digits.yaml); HPC_DDP_LOG_DIR=/scratch/logs; SLURM_JOB_ID=7\n"
+        'source "$("$PYTHON" -m hpc_ddp.launch.templates)"\n'
+        'printf "%s\\n" "${program[@]}"; echo "$TORCH_FR_DUMP_TEMP_FILE"\n'
+    )
+    result = subprocess.run(
+        ["bash", "-c", script, "job", *arguments],
+        cwd=tmp_path,
+        env=clean_environ(PYTHON=sys.executable),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    *chosen, trace = result.stdout.splitlines()
+    assert chosen == program
+    assert trace == "/scratch/logs/nccl-trace-7-rank-"

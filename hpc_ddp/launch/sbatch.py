@@ -139,7 +139,7 @@ def _set_log_dir(text: str, log_dir: str) -> str:
         log_dir.rstrip("/"), "log folder", _SAFE_PATH, "--log-dir /scratch/me/logs"
     )
     text = re.sub(r"^(#SBATCH --(?:output|error)=)logs/", rf"\g<1>{folder}/", text, flags=re.M)
-    return text.replace("$PWD/logs/nccl-trace", f"{folder}/nccl-trace")
+    return text.replace("${HPC_DDP_LOG_DIR:-$PWD/logs}", f"${{HPC_DDP_LOG_DIR:-{folder}}}")
 
 
 def render_sbatch(template: str, request: RenderRequest) -> str:

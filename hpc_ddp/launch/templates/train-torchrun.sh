@@ -35,32 +35,26 @@ export HPC_DDP_JOB_SIGNAL=${HPC_DDP_JOB_SIGNAL:-USR1}
 # The program when the command line gives none: as in slurm/train.sh.
 DEFAULT_ARGS=(configs/digits.yaml)
 
+# Where NCCL's flight-recorder dumps go, beside the job's log (`hpc-ddp render` writes both).
+HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-$PWD/logs}
+
 site_file=${HPC_DDP_SITE:-slurm/site.sh}
 if [[ -f $site_file ]]; then
     # shellcheck source=/dev/null
     source "$site_file"
 fi
 
-# NCCL's flight recorder: the last collectives of every rank, dumped when a collective times
-# out, to logs/nccl-trace-<job id>-rank-<rank>; `torchfrtrace logs/` names the rank that
-# stalled. Costs a ring buffer of 2000 entries per process group. Set 0 to turn it off.
-# Only the TORCH_FR_* names: the older TORCH_NCCL_* ones make every rank print a deprecation
-# warning, a line per rank in the job's log.
-export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
-export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$PWD/logs/nccl-trace-${SLURM_JOB_ID:-0}-rank-}
-
-args=("$@")
-if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then
-    args=("${DEFAULT_ARGS[@]}" "${args[@]}")
-fi
-if [[ ${args[0]} == *.yaml || ${args[0]} == *.yml ]]; then
-    program=(-m hpc_ddp.train --config "${args[@]}")
-else
-    program=(-m hpc_ddp run "${args[@]}")
-fi
-
+# The part both job templates share (NCCL's flight recorder, the program every rank runs),
+# from the installed hpc_ddp: this script runs from Slurm's spool, away from any checkout.
 python=${PYTHON:-python}
+if ! body=$("$python" -m hpc_ddp.launch.templates); then
+    echo "error: $python cannot import hpc_ddp. HINT: activate its environment in" \
+        "slurm/site.sh (or \$HPC_DDP_SITE), or set PYTHON to its python" >&2
+    exit 2
+fi
+# shellcheck source=/dev/null
+source "$body"
+
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # The same job-id-derived port every hpc_ddp launch uses (range 10000-29999).
 rendezvous_port=$("$python" -m hpc_ddp port)

@@ -46,6 +46,9 @@ export HPC_DDP_JOB_SIGNAL=${HPC_DDP_JOB_SIGNAL:-USR1}
 # config (and overrides) for the built-in trainer, a script, or -m and a module.
 DEFAULT_ARGS=(configs/digits.yaml)
 
+# Where NCCL's flight-recorder dumps go, beside the job's log (`hpc-ddp render` writes both).
+HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-$PWD/logs}
+
 # Site specifics (module load, venv or conda activation, NCCL settings) go in one optional
 # file: $HPC_DDP_SITE, else slurm/site.sh in the submission directory.
 site_file=${HPC_DDP_SITE:-slurm/site.sh}
@@ -54,26 +57,16 @@ if [[ -f $site_file ]]; then
     source "$site_file"
 fi
 
-# NCCL's flight recorder: the last collectives of every rank, dumped when a collective times
-# out, to logs/nccl-trace-<job id>-rank-<rank>; `torchfrtrace logs/` names the rank that
-# stalled. Costs a ring buffer of 2000 entries per process group. Set 0 to turn it off.
-# Only the TORCH_FR_* names: the older TORCH_NCCL_* ones make every rank print a deprecation
-# warning, a line per rank in the job's log.
-export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
-export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
-export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$PWD/logs/nccl-trace-${SLURM_JOB_ID:-0}-rank-}
-
-args=("$@")
-if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then
-    args=("${DEFAULT_ARGS[@]}" "${args[@]}")
+# The part both job templates share (NCCL's flight recorder, the program every rank runs),
+# from the installed hpc_ddp: this script runs from Slurm's spool, away from any checkout.
+python=${PYTHON:-python}
+if ! body=$("$python" -m hpc_ddp.launch.templates); then
+    echo "error: $python cannot import hpc_ddp. HINT: activate its environment in" \
+        "slurm/site.sh (or \$HPC_DDP_SITE), or set PYTHON to its python" >&2
+    exit 2
 fi
-# A .yaml first: the built-in trainer with that config and overrides. Anything else is your
-# own program, run by hpc_ddp on every rank (signals held from the start, exit codes).
-if [[ ${args[0]} == *.yaml || ${args[0]} == *.yml ]]; then
-    program=(-m hpc_ddp.train --config "${args[@]}")
-else
-    program=(-m hpc_ddp run "${args[@]}")
-fi
+# shellcheck source=/dev/null
+source "$body"
 
 # One thread pool per task, sized to the cores Slurm gave it.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
@@ -81,4 +74,4 @@ export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 echo "job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}: ${args[*]}"
 # --kill-on-bad-exit: one failed rank ends the whole step at once instead of leaving the
 # other ranks waiting in a collective until the time limit.
-srun --kill-on-bad-exit=1 "${PYTHON:-python}" "${program[@]}"
+srun --kill-on-bad-exit=1 "$python" "${program[@]}"

@@ -1,0 +1,26 @@
+# The part every hpc_ddp job template shares, sourced by train.sh and train-torchrun.sh after
+# their settings (DEFAULT_ARGS, HPC_DDP_LOG_DIR) and the site file; `python -m
+# hpc_ddp.launch.templates` prints where the installed copy is. It sets `args` (the
+# program's arguments) and `program` (what follows python on every rank).
+
+# NCCL's flight recorder: the last collectives of every rank, dumped when a collective times
+# out, to $HPC_DDP_LOG_DIR/nccl-trace-<job id>-rank-<rank>; `torchfrtrace logs/` names the
+# rank that stalled. Costs a ring buffer of 2000 entries per process group. Set 0 to turn it
+# off. Only the TORCH_FR_* names: the older TORCH_NCCL_* ones make every rank print a
+# deprecation warning, a line per rank in the job's log.
+export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$HPC_DDP_LOG_DIR/nccl-trace-${SLURM_JOB_ID:-0}-rank-}
+
+# The program: the job's own arguments, else DEFAULT_ARGS (overrides alone go after them).
+args=("$@")
+if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then
+    args=("${DEFAULT_ARGS[@]}" "${args[@]}")
+fi
+# A .yaml first: the built-in trainer with that config and overrides. Anything else is your
+# own program, run by hpc_ddp on every rank (signals held from the start, exit codes).
+if [[ ${args[0]} == *.yaml || ${args[0]} == *.yml ]]; then
+    program=(-m hpc_ddp.train --config "${args[@]}")
+else
+    program=(-m hpc_ddp run "${args[@]}")
+fi
