@@ -282,3 +282,31 @@ def test_start_inside_a_plain_mp_spawn_child_is_refused_with_the_drop_in(tmp_pat
     assert "started by multiprocessing" in result.stderr
     assert "hpc_ddp.spawn(main, args=..., nprocs=N)" in result.stderr
     assert not list(tmp_path.glob("runs/*/*/checkpoints")), "nothing trained at world size 1"
+
+
+WATCHED = """
+import sys, time
+import torch
+import hpc_ddp
+
+where = sys.argv[1]
+run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False},
+                    dist={"stall_timeout_s": 1.5, "timeout_s": 30})
+for iter_num in run.iterations(max_steps=6):
+    if run.every(3):
+        if where == "evaluation" and iter_num == 3:
+            time.sleep(4)  # a long evaluation: no stall
+    if where == "step" and iter_num == 4:
+        time.sleep(4)  # a step that hangs: a stall
+print("RESULT", run.global_step)
+run.finish()
+"""
+
+
+def test_the_stall_watchdog_rests_while_every_runs_and_watches_the_steps() -> None:
+    evaluated = run_script(WATCHED, "evaluation")
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    assert "RESULT 6" in evaluated.stdout and "stalled" not in evaluated.stderr
+    stalled = run_script(WATCHED, "step")
+    assert stalled.returncode == 5, stalled.stderr[-3000:]
+    assert "rank 0 stalled: no training step finished" in stalled.stderr
