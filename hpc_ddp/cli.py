@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     local = _command(commands, "local", cmd.local, "run a program on N local CPU ranks (gloo)")
     local.add_argument("--nproc", type=_at_least(1), default=2, help="number of ranks (default 2)")
+    local.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dotted setting for the ranks (e.g. --set run.id=a), whatever the program's own "
+        "arguments; given to them in $HPC_DDP_OVERRIDES",
+    )
     _add_program_arguments(local, dry_run=True)
     run = _command(
         commands, "run", cmd.run, "run your script or module as this rank (srun runs it)"
@@ -113,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true", help="print the plan; do not train")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.epochs=3")
     _command(commands, "config", cmd.config, "list every config key with its default and doc")
+
+    init = _command(
+        commands, "init", cmd.init, "write ./train.sh, a ready job script, and ./logs/ here"
+    )
+    _add_job_arguments(init)
+    init.add_argument("--output", "-o", default="train.sh", help="the job script (train.sh)")
+    _add_program_arguments(init)
 
     render = _command(commands, "render", cmd.render, "write a ready sbatch script")
     _add_job_arguments(render)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -64,7 +66,27 @@ def local(args: argparse.Namespace) -> int:
 
     # The README's default, when run from a checkout; else the trainer's built-in defaults.
     default = "configs/digits.yaml" if Path("configs/digits.yaml").is_file() else ""
-    return launch_local(args.nproc, program_arguments(args, default_config=default))
+    program = program_arguments(args, default_config=default)
+    return launch_local(args.nproc, program, with_settings(os.environ, args.settings))
+
+
+def with_settings(environ: Mapping[str, str], settings: Sequence[str]) -> dict[str, str]:
+    """``environ`` with dotted ``settings`` added to $HPC_DDP_OVERRIDES (after those already
+    there, so they win); each must read KEY=VALUE."""
+    from hpc_ddp.runtime.config import OVERRIDES_VARIABLE
+
+    for setting in settings:
+        key, equals, _value = setting.partition("=")
+        if not equals or "." not in key or not key.replace(".", "").replace("_", "").isalnum():
+            raise HpcDdpError(
+                f"--set {setting!r} is not a dotted setting KEY=VALUE",
+                "e.g. --set run.id=a --set checkpoint.every_steps=200 (hpc-ddp config lists "
+                "the keys)",
+            )
+    joined = " ".join(shlex.quote(setting) for setting in settings)
+    earlier = environ.get(OVERRIDES_VARIABLE, "")
+    combined = f"{earlier} {joined}".strip()
+    return {**environ, OVERRIDES_VARIABLE: combined} if settings else dict(environ)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,6 +150,43 @@ def _warning_signal(requested: str | None, config: Config | None) -> str:
             f"drop --signal (the config's is used), or add preempt.signal={requested}",
         )
     return configured
+
+
+def init(args: argparse.Namespace) -> int:
+    """`hpc-ddp init`: a ready job script (./train.sh, never over an existing one) and ./logs/;
+    its program is the one given, else train.py (written or not yet)."""
+    from hpc_ddp.launch.sbatch import RenderRequest, render_sbatch, template_path
+
+    output = Path(args.output)
+    if output.exists():
+        raise HpcDdpError(
+            f"{output} exists already: hpc-ddp init leaves it as it is",
+            "remove it, or write another file with -o (hpc-ddp render writes anywhere)",
+        )
+    program = program_arguments(args) if args.target or args.config else None
+    if program is not None:
+        check_builtin(program)
+    logs = Path("logs").resolve()
+    logs.mkdir(exist_ok=True)
+    request = RenderRequest(
+        arguments=tuple(program.template_args()) if program else ("train.py",),
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        cpu_tasks_per_node=args.tasks_per_node or 1,
+        cpus_per_task=args.cpus_per_task,
+        time=args.time,
+        partition=args.partition,
+        log_dir=str(logs),
+    )
+    output.write_text(render_sbatch(template_path().read_text(), request))
+    output.chmod(0o755)
+    what = " ".join(request.arguments)
+    print(
+        f"wrote {output} (it runs {what}; its log goes to {logs}): submit it with "
+        f"sbatch {output}, or sbatch {output} other.py --lr 3e-4 for another program",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def render(args: argparse.Namespace) -> int:

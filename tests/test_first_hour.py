@@ -103,3 +103,72 @@ def test_a_rerun_without_a_checkpoint_says_so_and_stays_one_mlflow_run(tmp_path:
     assert experiment is not None
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.data.tags["hpc_ddp.attempts"] == "2" and run.info.status == "FINISHED"
+
+
+def readme_script() -> str:
+    """The complete script the README shows under "Your own script"."""
+    readme = (REPO / "README.md").read_text()
+    return readme.split("```python\n# train.py\n", 1)[1].split("```", 1)[0]
+
+
+def test_the_readmes_script_trains_from_a_project_outside_the_checkout(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(readme_script())
+    settings = ["--set", f"run.output_dir={tmp_path / 'runs'}", "--set", "run.id=readme"]
+    result = hpc_ddp_cli("local", "--nproc", "2", *settings, "train.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "global batch 128 = 2 rank(s) x 64 per micro-batch" in result.stderr
+    run_dir = tmp_path / "runs" / "train" / "readme"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["global_step"] == 5 * (3584 // 128)
+    points = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    accuracy = [
+        point["metrics"]["val_accuracy"] for point in points if "val_accuracy" in point["metrics"]
+    ]
+    assert len(accuracy) == 5, points[-3:]
+    last = accuracy[-1]
+    assert last > 0.9, f"the README's model learns its task: {last}"
+
+
+def test_a_newcomer_installs_from_a_clone_and_runs_the_readme_outside_it(tmp_path: Path) -> None:
+    """The first hour, scripted: a clone in a folder named hpc_ddp, installed (not editable)
+    into a fresh virtualenv outside it, then `hpc-ddp init` and the README's script in a
+    project folder of its own, with nothing of the checkout on the path. The fresh
+    environment borrows the suite's installed packages (torch, mlflow) through a .pth file:
+    nothing may be downloaded here."""
+    clone = tmp_path / "hpc_ddp"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True, timeout=120)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    borrowed = [path for path in sys.path if path.endswith("site-packages")]
+    site = next((venv / "lib").glob("python*/site-packages"))
+    (site / "borrowed.pth").write_text("\n".join(borrowed) + "\n")
+    python = str(venv / "bin" / "python")
+    environment = {key: value for key, value in clean_environ().items() if key != "PYTHONPATH"}
+    installed = subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+         "--no-build-isolation", str(clone)],
+        env=environment, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    project = tmp_path / "project"
+    project.mkdir()
+
+    def newcomer(*command: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(venv / "bin" / command[0]), *command[1:]],
+            cwd=project, env=environment, capture_output=True, text=True, timeout=300,
+            check=False,
+        )  # fmt: skip
+
+    where = newcomer("python", "-c", "import hpc_ddp; print(hpc_ddp.__file__)")
+    assert where.stdout.startswith(str(site)), where.stdout + where.stderr
+    init = newcomer("hpc-ddp", "init", "--gpus-per-node", "4")
+    assert init.returncode == 0, init.stderr
+    job = (project / "train.sh").read_text()
+    assert "DEFAULT_ARGS=(train.py)" in job and (project / "logs").is_dir()
+    assert f"#SBATCH --output={project / 'logs'}/%x-%j.out" in job
+    (project / "train.py").write_text(readme_script())
+    trained = newcomer("hpc-ddp", "local", "--nproc", "2", "--set", "run.id=first", "train.py")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = json.loads((project / "runs/train/first/summary.json").read_text())
+    assert summary["global_step"] == 5 * (3584 // 128) and summary["world_size"] == 2

@@ -66,9 +66,12 @@ class Stopper:
             if requeued:
                 get_logger().info(f"stopped at step {position.global_step}; the job was requeued")
             else:
+                run_id = context.run_dir.name
                 get_logger().warning(
                     f"stopped at step {position.global_step} after a checkpoint; to continue, "
-                    f"run the same command with run.id={context.run_dir.name}"
+                    f"run the same command with run.id={run_id} (for any script: "
+                    f"HPC_DDP_OVERRIDES=run.id={run_id} before the command, or hpc-ddp local "
+                    f"--set run.id={run_id})"
                 )
         raise Stopped(position.global_step, requeued, context.run_dir.name)
 
