@@ -66,3 +66,19 @@ def test_each_shape_converts_in_few_lines_keeping_its_structure(
 def test_the_readme_script_diff_is_as_small() -> None:
     readme = diffs((REPO / "README.md").read_text())
     assert readme and changed_lines(readme[0]) <= 10
+
+
+def test_the_readme_is_a_newcomers_page_and_every_link_in_the_docs_leads_somewhere() -> None:
+    readme = (REPO / "README.md").read_text().splitlines()
+    assert len(readme) < 250
+    first_command = next(i for i, line in enumerate(readme) if line.startswith("make "))
+    assert first_command < 40, "the first command a user can type is on the first screen"
+    assert any("make test" in line and "minutes" in line for line in readme)
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = [
+        (page.name, link)
+        for page in pages
+        for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text())
+        if not link.startswith(("http:", "https:")) and not (page.parent / link).exists()
+    ]
+    assert broken == []
