@@ -110,7 +110,7 @@ def program_from(
 
 def run_program(program: Program) -> int:
     """Run a user's script or module in this process as ``__main__`` and return the exit
-    code: theirs, or the documented one for what ended it (README: Failure)."""
+    code: theirs, or the documented one for what ended it (README: the exit codes)."""
     try:
         return _run_program(program)
     finally:

@@ -1,5 +1,5 @@
 """How a rank ends on an exception: one line for what the user can fix or what another rank
-caused, the traceback for a crash, and the documented exit code (README: Failure).
+caused, the traceback for a crash, and the documented exit code (README: the exit codes).
 
 Standard library only, like :mod:`hpc_ddp.runtime.errors`.
 """

@@ -71,7 +71,7 @@ def dry_run(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
-    """Parse, train and return the exit code (README: Failure)."""
+    """Parse, train and return the exit code (README: the exit codes)."""
     from hpc_ddp.trainer.loop import train
 
     args = build_parser().parse_args(argv)
