@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,8 @@ def test_the_readmes_script_trains_from_a_project_outside_the_checkout(tmp_path:
     result = hpc_ddp_cli("local", "--nproc", "2", *settings, "train.py", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "global batch 128 = 2 rank(s) x 64 per micro-batch" in result.stderr
+    assert re.search(r"epoch 4 ended: loss 0\.\d+", result.stderr), "the epoch's metrics shown"
+    assert re.search(r"step 140: val_accuracy 0\.9\d+", result.stderr), "and the evaluation's"
     run_dir = tmp_path / "runs" / "train" / "readme"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_step"] == 5 * (3584 // 128)

@@ -90,8 +90,26 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     finally:
         discard_prestarted()  # one the run never took (a bad config, a dry run)
     if summary.get("summary_path"):
-        print(json.dumps(summary, indent=2, sort_keys=True))
+        print(summary_lines(summary))
     return 0
+
+
+def summary_lines(summary: Mapping[str, Any]) -> str:
+    """Rank 0's last words: what the run did, its validation metrics and where the whole
+    summary is (summary.json has everything else)."""
+    metrics = "  ".join(
+        f"{name} {value:.4f}"
+        for name, value in sorted(summary.items())
+        if name.startswith("val_") and isinstance(value, float)
+    )
+    return "\n".join(
+        [
+            f"run finished: {summary['epochs']} epoch(s), {summary['global_step']} steps on "
+            f"{summary['world_size']} rank(s) in {summary['wall_time_s']:.1f} s",
+            *([f"  {metrics}"] if metrics else []),
+            f"  summary: {summary['summary_path']}",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -138,6 +138,8 @@ class MetricLog:
         }
         if scalars:
             self.context.tracker.log_metrics(scalars, epoch + 1)
+            if self.context.env.is_main:
+                get_logger().info(f"epoch {epoch} ended: {metric_text(scalars)}")
 
     def saved(self) -> dict[str, Any]:
         """The partial sums, over all ranks, for a checkpoint (a collective)."""
@@ -148,3 +150,8 @@ class MetricLog:
         carrier = self.context.env.is_main
         restore_sums(self.interval, saved["interval"], carrier=carrier)
         restore_sums(self.epoch, saved["epoch"], carrier=carrier)
+
+
+def metric_text(values: dict[str, float]) -> str:
+    """``values`` for a log line: name value, name value, ..."""
+    return ", ".join(f"{name} {value:.6g}" for name, value in values.items())

@@ -16,8 +16,10 @@ from torch.utils.data import Dataset
 
 from hpc_ddp.runtime.config import RuntimeConfig
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
+from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.data import StepLoader, TrainLoader, eval_loader
+from hpc_ddp.runtime.loop.intervals import metric_text
 from hpc_ddp.runtime.loop.metrics import Sum, Sums, scalar_metrics
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import Ticks, step_source
@@ -372,7 +374,10 @@ class Run:
         ``step`` (default: the global step). A :class:`hpc_ddp.Sum` is logged as its mean,
         so ``run.log_metrics(sums.reduce())`` logs an evaluation's means."""
         step = self.global_step if step is None else step
-        self._context.tracker.log_metrics(scalar_metrics(metrics), step)
+        values = scalar_metrics(metrics)
+        self._context.tracker.log_metrics(values, step)
+        if self.is_main:  # what a script logs reaches its terminal too
+            get_logger().info(f"step {step}: {metric_text(values)}")
 
     def log_text(self, name: str, text: str) -> None:
         """Store ``text`` as an artifact of the MLflow run (rank 0)."""
