@@ -43,7 +43,10 @@ def test_two_rank_run_is_tracked_once_with_params_metrics_tags_artifacts(tmp_pat
     assert tags["hpc_ddp.job_id"] == summary["job_id"]
     assert tags["mlflow.runName"] == "digits-mlp"
     history = client.get_metric_history(run.info.run_id, "val_loss")
-    assert [m.step for m in history] == [1, 2, 3]
+    epoch_steps = summary["global_step"] // 3
+    assert [m.step for m in history] == [epoch_steps, 2 * epoch_steps, 3 * epoch_steps]
+    train = client.get_metric_history(run.info.run_id, "train_loss")
+    assert [m.step for m in train] == [m.step for m in history], "one step axis"
     assert history[-1].value == summary["val_loss"]
     assert {"train_loss", "val_accuracy", "interval/lr", "interval/samples_per_s"} <= set(
         run.data.metrics

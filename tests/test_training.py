@@ -111,7 +111,7 @@ def test_digits_learns_on_two_ranks_and_reports_progress(tmp_path: Path) -> None
     assert len(summary["weights_sha256"]) == 64
     assert summary["replicas_in_sync"] is True and summary["replicas_diverged_at"] is None
     assert "replicas differ" not in result.stderr
-    ends = re.findall(r"epoch (\d+) done at step \d+: train_loss ([0-9.]+)", result.stderr)
+    ends = re.findall(r"epoch (\d+) ended: train_loss ([0-9.e-]+)", result.stderr)
     epoch_losses = [float(loss) for _epoch, loss in ends]
     assert len(epoch_losses) == 6 and epoch_losses[-1] < epoch_losses[0] / 2
     in_progress = {int(n) for n in re.findall(r"INFO epoch (\d+) step \d+/", result.stderr)}

@@ -149,8 +149,12 @@ def test_stopped_mid_epoch_and_rerun_equals_uninterrupted_in_one_mlflow_run(
     assert run.data.params["lr"] == "0.05" and run.data.params["checkpoint.keep_last"] == "3"
     history = client.get_metric_history(run.info.run_id, "interval/mse")
     assert [m.step for m in history] == list(range(5, 301, 5)), "no step lost or repeated"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_mse")] == [1, 2, 3]
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "mse")] == [1, 2, 3]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_mse")] == [
+        100,
+        200,
+        300,
+    ]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "mse")] == [100, 200, 300]
 
     # The run's own record (what `hpc-ddp runs` and `plot` read) agrees with MLflow's.
     finished = load_run(tmp_path / "regression" / "interrupted")

@@ -144,7 +144,7 @@ def train(config: Config) -> dict[str, Any]:
 
     accum, count_correct = config.train.grad_accum_steps, config.train.train_accuracy
     val: dict[str, Sum] = {}
-    for epoch in run.epochs(config.train.epochs, max_steps=config.train.max_steps):
+    for _epoch in run.epochs(config.train.epochs, max_steps=config.train.max_steps):
         for features, labels in run.steps(train_loader):
             with run.no_sync(model):
                 with autocast():
@@ -162,7 +162,7 @@ def train(config: Config) -> dict[str, Any]:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
         val = evaluate(run, model.module, val_loader, bf16)
-        _log_epoch(run, epoch, val, count_correct)
+        _log_epoch(run, val)
     if run.is_main:
         write_atomically(
             run.run_dir / "model.pt",
@@ -182,19 +182,7 @@ def train(config: Config) -> dict[str, Any]:
     )
 
 
-def _log_epoch(run: Run, epoch: int, val: dict[str, Sum], count_correct: bool) -> None:
-    """The epoch's line (rank 0) and its validation metrics, under epoch + 1."""
-    train_loss = (
-        run.train_metrics["train_loss"].mean if "train_loss" in run.train_metrics else math.nan
-    )
-    accuracy = run.train_metrics.get("train_accuracy")
-    train_acc_text = f" train_acc {accuracy.mean:.4f}" if count_correct and accuracy else ""
-    if run.is_main:
-        get_logger().info(
-            f"epoch {epoch} done at step {run.global_step}: train_loss {train_loss:.4f}"
-            f"{train_acc_text} val_loss {val['loss'].mean:.4f} val_acc "
-            f"{val['accuracy'].mean:.4f} (val samples {int(val['loss'].count)})"
-        )
-    run.log_metrics(
-        {"val_loss": val["loss"].mean, "val_accuracy": val["accuracy"].mean}, step=epoch + 1
-    )
+def _log_epoch(run: Run, val: dict[str, Sum]) -> None:
+    """The epoch's validation metrics at the global step, beside its training metrics (the
+    run shows both on rank 0's terminal)."""
+    run.log_metrics({"val_loss": val["loss"], "val_accuracy": val["accuracy"]})

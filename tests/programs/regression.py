@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 time.sleep(args.step_pause)
         val = evaluate(run, model.module, val_loader)
         best.value = min(best.value, float(val.mean))
-        run.log_metrics({"val_mse": val.mean}, step=run.epoch + 1)
+        run.log_metrics({"val_mse": val.mean})
 
     summary = run.finish(
         {

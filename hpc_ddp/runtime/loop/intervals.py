@@ -125,8 +125,9 @@ class MetricLog:
             metrics["interval/lr"] = report.lr
         self.context.tracker.log_metrics(metrics, report.step)
 
-    def end_epoch(self, epoch: int) -> None:
-        """The epoch's metrics, summed over all ranks, logged under ``epoch + 1``."""
+    def end_epoch(self, epoch: int, step: int) -> None:
+        """The epoch's metrics, summed over all ranks, logged at ``step`` (the global step the
+        epoch ended at: every metric the run logs shares the step axis)."""
         self.publish()
         self._move_interval_to_epoch()
         self.epoch_metrics = self.epoch.reduce()
@@ -137,7 +138,7 @@ class MetricLog:
             if not isinstance(value.total, torch.Tensor)
         }
         if scalars:
-            self.context.tracker.log_metrics(scalars, epoch + 1)
+            self.context.tracker.log_metrics(scalars, step)
             if self.context.env.is_main:
                 get_logger().info(f"epoch {epoch} ended: {metric_text(scalars)}")
 

@@ -184,7 +184,7 @@ class StepLoop:
             if self.context.device.type == "cuda":
                 torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
             position.train_time_s += time.perf_counter() - started
-        self.metrics.end_epoch(position.epoch)
+        self.metrics.end_epoch(position.epoch, position.global_step)
         if not self._in_epochs:
             self._next_epoch()
 
