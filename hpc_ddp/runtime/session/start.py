@@ -178,7 +178,8 @@ def _open_tracker(
     env = plan.dist_env
     saved = resume[1] if resume else None
     record = RunRecord(
-        name=run_name,
+        # NAME/ID, as `hpc-ddp runs` shows it: runs of one script are told apart in the UI.
+        name=f"{run_name}/{plan.run_dir.name}",
         params={**configfile.flatten(settings), **(params or {})},
         tags=run_tags(
             env.launcher,
@@ -197,6 +198,7 @@ def _open_tracker(
         ),
         start_step=int(saved["global_step"]) if saved else 0,
         attempt_token=f"{env.hostname}:{os.getpid()}:{entry_unix:.0f}",
+        start_time_ms=int(entry_unix * 1000),
     )
     return JournalTracker(
         start_tracker(settings.tracking, settings.run.output_dir, record, plan.run_dir),

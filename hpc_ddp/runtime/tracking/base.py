@@ -117,6 +117,9 @@ class RunRecord:
     #: Names this attempt (host, pid, time): a tracker started again for the same attempt
     #: (after MLflow came back) continues its tags instead of adding an attempt.
     attempt_token: str = ""
+    #: When the run started (Unix ms): MLflow's run begins then, not when its tracking process
+    #: got round to creating it, so its duration is the run's.
+    start_time_ms: int | None = None
 
 
 @contextlib.contextmanager

@@ -32,7 +32,10 @@ class MlflowTracker:
         if resumed is None:
             experiment_id = self._experiment_id(experiment, artifact_root)
             run = self._client.create_run(
-                experiment_id, run_name=record.name, tags={"mlflow.runName": record.name}
+                experiment_id,
+                start_time=record.start_time_ms,
+                run_name=record.name,
+                tags={"mlflow.runName": record.name},
             )
             resumed_tags: dict[str, str] = {}
             self._run = str(run.info.run_id)
@@ -116,7 +119,7 @@ class MlflowTracker:
     def finish(self, status: str) -> None:
         """End the run: FINISHED, FAILED or KILLED (stopped and not requeued)."""
         self._client.set_tag(self._run, f"{self._attempt_prefix}.end", status.lower())
-        self._client.set_terminated(self._run, status=status)
+        self._client.set_terminated(self._run, status=status, end_time=int(time.time() * 1000))
 
     def suspend(self) -> None:
         """The job was requeued: leave the run RUNNING for the next attempt to continue."""
