@@ -72,13 +72,15 @@ def test_plot_writes_a_png_with_the_training_and_validation_curves(
     finished_run: Path, tmp_path: Path
 ) -> None:
     figure = plot_run(find_run("regression/first", finished_run))
-    training, validation = figure.axes
-    lines = {line.get_label(): line for line in training.get_lines()}
-    assert set(lines) == {"mse", "mse (epoch)"}
+    [losses] = figure.axes  # regression: losses only, no score panel
+    assert losses.get_title() == "losses" and losses.get_yscale() == "log"
+    lines = {line.get_label(): line for line in losses.get_lines()}
+    assert set(lines) == {"mse", "mse (epoch)", "val_mse"}
     assert list(lines["mse"].get_xdata()) == list(range(10, 101, 10)), "one point per interval"
     assert list(lines["mse (epoch)"].get_xdata()) == [50, 100], "one point per epoch"
-    [val_line] = validation.get_lines()
-    assert val_line.get_label() == "val_mse (epoch)" and len(val_line.get_ydata()) == 2
+    assert list(lines["val_mse"].get_xdata()) == [50, 100]
+    assert len({line.get_color() for line in lines.values()}) == 1, "one colour per metric"
+    assert lines["mse (epoch)"].get_zorder() > lines["mse"].get_zorder(), "dots over the line"
     assert lines["mse"].get_ydata()[-1] < lines["mse"].get_ydata()[0], "the loss fell"
 
     png = tmp_path / "curves.png"
@@ -164,3 +166,40 @@ def test_summaries_are_strict_json_even_with_a_metric_over_nothing(tmp_path: Pat
         "val_loss": None,
         "rows": [1.0, None],
     }
+
+
+def test_plot_puts_scores_on_their_own_axis_and_keeps_each_metrics_colour(tmp_path: Path) -> None:
+    """A record as the built-in trainer writes it (train_loss per interval and epoch,
+    val_loss and val_accuracy per epoch): losses on a log axis, the accuracy apart, and
+    train_loss and val_loss in one colour."""
+    run_dir = tmp_path / "digits" / "a"
+    journal = JournalTracker(NullTracker(), run_dir, lambda: (0, 0), "job", 1, None)
+    for step in (10, 20, 30, 40):
+        journal.log_metrics({"interval/train_loss": 2.0 / step}, step)
+    journal.finish("FINISHED")
+    entries = [
+        {"step": 20, "global_step": 20, "epoch": 1, "metrics": {"train_loss": 0.1}},
+        {
+            "step": 20,
+            "global_step": 20,
+            "epoch": 1,
+            "metrics": {"val_loss": 0.2, "val_accuracy": 0.9},
+        },
+        {"step": 40, "global_step": 40, "epoch": 2, "metrics": {"train_loss": 0.05}},
+        {
+            "step": 40,
+            "global_step": 40,
+            "epoch": 2,
+            "metrics": {"val_loss": 0.1, "val_accuracy": 0.95},
+        },
+    ]
+    with (run_dir / "metrics.jsonl").open("a") as record:
+        record.writelines(json.dumps(entry) + "\n" for entry in entries)
+    losses, scores = plot_run(find_run("digits/a", tmp_path)).axes
+    assert (losses.get_title(), losses.get_yscale()) == ("losses", "log")
+    assert (scores.get_title(), scores.get_yscale()) == ("scores", "linear")
+    loss_lines = {line.get_label(): line for line in losses.get_lines()}
+    assert set(loss_lines) == {"train_loss", "train_loss (epoch)", "val_loss"}
+    assert len({line.get_color() for line in loss_lines.values()}) == 1
+    [accuracy] = scores.get_lines()
+    assert accuracy.get_label() == "val_accuracy" and list(accuracy.get_xdata()) == [20, 40]

@@ -24,6 +24,8 @@ def curves(run_dir: Path) -> tuple[Series, Series]:
                 continue
             if name.startswith("interval/"):
                 label, step = name.removeprefix("interval/"), entry["step"]
+            elif kind == "val":
+                label, step = name, entry["global_step"]
             else:
                 label, step = f"{name} (epoch)", entry["global_step"]
             steps, values = (val if kind == "val" else train).setdefault(label, ([], []))
@@ -43,24 +45,64 @@ def _figure_class() -> Any:
     return Figure
 
 
+#: Name parts of a metric that grows as the model improves (drawn on a linear axis of its
+#: own); every other metric is a loss or an error (drawn on a log axis).
+SCORE_WORDS = ("acc", "precision", "recall", "f1", "auc", "top", "score", "iou", "bleu")
+
+
+def is_score(label: str) -> bool:
+    return any(word in label.lower() for word in SCORE_WORDS)
+
+
+def base_name(label: str) -> str:
+    """The metric a series belongs to, the same for its interval, epoch and validation
+    series: ``val_loss``, ``train_loss (epoch)`` and ``loss`` are all ``loss``."""
+    name = label.removesuffix(" (epoch)")
+    for prefix in ("val_", "val/", "train_", "train/"):
+        name = name.removeprefix(prefix)
+    return name
+
+
 def plot_run(run: RunView) -> Any:
-    """A matplotlib Figure: training curves on the left, validation on the right."""
+    """A matplotlib Figure: a panel of losses (log axis) and one of scores such as accuracy,
+    each metric in one colour for its interval (thin line), epoch (dots) and validation
+    (squares, dashed) series."""
     train, val = curves(run.path)
     if not train and not val:
         raise HpcDdpError(
             f"run {run.name}/{run.run_id} has no metrics yet ({run.path})",
             "plot it after its first log interval; run.log(...) adds training metrics",
         )
+    every = [(label, data, "train") for label, data in train.items()]
+    every += [(label, data, "val") for label, data in val.items()]
+    families = [
+        (title, [series for series in every if is_score(series[0]) == score])
+        for title, score in (("losses", False), ("scores", True))
+    ]
+    families = [(title, members) for title, members in families if members]
+    names = sorted({base_name(label) for label, _data, _kind in every})
+    palette = [f"C{index % 10}" for index in range(len(names))]
+    colour = dict(zip(names, palette, strict=True))
     figure = _figure_class()(figsize=(11, 4.2), layout="constrained")
-    panels = [("training", train), ("validation", val)] if val else [("training", train)]
-    for index, (title, series) in enumerate(panels, start=1):
-        axes = figure.add_subplot(1, len(panels), index)
-        for label, (steps, values) in series.items():
-            style = "o-" if label.endswith("(epoch)") or title == "validation" else "-"
-            axes.plot(steps, values, style, label=label, markersize=4, linewidth=1.2)
+    for index, (title, members) in enumerate(families, start=1):
+        axes = figure.add_subplot(1, len(families), index)
+        for label, (steps, values), kind in members:
+            style = {"color": colour[base_name(label)], "label": label}
+            if kind == "val":
+                axes.plot(steps, values, "s--", markersize=4, linewidth=1, zorder=3, **style)
+            elif label.endswith("(epoch)"):
+                axes.plot(steps, values, "o", markersize=5, zorder=3, **style)
+            else:
+                axes.plot(
+                    steps, values, ".-", markersize=3, linewidth=1, alpha=0.6, zorder=2, **style
+                )
+        if title == "losses" and all(
+            value > 0 for _label, (_steps, values), _kind in members for value in values
+        ):
+            axes.set_yscale("log")
         axes.set_title(title)
         axes.set_xlabel("step")
-        axes.grid(alpha=0.3)
+        axes.grid(alpha=0.3, which="both")
         axes.legend(fontsize="small")
     figure.suptitle(
         f"{run.name}/{run.run_id}: {run.state}, step {run.global_step}, "
