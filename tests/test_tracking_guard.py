@@ -24,6 +24,7 @@ class RecordingStore:
         self.go = go
         self.calls: list[tuple[str, Any]] = []
         self.times: list[int] = []
+        self.ended_ms: int | None = None
 
     def started(self) -> RecordingStore:
         self.go.wait(30)
@@ -42,8 +43,9 @@ class RecordingStore:
     def log_text_artifact(self, name: str, text: str) -> None:
         self.calls.append(("log_text_artifact", name))
 
-    def finish(self, status: str) -> None:
+    def finish(self, status: str, end_time_ms: int | None = None) -> None:
         self.calls.append(("finish", status))
+        self.ended_ms = end_time_ms
 
     def suspend(self) -> None:
         self.calls.append(("suspend", None))
@@ -62,7 +64,11 @@ def test_metrics_logged_together_go_in_one_call_and_keep_their_order() -> None:
     after_ms = time.time() * 1000
     time.sleep(0.1)  # MLflow still starting
     go.set()
+    finishing_ms = time.time() * 1000
     tracker.finish("FINISHED")
+    assert store.ended_ms is not None and store.ended_ms >= finishing_ms - 1, (
+        "the run ends when finish() was called, which MLflow is told"
+    )
     assert store.calls == [
         ("log_metric_steps", [({"loss": 2.0}, 1), ({"loss": 1.5, "lr": 0.1}, 2)]),
         ("log_json_artifact", "config.json"),

@@ -214,7 +214,8 @@ class GuardedTracker:
         self._submit(f"storing {name}", "log_text_artifact", name, text)
 
     def finish(self, status: str) -> None:
-        self._submit("ending the run", "finish", status)
+        # The run ends now, not when the background thread and MLflow get to it.
+        self._submit("ending the run", "finish", status, int(time.time() * 1000))
         self._wait("ending the run")
 
     def suspend(self) -> None:

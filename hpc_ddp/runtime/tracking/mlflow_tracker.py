@@ -116,10 +116,12 @@ class MlflowTracker:
     def log_text_artifact(self, name: str, text: str) -> None:
         self._client.log_text(self._run, text, name)
 
-    def finish(self, status: str) -> None:
-        """End the run: FINISHED, FAILED or KILLED (stopped and not requeued)."""
+    def finish(self, status: str, end_time_ms: int | None = None) -> None:
+        """End the run: FINISHED, FAILED or KILLED (stopped and not requeued), at
+        ``end_time_ms`` (Unix ms; default now)."""
         self._client.set_tag(self._run, f"{self._attempt_prefix}.end", status.lower())
-        self._client.set_terminated(self._run, status=status, end_time=int(time.time() * 1000))
+        end = end_time_ms or int(time.time() * 1000)
+        self._client.set_terminated(self._run, status=status, end_time=end)
 
     def suspend(self) -> None:
         """The job was requeued: leave the run RUNNING for the next attempt to continue."""

@@ -176,9 +176,9 @@ class WorkerTracker:
     def log_text_artifact(self, name: str, text: str) -> None:
         self._call("log_text_artifact", name, text)
 
-    def finish(self, status: str) -> None:
+    def finish(self, status: str, end_time_ms: int | None = None) -> None:
         try:
-            self._call("finish", status)
+            self._call("finish", status, end_time_ms)
         finally:
             self._end()
 
