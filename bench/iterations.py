@@ -108,7 +108,7 @@ def rank_main() -> None:
     run.finish()
 
 
-def run(rounds: int = 20) -> dict[str, Any]:
+def run(rounds: int = 40) -> dict[str, Any]:
     output, _ = launch(WORLD, "bench.iterations", ["--rounds", str(rounds)], timeout=3600)
     row = summarise(output["raw"], output["hpc_ddp"])
     result = {

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from hpc_ddp.launch.jobs import submit, wait
     from hpc_ddp.launch.spawn import spawn
     from hpc_ddp.runtime.config import RuntimeConfig
+    from hpc_ddp.runtime.loop.data import StepLoader
     from hpc_ddp.runtime.loop.metrics import Sum, Sums
     from hpc_ddp.runtime.session.run import Resumed, Run
     from hpc_ddp.runtime.session.start import start
@@ -42,6 +43,7 @@ __all__ = [
     "Resumed",
     "Run",
     "RuntimeConfig",
+    "StepLoader",
     "Stopped",
     "Sum",
     "Sums",
@@ -55,6 +57,7 @@ _LAZY = {
     "start": "hpc_ddp.runtime.session.start",
     "Run": "hpc_ddp.runtime.session.run",
     "Resumed": "hpc_ddp.runtime.session.run",
+    "StepLoader": "hpc_ddp.runtime.loop.data",
     "Sum": "hpc_ddp.runtime.loop.metrics",
     "Sums": "hpc_ddp.runtime.loop.metrics",
     "RuntimeConfig": "hpc_ddp.runtime.config",

@@ -13,13 +13,13 @@ if __name__ == "__main__":
     import os
     import sys
 
-    from hpc_ddp.trainer.entry import before_imports
+    from hpc_ddp.cli.entry import before_imports
 
     before_imports(os.environ, sys.argv[1:], dry_run="--dry-run" in sys.argv)
 
+    from hpc_ddp.cli.train import main
     from hpc_ddp.runtime.exits import exit_process
     from hpc_ddp.runtime.import_gc import freeze_for_exit, freeze_imports
-    from hpc_ddp.trainer.main import main
 
     freeze_imports()
     code = main()

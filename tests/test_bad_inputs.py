@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.cli import main as cli_main
-from hpc_ddp.trainer.main import main as train_main
+from hpc_ddp.cli.train import main as train_main
 from tests.bad_inputs import CASES, FAULTS, Case, table
 from tests.helpers import REPO, clean_environ
 

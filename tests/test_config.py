@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from hpc_ddp.cli.train import dry_run
 from hpc_ddp.runtime.configfile import flatten
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.trainer.config import Config, config_docs, load_config
 from hpc_ddp.trainer.datamake import make_dataset
-from hpc_ddp.trainer.main import dry_run
 from tests.helpers import REPO, clean_environ
 
 CONFIG_FILES = sorted((REPO / "configs").glob("*.yaml"))

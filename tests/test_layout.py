@@ -91,3 +91,38 @@ def test_no_folder_holds_more_than_a_dozen_modules() -> None:
     }
     assert max(sizes.values()) <= 12, sizes
     assert set(ROOMS[1:]) <= {Path(f).name for f in sizes}, "every room is a folder"
+
+
+def test_the_built_in_trainer_uses_only_the_public_api_and_the_config_helpers() -> None:
+    """The trainer is a client like any user's script: ``hpc_ddp``'s own names, the config
+    helpers its sections are made with, and its own modules."""
+    allowed = {"hpc_ddp", "hpc_ddp.runtime.config", "hpc_ddp.runtime.configfile"}
+    wrong = sorted(
+        f"{name} -> {other}"
+        for name, imported in GRAPH.items()
+        if name.startswith("hpc_ddp.trainer")
+        for other in imported
+        if other not in allowed and not other.startswith("hpc_ddp.trainer")
+    )
+    assert wrong == []
+
+
+def test_no_class_holds_more_than_about_150_lines_of_code() -> None:
+    """Docstrings, comments and blank lines aside."""
+
+    def code_lines(source: list[str], node: ast.ClassDef) -> int:
+        lines = set(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Expr) and isinstance(inner.value, ast.Constant):
+                lines -= set(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
+        return sum(
+            1 for n in lines if source[n - 1].strip() and not source[n - 1].lstrip().startswith("#")
+        )
+
+    sizes = {}
+    for name, path in MODULES.items():
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef):
+                sizes[f"{name}.{node.name}"] = code_lines(text.splitlines(), node)
+    assert {name: size for name, size in sizes.items() if size > 150} == {}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hpc_ddp import HpcDdpError
 from hpc_ddp.runtime import configfile
 from hpc_ddp.runtime.config import (
     CheckpointConfig,
@@ -22,7 +23,6 @@ from hpc_ddp.runtime.config import (
     TrackingConfig,
 )
 from hpc_ddp.runtime.configfile import require, section, setting
-from hpc_ddp.runtime.errors import HpcDdpError
 
 
 def require_factory_for_custom(section: str, kind: str, factory: str | None) -> None:

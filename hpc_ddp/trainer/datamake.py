@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp import HpcDdpError
 
 
 def _synthetic(rows: int, features: int, classes: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

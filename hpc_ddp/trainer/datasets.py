@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp import HpcDdpError
 from hpc_ddp.trainer.config import Config
 from hpc_ddp.trainer.models import call_factory
 from hpc_ddp.trainer.parquet import ParquetLoader, ParquetShard, check_columns

@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Any
 
 import torch
 import yaml
 from torch import nn
 
-from hpc_ddp import Run, Sum, start
-from hpc_ddp.runtime.checkpoint.files import write_atomically
+from hpc_ddp import HpcDdpError, Run, Sum, start
 from hpc_ddp.runtime.configfile import to_dict
-from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.place.env import available_cpus
-from hpc_ddp.runtime.place.plan import micro_batch_size, resolve_num_workers
 from hpc_ddp.trainer.config import Config, OptimConfig, resume_fingerprint
 from hpc_ddp.trainer.datasets import Datasets, ParquetSource, ParquetTrainLoader, build_datasets
 from hpc_ddp.trainer.models import StagedMLP, build_model, check_model_takes
@@ -39,17 +35,8 @@ def make_optimizer(optim: OptimConfig, model: nn.Module) -> torch.optim.Optimize
 def make_loaders(run: Run, config: Config, datasets: Datasets) -> tuple[Any, Any]:
     """(training micro-batches, exact validation batches) for this rank."""
     data, accum = config.data, config.train.grad_accum_steps
-    names = ("data.batch_size", "train.grad_accum_steps")
-    micro = micro_batch_size(data.batch_size, run.world_size, accum, names)
-    env = run.env
-    workers = resolve_num_workers(
-        data.num_workers, env.cpus_per_task, available_cpus(), env.local_world_size
-    )
-    if run.is_main:
-        get_logger().info(
-            f"global batch {data.batch_size} = {run.world_size} ranks x {micro} x {accum} "
-            f"accumulation; {workers} loader worker(s) per rank"
-        )
+    micro = run.micro_batch_size(data.batch_size, accum)
+    workers = run.loader_workers(data.num_workers)
     eval_batch = max(micro, EVAL_BATCH_MIN)
     train_set, val_set = datasets.train, datasets.val
     if isinstance(train_set, ParquetSource) and isinstance(val_set, ParquetSource):
@@ -164,10 +151,7 @@ def train(config: Config) -> dict[str, Any]:
         val = evaluate(run, model.module, val_loader, bf16)
         _log_epoch(run, val)
     if run.is_main:
-        write_atomically(
-            run.run_dir / "model.pt",
-            lambda handle: torch.save(model.module.state_dict(), handle),
-        )
+        _save_weights(model.module, run)
         run.log_text("config.yaml", yaml.safe_dump(to_dict(config)))
     trained = run.train_metrics
     nan = Sum(math.nan, 0)
@@ -180,6 +164,13 @@ def train(config: Config) -> dict[str, Any]:
             "val_samples": int(val["loss"].count) if val else 0,
         }
     )
+
+
+def _save_weights(model: nn.Module, run: Run) -> None:
+    """``model.pt`` in the run directory, whole or not at all (renamed into place)."""
+    partial = run.run_dir / "model.pt.partial"
+    torch.save(model.state_dict(), partial)
+    os.replace(partial, run.run_dir / "model.pt")
 
 
 def _log_epoch(run: Run, val: dict[str, Sum]) -> None:

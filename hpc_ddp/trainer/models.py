@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp import HpcDdpError
 from hpc_ddp.trainer.config import Config
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp import HpcDdpError
 
 
 @dataclass(frozen=True)

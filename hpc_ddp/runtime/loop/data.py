@@ -17,9 +17,12 @@ from hpc_ddp.runtime.place.plan import micro_batch_size
 
 
 class StepLoader(Protocol):
-    """What :meth:`hpc_ddp.Run.steps` iterates: micro-batches, positioned by optimizer step.
+    """A loader that positions itself by optimizer step, as :meth:`hpc_ddp.Run.train_loader`'s
+    does: :meth:`hpc_ddp.Run.steps` takes one of your own too (a sharded store that can seek),
+    and a run resumed mid-epoch calls :meth:`set_position` instead of replaying batches.
 
-    Every rank must yield the same number of micro-batches per epoch."""
+    Every rank must yield the same number of micro-batches per epoch, ``grad_accum_steps``
+    per optimizer step."""
 
     #: Optimizer steps in a whole epoch (the same on every rank).
     steps_per_epoch: int

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,3 +48,43 @@ class Position:
         self.resumed_from_step = self.global_step
         self.resumed_from_world_size = world_size
         self.last_checkpoint_step = self.global_step
+
+
+_KEEP: Any = object()
+
+
+@dataclass
+class Limits:
+    """When the run ends: after ``num_epochs`` epochs or ``max_steps`` optimizer steps (over
+    all attempts), whichever comes first; None: no such limit."""
+
+    num_epochs: int | None = None
+    max_steps: int | None = None
+
+    def set(self, *, num_epochs: int | None = _KEEP, max_steps: int | None = _KEEP) -> None:
+        """New limits; one not given stays as it was."""
+        if num_epochs is not _KEEP:
+            self.num_epochs = num_epochs
+        if max_steps is not _KEEP:
+            self.max_steps = max_steps
+
+    def more_epochs(self, position: Position) -> bool:
+        """Whether an epoch is left (a resumed epoch part-way always goes on)."""
+        if position.step_in_epoch > 0:
+            return True
+        if self.num_epochs is not None and position.epoch >= self.num_epochs:
+            return False
+        return self.max_steps is None or position.global_step < self.max_steps
+
+    def total_steps(self, steps_per_epoch: int | None) -> int | None:
+        """The run's last step over all attempts, where the limits say (None: unknown)."""
+        known = [] if self.max_steps is None else [self.max_steps]
+        if self.num_epochs is not None and steps_per_epoch is not None:
+            known.append(self.num_epochs * steps_per_epoch)
+        return min(known) if known else None
+
+    def steps_left(self, position: Position, steps_per_epoch: int | None) -> float:
+        """Optimizer steps left in this epoch (inf: an endless one without a step limit)."""
+        total = self.total_steps(steps_per_epoch)
+        left = math.inf if steps_per_epoch is None else steps_per_epoch - position.step_in_epoch
+        return left if total is None else min(left, total - position.global_step)

@@ -24,13 +24,12 @@ from hpc_ddp.runtime.loop.cadence import Cadence
 from hpc_ddp.runtime.loop.checkpointer import Checkpointer
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.intervals import MetricLog
-from hpc_ddp.runtime.loop.position import Position
+from hpc_ddp.runtime.loop.position import Limits, Position
 from hpc_ddp.runtime.loop.stopper import Stopper
 from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
 from hpc_ddp.runtime.preempt.watchdog import StallWatchdog
 
 _END = object()
-_KEEP = object()
 
 
 def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | None:
@@ -72,15 +71,13 @@ class StepLoop:
             context.control_group,
             context.env.is_main,
         )
-        self.max_steps: int | None = None
-        self.num_epochs: int | None = None
+        self.limits = Limits()
         #: True while a micro-batch that is not the last of its optimizer step is out.
         self.accumulating = False
         self._in_epochs = False
         self._micro = 0
         self._stepping = False
         self._save_requested = False
-        self._resting = False  # the watchdog rests for the user's code (every())
         self._interval = (time.perf_counter(), 0)  # (when, at which step) it began
         self._watchdog: StallWatchdog | None = None
         self._begun = False
@@ -93,54 +90,27 @@ class StepLoop:
         self._begun = True
         before_first_step()
         self.stopper.begin()
-        self.metrics.progress = Progress(self.max_steps, enabled=self.context.env.is_main)
+        self.metrics.progress = Progress(self.limits.max_steps, enabled=self.context.env.is_main)
         self._watchdog = start_watchdog(self.context, self.position)
         gc.freeze()
 
     # -- epochs and steps ---------------------------------------------------------------------
-
-    def limit(
-        self, *, num_epochs: int | object | None = _KEEP, max_steps: int | object | None = _KEEP
-    ) -> None:
-        """The run ends after ``num_epochs`` epochs or ``max_steps`` optimizer steps (over all
-        attempts), whichever comes first; None: no such limit. A limit not given stays."""
-        if num_epochs is not _KEEP:
-            self.num_epochs = num_epochs  # type: ignore[assignment]
-        if max_steps is not _KEEP:
-            self.max_steps = max_steps  # type: ignore[assignment]
 
     def epochs(self) -> Iterator[int]:
         """The epochs left (a resumed epoch part-way always goes on); marks the run completed
         when they ran to their end."""
         self._in_epochs = True
         try:
-            while self.more_epochs():
+            while self.limits.more_epochs(self.position):
                 yield self.position.epoch
                 self._next_epoch()
         finally:
             self._in_epochs = False
         self.position.completed = True
 
-    def more_epochs(self) -> bool:
-        position = self.position
-        if position.step_in_epoch > 0:
-            return True
-        if self.num_epochs is not None and position.epoch >= self.num_epochs:
-            return False
-        return self.max_steps is None or position.global_step < self.max_steps
-
     def _next_epoch(self) -> None:
         self.position.epoch += 1
         self.position.step_in_epoch = 0
-
-    def _steps_left(self, steps_per_epoch: int | None) -> float:
-        position, limits = self.position, [self.max_steps]
-        if self.num_epochs is not None and steps_per_epoch is not None:
-            limits.append(self.num_epochs * steps_per_epoch)
-        known = [limit for limit in limits if limit is not None]
-        self.metrics.progress.total_steps = min(known) if known else None
-        left = float("inf") if steps_per_epoch is None else steps_per_epoch - position.step_in_epoch
-        return min(left, min(known) - position.global_step) if known else left
 
     def steps(self, loader: Any) -> Iterator[Any]:
         """The rest of the current epoch's micro-batches (see :meth:`hpc_ddp.Run.steps`):
@@ -151,7 +121,8 @@ class StepLoop:
         else:
             micro = loader.global_batch_size // (accum * self.context.env.world_size)
             self.metrics.set_batch(micro, accum)
-        left = self._steps_left(loader.steps_per_epoch)
+        self.metrics.progress.total_steps = self.limits.total_steps(loader.steps_per_epoch)
+        left = self.limits.steps_left(position, loader.steps_per_epoch)
         loader.set_position(position.epoch, position.step_in_epoch)
         started = time.perf_counter()
         self._interval, self._micro, self._stepping = (started, position.global_step), 0, True
@@ -169,16 +140,13 @@ class StepLoop:
                 self.accumulating = self._micro < accum - 1
                 yield batch
                 if watchdog is not None:
-                    if self._resting:
-                        self._resting = False
-                        watchdog.arm()
                     watchdog.beat()
                 self._micro = (self._micro + 1) % accum
                 if self._micro == 0:
                     left -= 1
                     self._after_step()
         finally:
-            self._stepping, self.accumulating, self._resting = False, False, False
+            self._stepping, self.accumulating = False, False
             if watchdog is not None:
                 watchdog.disarm()
             if self.context.device.type == "cuda":
@@ -227,9 +195,8 @@ class StepLoop:
                 "e.g. run.every(200)",
             )
         due = self.position.global_step % steps == 0 and self._micro == 0
-        if due and self._watchdog is not None and self._watchdog.armed:
-            self._watchdog.disarm()
-            self._resting = True
+        if due and self._watchdog is not None:
+            self._watchdog.rest()
         return due
 
     def request_save(self) -> None:

@@ -91,6 +91,7 @@ class StallWatchdog:
         self._last = time.monotonic()
         self._allowed = self.first_timeout_s
         self.armed = False
+        self._resting = False
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hpc_ddp-watchdog", daemon=True)
         self._thread.start()
@@ -101,13 +102,24 @@ class StallWatchdog:
         self.armed = True
 
     def beat(self) -> None:
-        """A micro-batch finished: training makes progress."""
+        """A micro-batch finished: training makes progress (a watch at rest goes on)."""
         self._last = time.monotonic()
         self._allowed = self.timeout_s
+        if self._resting:
+            self._resting = False
+            self.armed = True
+
+    def rest(self) -> None:
+        """Stop watching until the next :meth:`beat`: the user's own code runs between
+        steps (an evaluation may take longer than a step may)."""
+        if self.armed:
+            self.armed = False
+            self._resting = True
 
     def disarm(self) -> None:
         """Stop watching (the loop ended, or a checkpoint is being written)."""
         self.armed = False
+        self._resting = False
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:

@@ -3,38 +3,34 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import Dataset
 
-from hpc_ddp.runtime.config import RuntimeConfig
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
-from hpc_ddp.runtime.loop.data import StepLoader, TrainLoader, eval_loader
+from hpc_ddp.runtime.loop.data import StepLoader
 from hpc_ddp.runtime.loop.intervals import metric_text
 from hpc_ddp.runtime.loop.metrics import Sum, Sums, scalar_metrics
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import Ticks, step_source
 from hpc_ddp.runtime.loop.timeline import mark
-from hpc_ddp.runtime.place.env import DistEnv, available_cpus
-from hpc_ddp.runtime.place.plan import resolve_num_workers
 from hpc_ddp.runtime.session.buckets import wrap_in_ddp
 from hpc_ddp.runtime.session.ending import Ending
 from hpc_ddp.runtime.session.finishing import end_already_finished, finish_run
+from hpc_ddp.runtime.session.rank import RankView
 from hpc_ddp.runtime.session.resume import Found, Resumed, resume_run
 
 __all__ = ["Resumed", "Run"]
 
 
-class Run:
+class Run(RankView):
     """One training run on this rank; made by :func:`hpc_ddp.start`, never directly.
 
     Add a few calls to a plain PyTorch loop::
@@ -63,7 +59,7 @@ class Run:
         started: float,
         timeline: dict[str, float],
     ) -> None:
-        self._context = context
+        super().__init__(context)
         self._loop = loop
         self._ending = ending
         self._resume = resume
@@ -73,56 +69,6 @@ class Run:
         self._timeline = timeline
         self.resumed: Resumed | None = None
         """The checkpoint this run resumed from, once :meth:`resume` ran (None: a fresh run)."""
-
-    # -- where this rank is ------------------------------------------------------------------
-
-    @property
-    def env(self) -> DistEnv:
-        """This rank's place in the job, resolved once from the launcher's environment."""
-        return self._context.env
-
-    @property
-    def rank(self) -> int:
-        return self.env.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.env.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.env.world_size
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0: the rank that logs, tracks and writes files."""
-        return self.env.is_main
-
-    @property
-    def device(self) -> torch.device:
-        """This rank's device: ``cuda:LOCAL_RANK`` (or ``cuda:0`` with one GPU per task), else
-        the CPU; already selected with ``torch.cuda.set_device``."""
-        return self._context.device
-
-    @property
-    def devices(self) -> list[torch.device]:
-        """Every device this rank drives, :attr:`device` first: one, or ``dist.gpus_per_rank``
-        GPUs for a model split over several (place its parts there, then :meth:`wrap` it)."""
-        return [torch.device(name) for name in self._context.plan.device.devices]
-
-    @property
-    def job_id(self) -> str:
-        """The Slurm job id (stable across requeues), or the launcher's run id."""
-        return self.env.job_id
-
-    @property
-    def run_dir(self) -> Path:
-        """<output_dir>/<name>/<id>: checkpoints, summary.json; the same across requeues."""
-        return self._context.run_dir
-
-    @property
-    def config(self) -> RuntimeConfig:
-        return self._context.config
 
     @property
     def epoch(self) -> int:
@@ -186,68 +132,6 @@ class Run:
 
     no_sync = accumulate
 
-    def train_loader(
-        self,
-        dataset: Dataset[Any],
-        batch_size: int,
-        *,
-        grad_accum_steps: int = 1,
-        num_workers: int | Literal["auto"] = 0,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        shuffle: bool = True,
-        **dataloader_options: Any,
-    ) -> TrainLoader:
-        """This rank's share of ``dataset`` for :meth:`steps`.
-
-        ``batch_size`` is GLOBAL: samples per optimizer step over all ranks; each rank loads
-        ``batch_size / (world_size * grad_accum_steps)`` per micro-batch, and a batch that
-        does not divide is refused naming the world sizes that work. Only full batches:
-        every step holds exactly ``batch_size`` samples at any world size. Batches (tensors,
-        tuples, dicts, nested) arrive on :attr:`device`. ``num_workers="auto"``: this
-        rank's CPUs minus one. Other options go to DataLoader.
-        """
-        return TrainLoader(
-            dataset,
-            rank=self.rank,
-            world_size=self.world_size,
-            global_batch_size=batch_size,
-            grad_accum_steps=grad_accum_steps,
-            seed=self.config.run.seed,
-            num_workers=self._workers(num_workers),
-            device=self.device,
-            collate_fn=collate_fn,
-            shuffle=shuffle,
-            **dataloader_options,
-        )
-
-    def eval_loader(
-        self,
-        dataset: Dataset[Any],
-        batch_size: int,
-        *,
-        num_workers: int | Literal["auto"] = 0,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        **dataloader_options: Any,
-    ) -> Any:
-        """Every sample of ``dataset`` exactly once over all ranks (no padding, nothing
-        dropped), in batches of about ``batch_size / world_size`` per rank. Sum with
-        :meth:`sums` for exact results."""
-        return eval_loader(
-            dataset,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=max(1, batch_size // self.world_size),
-            num_workers=self._workers(num_workers),
-            device=self.device,
-            collate_fn=collate_fn,
-            **dataloader_options,
-        )
-
-    def _workers(self, setting: int | Literal["auto"]) -> int:
-        return resolve_num_workers(
-            setting, self.env.cpus_per_task, available_cpus(), self.env.local_world_size
-        )
-
     # -- checkpoints -------------------------------------------------------------------------
 
     def register(self, **objects: Any) -> None:
@@ -279,9 +163,13 @@ class Run:
         """The epochs left: a resumed run starts at its saved epoch. ``max_steps`` ends the
         run after that many optimizer steps (over all attempts); None: no limit."""
         loop = self._loop
-        loop.limit(num_epochs=num_epochs, max_steps=max_steps)
+        loop.limits.set(num_epochs=num_epochs, max_steps=max_steps)
         loop.begin(self.resume)
-        if self.resumed is not None and self.resumed.finished and not loop.more_epochs():
+        if (
+            self.resumed is not None
+            and self.resumed.finished
+            and not loop.limits.more_epochs(loop.position)
+        ):
             end_already_finished(self._context, self._ending, self.resumed)
         mark(self._timeline, "training")
         yield from loop.epochs()
@@ -311,7 +199,7 @@ class Run:
         (an endless iterable is one epoch)."""
         source = step_source(loader, grad_accum_steps)
         if max_steps is not None:
-            self._loop.limit(max_steps=max_steps)
+            self._loop.limits.set(max_steps=max_steps)
         self._loop.begin(self.resume)
         mark(self._timeline, "training")
         return self._ended_on_stop(self._loop.steps(source))

@@ -1,4 +1,4 @@
-"""What each `hpc-ddp` command does (the parser is in cli.py)."""
+"""What each `hpc-ddp` command does (the parser is in app.py)."""
 
 from __future__ import annotations
 
@@ -107,11 +107,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    from hpc_ddp.trainer.entry import before_imports
+    from hpc_ddp.cli.entry import before_imports
 
     before_imports(os.environ, args.overrides, args.dry_run)
+    from hpc_ddp.cli.train import main as train_main
     from hpc_ddp.runtime.import_gc import freeze_for_exit, freeze_imports
-    from hpc_ddp.trainer.main import main as train_main
 
     freeze_imports()
     config = ["--config", args.config] if args.config else []

@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from hpc_ddp import cli_commands as cmd
+from hpc_ddp.cli import commands as cmd
 from hpc_ddp.runtime.errors import HpcDdpError
 
 PROGRAM_HELP = (
