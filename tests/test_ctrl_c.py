@@ -31,14 +31,14 @@ LM = str(REPO / "tests" / "programs" / "lm_loop.py")
 class Terminal:
     """A command on a pty in its own session, its output collected as it comes."""
 
-    def __init__(self, command: list[str]) -> None:
+    def __init__(self, command: list[str], **environ: str) -> None:
         main, tty = pty.openpty()
         # A terminal 120 columns wide (a fresh pty has none, and a progress bar draws nothing).
         fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         self.process = subprocess.Popen(
             command,
             cwd=REPO,
-            env=clean_environ(),
+            env=clean_environ(**environ),
             stdin=tty,
             stdout=tty,
             stderr=tty,
@@ -139,3 +139,28 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path: Path) -> None:
     assert time.monotonic() - started < 10
     assert "interrupted" in terminal.text
     assert not list(tmp_path.glob("lm_loop/*/checkpoints/step-*.pt")), "aborted: no checkpoint"
+
+
+TWO_RANKS_PRINTING = """
+import os
+rank = os.environ["RANK"]
+for i in range(300):
+    print(f"PLAIN rank={rank} line {i}", "x" * 40)
+print(f"PARTIAL rank={rank}", end="", flush=True)
+print(" done")
+"""
+
+
+def test_the_ranks_printed_lines_reach_the_terminal_whole_and_labelled(tmp_path: Path) -> None:
+    """Unbuffered output (PYTHONUNBUFFERED, as many clusters set it) writes a print's text
+    and its newline separately; the lines still arrive whole, each after its rank."""
+    script = tmp_path / "two.py"
+    script.write_text(TWO_RANKS_PRINTING)
+    terminal = Terminal(local(2, str(script)), PYTHONUNBUFFERED="1")
+    assert terminal.finish() == 0, terminal.text[-3000:]
+    lines = [line for line in terminal.text.splitlines() if "PLAIN" in line]
+    pattern = re.compile(r"\[rank (\d)\] PLAIN rank=\1 line \d+ x{40}")
+    assert [line for line in lines if not pattern.fullmatch(line)] == []
+    assert len(lines) == 600
+    for rank in (0, 1):
+        assert f"[rank {rank}] PARTIAL rank={rank} done" in terminal.text.splitlines()

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
+from hpc_ddp.runtime.tracking.journal import read_metrics
 from hpc_ddp.view.runs import load_run
 from tests.examples import CNN, LM, TUTORIAL, Example, final_model, run_dir, settings, summary
 from tests.helpers import REPO, clean_environ, run_local_program
@@ -89,8 +90,7 @@ def test_two_ranks_train_to_the_stated_threshold(runs: Runs) -> None:
     example, output = runs.example, runs.output
     metric, bound = example.target
     if example is TUTORIAL:  # no summary of its own: its epoch metric, from the run's record
-        lines = (run_dir(output, example, "w2") / "metrics.jsonl").read_text().splitlines()
-        epochs = [json.loads(line)["metrics"] for line in lines]
+        epochs = [entry["metrics"] for entry in read_metrics(run_dir(output, example, "w2"))]
         per_epoch = [values[metric] for values in epochs if metric in values]
         assert len(per_epoch) == 4 and per_epoch[-1] < per_epoch[0] / 20, per_epoch
         value = per_epoch[-1]

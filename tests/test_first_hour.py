@@ -19,6 +19,7 @@ import hpc_ddp
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.loop.metrics import scalar_metrics
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
+from hpc_ddp.runtime.tracking.journal import current_points, read_metrics
 from tests.helpers import REPO, clean_environ
 
 LM = str(REPO / "tests" / "programs" / "lm_loop.py")
@@ -93,10 +94,14 @@ def test_the_help_writes_the_output_file_before_the_script() -> None:
 
 
 def test_a_rerun_without_a_checkpoint_says_so_and_stays_one_mlflow_run(tmp_path: Path) -> None:
-    program = [LM, "--max-iters", "20", f"run.output_dir={tmp_path}", "run.id=again"]
-    first = hpc_ddp_cli("local", "--nproc", "1", *program, "checkpoint.enabled=false")
+    """The second attempt starts from step 0 and trains 10 steps: the run's record (what
+    `hpc-ddp plot` and `runs` draw) keeps its points only, not the first attempt's 20."""
+    program = [LM, f"run.output_dir={tmp_path}", "run.id=again"]
+    first = hpc_ddp_cli(
+        "local", "--nproc", "1", *program, "--max-iters", "20", "checkpoint.enabled=false"
+    )
     assert first.returncode == 0, first.stderr[-2000:]
-    second = hpc_ddp_cli("local", "--nproc", "1", *program)
+    second = hpc_ddp_cli("local", "--nproc", "1", *program, "--max-iters", "10")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "ran before but left no checkpoint: it starts again at step 0" in second.stderr
     client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
@@ -104,6 +109,41 @@ def test_a_rerun_without_a_checkpoint_says_so_and_stays_one_mlflow_run(tmp_path:
     assert experiment is not None
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.data.tags["hpc_ddp.attempts"] == "2" and run.info.status == "FINISHED"
+    run_dir = tmp_path / "lm_loop" / "again"
+    written = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert max(entry.get("step", 0) for entry in written) == 20  # the first attempt's are there
+    points = [(entry["step"], name) for entry in read_metrics(run_dir) for name in entry["metrics"]]
+    assert max(step for step, _ in points) == 10
+    assert len(points) == len(set(points)), "one value per metric and step"
+    assert (0, "val_loss") in points and (10, "loss") in points
+
+
+def test_an_attempt_supersedes_the_points_after_the_step_it_resumed_from() -> None:
+    lines = [
+        {"attempt": 1, "from_step": 0, "time": 1},
+        {"step": 0, "metrics": {"val": 9.0}},
+        {"step": 10, "metrics": {"loss": 1.0, "val": 8.0}},
+        {"step": 20, "metrics": {"loss": 0.5}},
+        {"step": 30, "metrics": {"loss": 0.4}},  # after the checkpoint at 20: lost with it
+        {"attempt": 2, "from_step": 20, "time": 2},
+        {"step": 20, "metrics": {"val": 7.0}},  # evaluated again at the resumed step
+        {"step": 30, "metrics": {"loss": 0.3}},
+        "not json",
+        {"attempt": 3, "from_step": 0, "time": 3},  # no checkpoint: from the start
+        {"step": 10, "metrics": {"loss": 2.0}},
+    ]
+    text = [line if isinstance(line, str) else json.dumps(line) for line in lines]
+    assert [(e["step"], e["metrics"]) for e in current_points(text[:-2])] == [
+        (0, {"val": 9.0}),
+        (10, {"loss": 1.0, "val": 8.0}),
+        (20, {"loss": 0.5}),
+        (20, {"val": 7.0}),
+        (30, {"loss": 0.3}),
+    ]
+    assert [(e["step"], e["metrics"]) for e in current_points(text)] == [
+        (0, {"val": 9.0}),
+        (10, {"loss": 2.0}),
+    ]
 
 
 def readme_script() -> str:
@@ -118,12 +158,13 @@ def test_the_readmes_script_trains_from_a_project_outside_the_checkout(tmp_path:
     result = hpc_ddp_cli("local", "--nproc", "2", *settings, "train.py", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "global batch 128 = 2 rank(s) x 64 per micro-batch" in result.stderr
+    assert "HINT" not in result.stderr, "the README's script makes none of the mistakes"
     assert re.search(r"epoch 4 ended: loss 0\.\d+", result.stderr), "the epoch's metrics shown"
     assert re.search(r"step 140: val_accuracy 0\.9\d+", result.stderr), "and the evaluation's"
     run_dir = tmp_path / "runs" / "train" / "readme"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["global_step"] == 5 * (3584 // 128)
-    points = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    points = list(read_metrics(run_dir))
     accuracy = [
         point["metrics"]["val_accuracy"] for point in points if "val_accuracy" in point["metrics"]
     ]
@@ -175,3 +216,37 @@ def test_a_newcomer_installs_from_a_clone_and_runs_the_readme_outside_it(tmp_pat
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((project / "runs/train/first/summary.json").read_text())
     assert summary["global_step"] == 5 * (3584 // 128) and summary["world_size"] == 2
+
+
+SILENT_MISTAKES = """
+import torch
+import hpc_ddp
+
+run = hpc_ddp.start(run={"name": "mistakes"})
+model = run.wrap(torch.nn.Linear(4, 1))
+optimizer = torch.optim.AdamW(model.parameters())
+data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+loader = run.train_loader(data, batch_size=16)
+run.register(model=model)  # the optimizer forgotten
+for epoch in run.epochs(1):
+    for features, target in loader:  # run.steps forgotten
+        loss = torch.nn.functional.mse_loss(model(features), target)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+print("STEPS", run.global_step)
+run.finish()
+"""
+
+
+def test_a_forgotten_run_steps_and_optimizer_are_named_with_a_hint(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(SILENT_MISTAKES)
+    settings = ["--set", f"run.output_dir={tmp_path / 'runs'}", "--set", "tracking.enabled=false"]
+    result = hpc_ddp_cli("local", "--nproc", "2", *settings, "train.py", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "STEPS 0" in result.stdout
+    direct = "run.train_loader(...) is iterated directly"
+    assert result.stderr.count(direct) == 1, "once, on rank 0"
+    assert "HINT: for batch in run.steps(loader):" in result.stderr
+    assert "a model is registered (model) but no optimizer" in result.stderr
+    assert "HINT: run.register(model=model, optimizer=optimizer" in result.stderr

@@ -172,3 +172,29 @@ def test_per_rank_states_of_another_world_size_are_not_forced_on_a_stream(
     streams.take(BatchStream(counting, grad_accum_steps=1), resumed_from_step=9)
     assert counting.position == 0
     assert streams.gathered(None) == [{"position": 0}]
+
+
+def test_labelled_lines_are_written_whole_in_one_call() -> None:
+    """What a rank's unbuffered print does (text, then the newline) reaches the stream as
+    one write per line."""
+    from hpc_ddp.launch.output import LabelledLines
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    recorder = Recorder()
+    stream = LabelledLines(recorder, "[rank 1] ")  # type: ignore[arg-type]
+    for piece in ["one", "\n", "two\nthr", "ee\n", "partial"]:
+        stream.write(piece)
+    assert recorder.writes == ["[rank 1] one\n", "[rank 1] two\n", "[rank 1] three\n"]
+    stream.flush()
+    stream.write(" ends\n")
+    assert recorder.writes[3:] == ["[rank 1] partial", " ends\n"]

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
+from hpc_ddp.launch.output import PREFIX_VAR
 from hpc_ddp.launch.program import Program
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.place.env import LOCAL_RUN_ID_VAR, available_cpus
@@ -57,6 +58,8 @@ def rank_environments(
         # Keep gloo on loopback, and N ranks from each starting one thread per core.
         environment.setdefault("GLOO_SOCKET_IFNAME", "lo")
         environment.setdefault("OMP_NUM_THREADS", threads)
+        if nproc > 1:  # whole, labelled lines from each (see hpc_ddp.launch.output)
+            environment[PREFIX_VAR] = f"[rank {rank}] "
         environments.append(environment)
     return environments
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from hpc_ddp.launch.output import labelled_stdout
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 from hpc_ddp.runtime.tracking.worker import discard_prestarted
@@ -120,6 +121,7 @@ def run_program(program: Program) -> int:
 def _run_program(program: Program) -> int:
     program.check()
     sys.argv = [program.name, *program.args]
+    sys.stdout = labelled_stdout(sys.stdout, os.environ)
     try:
         if program.kind == "script":
             sys.path.insert(0, str(Path(program.name).resolve().parent))

@@ -77,7 +77,8 @@ class Progress:
                 unit="step",
                 file=self.stream,
                 dynamic_ncols=True,
-                mininterval=0,  # updates come once per log interval already
+                mininterval=0.1,  # reach() may come every step with check_every_steps=1
+                miniters=1,  # the time alone decides (tqdm's own adaptive count skips draws)
                 smoothing=0.1,
             )
             Progress.active = self._bar
@@ -85,7 +86,8 @@ class Progress:
             self._bar.total = self.total_steps
         self._bar.set_description_str(f"epoch {epoch}", refresh=False)
         self._bar.set_postfix_str(postfix, refresh=False)
-        self._bar.update(step - self._bar.n)
+        # An interval's report may come after reach() moved the bar on: never back.
+        self._bar.update(max(0, step - self._bar.n))
 
     def update(self, step: int, epoch: int, metrics: Mapping[str, float], rate: str) -> None:
         """Show step ``step``'s interval ``metrics`` and ``rate`` (e.g. "1,200 samples/s")."""
@@ -97,6 +99,15 @@ class Progress:
             return
         total = f"/{self.total_steps}" if self.total_steps else ""
         get_logger().info(f"epoch {epoch} step {step}{total}{values} {rate}")
+
+    def reach(self, step: int, final: bool = False) -> None:
+        """Move a drawn bar to ``step`` between interval updates (at the stop checks, about
+        once a second); ``final``: the end of a pass, drawn whatever the time (a finished run
+        shows 100%)."""
+        if self._bar is not None and step != self._bar.n:
+            self._bar.update(step - self._bar.n)
+            if final:
+                self._bar.refresh()
 
     def close(self) -> None:
         if self._bar is not None:

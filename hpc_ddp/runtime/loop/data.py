@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.place.plan import micro_batch_size
 
 
@@ -200,8 +201,22 @@ class TrainLoader(_DeviceBatches):
         )
         super().__init__(loader, device)
         self.steps_per_epoch = len(loader) // grad_accum_steps
+        self._positioned = False
+        self._warned = False
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self._positioned and not self._warned and self.rank == 0:
+            self._warned = True
+            get_logger().warning(
+                "run.train_loader(...) is iterated directly: no stops, checkpoints, resume "
+                "or metrics between its steps, and the run counts none of them. HINT: "
+                "for batch in run.steps(loader):"
+            )
+        self._positioned = False
+        return super().__iter__()
 
     def set_position(self, epoch: int, step: int) -> None:
+        self._positioned = True
         self.sampler.set_epoch(epoch)
         self.sampler.set_start(step * self.grad_accum_steps * self.micro_batch_size)
         # Worker seeds come from this generator: fixed by the position, never by the global

@@ -152,6 +152,7 @@ class StepLoop:
             if self.context.device.type == "cuda":
                 torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
             position.train_time_s += time.perf_counter() - started
+        self.metrics.progress.reach(position.global_step, final=True)
         self.metrics.end_epoch(position.epoch, position.global_step)
         if not self._in_epochs:
             self._next_epoch()
@@ -167,6 +168,7 @@ class StepLoop:
         stop, save_now = False, False
         if position.global_step % cadence.check_every == 0:
             stop, save_now = self.stopper.decide()
+            self.metrics.progress.reach(position.global_step)
         if stop:
             self.stopper.stop()
         every_steps = self.context.config.checkpoint.every_steps

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from hpc_ddp.runtime.checkpoint.files import (
     checkpoint_dir,
@@ -97,9 +99,26 @@ def resume_run(found: Found | None, context: RunContext, loop: StepLoop) -> Resu
         context.registry.check_loadable()
     if not streams_restored:
         seed_rank_streams(context.config.run.seed, context.env.rank, loop.position.global_step)
-    if not context.registry.objects and context.config.checkpoint.enabled and context.env.is_main:
-        get_logger().warning(
+    hint = unregistered_state_hint(context.registry.objects)
+    if hint and context.config.checkpoint.enabled and context.env.is_main:
+        get_logger().warning(hint)
+    return resumed
+
+
+def unregistered_state_hint(registered: Mapping[str, object]) -> str | None:
+    """What a checkpoint of these objects would leave out that a resume needs, or None."""
+    if not registered:
+        return (
             "nothing is registered for checkpoints: a resumed run could not restore its "
             "model. HINT: run.register(model=model, optimizer=optimizer) before training"
         )
-    return resumed
+    values = registered.values()
+    has_model = any(isinstance(value, nn.Module) for value in values)
+    if has_model and not any(isinstance(value, torch.optim.Optimizer) for value in values):
+        return (
+            f"a model is registered ({', '.join(registered)}) but no optimizer: a resume "
+            "restarts the optimizer's state (momentum, Adam's moments, its step count) and "
+            "goes on differently from an uninterrupted run. HINT: run.register(model=model, "
+            "optimizer=optimizer, scheduler=...) with every object whose state training changes"
+        )
+    return None

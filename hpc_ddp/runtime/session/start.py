@@ -207,6 +207,7 @@ def _open_tracker(
         env.job_id,
         env.world_size,
         _tracking_record(settings, record),
+        began_at=lambda: position.resumed_from_step or 0,
     )
 
 

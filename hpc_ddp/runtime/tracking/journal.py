@@ -6,7 +6,10 @@ Rank 0 keeps two small files in ``<output_dir>/<name>/<run id>/``:
   count, the step and epoch reached, where the current attempt runs (host, pid, job id),
   replaced atomically at every log interval and at the end;
 - ``metrics.jsonl``: one line per logged batch of metrics, ``{"step", "global_step",
-  "epoch", "time", "metrics"}``, appended;
+  "epoch", "time", "metrics"}``, appended; before an attempt's first one, a line
+  ``{"attempt", "from_step", "time"}`` says where the attempt's training state began, and
+  readers drop the points earlier attempts logged after that step (a run restarted from an
+  earlier checkpoint, or from nothing, supersedes them);
 - ``tracking.json`` (when tracking is on): where the run is tracked (MLflow URI, experiment,
   run name, params, tags, and the MLflow run's id once known), so that
   ``hpc-ddp tracking sync`` can replay the record into MLflow after an outage.
@@ -22,7 +25,7 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,18 +66,52 @@ def read_tracked_run_id(run_dir: Path) -> str | None:
 
 
 def read_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """The run's metrics.jsonl, line by line; a torn last line (a killed writer) is skipped."""
+    """The run's metrics.jsonl in order, the points a later attempt superseded left out; a
+    torn last line (a killed writer) is skipped."""
     try:
         lines = (run_dir / METRICS_FILE).read_text().splitlines()
     except OSError:
         return
+    yield from current_points(lines)
+
+
+def current_points(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """The metric entries of ``lines`` that the run's final history holds: at an attempt's
+    start line, the earlier attempts' points after its ``from_step`` are dropped, and at
+    ``from_step`` itself a metric the new attempt logs again replaces the old value."""
+    kept: list[dict[str, Any]] = []
+    restart: int | None = None  # the current attempt's from_step, once it superseded others
     for line in lines:
         try:
             entry = json.loads(line)
         except ValueError:
             continue
-        if isinstance(entry, dict) and isinstance(entry.get("metrics"), dict):
-            yield entry
+        if not isinstance(entry, dict):
+            continue
+        if isinstance(entry.get("metrics"), dict):
+            if restart is not None and entry.get("step") == restart:
+                _drop_names(kept, restart, set(entry["metrics"]))
+            kept.append(entry)
+        elif isinstance(entry.get("from_step"), int):
+            restart = entry["from_step"]
+            kept = [old for old in kept if not _step_after(old, restart)]
+            for old in kept:
+                old["_earlier_attempt"] = True
+    for entry in kept:
+        entry.pop("_earlier_attempt", None)
+    return [entry for entry in kept if entry["metrics"]]
+
+
+def _drop_names(entries: list[dict[str, Any]], step: int, names: set[str]) -> None:
+    """Leave ``names`` out of the earlier attempts' entries at ``step``."""
+    for entry in entries:
+        if entry.get("step") == step and "_earlier_attempt" in entry:
+            entry["metrics"] = {k: v for k, v in entry["metrics"].items() if k not in names}
+
+
+def _step_after(entry: Mapping[str, Any], step: int) -> bool:
+    value = entry.get("step")
+    return isinstance(value, int | float) and value > step
 
 
 def replace_json(path: Path, data: Any) -> None:
@@ -91,7 +128,8 @@ def _finite(value: float) -> float | None:
 class JournalTracker:
     """Rank 0's tracker: the run's files in its directory, then ``inner`` (MLflow or none).
 
-    ``position`` gives (global step, epoch) when called."""
+    ``position`` gives (global step, epoch) when called; ``began_at`` the step this
+    attempt's training state began from (0, or the checkpoint's)."""
 
     def __init__(
         self,
@@ -101,8 +139,11 @@ class JournalTracker:
         job_id: str,
         world_size: int,
         tracking: Mapping[str, Any] | None = None,
+        began_at: Callable[[], int] = lambda: 0,
     ) -> None:
         self._inner = inner
+        self._began_at = began_at
+        self._began_said = False
         self._run_dir = run_dir
         self._position = position
         self._failed_write: str | None = None
@@ -199,9 +240,15 @@ class JournalTracker:
             "metrics": {key: _finite(float(value)) for key, value in metrics.items()},
         }
 
+        lines = [entry]
+        if not self._began_said:  # training has begun: the resume is known by now
+            self._began_said = True
+            began = {"attempt": self._status["attempts"], "from_step": self._began_at()}
+            lines.insert(0, {**began, "time": entry["time"]})
+
         def append() -> None:
             with open(self._run_dir / METRICS_FILE, "a") as handle:
-                handle.write(json.dumps(entry, sort_keys=True) + "\n")
+                handle.write("".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
 
         self._guarded(append)
         self._write_status()
