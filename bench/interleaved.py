@@ -198,6 +198,27 @@ def summarise(raw: list[float], hpc: list[float]) -> dict[str, Any]:
     }
 
 
+def token_result(
+    label: str, output: dict[str, Any], rounds: int, setup: dict[str, Any]
+) -> dict[str, Any]:
+    """A token-based paired benchmark's result (``setup`` first, then the ratio and the
+    rates in tokens/s), its one-line reading printed."""
+    row = summarise(output["raw"], output["hpc_ddp"])
+    result = {
+        **setup,
+        "rounds": rounds,
+        **{key.replace("samples_per_s", "tokens_per_s"): value for key, value in row.items()},
+        "raw_tokens_per_s_median": statistics.median(output["raw"]),
+        "hpc_ddp_tokens_per_s_median": statistics.median(output["hpc_ddp"]),
+    }
+    low, high = result["ratio_ci95"]
+    print(
+        f"{label} (paired, {rounds} rounds): ratio {result['ratio']:.3f} "
+        f"(95% CI {low:.3f}-{high:.3f})"
+    )
+    return result
+
+
 def measure(
     name: str, rounds: int, control: bool = False, accuracy: bool = False
 ) -> dict[str, Any]:

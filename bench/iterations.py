@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import hpc_ddp
 from bench.harness import launch, write_result
-from bench.interleaved import summarise
+from bench.interleaved import token_result
 from bench.lm import MODEL, example
 
 #: Windows per optimizer step over both ranks, micro-steps per step, steps per round.
@@ -110,23 +109,14 @@ def rank_main() -> None:
 
 def run(rounds: int = 40) -> dict[str, Any]:
     output, _ = launch(WORLD, "bench.iterations", ["--rounds", str(rounds)], timeout=3600)
-    row = summarise(output["raw"], output["hpc_ddp"])
-    result = {
+    setup = {
         "world_size": WORLD,
         "global_batch": BATCH,
         "accumulation": ACCUM,
         "model": MODEL,
-        "rounds": rounds,
         "steps_per_round": STEPS_PER_ROUND,
-        **{key.replace("samples_per_s", "tokens_per_s"): value for key, value in row.items()},
-        "raw_tokens_per_s_median": statistics.median(output["raw"]),
-        "hpc_ddp_tokens_per_s_median": statistics.median(output["hpc_ddp"]),
     }
-    low, high = result["ratio_ci95"]
-    print(
-        f"iterations (paired, {rounds} rounds): ratio {result['ratio']:.3f} "
-        f"(95% CI {low:.3f}-{high:.3f})"
-    )
+    result = token_result("iterations", output, rounds, setup)
     write_result("iterations_paired", result)
     return result
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import time
 from types import ModuleType
 from typing import Any
@@ -25,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import hpc_ddp
 from bench.harness import REPO, launch, write_result
-from bench.interleaved import StepsInBetween, summarise
+from bench.interleaved import StepsInBetween, token_result
 
 #: The example's default model: 0.8 M parameters, 128-token windows, 32 per step.
 MODEL = {"width": 128, "layers": 4, "heads": 4, "context": 128}
@@ -134,21 +133,13 @@ def rank_main() -> None:
 
 def run(rounds: int = 20) -> dict[str, Any]:
     output, _ = launch(WORLD, "bench.lm", ["--rounds", str(rounds)], timeout=3600)
-    row = summarise(output["raw"], output["hpc_ddp"])
-    result = {
+    setup = {
         "world_size": WORLD,
         "global_batch": BATCH,
         "model": MODEL,
-        "rounds": rounds,
         "steps_per_round": EPOCH_WINDOWS // BATCH,
-        **{key.replace("samples_per_s", "tokens_per_s"): value for key, value in row.items()},
-        "raw_tokens_per_s_median": statistics.median(output["raw"]),
-        "hpc_ddp_tokens_per_s_median": statistics.median(output["hpc_ddp"]),
     }
-    low, high = result["ratio_ci95"]
-    print(
-        f"lm (paired, {rounds} rounds): ratio {result['ratio']:.3f} (95% CI {low:.3f}-{high:.3f})"
-    )
+    result = token_result("lm", output, rounds, setup)
     write_result("lm_paired", result)
     return result
 

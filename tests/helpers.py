@@ -54,6 +54,25 @@ def run_local(
     return run_local_program(nproc, program, timeout, environment)
 
 
+def run_python(
+    arguments: list[str],
+    cwd: Path = REPO,
+    environment: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``python ARGUMENTS`` in ``cwd`` (default: without any launcher's variables), its
+    output kept."""
+    return subprocess.run(
+        [sys.executable, *arguments],
+        cwd=cwd,
+        env=clean_environ() if environment is None else environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def run_local_program(
     nproc: int,
     program: list[str],
@@ -61,30 +80,15 @@ def run_local_program(
     environment: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`hpc-ddp local --nproc N <program...>`: a user's script or module on local ranks."""
-    return subprocess.run(
-        [sys.executable, "-m", "hpc_ddp", "local", "--nproc", str(nproc), *program],
-        cwd=REPO,
-        env=environment or clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    command = ["-m", "hpc_ddp", "local", "--nproc", str(nproc), *program]
+    return run_python(command, environment=environment or clean_environ(), timeout=timeout)
 
 
 def run_train(
     args: list[str], environment: dict[str, str], timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     """`python -m hpc_ddp.train ...` in one process, with the given environment."""
-    return subprocess.run(
-        [sys.executable, "-m", "hpc_ddp.train", *args],
-        cwd=REPO,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_python(["-m", "hpc_ddp.train", *args], environment=environment, timeout=timeout)
 
 
 def read_summary(output_dir: Path) -> dict[str, Any]:

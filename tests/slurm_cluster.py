@@ -110,6 +110,22 @@ class SlurmCluster:
             time.sleep(0.3)
         pytest.fail(f"{pattern!r} did not appear in {path} within {timeout:.0f} s")
 
+    def requeue_by_signal(
+        self, job_id: str, workdir: Path, log_path: Path, under_way: str, timeout: float = 120
+    ) -> tuple[str, int]:
+        """``scancel --signal=USR1`` the job once its log matches ``under_way``; it must be
+        requeued once and complete. Returns its log and the step of its stop checkpoint."""
+        self.wait_for_log(log_path, under_way, timeout=timeout)
+        assert self.run(["scancel", "--signal=USR1", job_id], workdir).returncode == 0
+        state = self.wait(job_id, timeout=300)
+        log = log_path.read_text()
+        assert state == "COMPLETED", log[-4000:]
+        assert f"requeued job {job_id}" in log, log[-4000:]
+        assert self.job_field(job_id, "Restarts") == "1"
+        stopped = re.search(r"checkpoint \(stop signal\) step (\d+)", log)
+        assert stopped is not None, log[-4000:]
+        return log, int(stopped.group(1))
+
 
 def prepare_workdir(path: Path) -> Path:
     """A submission directory like a user's checkout: configs/ and logs/."""

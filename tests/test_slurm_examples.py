@@ -7,7 +7,6 @@ devices: a second physical host and a GPU cannot exist here, so the ranks train 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +63,10 @@ def test_an_example_on_two_nodes_requeues_once_and_ends_with_the_uninterrupted_w
     job = submit(slurm, example, interrupted)
     reference_job = submit(slurm, example, reference)
     log_path = interrupted / "logs" / f"hpc-ddp-{job}.out"
-    slurm.wait_for_log(log_path, UNDER_WAY[example.name], timeout=180)
-    assert slurm.run(["scancel", "--signal=USR1", job], interrupted).returncode == 0
-    state = slurm.wait(job, timeout=300)
-    log = log_path.read_text()
-    assert state == "COMPLETED", log[-4000:]
+    _, stop_step = slurm.requeue_by_signal(
+        job, interrupted, log_path, UNDER_WAY[example.name], timeout=180
+    )
     assert slurm.wait(reference_job, timeout=300) == "COMPLETED"
-    assert f"requeued job {job}" in log and slurm.job_field(job, "Restarts") == "1"
-    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
 
     facts, expected = summary_of(interrupted, example), summary_of(reference, example)
     assert (facts["world_size"], facts["num_nodes"], facts["launcher"]) == (2, 2, "slurm")

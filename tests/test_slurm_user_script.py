@@ -7,7 +7,6 @@ second physical host cannot exist here.)"""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,14 +48,12 @@ def test_sbatch_two_nodes_preempted_requeues_and_resumes_to_the_same_weights(
 ) -> None:
     work = prepare_workdir(tmp_path / "preempted")
     job = sbatch_two_nodes(slurm, work)
-    log_path = work / "logs" / f"hpc-ddp-{job}.out"
-    slurm.wait_for_log(log_path, r"\[rank 0/4\] INFO epoch 0 step (4\d|[5-9]\d|1[0-6]\d)/400")
-    assert slurm.run(["scancel", "--signal=USR1", job], work).returncode == 0
-    state = slurm.wait(job, timeout=300)
-    log = log_path.read_text()
-    assert state == "COMPLETED", log[-4000:]
-    assert f"requeued job {job}" in log and slurm.job_field(job, "Restarts") == "1"
-    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    log, stop_step = slurm.requeue_by_signal(
+        job,
+        work,
+        work / "logs" / f"hpc-ddp-{job}.out",
+        r"\[rank 0/4\] INFO epoch 0 step (4\d|[5-9]\d|1[0-6]\d)/400",
+    )
     assert stop_step % 200, "stopped mid-epoch"
     assert f"at step {stop_step} (epoch 0, step {stop_step} of the epoch)" in log
 
@@ -134,14 +131,12 @@ def test_an_iteration_based_loop_requeued_by_scancel_resumes_bitwise_in_one_mlfl
 ) -> None:
     work = prepare_workdir(tmp_path / "preempted")
     job = lm_job(slurm, work)
-    log_path = work / "logs" / f"hpc-ddp-{job}.out"
-    slurm.wait_for_log(log_path, r"\[rank 0/2\] INFO epoch 0 step (6\d|[7-9]\d|1[0-4]\d)/300")
-    assert slurm.run(["scancel", "--signal=USR1", job], work).returncode == 0
-    state = slurm.wait(job, timeout=300)
-    log = log_path.read_text()
-    assert state == "COMPLETED", log[-4000:]
-    assert f"requeued job {job}" in log and slurm.job_field(job, "Restarts") == "1"
-    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    log, stop_step = slurm.requeue_by_signal(
+        job,
+        work,
+        work / "logs" / f"hpc-ddp-{job}.out",
+        r"\[rank 0/2\] INFO epoch 0 step (6\d|[7-9]\d|1[0-4]\d)/300",
+    )
     assert f"resuming the batches at step {stop_step}: run.iterations() draws nothing" in log
     resumed = json.loads(next((work / "runs").glob("lm_loop/*/summary.json")).read_text())
     assert resumed["restart_count"] == 1 and resumed["resumed_from_step"] == stop_step

@@ -8,7 +8,6 @@ import itertools
 import json
 import random
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.loop.data import TrainLoader, eval_loader
 from hpc_ddp.runtime.loop.streams import BatchStream, batch_length
 from hpc_ddp.runtime.session.start import refuse_nested_start
-from tests.helpers import REPO, clean_environ
+from tests.helpers import run_python
 
 
 def test_each_kind_of_iterable_is_counted_and_resumed_its_own_way() -> None:
@@ -185,15 +184,7 @@ run.finish()
 
 
 def run_script(source: str, *arguments: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", source, *arguments],
-        cwd=REPO,
-        env=clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return run_python(["-c", source, *arguments])
 
 
 def test_every_fires_once_per_step_and_save_and_state_resume(tmp_path: Path) -> None:
@@ -248,15 +239,7 @@ def test_a_mistake_in_a_converted_script_is_one_line_and_exit_2(case: str, tmp_p
     code, message = REFUSALS[case]
     script = tmp_path / "script.py"
     script.write_text(PREAMBLE.replace("OUTPUT", repr(str(tmp_path))) + code + "\n")
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_python([str(script)], cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr and "HINT:" in result.stderr
     assert "Traceback" not in result.stderr
@@ -269,15 +252,7 @@ def test_start_inside_a_plain_mp_spawn_child_is_refused_with_the_drop_in(tmp_pat
         "def main(rank):\n    hpc_ddp.start(tracking={'enabled': False})\n\n"
         "if __name__ == '__main__':\n    mp.spawn(main, nprocs=2)\n"
     )
-    result = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=tmp_path,
-        env=clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = run_python([str(script)], cwd=tmp_path)
     assert result.returncode != 0
     assert "started by multiprocessing" in result.stderr
     assert "hpc_ddp.spawn(main, args=..., nprocs=N)" in result.stderr

@@ -80,7 +80,8 @@ def current_points(lines: Iterable[str]) -> list[dict[str, Any]]:
     start line, the earlier attempts' points after its ``from_step`` are dropped, and at
     ``from_step`` itself a metric the new attempt logs again replaces the old value."""
     kept: list[dict[str, Any]] = []
-    restart: int | None = None  # the current attempt's from_step, once it superseded others
+    earlier = 0  # kept[:earlier] are the earlier attempts' points
+    restart: int | None = None  # the current attempt's from_step
     for line in lines:
         try:
             entry = json.loads(line)
@@ -90,23 +91,19 @@ def current_points(lines: Iterable[str]) -> list[dict[str, Any]]:
             continue
         if isinstance(entry.get("metrics"), dict):
             if restart is not None and entry.get("step") == restart:
-                _drop_names(kept, restart, set(entry["metrics"]))
+                for old in kept[:earlier]:
+                    if old.get("step") == restart:
+                        old["metrics"] = {
+                            name: value
+                            for name, value in old["metrics"].items()
+                            if name not in entry["metrics"]
+                        }
             kept.append(entry)
         elif isinstance(entry.get("from_step"), int):
             restart = entry["from_step"]
             kept = [old for old in kept if not _step_after(old, restart)]
-            for old in kept:
-                old["_earlier_attempt"] = True
-    for entry in kept:
-        entry.pop("_earlier_attempt", None)
+            earlier = len(kept)
     return [entry for entry in kept if entry["metrics"]]
-
-
-def _drop_names(entries: list[dict[str, Any]], step: int, names: set[str]) -> None:
-    """Leave ``names`` out of the earlier attempts' entries at ``step``."""
-    for entry in entries:
-        if entry.get("step") == step and "_earlier_attempt" in entry:
-            entry["metrics"] = {k: v for k, v in entry["metrics"].items() if k not in names}
 
 
 def _step_after(entry: Mapping[str, Any], step: int) -> bool:
