@@ -20,7 +20,8 @@ PREFIX_VAR = "HPC_DDP_OUTPUT_PREFIX"
 
 class LabelledLines(io.TextIOBase):
     """A text stream writing whole lines to ``stream``, each after ``label``; a partial line
-    is written when flushed (``print(..., end="", flush=True)``), the label once."""
+    is written when flushed (``print(..., end="", flush=True)``), the label once; another
+    rank's line may then go on after it."""
 
     def __init__(self, stream: TextIO, label: str) -> None:
         super().__init__()
