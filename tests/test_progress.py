@@ -81,3 +81,31 @@ def test_the_bar_moves_between_intervals_and_ends_at_the_last_step(tmp_path: Pat
     drawn = [int(n) for n in re.findall(r"\| *(\d+)/200 \[", output)]
     assert drawn[-1] == 200, output[-2000:]
     assert {n for n in drawn if n % 60} - {100, 200}, f"only the intervals were drawn: {drawn}"
+
+
+def test_log_lines_written_around_the_bar_stay_on_stderr(tmp_path: Path) -> None:
+    """tqdm writes around a bar to stdout unless told: the log lines must stay on stderr
+    (where the bar is), or a script's piped stdout fills with them."""
+    main, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    process = subprocess.Popen(
+        [sys.executable, PROGRAM, "--epochs", "2", "--samples", "9600", "--log-interval", "5",
+         f"run.output_dir={tmp_path}", "tracking.enabled=false"],
+        cwd=REPO, env=clean_environ(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=secondary, text=True,
+    )  # fmt: skip
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    stdout, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, b"".join(chunks).decode()[-3000:]
+    assert "INFO checkpoint (end of training)" in b"".join(chunks).decode(errors="replace")
+    assert "INFO" not in stdout and stdout.startswith("RESULT "), stdout[-2000:]

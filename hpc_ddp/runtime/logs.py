@@ -46,7 +46,7 @@ class _AroundTheBar(logging.StreamHandler):  # type: ignore[type-arg]
             super().emit(record)
             return
         try:
-            Progress.active.write(self.format(record))
+            Progress.active.write(self.format(record), file=self.stream)  # not stdout
         except Exception:
             self.handleError(record)
 
