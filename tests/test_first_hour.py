@@ -16,6 +16,7 @@ import torch
 from mlflow import MlflowClient
 
 import hpc_ddp
+from hpc_ddp.launch.shipped import CONFIG_DIR, find_config, shipped_config_name, shipped_configs
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.loop.metrics import scalar_metrics
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
@@ -159,6 +160,10 @@ def test_the_readmes_script_trains_from_a_project_outside_the_checkout(tmp_path:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "global batch 128 = 2 rank(s) x 64 per micro-batch" in result.stderr
     assert "HINT" not in result.stderr, "the README's script makes none of the mistakes"
+    start = result.stderr.split("global batch", 1)[0].splitlines()
+    assert re.search(r"job \S+ \(local\): 2 rank\(s\) on 1 node\(s\), master 127", result.stderr)
+    wide = [line for line in start if len(line) > 120 and "run directory" not in line]
+    assert not wide, "the start lines fit a terminal without wrapping"
     assert re.search(r"epoch 4 ended: loss 0\.\d+", result.stderr), "the epoch's metrics shown"
     assert re.search(r"step 140: val_accuracy 0\.9\d+", result.stderr), "and the evaluation's"
     run_dir = tmp_path / "runs" / "train" / "readme"
@@ -197,10 +202,10 @@ def test_a_newcomer_installs_from_a_clone_and_runs_the_readme_outside_it(tmp_pat
     project = tmp_path / "project"
     project.mkdir()
 
-    def newcomer(*command: str) -> subprocess.CompletedProcess[str]:
+    def newcomer(*command: str, where: Path = project) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [str(venv / "bin" / command[0]), *command[1:]],
-            cwd=project, env=environment, capture_output=True, text=True, timeout=300,
+            cwd=where, env=environment, capture_output=True, text=True, timeout=300,
             check=False,
         )  # fmt: skip
 
@@ -216,6 +221,25 @@ def test_a_newcomer_installs_from_a_clone_and_runs_the_readme_outside_it(tmp_pat
     assert trained.returncode == 0, trained.stderr[-3000:]
     summary = json.loads((project / "runs/train/first/summary.json").read_text())
     assert summary["global_step"] == 5 * (3584 // 128) and summary["world_size"] == 2
+
+    # The built-in trainer's shipped configs by name, with no configs/ folder here.
+    builtin = newcomer(
+        "hpc-ddp", "local", "--nproc", "2", "--config", "digits", "train.epochs=1",
+        "run.id=builtin", "tracking.enabled=false",
+    )  # fmt: skip
+    assert builtin.returncode == 0, builtin.stderr[-3000:]
+    assert json.loads((project / "runs/digits/builtin/summary.json").read_text())["epochs"] == 1
+    # A second project starts from a shipped example; a third from a config to edit.
+    for folder, option in (("example", ["--example", "digits_cnn"]), ("config", ["digits"])):
+        (project / folder).mkdir()
+        made = newcomer("hpc-ddp", "init", *option, where=project / folder)
+        assert made.returncode == 0, made.stderr
+    shipped = clone / "examples/digits_cnn/train.py"
+    assert (project / "example/train.py").read_text() == shipped.read_text()
+    assert "DEFAULT_ARGS=(train.py)" in (project / "example/train.sh").read_text()
+    config = project / "config/configs/digits.yaml"
+    assert config.read_text() == (clone / "configs/digits.yaml").read_text()
+    assert "DEFAULT_ARGS=(configs/digits.yaml)" in (project / "config/train.sh").read_text()
 
 
 SILENT_MISTAKES = """
@@ -250,3 +274,25 @@ def test_a_forgotten_run_steps_and_optimizer_are_named_with_a_hint(tmp_path: Pat
     assert "HINT: for batch in run.steps(loader):" in result.stderr
     assert "a model is registered (model) but no optimizer" in result.stderr
     assert "HINT: run.register(model=model, optimizer=optimizer" in result.stderr
+
+
+def test_shipped_configs_are_found_by_name_and_a_projects_own_file_wins(tmp_path: Path) -> None:
+    assert {"digits", "synthetic"} <= set(shipped_configs())
+    assert shipped_config_name("configs/digits.yaml") == shipped_config_name("digits") == "digits"
+    assert shipped_config_name("mine/digits.yaml") is None
+    assert find_config("configs/digits.yaml", tmp_path) == CONFIG_DIR / "digits.yaml"
+    own = tmp_path / "configs" / "digits.yaml"
+    own.parent.mkdir()
+    own.write_text("train: {epochs: 1}\n")
+    assert find_config("configs/digits.yaml", tmp_path) == own
+    with pytest.raises(HpcDdpError, match=r"(?s)'nope.yaml' does not exist.*digits, parquet"):
+        find_config("nope.yaml", tmp_path)
+
+
+def test_init_writes_nothing_where_a_file_it_would_write_exists(tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text("print('mine')\n")
+    result = hpc_ddp_cli("init", "--example", "lm", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "train.py exists already" in result.stderr
+    assert (tmp_path / "train.py").read_text() == "print('mine')\n"
+    assert not (tmp_path / "train.sh").exists() and not (tmp_path / "logs").exists()

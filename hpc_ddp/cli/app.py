@@ -1,5 +1,7 @@
 """`hpc-ddp`: one command over the toolkit's launchers and tools.
 
+hpc-ddp init --gpus-per-node 4   a project's job script (./train.sh) and ./logs/
+hpc-ddp init --example lm        ... and a shipped example as ./train.py to start from
 hpc-ddp local --nproc 4 train.py --lr 3e-4                 your script on 4 local CPU ranks
 hpc-ddp local --nproc 4 --config configs/digits.yaml train.epochs=3    the built-in trainer
 hpc-ddp render --nodes 2 --gpus-per-node 4 --time 02:00:00 -o job.sh train.py
@@ -18,6 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hpc_ddp.cli import commands as cmd
+from hpc_ddp.launch.shipped import EXAMPLES
 from hpc_ddp.runtime.errors import HpcDdpError
 
 PROGRAM_HELP = (
@@ -27,7 +30,10 @@ PROGRAM_HELP = (
 
 
 def _add_program_arguments(parser: argparse.ArgumentParser, dry_run: bool = False) -> None:
-    parser.add_argument("--config", help="YAML config of the built-in trainer")
+    parser.add_argument(
+        "--config",
+        help="YAML config of the built-in trainer, or a shipped one by name (e.g. digits)",
+    )
     if dry_run:
         parser.add_argument("--dry-run", action="store_true", help="built-in trainer: the plan")
     parser.add_argument("-m", dest="module", action="store_true", help="run a module")
@@ -70,6 +76,12 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--time", default="01:00:00", help="time limit (default 01:00:00)")
     parser.add_argument("--partition", default=None, help="Slurm partition")
+
+
+def _init(args: argparse.Namespace) -> int:
+    from hpc_ddp.cli.project import init
+
+    return init(args)
 
 
 def _version() -> str:
@@ -124,10 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     _command(commands, "config", cmd.config, "list every config key with its default and doc")
 
     init = _command(
-        commands, "init", cmd.init, "write ./train.sh, a ready job script, and ./logs/ here"
+        commands,
+        "init",
+        _init,
+        "write ./train.sh, a ready job script, and ./logs/ here (an example script or a "
+        "built-in config too, on request)",
     )
     _add_job_arguments(init)
     init.add_argument("--output", "-o", default="train.sh", help="the job script (train.sh)")
+    init.add_argument(
+        "--example",
+        choices=sorted(EXAMPLES),
+        help="copy this shipped example script to ./train.py, for the job script to run",
+    )
     _add_program_arguments(init)
 
     render = _command(commands, "render", cmd.render, "write a ready sbatch script")

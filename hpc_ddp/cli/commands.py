@@ -11,7 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpc_ddp.launch.program import Program, program_from
+from hpc_ddp.launch.program import DEFAULT_CONFIG, Program, program_from
+from hpc_ddp.launch.shipped import find_config
 from hpc_ddp.runtime.errors import HpcDdpError
 
 if TYPE_CHECKING:
@@ -64,9 +65,7 @@ def program_arguments(args: argparse.Namespace, default_config: str = "") -> Pro
 def local(args: argparse.Namespace) -> int:
     from hpc_ddp.launch.local import launch_local
 
-    # The README's default, when run from a checkout; else the trainer's built-in defaults.
-    default = "configs/digits.yaml" if Path("configs/digits.yaml").is_file() else ""
-    program = program_arguments(args, default_config=default)
+    program = program_arguments(args, default_config=DEFAULT_CONFIG)
     return launch_local(args.nproc, program, with_settings(os.environ, args.settings))
 
 
@@ -134,7 +133,8 @@ def check_builtin(program: Program) -> Config | None:
 
     program.check()
     if program.kind == "builtin":
-        return load_config(program.name or None, program.args)
+        config_file = find_config(program.name, Path.cwd()) if program.name else None
+        return load_config(config_file, program.args)
     return None
 
 
@@ -152,47 +152,10 @@ def _warning_signal(requested: str | None, config: Config | None) -> str:
     return configured
 
 
-def init(args: argparse.Namespace) -> int:
-    """`hpc-ddp init`: a ready job script (./train.sh, never over an existing one) and ./logs/;
-    its program is the one given, else train.py (written or not yet)."""
-    from hpc_ddp.launch.sbatch import RenderRequest, render_sbatch, template_path
-
-    output = Path(args.output)
-    if output.exists():
-        raise HpcDdpError(
-            f"{output} exists already: hpc-ddp init leaves it as it is",
-            "remove it, or write another file with -o (hpc-ddp render writes anywhere)",
-        )
-    program = program_arguments(args) if args.target or args.config else None
-    if program is not None:
-        check_builtin(program)
-    logs = Path("logs").resolve()
-    logs.mkdir(exist_ok=True)
-    request = RenderRequest(
-        arguments=tuple(program.template_args()) if program else ("train.py",),
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        cpu_tasks_per_node=args.tasks_per_node or 1,
-        cpus_per_task=args.cpus_per_task,
-        time=args.time,
-        partition=args.partition,
-        log_dir=str(logs),
-    )
-    output.write_text(render_sbatch(template_path().read_text(), request))
-    output.chmod(0o755)
-    what = " ".join(request.arguments)
-    print(
-        f"wrote {output} (it runs {what}; its log goes to {logs}): submit it with "
-        f"sbatch {output}, or sbatch {output} other.py --lr 3e-4 for another program",
-        file=sys.stderr,
-    )
-    return 0
-
-
 def render(args: argparse.Namespace) -> int:
     from hpc_ddp.launch.sbatch import RenderRequest, render_sbatch, template_path
 
-    program = program_arguments(args, default_config="configs/digits.yaml")
+    program = program_arguments(args, default_config=DEFAULT_CONFIG)
     config = check_builtin(program)
     # Slurm opens the job's log before the script runs and never creates its folder: name it
     # absolutely and create it now, so the job can be submitted from anywhere.
@@ -239,7 +202,7 @@ def render(args: argparse.Namespace) -> int:
 def submit(args: argparse.Namespace) -> int:
     from hpc_ddp.launch.jobs import submit, wait
 
-    program = program_arguments(args, default_config="configs/digits.yaml")
+    program = program_arguments(args, default_config=DEFAULT_CONFIG)
     target: str | list[str] = program.template_args()
     overrides: list[str] = []
     if program.kind == "builtin":

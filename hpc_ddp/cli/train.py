@@ -12,10 +12,12 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from hpc_ddp.launch.shipped import find_config
 from hpc_ddp.runtime.errors import Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 from hpc_ddp.runtime.place.plan import describe_launch, micro_batch_size
@@ -34,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train with DDP on the ranks the launcher started (srun, torchrun, "
         "hpc-ddp local, submitit) or as one process.",
     )
-    parser.add_argument("--config", help="YAML config file (default: built-in defaults)")
+    parser.add_argument(
+        "--config",
+        help="YAML config file, or a shipped one by name (digits, synthetic, parquet, "
+        "slurm-gpu); default: built-in defaults",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -77,7 +83,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     args = build_parser().parse_args(argv)
     environment = os.environ if environ is None else environ
     try:
-        config = load_config(args.config, args.overrides)
+        config_file = find_config(args.config, Path.cwd()) if args.config else None
+        config = load_config(config_file, args.overrides)
         if args.dry_run:
             print(json.dumps(dry_run(config, environment), indent=2))
             return 0

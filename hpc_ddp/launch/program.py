@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from hpc_ddp.launch.output import labelled_stdout
+from hpc_ddp.launch.shipped import find_config
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 from hpc_ddp.runtime.tracking.worker import discard_prestarted
@@ -70,12 +71,8 @@ class Program:
                     "install the package that holds it into this environment, or add its "
                     "directory to PYTHONPATH",
                 )
-        if self.kind == "builtin" and self.name and not Path(self.name).is_file():
-            raise HpcDdpError(
-                f"config file {self.name!r} does not exist",
-                "pass a YAML config of the built-in trainer (e.g. configs/digits.yaml), or your "
-                "own script (train.py) or module (-m pkg.train)",
-            )
+        if self.kind == "builtin" and self.name:
+            find_config(self.name, Path.cwd())
 
     def __str__(self) -> str:
         return " ".join(self.template_args())

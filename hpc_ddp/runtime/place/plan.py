@@ -165,3 +165,16 @@ def describe_launch(plan: LaunchPlan) -> str:
         f"({plan.device.reason}) backend={plan.device.backend} cuda_visible="
         f"{env.cuda_visible_devices or '-'} run_dir={plan.run_dir}"
     )
+
+
+def launch_lines(plan: LaunchPlan) -> list[str]:
+    """Rank 0's start lines for a terminal: the job, the devices, the run directory, each
+    short enough not to wrap (the one-line form for reports is :func:`describe_launch`)."""
+    env, device = plan.dist_env, plan.device
+    return [
+        f"job {env.job_id} ({env.launcher}): {env.world_size} rank(s) on {env.num_nodes} "
+        f"node(s), master {env.master_addr}:{env.master_port}",
+        f"device {','.join(device.devices)} ({device.reason}), backend {device.backend}, "
+        f"CUDA_VISIBLE_DEVICES {env.cuda_visible_devices or 'unset'}",
+        f"run directory {plan.run_dir}",
+    ]

@@ -45,8 +45,8 @@ from hpc_ddp.runtime.place.env import (
 from hpc_ddp.runtime.place.limits import open_file_warning, open_files_needed, raise_open_file_limit
 from hpc_ddp.runtime.place.plan import (
     LaunchPlan,
-    describe_launch,
     gpu_binding_warning,
+    launch_lines,
     make_launch_plan,
     threads_per_rank,
 )
@@ -123,12 +123,12 @@ def _announce(plan: LaunchPlan, settings: RuntimeConfig, environ: Mapping[str, s
     env, log = plan.dist_env, get_logger()
     log.info(
         f"host {env.hostname} node {env.node_rank}/{env.num_nodes} local_rank {env.local_rank}/"
-        f"{env.local_world_size} device {plan.device.device} threads {torch.get_num_threads()} "
-        f"master {env.master_addr}:{env.master_port}"
+        f"{env.local_world_size} device {plan.device.device} threads {torch.get_num_threads()}"
     )
     if not env.is_main:
         return
-    log.info(describe_launch(plan))
+    for line in launch_lines(plan):
+        log.info(line)
     for warning in (
         agent_signal_gap(env.launcher, environ, settings.preempt.signal),
         gpu_binding_warning(env, plan.device),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -25,6 +26,8 @@ class MlflowTracker:
         from hpc_ddp.runtime.logs import adopt_logger
 
         adopt_logger("mlflow")  # after its import, which sets mlflow's own handler
+        # Creating a new store's tables is routine, not news: two lines on every first run.
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
         self._mlflow = mlflow
         self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         resumed = self._reopen(record.resume_run_id) if record.resume_run_id else None
