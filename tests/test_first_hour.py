@@ -228,9 +228,11 @@ def test_a_newcomer_installs_from_a_clone_and_runs_the_readme_outside_it(tmp_pat
         "run.id=builtin", "tracking.enabled=false",
     )  # fmt: skip
     assert builtin.returncode == 0, builtin.stderr[-3000:]
-    assert json.loads((project / "runs/digits-mlp/builtin/summary.json").read_text())["epochs"] == 1
+    builtin_summary = project / "runs/digits-mlp/builtin/summary.json"
+    assert json.loads(builtin_summary.read_text())["epochs"] == 1
     # A second project starts from a shipped example; a third from a config to edit.
-    for folder, option in (("example", ["--example", "digits_cnn"]), ("config", ["digits"])):
+    starts = {"example": ["--example", "digits_cnn"], "config": ["--config", "digits"]}
+    for folder, option in starts.items():
         (project / folder).mkdir()
         made = newcomer("hpc-ddp", "init", *option, where=project / folder)
         assert made.returncode == 0, made.stderr

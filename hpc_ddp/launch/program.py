@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Literal
 
 from hpc_ddp.launch.output import labelled_stdout
-from hpc_ddp.launch.shipped import find_config
+from hpc_ddp.launch.shipped import find_config, shipped_config_name
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 from hpc_ddp.runtime.tracking.worker import discard_prestarted
@@ -55,10 +55,13 @@ class Program:
         """Refuse a script that does not exist or a module that cannot be found, here rather
         than on every rank after the job started."""
         if self.kind == "script" and not Path(self.name).is_file():
+            shipped = shipped_config_name(self.name)
             raise HpcDdpError(
                 f"script {self.name!r} does not exist (looked in {os.getcwd()})",
-                "pass the path of your training script, relative to the directory you launch "
-                "from, or -m package.module for a module",
+                f"for the built-in trainer's shipped config, --config {shipped}"
+                if shipped
+                else "pass the path of your training script, relative to the directory you "
+                "launch from, or -m package.module for a module",
             )
         if self.kind == "module":
             try:
