@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -298,3 +299,47 @@ def test_init_writes_nothing_where_a_file_it_would_write_exists(tmp_path: Path) 
     assert "train.py exists already" in result.stderr
     assert (tmp_path / "train.py").read_text() == "print('mine')\n"
     assert not (tmp_path / "train.sh").exists() and not (tmp_path / "logs").exists()
+
+
+OWN_PARSER = """
+import argparse, os, signal
+import torch
+import hpc_ddp
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, required=True)
+args = parser.parse_args()  # strict: any setting meant for hpc_ddp here would be refused
+run = hpc_ddp.start(run={"name": "own"}, preempt={"check_every_steps": 1})
+model = run.wrap(torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+run.register(model=model, optimizer=optimizer)
+for step in run.iterations(args.steps):
+    loss = model(torch.ones(2, 4)).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if step == 3 and run.rank == 0 and run.resumed is None:
+        os.kill(os.getppid(), signal.SIGTERM)  # hpc-ddp local passes it to every rank
+print("DONE", run.global_step)
+run.finish()
+"""
+
+
+def test_a_stopped_runs_hint_is_the_exact_command_that_continues_it(tmp_path: Path) -> None:
+    """A script with its own strict argument parser and no run.id: the stop message names
+    an `hpc-ddp local` command that, typed as printed, resumes the run where it stopped."""
+    (tmp_path / "train.py").write_text(OWN_PARSER)
+    settings = ["--set", f"run.output_dir={tmp_path / 'runs'}", "--set", "tracking.enabled=false"]
+    program = ["train.py", "--steps", "40"]
+    stopped = hpc_ddp_cli("local", "--nproc", "2", *settings, *program, cwd=tmp_path)
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    hint = re.search(r"to continue: (hpc-ddp local .*)", stopped.stderr)
+    assert hint is not None, stopped.stderr[-3000:]
+    command = shlex.split(hint.group(1))
+    assert command[-3:] == program, command
+    resumed = hpc_ddp_cli(*command[1:], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "DONE 40" in resumed.stdout
+    run_id = next(word for word in command if word.startswith("run.id=")).split("=", 1)[1]
+    summary = json.loads((tmp_path / "runs" / "own" / run_id / "summary.json").read_text())
+    assert summary["global_step"] == 40 and summary["resumed_from_step"] > 3, summary

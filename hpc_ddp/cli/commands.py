@@ -64,9 +64,20 @@ def program_arguments(args: argparse.Namespace, default_config: str = "") -> Pro
 
 def local(args: argparse.Namespace) -> int:
     from hpc_ddp.launch.local import launch_local
+    from hpc_ddp.runtime.config import LOCAL_COMMAND_VARIABLE
 
     program = program_arguments(args, default_config=DEFAULT_CONFIG)
-    return launch_local(args.nproc, program, with_settings(os.environ, args.settings))
+    environ = with_settings(os.environ, args.settings)
+    environ[LOCAL_COMMAND_VARIABLE] = shlex.join(local_words(args.nproc, args.settings, program))
+    return launch_local(args.nproc, program, environ)
+
+
+def local_words(nproc: int, settings: Sequence[str], program: Program) -> list[str]:
+    """What follows ``hpc-ddp local`` to start ``program`` again as it was started."""
+    words = [f"--nproc={nproc}", *(f"--set={setting}" for setting in settings)]
+    if program.kind == "builtin":
+        return [*words, *(["--config", program.name] if program.name else []), *program.args]
+    return [*words, *program.template_args()]
 
 
 def with_settings(environ: Mapping[str, str], settings: Sequence[str]) -> dict[str, str]:

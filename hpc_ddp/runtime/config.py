@@ -25,6 +25,10 @@ from hpc_ddp.runtime.errors import HpcDdpError
 #: a script's run settings changed without touching its code or its arguments.
 OVERRIDES_VARIABLE = "HPC_DDP_OVERRIDES"
 
+#: What followed ``hpc-ddp local`` on its command line (shell-quoted): the ranks name the
+#: exact command that continues a stopped run.
+LOCAL_COMMAND_VARIABLE = "HPC_DDP_LOCAL_COMMAND"
+
 
 @dataclass(frozen=True)
 class RunConfig:

@@ -5,8 +5,10 @@ asked and allowed, and end the run."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import NoReturn
 
+from hpc_ddp.runtime.config import LOCAL_COMMAND_VARIABLE, OVERRIDES_VARIABLE
 from hpc_ddp.runtime.errors import Stopped
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.checkpointer import Checkpointer
@@ -15,6 +17,20 @@ from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.preempt.requeue import requeue_job
 from hpc_ddp.runtime.preempt.signals import StepAgreement
+
+
+def continue_hint(run_id: str, id_was_set: bool, environ: Mapping[str, str]) -> str:
+    """How to continue a stopped run, in the form that reaches the program at hand: the same
+    command where it names the run; under ``hpc-ddp local`` its exact command with the id."""
+    local_command = environ.get(LOCAL_COMMAND_VARIABLE)
+    if id_was_set:
+        return f"to continue, run the same command with run.id={run_id}"
+    if local_command is not None:
+        return f"to continue: hpc-ddp local --set run.id={run_id} {local_command}"
+    return (
+        f"to continue, run the same command with run.id={run_id} (for any script: "
+        f"{OVERRIDES_VARIABLE}=run.id={run_id} before the command)"
+    )
 
 
 class Stopper:
@@ -66,12 +82,11 @@ class Stopper:
             if requeued:
                 get_logger().info(f"stopped at step {position.global_step}; the job was requeued")
             else:
-                run_id = context.run_dir.name
+                hint = continue_hint(
+                    context.run_dir.name, context.config.run.id is not None, context.environ
+                )
                 get_logger().warning(
-                    f"stopped at step {position.global_step} after a checkpoint; to continue, "
-                    f"run the same command with run.id={run_id} (for any script: "
-                    f"HPC_DDP_OVERRIDES=run.id={run_id} before the command, or hpc-ddp local "
-                    f"--set run.id={run_id})"
+                    f"stopped at step {position.global_step} after a checkpoint; {hint}"
                 )
         raise Stopped(position.global_step, requeued, context.run_dir.name)
 
