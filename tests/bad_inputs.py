@@ -304,8 +304,17 @@ FAULTS: list[tuple[str, str, str]] = [
      "test_slurm_fault_tolerance.py::test_a_job_whose_warning_signal_the_ranks_do_not_handle_fails_at_start"),
     ("time limit reached", "checkpoint on the warning signal; a resubmission resumes",
      "test_slurm_fault_tolerance.py::test_time_limit_signal_checkpoints_and_a_resubmission_resumes"),
-    ("corrupt newest checkpoint", "reported, the previous one used",
-     "test_fault_tolerance.py::test_corrupt_newest_checkpoint_falls_back_with_a_warning"),
+    ("corrupt newest checkpoint", "reported, moved to checkpoints/unreadable/, the previous "
+     "one used", "test_fault_tolerance.py::test_corrupt_newest_checkpoint_falls_back_with_a_warning"),
+    ("the only checkpoint empty, garbage, truncated or of a newer format", "refused in one "
+     "line, the file untouched", "test_fault_tolerance.py::test_a_run_whose_only_checkpoint_cannot_be_read_is_refused_and_the_file_kept"),
+    ("the same, on real ranks; then checkpoint.start_fresh_if_unreadable=true", "every rank "
+     "refuses, exit 2; then step 0 with the file moved aside, never overwritten",
+     "test_fault_tolerance.py::test_an_unreadable_checkpoint_stops_every_rank_and_a_fresh_start_keeps_it"),
+    ("a damaged checkpoint numbered above the run's steps, keep_last=1", "the checkpoint "
+     "just written is kept", "test_fault_tolerance.py::test_pruning_never_removes_the_checkpoint_just_written"),
+    ("<run dir>/checkpoints a regular file or a link loop", "refused at the start in one line",
+     "test_fault_tolerance.py::test_a_checkpoints_path_that_cannot_hold_them_is_refused_at_the_start"),
     ("rendezvous port in use", "one line naming the port, exit 2",
      "test_training.py::test_rendezvous_port_in_use_is_reported"),
     ("rank 0 never starts", "the others give up in init_timeout_s, one line each",

@@ -80,6 +80,90 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(
     assert str(newest) in caplog.text and "trying the previous one" in caplog.text
     remove_partial_writes(tmp_path)
     assert not list(tmp_path.glob(".*"))
+    # Set aside, so the resumed run's own step 20 can never replace it.
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000000010.pt"]
+    assert (tmp_path / "unreadable" / "step-000000020.pt").stat().st_size == 100
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [b"", b"garbage" * 10, "truncated", "newer format"],
+    ids=["empty", "garbage", "truncated", "newer-format"],
+)
+def test_a_run_whose_only_checkpoint_cannot_be_read_is_refused_and_the_file_kept(
+    tmp_path: Path, damage: bytes | str
+) -> None:
+    path = save_checkpoint(state(30), tmp_path, 30, keep_last=3)
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[:200])
+    elif damage == "newer format":
+        torch.save({**state(30), "format": FORMAT_VERSION + 1}, path)
+    else:
+        path.write_bytes(damage)  # type: ignore[arg-type]
+    before = path.read_bytes()
+    with pytest.raises(HpcDdpError) as refused:
+        load_newest(tmp_path)
+    assert "no checkpoint in" in refused.value.message and "step-000000030.pt" in str(refused.value)
+    assert "checkpoint.start_fresh_if_unreadable=true" in refused.value.hint
+    if damage == "newer format":
+        assert f"this hpc_ddp reads format {FORMAT_VERSION}" in refused.value.message
+    assert path.read_bytes() == before, "nothing is touched"
+    assert load_newest(tmp_path, start_fresh_if_unreadable=True) is None
+    assert (tmp_path / "unreadable" / path.name).read_bytes() == before
+    assert list_checkpoints(tmp_path) == []
+
+
+def test_pruning_never_removes_the_checkpoint_just_written(tmp_path: Path) -> None:
+    """A damaged file numbered above the run's steps used to count as the newest: with
+    keep_last=1 every new checkpoint was deleted right after it was written."""
+    stray = tmp_path / "step-999999999.pt"
+    stray.write_bytes(b"damaged")
+    for step in (10, 20):
+        save_checkpoint(state(step), tmp_path, step, keep_last=1)
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["step-999999999.pt", "step-000000020.pt"]
+    assert load_checkpoint(tmp_path / "step-000000020.pt")["global_step"] == 20
+
+
+def test_a_checkpoints_path_that_cannot_hold_them_is_refused_at_the_start(
+    tmp_path: Path,
+) -> None:
+    """`<run dir>/checkpoints` as a regular file, then as a link to itself: `hpc-ddp local`
+    refuses in one line before training, instead of at the first save."""
+    run_dir = tmp_path / "synthetic-mlp" / "blocked"
+    run_dir.mkdir(parents=True)
+    blocked = run_dir / "checkpoints"
+    for make, says in (
+        (lambda: blocked.write_text("x"), "not a directory"),
+        (lambda: blocked.symlink_to(blocked), "a link that leads nowhere"),
+    ):
+        blocked.unlink(missing_ok=True)
+        make()
+        result = run_local(2, tmp_path, ["run.id=blocked", "tracking.enabled=false"])
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert f"{blocked} cannot hold checkpoints: {says}" in result.stderr, result.stderr
+        assert "HINT: remove" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_unreadable_checkpoint_stops_every_rank_and_a_fresh_start_keeps_it(
+    tmp_path: Path,
+) -> None:
+    """Real ranks: the run's only checkpoint is garbage. The run is refused on every rank in
+    one line with the file as it was; told to start fresh, it trains from step 0 with the
+    file moved aside, never overwritten."""
+    checkpoints = tmp_path / "synthetic-mlp" / "damaged" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    garbage = checkpoints / "step-000000004.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    common = ["run.id=damaged", "tracking.enabled=false", "train.epochs=1", "train.max_steps=8"]
+    refused = run_local(2, tmp_path, common)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert refused.stderr.count("no checkpoint in") >= 1 and "Traceback" not in refused.stderr
+    assert garbage.read_bytes() == b"not a checkpoint"
+    fresh = run_local(2, tmp_path, [*common, "checkpoint.start_fresh_if_unreadable=true"])
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert (checkpoints / "unreadable" / garbage.name).read_bytes() == b"not a checkpoint"
+    assert load_checkpoint(sorted(checkpoints.glob("step-*.pt"))[-1])["global_step"] == 8
 
 
 def test_resume_refuses_changes_that_matter_and_allows_harmless_ones() -> None:

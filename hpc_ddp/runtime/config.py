@@ -126,6 +126,12 @@ class CheckpointConfig:
         "Resume from the newest loadable checkpoint of this run directory on start (a requeued "
         "Slurm job keeps its job id, so it finds its own checkpoints).",
     )
+    start_fresh_if_unreadable: bool = setting(
+        False,
+        "When no checkpoint of the run directory loads (damaged, or of another format): false "
+        "refuses to start, true moves them to checkpoints/unreadable/ and starts at step 0. "
+        "Unreadable ones newer than a loadable one are always moved there.",
+    )
 
     def __post_init__(self) -> None:
         if self.every_steps is not None:

@@ -23,6 +23,10 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 
 FORMAT_VERSION = 2
+#: Where unreadable checkpoints are moved, inside the checkpoints folder.
+UNREADABLE_DIR = "unreadable"
+#: A checkpoint's path and its contents.
+Found = tuple[Path, dict[str, Any]]
 _NAME = re.compile(r"^step-(\d{9})\.pt$")
 
 
@@ -56,6 +60,38 @@ def check_resumable(saved: Mapping[str, str], current: Mapping[str, str], path: 
 def saved_world_size(saved: Mapping[str, Any]) -> int:
     """How many ranks wrote a checkpoint (older ones say it by their random streams)."""
     return int(saved.get("world_size", len(saved["rng"])))
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step in a checkpoint's name (``step-000000120.pt``: 120)."""
+    matched = _NAME.match(path.name)
+    if matched is None:
+        raise ValueError(f"not a checkpoint's name: {path.name}")
+    return int(matched.group(1))
+
+
+def prepare_checkpoint_dir(run_dir: Path) -> Path:
+    """Create ``<run dir>/checkpoints`` up front, so that a path that cannot hold them (a
+    file, a dangling or looping link, no write permission) is named at the start, not at
+    the first save."""
+    directory = checkpoint_dir(run_dir)
+    try:
+        directory.mkdir(exist_ok=True)
+    except OSError as error:
+        kind = "a link that leads nowhere" if directory.is_symlink() else "not a directory"
+        reason = kind if isinstance(error, FileExistsError) else error.strerror or str(error)
+        raise HpcDdpError(
+            f"{directory} cannot hold checkpoints: {reason}",
+            "remove or rename it (hpc_ddp writes this run's checkpoints there), or give the "
+            "run another run.id",
+        ) from None
+    if not directory.is_dir() or not os.access(directory, os.W_OK | os.X_OK):
+        kind = "not a directory" if not directory.is_dir() else "not writable by this user"
+        raise HpcDdpError(
+            f"{directory} cannot hold checkpoints: {kind}",
+            "remove it or make it writable, or give the run another run.id",
+        )
+    return directory
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
@@ -102,7 +138,10 @@ def save_checkpoint(state: Mapping[str, Any], directory: Path, step: int, keep_l
         final = write_atomically(path, lambda handle: torch.save(dict(state), handle))
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
         raise _unwritable(path, error) from None
-    for old in list_checkpoints(directory)[keep_last:]:
+    # Only checkpoints before this one count: a file numbered above it (another run's, or
+    # one kept aside by hand) must not push the one just written out.
+    older = [other for other in list_checkpoints(directory) if checkpoint_step(other) < step]
+    for old in older[keep_last - 1 :]:
         old.unlink(missing_ok=True)
     return final
 
@@ -168,22 +207,58 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
                 "Python data (numbers, strings, lists, dicts)",
             ) from None
         raise
-    if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION:
-        raise ValueError(f"not an hpc_ddp checkpoint of format {FORMAT_VERSION}")
+    if not isinstance(state, dict):
+        raise ValueError(f"not an hpc_ddp checkpoint (a {type(state).__name__})")
+    if state.get("format") != FORMAT_VERSION:
+        raise ValueError(
+            f"format {state.get('format')!r}: this hpc_ddp reads format {FORMAT_VERSION}"
+        )
     return state
 
 
-def load_newest(directory: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads; a corrupt or truncated one is reported and skipped."""
-    log = get_logger()
+def load_newest(directory: Path, start_fresh_if_unreadable: bool = False) -> Found | None:
+    """The newest checkpoint that loads. Unreadable ones newer than it (damaged, truncated,
+    of another format) are moved to ``checkpoints/unreadable/``, so a later save never
+    replaces them. When none loads, nothing is touched and the run is refused, unless
+    ``start_fresh_if_unreadable``: then all are moved aside and None says "start fresh"."""
+    unreadable: list[tuple[Path, str]] = []
     for path in list_checkpoints(directory):
         try:
-            return path, load_checkpoint(path)
+            found = path, load_checkpoint(path)
         except HpcDdpError:
             raise
         except Exception as error:  # a damaged file can fail in many ways; all mean: skip it
-            log.warning(
-                f"checkpoint {path} cannot be loaded ({type(error).__name__}: "
-                f"{str(error).splitlines()[0] if str(error) else ''}); trying the previous one"
-            )
+            unreadable.append((path, _first_line(error)))
+            get_logger().warning(f"checkpoint {path} cannot be loaded ({unreadable[-1][1]})")
+            continue
+        if unreadable:
+            get_logger().warning(f"trying the previous one: {path.name} loads")
+        set_aside([path for path, _reason in unreadable])
+        return found
+    if unreadable and not start_fresh_if_unreadable:
+        listed = "; ".join(f"{path.name}: {reason}" for path, reason in unreadable[:3])
+        raise HpcDdpError(
+            f"no checkpoint in {directory} can be loaded ({listed}); nothing was changed",
+            "a checkpoint written by a newer hpc_ddp loads with that version; to start this "
+            "run from step 0 anyway, with the files kept in checkpoints/unreadable/, add "
+            "checkpoint.start_fresh_if_unreadable=true (or give the run another run.id)",
+        )
+    set_aside([path for path, _reason in unreadable])
     return None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def set_aside(paths: list[Path]) -> None:
+    """Move unreadable checkpoints into ``unreadable/`` beside them, never over a file."""
+    for path in paths:
+        aside = path.parent / UNREADABLE_DIR
+        aside.mkdir(exist_ok=True)
+        target, copy = aside / path.name, 1
+        while target.exists():
+            target, copy = aside / f"{path.name}.{copy}", copy + 1
+        os.replace(path, target)
+        get_logger().warning(f"moved the unreadable checkpoint {path.name} to {target}")

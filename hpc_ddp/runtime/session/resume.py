@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hpc_ddp.runtime.checkpoint.files import (
+    Found,
     checkpoint_dir,
     load_checkpoint,
     load_newest,
@@ -19,14 +20,12 @@ from hpc_ddp.runtime.checkpoint.files import (
     saved_world_size,
 )
 from hpc_ddp.runtime.checkpoint.state import Registry
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.data import mixed_seed
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.place.dist import broadcast_object
-
-#: A checkpoint's path and its contents.
-Found = tuple[Path, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -41,14 +40,22 @@ class Resumed:
     finished: bool = False
 
 
-def find_resume(run_dir: Path, is_main: bool, group: Any | None) -> Found | None:
-    """The newest good checkpoint of this run: rank 0 chooses, every rank loads the same."""
+def find_resume(
+    run_dir: Path, is_main: bool, group: Any | None, start_fresh_if_unreadable: bool = False
+) -> Found | None:
+    """The newest good checkpoint of this run: rank 0 chooses, every rank loads the same;
+    a refusal (no checkpoint loads) reaches every rank, so each ends with the same line."""
     directory = checkpoint_dir(run_dir)
-    found = None
+    found, refusal = None, None
     if is_main:
         remove_partial_writes(directory)
-        found = load_newest(directory)
-    chosen = broadcast_object(str(found[0]) if found else "", group)
+        try:
+            found = load_newest(directory, start_fresh_if_unreadable)
+        except HpcDdpError as error:
+            refusal = (error.message, error.hint)
+    chosen, refusal = broadcast_object((str(found[0]) if found else "", refusal), group)
+    if refusal is not None:
+        raise HpcDdpError(*refusal)
     if not chosen:
         return None
     path = Path(chosen)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpc_ddp.runtime.checkpoint.files import Found
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
@@ -25,7 +26,7 @@ from hpc_ddp.runtime.session.buckets import wrap_in_ddp
 from hpc_ddp.runtime.session.ending import Ending
 from hpc_ddp.runtime.session.finishing import end_already_finished, finish_run
 from hpc_ddp.runtime.session.rank import RankView
-from hpc_ddp.runtime.session.resume import Found, Resumed, resume_run
+from hpc_ddp.runtime.session.resume import Resumed, resume_run
 
 __all__ = ["Resumed", "Run"]
 

@@ -15,7 +15,13 @@ import torch
 import torch.distributed as torch_dist
 
 from hpc_ddp.runtime import configfile
-from hpc_ddp.runtime.checkpoint.files import check_resumable, fingerprint_of, saved_world_size
+from hpc_ddp.runtime.checkpoint.files import (
+    Found,
+    check_resumable,
+    fingerprint_of,
+    prepare_checkpoint_dir,
+    saved_world_size,
+)
 from hpc_ddp.runtime.config import (
     CheckpointConfig,
     DistConfig,
@@ -55,7 +61,7 @@ from hpc_ddp.runtime.place.slurm import allocation_task_count
 from hpc_ddp.runtime.preempt.requeue import agent_signal_gap, check_job_signal
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.ending import Ending, end_active_run, install_excepthook, watch
-from hpc_ddp.runtime.session.resume import Found, find_resume
+from hpc_ddp.runtime.session.resume import find_resume
 from hpc_ddp.runtime.session.run import Run
 from hpc_ddp.runtime.tracking.base import (
     NullTracker,
@@ -289,6 +295,8 @@ def start(
     try:
         if dist_env.is_main:  # before the process group: a refusal costs no rendezvous
             claim_run_dir(plan.run_dir)
+            if settings.checkpoint.enabled:
+                prepare_checkpoint_dir(plan.run_dir)
         init_distributed(dist_env, plan.device, settings.dist, timeline)
         mark(timeline, "dist_ready")
         # Control messages (stop agreement, barriers) go over gloo on the CPU, so they never
@@ -300,7 +308,12 @@ def start(
             dist_env = plan.dist_env
         resume = None
         if settings.checkpoint.resume:
-            resume = find_resume(plan.run_dir, dist_env.is_main, group)
+            resume = find_resume(
+                plan.run_dir,
+                dist_env.is_main,
+                group,
+                settings.checkpoint.start_fresh_if_unreadable,
+            )
             ran_before = dist_env.is_main and (plan.run_dir / STATUS_FILE).exists()
             if resume is None and ran_before and settings.checkpoint.enabled:
                 log.warning(
