@@ -7,7 +7,9 @@ equal to :func:`table` (regenerate with ``python -m tests.bad_inputs > docs/reli
 Kinds: ``cli`` is `hpc-ddp ARGS`; ``train`` is `python -m hpc_ddp.train --dry-run ARGS` with
 the given launcher environment (the dry run resolves the launch, builds the data and puts one
 sample through the model, without a process group); ``yaml`` is the built-in trainer with a
-config file holding ``text``.
+config file holding ``text``; ``script`` is a user's script of one rank (plain python) whose
+lines after ``import torch, hpc_ddp`` are ``text``, and ``RUN`` stands for
+``run = hpc_ddp.start(tracking={"enabled": False})``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class Case:
     def shown(self) -> str:
         if self.kind == "yaml":
             return f"config file: `{self.text.strip()[:60]!r}`".replace("|", "\\|")
+        if self.kind == "script":
+            return f"script: `{self.text.strip()}`".replace("|", "\\|").replace("\n", "; ")
         prefix = {"cli": "hpc-ddp", "train": "train"}[self.kind]
         env = " ".join(f"{key}={value[:30]}" for key, value in self.environ.items())
         words = " ".join(self.args)
@@ -47,6 +51,14 @@ def train(*args: str, says: str, code: int = 2, environ: dict[str, str] | None =
 
 def yaml_file(text: str, says: str, code: int = 2) -> Case:
     return Case("yaml", (), code, says, text=text)
+
+
+def script(text: str, says: str, code: int = 2) -> Case:
+    return Case("script", (), code, says, text=text)
+
+
+#: What ``RUN`` stands for in a script case.
+RUN = 'run = hpc_ddp.start(tracking={"enabled": False})'
 
 
 SYNTHETIC = ("--config", "configs/synthetic.yaml")
@@ -283,6 +295,47 @@ CASES: list[Case] = [
     yaml_file("data:\n  batch_size: 1e400\n", says="data.batch_size"),
     yaml_file("model:\n  hidden_sizes: {a: 1}\n", says="model.hidden_sizes"),
     yaml_file("unknown_section:\n  a: 1\n", says="unknown_section"),
+    # -- a user's script: the public API -----------------------------------------------------
+    script("hpc_ddp.start(run=5)", says="expected a mapping of run settings or a RunConfig"),
+    script('hpc_ddp.start(dist=["x"])', says="expected a mapping of dist settings"),
+    script(f'{RUN}\nlist(run.epochs("3"))', says="run.epochs(num_epochs)='3': expected a whole"),
+    script(f"{RUN}\nlist(run.epochs(-1))", says="run.epochs(num_epochs)=-1: expected a whole"),
+    script(f"{RUN}\nlist(run.epochs(0))", says="run.epochs(num_epochs)=0: expected a whole"),
+    script(f"{RUN}\nlist(run.epochs(2.5))", says="(got type float)"),
+    script(f"{RUN}\nlist(run.epochs(2, max_steps=-1))", says="run.epochs(max_steps)=-1"),
+    script(f"{RUN}\nlist(run.iterations(-1))", says="run.iterations(max_steps)=-1"),
+    script(f"{RUN}\nrun.every(0)", says="run.every(steps)=0"),
+    script(f'{RUN}\nrun.wrap("model")', says="run.wrap got a str, not a torch.nn.Module"),
+    script(f"{RUN}\nm = torch.nn.Linear(2, 1)\nrun.wrap(m)\nrun.wrap(m)", says="wrapped already"),
+    script(f"{RUN}\nrun.wrap(torch.nn.ReLU())", says="no parameter that requires a gradient"),
+    script(f'{RUN}\nrun.wrap(torch.nn.Linear(2, 1, device="meta"))', says="the meta device"),
+    script(
+        f"{RUN}\nrun.train_loader(list(range(10)), batch_size=64)",
+        says="fewer than one global batch",
+    ),
+    script(
+        f"{RUN}\nrun.train_loader(list(range(10)), batch_size=2.5)",
+        says="run.train_loader(batch_size)=2.5",
+    ),
+    script(
+        f"{RUN}\nrun.train_loader(list(range(10)), batch_size=2, num_workers=-1)",
+        says="num_workers=-1",
+    ),
+    script(
+        f'{RUN}\nrun.train_loader(list(range(10)), batch_size=2, num_workers="4")',
+        says="num_workers='4'",
+    ),
+    script(f"{RUN}\nrun.train_loader(iter(range(10)), batch_size=2)", says="without a length"),
+    script(
+        f"{RUN}\nrun.eval_loader(list(range(10)), batch_size=0)",
+        says="run.eval_loader(batch_size)=0",
+    ),
+    script(f'{RUN}\nrun.log("loss@top1", 1.0, 1)', says="MLflow refuses this name: holds '@'"),
+    script(f'{RUN}\nrun.log("loss", "abc", 1)', says="the total is a str"),
+    script(f'{RUN}\nrun.log("loss", 1.0, 0)', says="the count must be a number above 0"),
+    script(f'{RUN}\nrun.log("loss", 1.0, -4)', says="count=-4"),
+    script(f'{RUN}\nrun.log_metrics({{"acc@1": 0.5}})', says="run.log_metrics('acc@1', ...)"),
+    script(f'{RUN}\nrun.log_text("../notes.txt", "x")', says="reads as the path"),
 ]
 
 

@@ -13,7 +13,7 @@ import pytest
 from hpc_ddp.cli import main as cli_main
 from hpc_ddp.cli.train import main as train_main
 from tests.bad_inputs import CASES, FAULTS, Case, table
-from tests.helpers import REPO, clean_environ
+from tests.helpers import REPO, clean_environ, run_python
 
 #: What a message may not contain: a traceback, or an internal name leaking out.
 NEVER = ("Traceback", "data_command", "Namespace(")
@@ -24,6 +24,8 @@ def answer(case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tu
     try:
         if case.kind == "cli":
             code = cli_main(list(case.args))
+        elif case.kind == "script":
+            return run_script(case, tmp_path)
         elif case.kind == "train":
             environ = {**clean_environ(), **case.environ}
             code = train_main([*case.args, "--dry-run"], environ)
@@ -35,6 +37,13 @@ def answer(case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tu
         code = exit_.code if isinstance(exit_.code, int) else 1
     printed = capsys.readouterr()
     return code, printed.out + printed.err
+
+
+def run_script(case: Case, tmp_path: Path) -> tuple[int, str]:
+    """A user's script of one rank, run by plain python in its own folder."""
+    (tmp_path / "script.py").write_text(f"import torch, hpc_ddp\n{case.text}\n")
+    result = run_python(["script.py"], cwd=tmp_path)
+    return result.returncode, result.stdout + result.stderr
 
 
 def test_there_are_at_least_120_bad_inputs() -> None:

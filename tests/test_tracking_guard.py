@@ -1,16 +1,23 @@
 """Rank 0's hand-over to MLflow: the calls run in order on a background thread, and metrics
 logged close together go to MLflow in one call. The store behind it is a recording stand-in
-here (what reaches a real MLflow store is in test_tracking_worker and test_tracking_outage)."""
+here (what reaches a real MLflow store is in test_tracking_worker and test_tracking_outage),
+but for the refused call, which a real SQLite store refuses."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from hpc_ddp.runtime.tracking.base import LoggedMetrics
+import pytest
+from mlflow import MlflowClient
+
+from hpc_ddp.runtime.names import name_problem
+from hpc_ddp.runtime.tracking.base import LoggedMetrics, RunRecord
 from hpc_ddp.runtime.tracking.guard import GuardedTracker
+from hpc_ddp.runtime.tracking.mlflow_tracker import MlflowTracker
 
 
 class RecordingStore:
@@ -95,3 +102,45 @@ def test_metrics_logged_a_window_apart_go_in_calls_of_their_own() -> None:
         ("log_metric_steps", [({"loss": 1.0}, 2)]),
         ("finish", "FINISHED"),
     ]
+
+
+def test_a_call_mlflow_refuses_is_dropped_and_tracking_goes_on(tmp_path: Path) -> None:
+    """A real MLflow store (SQLite): a metric name it refuses (past the toolkit's own check,
+    as an older record holds them) costs that call and one warning; the next metrics and
+    the run's end still reach MLflow."""
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    record = RunRecord(name="refused/1", params={}, tags={})
+
+    def start() -> MlflowTracker:
+        return MlflowTracker(uri, "refusals", tmp_path / "artifacts", record)
+
+    tracker = GuardedTracker(start, uri, wait_limit_s=60, gather_s=0.0)
+    tracker.log_metrics({"loss@top1": 1.0}, 1)
+    tracker.log_text_artifact("notes.txt", "kept")
+    tracker.log_metrics({"loss": 2.0}, 2)
+    tracker.finish("FINISHED")
+    assert tracker.status == "ok"
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(str(tracker.run_id))
+    assert run.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [
+        (2, 2.0)
+    ]
+    assert "loss@top1" not in run.data.metrics
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("loss@top1", "holds '@'"),
+        ("a/../b", "reads as the path 'b'"),
+        ("/abs", "reads as the path"),
+        ("", "non-empty string"),
+        ("x" * 251, "251 characters long"),
+        (5, "non-empty string"),
+    ],
+)
+def test_names_mlflow_refuses_are_named_with_the_reason(name: object, problem: str) -> None:
+    found = name_problem(name)
+    assert found is not None and problem in found, found
+    assert name_problem("val/top-1 acc:5") is None and name_problem("interval/loss") is None

@@ -329,4 +329,9 @@ def tracking_sync(args: argparse.Namespace) -> int:
         f"added, {report.already} already there"
         + (f"; status {report.status}" if report.status else "")
     )
+    if report.refused:
+        print(
+            f"skipped metrics MLflow refuses by name: {', '.join(report.refused)}",
+            file=sys.stderr,
+        )
     return 0

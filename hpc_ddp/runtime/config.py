@@ -253,6 +253,15 @@ def resolve_config(
     for name, value in sections.items():
         if value is None:
             continue
+        if not isinstance(value, Mapping) and not (
+            dataclasses.is_dataclass(value) and not isinstance(value, type)
+        ):
+            kind = "".join(part.title() for part in name.split("_")) + "Config"
+            raise HpcDdpError(
+                f"hpc_ddp.start({name}={value!r}): expected a mapping of {name} settings or "
+                f"a {kind}, not a {type(value).__name__}",
+                f"e.g. hpc_ddp.start({name}={{...}}); `hpc-ddp config` lists every key",
+            )
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             raw[name] = dataclasses.asdict(value)
         else:

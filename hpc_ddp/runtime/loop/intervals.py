@@ -13,9 +13,24 @@ from hpc_ddp.runtime.logs import Progress, get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.metrics import PendingSums, Sum, Sums, restore_sums, saved_sums
 from hpc_ddp.runtime.loop.streams import batch_length
+from hpc_ddp.runtime.names import check_name
 
 #: Interval metrics the run logs itself (as interval/<name>).
 RESERVED_METRICS = frozenset({"lr", "samples_per_s", "steps_per_s"})
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_logged_name(name: object) -> None:
+    """A name ``run.log`` can take: one MLflow takes, and not one the run logs itself."""
+    check_name(name, "run.log")
+    if name in RESERVED_METRICS:
+        raise HpcDdpError(
+            f"run.log({name!r}, ...): the run logs interval/{name} itself",
+            f"log it under another name (e.g. 'my_{name}'), or with run.log_metrics()",
+        )
 
 
 @dataclass(frozen=True)
@@ -45,18 +60,29 @@ class MetricLog:
         self.global_batch_size = 0
         self.progress = Progress(None, enabled=False)
         self._pending: IntervalReport | None = None
+        self._checked_names: set[str] = set()
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
-        """A training metric's total over ``count`` items (see :meth:`hpc_ddp.Run.log`)."""
-        if name in RESERVED_METRICS:
+        """A training metric's total over ``count`` items (see :meth:`hpc_ddp.Run.log`);
+        what can be checked without a device sync is checked (a name once)."""
+        if name not in self._checked_names:
+            check_logged_name(name)
+            self._checked_names.add(name)
+        if isinstance(total, torch.Tensor):
+            if total.dim() != 0:
+                raise HpcDdpError(
+                    f"run.log({name!r}, ...) got a tensor of shape {tuple(total.shape)}",
+                    "log a scalar (e.g. loss.detach() * batch_size); use run.sums() for tensors",
+                )
+        elif not is_number(total):
             raise HpcDdpError(
-                f"run.log({name!r}, ...): the run logs interval/{name} itself",
-                f"log it under another name (e.g. 'my_{name}'), or with run.log_metrics()",
+                f"run.log({name!r}, {total!r}, ...): the total is a {type(total).__name__}",
+                "pass a number or a 0-d tensor: the metric's sum over count items",
             )
-        if isinstance(total, torch.Tensor) and total.dim() != 0:
+        if not isinstance(count, torch.Tensor) and not (is_number(count) and count > 0):
             raise HpcDdpError(
-                f"run.log({name!r}, ...) got a tensor of shape {tuple(total.shape)}",
-                "log a scalar (e.g. loss.detach() * batch_size); use run.sums() for tensors",
+                f"run.log({name!r}, ..., count={count!r}): the count must be a number above 0",
+                "pass how many items the total sums over (e.g. the batch's size)",
             )
         self.interval.add(name, total, count)
 

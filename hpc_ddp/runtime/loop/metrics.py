@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.names import check_name
 from hpc_ddp.runtime.place.dist import all_gather_object, all_reduce_sum, several_ranks
 
 #: Per-batch totals an entry holds before summing them (bounds memory on long intervals).
@@ -48,6 +49,7 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     number as it is; anything else refused naming the metric."""
     values = {}
     for name, value in metrics.items():
+        check_name(name, "run.log_metrics")
         value = value.mean if isinstance(value, Sum) else value
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()

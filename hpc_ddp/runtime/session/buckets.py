@@ -14,13 +14,14 @@ DDP's own first layout assumes), gives every attempt the same buckets from its f
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 
 
@@ -50,6 +51,35 @@ def settle_buckets(model: DistributedDataParallel) -> bool:
             "run at 3 or more ranks may differ from an uninterrupted one in the last bits"
         )
         return False
+
+
+def check_wrappable(model: object, wrapped: Sequence[nn.Module]) -> None:
+    """Refuse what DistributedDataParallel cannot take, or should not take again, in one line
+    (torch would raise from deep inside, or wrap a model twice without a word)."""
+    if isinstance(model, DistributedDataParallel) or any(model is done for done in wrapped):
+        raise HpcDdpError(
+            "run.wrap(model): this model is wrapped already",
+            "wrap each model once and keep what run.wrap returned",
+        )
+    if not isinstance(model, nn.Module):
+        raise HpcDdpError(
+            f"run.wrap got a {type(model).__name__}, not a torch.nn.Module",
+            "pass the model (an nn.Module) you train",
+        )
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    if not trainable:
+        raise HpcDdpError(
+            f"run.wrap({type(model).__name__}): the model has no parameter that requires a "
+            "gradient, so there is nothing for DDP to synchronise",
+            "wrap the model you train (with its parameters); a frozen or parameter-free "
+            "module needs no wrapping: move it to run.device",
+        )
+    if any(parameter.is_meta for parameter in trainable):
+        raise HpcDdpError(
+            f"run.wrap({type(model).__name__}): its parameters are on the meta device (no data)",
+            "materialise them first, e.g. model.to_empty(device=run.device) and then "
+            "initialise or load the weights",
+        )
 
 
 def wrap_in_ddp(

@@ -10,7 +10,9 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Dataset
 
+from hpc_ddp.runtime.arguments import sized_dataset, whole_number
 from hpc_ddp.runtime.config import RuntimeConfig
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.data import TrainLoader, eval_loader
 from hpc_ddp.runtime.place.env import DistEnv, available_cpus
@@ -94,6 +96,15 @@ class RankView:
         tuples, dicts, nested) arrive on :attr:`device`. ``num_workers="auto"``: this
         rank's CPUs minus one. Other options go to DataLoader.
         """
+        samples = sized_dataset(dataset, "run.train_loader")
+        batch_size = whole_number(batch_size, "run.train_loader(batch_size)")
+        grad_accum_steps = whole_number(grad_accum_steps, "run.train_loader(grad_accum_steps)")
+        if samples < batch_size:
+            raise HpcDdpError(
+                f"run.train_loader: the dataset holds {samples} sample(s), fewer than one "
+                f"global batch of {batch_size}: an epoch would have no step",
+                "pass a smaller batch_size (the GLOBAL batch over all ranks), or more data",
+            )
         return TrainLoader(
             dataset,
             rank=self.rank,
@@ -120,6 +131,8 @@ class RankView:
         """Every sample of ``dataset`` exactly once over all ranks (no padding, nothing
         dropped), in batches of about ``batch_size / world_size`` per rank. Sum with
         :meth:`sums` for exact results."""
+        sized_dataset(dataset, "run.eval_loader")
+        batch_size = whole_number(batch_size, "run.eval_loader(batch_size)")
         return eval_loader(
             dataset,
             rank=self.rank,
@@ -134,6 +147,8 @@ class RankView:
     def loader_workers(self, setting: int | Literal["auto"] = "auto") -> int:
         """DataLoader workers for this rank, for a loader of your own: ``"auto"`` is this
         rank's share of the task's CPUs minus one; a number is kept."""
+        if setting != "auto":
+            setting = whole_number(setting, "num_workers", minimum=0)
         return resolve_num_workers(
             setting, self.env.cpus_per_task, available_cpus(), self.env.local_world_size
         )

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpc_ddp.runtime.arguments import optional_whole_number, whole_number
 from hpc_ddp.runtime.checkpoint.files import Found
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.logs import get_logger
@@ -22,7 +23,8 @@ from hpc_ddp.runtime.loop.metrics import Sum, Sums, scalar_metrics
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import Ticks, step_source
 from hpc_ddp.runtime.loop.timeline import mark
-from hpc_ddp.runtime.session.buckets import wrap_in_ddp
+from hpc_ddp.runtime.names import check_name
+from hpc_ddp.runtime.session.buckets import check_wrappable, wrap_in_ddp
 from hpc_ddp.runtime.session.ending import Ending
 from hpc_ddp.runtime.session.finishing import end_already_finished, finish_run
 from hpc_ddp.runtime.session.rank import RankView
@@ -111,6 +113,7 @@ class Run(RankView):
         ``device_ids``; feed its inputs to its first device.
         ``ddp_options`` go to DistributedDataParallel (e.g. ``find_unused_parameters``).
         """
+        check_wrappable(model, self._context.wrapped)
         wrapped = wrap_in_ddp(model, self.device, ddp_options)
         self._context.wrapped.append(wrapped.module)
         return wrapped
@@ -164,7 +167,10 @@ class Run(RankView):
         """The epochs left: a resumed run starts at its saved epoch. ``max_steps`` ends the
         run after that many optimizer steps (over all attempts); None: no limit."""
         loop = self._loop
-        loop.limits.set(num_epochs=num_epochs, max_steps=max_steps)
+        loop.limits.set(
+            num_epochs=optional_whole_number(num_epochs, "run.epochs(num_epochs)"),
+            max_steps=optional_whole_number(max_steps, "run.epochs(max_steps)"),
+        )
         loop.begin(self.resume)
         if (
             self.resumed is not None
@@ -198,9 +204,11 @@ class Run(RankView):
         periodic and requested checkpoints. Call ``optimizer.step()`` once per step, i.e.
         when not :attr:`accumulating`. Without :meth:`epochs`, each call is the next epoch
         (an endless iterable is one epoch)."""
-        source = step_source(loader, grad_accum_steps)
+        source = step_source(
+            loader, optional_whole_number(grad_accum_steps, "run.steps(grad_accum_steps)")
+        )
         if max_steps is not None:
-            self._loop.limits.set(max_steps=max_steps)
+            self._loop.limits.set(max_steps=whole_number(max_steps, "run.steps(max_steps)"))
         self._loop.begin(self.resume)
         mark(self._timeline, "training")
         return self._ended_on_stop(self._loop.steps(source))
@@ -228,6 +236,7 @@ class Run(RankView):
                     ...
                 optimizer.step()
         """
+        max_steps = optional_whole_number(max_steps, "run.iterations(max_steps)")
         for _ in self.steps(Ticks(), max_steps=max_steps):
             yield self.global_step
 
@@ -237,7 +246,7 @@ class Run(RankView):
         accumulation, so ``if run.every(200): evaluate()`` runs once per 200 steps on every
         rank. The stall watchdog rests while your code runs (an evaluation longer than
         ``dist.stall_timeout_s`` is no stall)."""
-        return self._loop.every(steps)
+        return self._loop.every(whole_number(steps, "run.every(steps)"))
 
     def save(self) -> None:
         """Write a checkpoint (a collective: call it on every rank, e.g. under
@@ -270,7 +279,7 @@ class Run(RankView):
 
     def log_text(self, name: str, text: str) -> None:
         """Store ``text`` as an artifact of the MLflow run (rank 0)."""
-        self._context.tracker.log_text_artifact(name, text)
+        self._context.tracker.log_text_artifact(check_name(name, "run.log_text"), text)
 
     # -- the end -----------------------------------------------------------------------------
 

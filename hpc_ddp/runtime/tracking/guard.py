@@ -40,6 +40,15 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
 
 
+#: MLflow's answer to a request it refuses for its content (a name, a value), not because
+#: the server failed.
+REFUSED_CODES = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST"})
+
+
+def refused_request(error: BaseException) -> bool:
+    return getattr(error, "error_code", None) in REFUSED_CODES
+
+
 #: A call handed over to the background thread: (what it does, for a warning; method; args).
 Call = tuple[str, str, tuple[Any, ...]]
 
@@ -75,6 +84,7 @@ class GuardedTracker:
         #: The MLflow run once created; still named after MLflow failed (a resume reopens it).
         self._run_id: str | None = None
         self._status = "ok"
+        self._dropped: set[str] = set()
 
     @property
     def status(self) -> str:
@@ -111,6 +121,9 @@ class GuardedTracker:
             try:
                 getattr(tracker, method)(*args)
             except BaseException as error:
+                if refused_request(error):  # this call's content, not the server: go on
+                    self._drop(doing, error)
+                    continue
                 self._fail(doing, error)
                 tracker = None
 
@@ -171,6 +184,15 @@ class GuardedTracker:
             f"{tracker.run_id} and tracking goes on"
         )
         return tracker
+
+    def _drop(self, doing: str, error: BaseException) -> None:
+        """One warning per kind of refused call; tracking goes on with the next."""
+        if doing not in self._dropped:
+            self._dropped.add(doing)
+            get_logger().warning(
+                f"MLflow at {self._uri} refused {doing} ({_first_line(error)}); that call is "
+                "dropped, tracking goes on, and metrics.jsonl keeps every point"
+            )
 
     def _fail(self, doing: str, error: BaseException) -> None:
         self._failed_at = time.monotonic()

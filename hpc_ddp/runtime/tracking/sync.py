@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.names import name_problem
 from hpc_ddp.runtime.tracking.base import store_lock
 from hpc_ddp.runtime.tracking.journal import (
     TRACKING_FILE,
@@ -40,6 +41,8 @@ class SyncReport:
     status: str | None
     #: Every (metric, step) point of the record, now in MLflow.
     points: set[tuple[str, int]]
+    #: Metric names of the record MLflow refuses (logged before names were checked): skipped.
+    refused: tuple[str, ...] = ()
 
 
 def _read_tracking(run_dir: Path) -> dict[str, Any]:
@@ -92,9 +95,13 @@ def sync_run(run_dir: Path, uri: str | None = None, live: bool = False) -> SyncR
             )
         existing: dict[str, set[int]] = {}
         points = []
+        refused: set[str] = set()
         for entry in read_metrics(run_dir):
             for key, value in entry["metrics"].items():
                 if value is None:
+                    continue
+                if name_problem(key) is not None:
+                    refused.add(key)
                     continue
                 if key not in existing:
                     history = [] if created else client.get_metric_history(run_id, key)
@@ -124,7 +131,16 @@ def sync_run(run_dir: Path, uri: str | None = None, live: bool = False) -> SyncR
         ) from None
     _remember(run_dir, tracking, uri, run_id)
     replayed = {(point.key, point.step) for point in points}
-    return SyncReport(run_id, uri, created, len(new), len(points) - len(new), final, replayed)
+    return SyncReport(
+        run_id,
+        uri,
+        created,
+        len(new),
+        len(points) - len(new),
+        final,
+        replayed,
+        tuple(sorted(refused)),
+    )
 
 
 def _known_run(tracking: dict[str, Any], uri: str) -> str | None:
