@@ -368,6 +368,16 @@ FAULTS: list[tuple[str, str, str]] = [
      "just written is kept", "test_fault_tolerance.py::test_pruning_never_removes_the_checkpoint_just_written"),
     ("<run dir>/checkpoints a regular file or a link loop", "refused at the start in one line",
      "test_fault_tolerance.py::test_a_checkpoints_path_that_cannot_hold_them_is_refused_at_the_start"),
+    ("summary.json refused by the file system at the run's end", "one warning, exit 0, the "
+     "run recorded finished with its checkpoint", "test_fault_tolerance.py::test_a_summary_that_cannot_be_written_leaves_the_run_finished"),
+    ("a child the user's code forks exits", "the parent's run (and its MLflow run) is not "
+     "ended by it", "test_loop_parts.py::test_a_forked_child_does_not_hold_the_parents_run"),
+    ("a metric name MLflow refuses reaches the tracker", "that call dropped with one "
+     "warning, tracking and the run's end go on", "test_tracking_guard.py::test_a_call_mlflow_refuses_is_dropped_and_tracking_goes_on"),
+    ("a damaged value in a run's status.json", "hpc-ddp runs names that file in one line "
+     "and lists every other run", "test_view.py::test_a_damaged_record_is_one_line_and_every_other_run_still_lists"),
+    ("damaged lines in metrics.jsonl", "left out of runs, plot and sync",
+     "test_view.py::test_damaged_lines_of_metrics_jsonl_are_left_out_of_runs_plot_and_sync"),
     ("rendezvous port in use", "one line naming the port, exit 2",
      "test_training.py::test_rendezvous_port_in_use_is_reported"),
     ("rank 0 never starts", "the others give up in init_timeout_s, one line each",

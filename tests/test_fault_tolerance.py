@@ -577,3 +577,19 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_names_the_path(tmp_path: 
     assert re.search(r"; \d+(\.\d)? (B|KiB) free of 1\.\d MiB on its file system;", line), line
     assert "the previous checkpoint step-000000020.pt is kept" in line, line
     assert "HINT: free space" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_summary_that_cannot_be_written_leaves_the_run_finished(tmp_path: Path) -> None:
+    """The file system refuses summary.json at the very end (here a folder of that name
+    stands where the file goes; a full disk refuses it the same way, with an OSError): one
+    warning, exit 0, the run recorded as finished at its last step with its checkpoint."""
+    run_dir = tmp_path / "synthetic-mlp" / "nosummary"
+    (run_dir / "summary.json").mkdir(parents=True)
+    common = ["run.id=nosummary", "tracking.enabled=false", "train.epochs=1", "train.max_steps=6"]
+    result = run_local(2, tmp_path, common)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"cannot write {run_dir / 'summary.json'}" in result.stderr
+    assert "Traceback" not in result.stderr
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "finished" and status["global_step"] == 6, status
+    assert load_checkpoint(sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1])["finished"]

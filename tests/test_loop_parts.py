@@ -5,6 +5,7 @@ consequences) and the per-rank states of a user's iterable."""
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -198,3 +199,22 @@ def test_labelled_lines_are_written_whole_in_one_call() -> None:
     stream.flush()
     stream.write(" ends\n")
     assert recorder.writes[3:] == ["[rank 1] partial", " ends\n"]
+
+
+def test_a_forked_child_does_not_hold_the_parents_run() -> None:
+    """A process the user's code forks (os.fork, then its own exit) would run the exit
+    handlers and end the parent's run (MLflow FAILED through the shared tracking pipe); in
+    the child the run is not held. The child leaves with os._exit: torch's own exit in a
+    forked child of a process with a gloo group can hang, whoever forked it."""
+    from hpc_ddp.runtime.session import ending
+
+    ending._ACTIVE.append(object())  # type: ignore[arg-type]  # stands for the parent's run
+    try:
+        child = os.fork()
+        if child == 0:
+            os._exit(10 + len(ending._ACTIVE))
+        _pid, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 10, "the child holds no run"
+        assert len(ending._ACTIVE) == 1, "the parent still does"
+    finally:
+        ending._ACTIVE.pop()

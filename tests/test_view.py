@@ -13,7 +13,7 @@ from matplotlib.image import imread
 
 from hpc_ddp.runtime.tracking.base import NullTracker
 from hpc_ddp.runtime.tracking.journal import JournalTracker, read_status
-from hpc_ddp.view.plot import plot_run
+from hpc_ddp.view.plot import curves, plot_run
 from hpc_ddp.view.runs import find_run, find_runs, format_runs, load_run
 from tests.helpers import REPO, clean_environ, run_local_program
 
@@ -203,3 +203,52 @@ def test_plot_puts_scores_on_their_own_axis_and_keeps_each_metrics_colour(tmp_pa
     assert len({line.get_color() for line in loss_lines.values()}) == 1
     [accuracy] = scores.get_lines()
     assert accuracy.get_label() == "val_accuracy" and list(accuracy.get_xdata()) == [20, 40]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        {"global_step": "abc"},
+        {"attempts": None},
+        {"epoch": -3},
+        {"pid": "x", "state": "running"},
+        {"updated": "yesterday"},
+    ],
+    ids=["step-text", "attempts-null", "epoch-negative", "pid-text", "updated-text"],
+)
+def test_a_damaged_record_is_one_line_and_every_other_run_still_lists(
+    tmp_path: Path, damage: dict[str, object]
+) -> None:
+    for run_id in ("good", "damaged"):
+        journal = JournalTracker(NullTracker(), tmp_path / "name" / run_id, lambda: (3, 0), "7", 1)
+        journal.log_metrics({"loss": 0.5}, 3)
+    status_file = tmp_path / "name" / "damaged" / "status.json"
+    status_file.write_text(json.dumps({**json.loads(status_file.read_text()), **damage}))
+    result = hpc_ddp_command("runs", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "good" in result.stdout and "Traceback" not in result.stderr
+    listed = "damaged" in result.stdout
+    skipped = [line for line in result.stderr.splitlines() if "skipped" in line]
+    assert listed != bool(skipped), "the damaged run is listed (a harmless field) or named once"
+    if skipped:
+        assert len(skipped) == 1 and str(status_file) in skipped[0], result.stderr
+
+
+def test_damaged_lines_of_metrics_jsonl_are_left_out_of_runs_plot_and_sync(tmp_path: Path) -> None:
+    run_dir = tmp_path / "name" / "id"
+    journal = JournalTracker(NullTracker(), run_dir, lambda: (3, 0), "7", 1)
+    journal.log_metrics({"loss": 0.5, "val_accuracy": 0.75}, 3)
+    with (run_dir / "metrics.jsonl").open("a") as record:
+        for damaged in (
+            {"step": "x", "global_step": 4, "epoch": 0, "time": 1.0, "metrics": {"loss": 1.0}},
+            {"step": 5, "global_step": 5, "epoch": 0, "time": 1.0, "metrics": {"loss": "high"}},
+            {"step": 6, "global_step": 6, "epoch": 0, "time": "t", "metrics": {"loss": 2.0}},
+            [1, 2, 3],
+        ):
+            record.write(json.dumps(damaged) + "\n")
+    run = load_run(run_dir)
+    assert run is not None and run.train == {"loss": 0.5} and run.val == {"val_accuracy": 0.75}
+    train, val = curves(run_dir)
+    assert train == {"loss (epoch)": ([3.0], [0.5])} and val == {"val_accuracy": ([3.0], [0.75])}
+    plotted = hpc_ddp_command("plot", "name/id", "--output-dir", str(tmp_path))
+    assert plotted.returncode == 0 and "Traceback" not in plotted.stderr, plotted.stderr

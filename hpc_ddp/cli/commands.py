@@ -303,8 +303,11 @@ def port(_args: argparse.Namespace) -> int:
 def runs(args: argparse.Namespace) -> int:
     from hpc_ddp.view.runs import find_runs, format_runs
 
-    found = find_runs(Path(args.output_dir))
+    damaged: list[str] = []
+    found = find_runs(Path(args.output_dir), damaged)
     print(format_runs(found) if found else f"no runs in {args.output_dir}")
+    for line in damaged:
+        print(f"hpc-ddp runs: skipped {line}", file=sys.stderr)
     return 0
 
 

@@ -52,16 +52,30 @@ def metric_kind(name: str) -> str | None:
 def _state(status: dict[str, Any]) -> str:
     state = str(status.get("state", "unknown"))
     same_host = status.get("host") == socket.gethostname()
-    if state == "running" and same_host and not pid_alive(int(status.get("pid", 0)) or -1):
+    pid = status.get("pid")
+    pid = pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else -1
+    if state == "running" and same_host and not pid_alive(pid):
         return "lost"
     return state
 
 
+def _count(status: dict[str, Any], key: str, default: int, path: Path) -> int:
+    value = status.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise HpcDdpError(
+            f"{path / STATUS_FILE}: {key}={value!r} is not a count: the record is damaged",
+            "the run's checkpoints are not affected; remove or repair that file",
+        )
+    return value
+
+
 def load_run(path: Path) -> RunView | None:
-    """The run in ``path`` (a run directory), or None if it is not one."""
+    """The run in ``path`` (a run directory), or None if it is not one; HpcDdpError for a
+    damaged status.json."""
     status = read_status(path)
     if status is None:
         return None
+    updated = status.get("updated", 0.0)
     train: dict[str, float | None] = {}
     val: dict[str, float | None] = {}
     for entry in read_metrics(path):
@@ -74,23 +88,30 @@ def load_run(path: Path) -> RunView | None:
         name=path.parent.name,
         run_id=path.name,
         state=_state(status),
-        global_step=int(status.get("global_step", 0)),
-        epoch=int(status.get("epoch", 0)),
-        attempts=int(status.get("attempts", 1)),
-        updated=float(status.get("updated", 0.0)),
+        global_step=_count(status, "global_step", 0, path),
+        epoch=_count(status, "epoch", 0, path),
+        attempts=_count(status, "attempts", 1, path),
+        updated=float(updated) if isinstance(updated, int | float) else 0.0,
         train=train,
         val=val,
     )
 
 
-def find_runs(output_dir: Path) -> list[RunView]:
-    """Every run under ``output_dir`` (``<name>/<run id>/status.json``), newest first."""
+def find_runs(output_dir: Path, damaged: list[str] | None = None) -> list[RunView]:
+    """Every run under ``output_dir`` (``<name>/<run id>/status.json``), newest first; a run
+    whose record is damaged is left out, with one line about it added to ``damaged``."""
     if not output_dir.is_dir():
         raise HpcDdpError(
             f"no such directory: {output_dir}",
             "pass the run.output_dir your runs write to (default: runs)",
         )
-    runs = [load_run(status.parent) for status in output_dir.glob(f"*/*/{STATUS_FILE}")]
+    runs = []
+    for status in output_dir.glob(f"*/*/{STATUS_FILE}"):
+        try:
+            runs.append(load_run(status.parent))
+        except HpcDdpError as error:
+            if damaged is not None:
+                damaged.append(error.message)
     return sorted((run for run in runs if run), key=lambda run: run.updated, reverse=True)
 
 

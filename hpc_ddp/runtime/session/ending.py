@@ -65,6 +65,9 @@ class Ending:
 
 _ACTIVE: list[Ending] = []
 _previous_hook = sys.excepthook
+# A child the user's code forks (a worker, a helper) does not hold the run: its exit must not
+# end it, nor mark it FAILED in MLflow.
+os.register_at_fork(after_in_child=_ACTIVE.clear)
 
 
 def end_active_run(error: BaseException) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, NoReturn
 
 from hpc_ddp.runtime.errors import AlreadyFinished
@@ -41,10 +42,11 @@ def finish_run(
     }
     is_main = context.env.is_main
     if is_main:
-        path = write_summary(context.run_dir, facts)
+        path = _write_summary(context, facts)
         context.tracker.log_json_artifact("summary.json", facts)
-        facts["summary_path"] = str(path)
-        get_logger().info(f"summary: {path}")
+        if path is not None:
+            facts["summary_path"] = str(path)
+            get_logger().info(f"summary: {path}")
     phases["close"] = time.perf_counter()
     ending("FINISHED")
     facts["ending_s"] = durations(phases, time.perf_counter())
@@ -58,8 +60,23 @@ def finish_run(
             + ", ".join(f"{phase} {s:.2f} s" for phase, s in facts["ending_s"].items())
         )
         # Again, now with the end's own times (and MLflow's final state).
-        write_summary(context.run_dir, {k: v for k, v in facts.items() if k != "summary_path"})
+        if "summary_path" in facts:
+            _write_summary(context, {k: v for k, v in facts.items() if k != "summary_path"})
     return facts
+
+
+def _write_summary(context: RunContext, facts: dict[str, Any]) -> Path | None:
+    """summary.json, or one warning when the file system refuses it (a full disk at the very
+    end): the run's training, checkpoint and end are whole without it."""
+    try:
+        return write_summary(context.run_dir, facts)
+    except OSError as error:
+        get_logger().warning(
+            f"cannot write {context.run_dir / 'summary.json'} ({error.strerror or error}); "
+            "the run finished and its final checkpoint and metrics.jsonl are kept. HINT: "
+            "free space there; the MLflow run holds the summary when tracking is on"
+        )
+        return None
 
 
 def end_already_finished(context: RunContext, ending: Ending, resumed: Resumed) -> NoReturn:

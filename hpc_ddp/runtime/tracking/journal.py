@@ -90,6 +90,9 @@ def current_points(lines: Iterable[str]) -> list[dict[str, Any]]:
         if not isinstance(entry, dict):
             continue
         if isinstance(entry.get("metrics"), dict):
+            entry = _whole_entry(entry)
+            if entry is None:
+                continue
             if restart is not None and entry.get("step") == restart:
                 for old in kept[:earlier]:
                     if old.get("step") == restart:
@@ -104,6 +107,26 @@ def current_points(lines: Iterable[str]) -> list[dict[str, Any]]:
             kept = [old for old in kept if not _step_after(old, restart)]
             earlier = len(kept)
     return [entry for entry in kept if entry["metrics"]]
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _whole_entry(entry: dict[str, Any]) -> dict[str, Any] | None:
+    """A metric entry as readers need it (whole-number steps, time and epoch; each value a
+    number or None), or None for a damaged one; a damaged value alone is left out."""
+    steps = [entry.get(key, 0) for key in ("step", "global_step", "epoch")]
+    if not all(isinstance(step, int) and not isinstance(step, bool) for step in steps):
+        return None
+    if not _is_number(entry.get("time", 0.0)):
+        return None
+    metrics = {
+        name: value
+        for name, value in entry["metrics"].items()
+        if isinstance(name, str) and (value is None or _is_number(value))
+    }
+    return {**entry, "metrics": metrics}
 
 
 def _step_after(entry: Mapping[str, Any], step: int) -> bool:
