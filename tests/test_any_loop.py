@@ -156,3 +156,35 @@ def test_the_lm_loop_evaluates_once_per_interval_and_keeps_its_best_loss(tmp_pat
     saved = torch.load(sorted(tmp_path.glob("*/*/checkpoints/step-*.pt"))[-1], weights_only=True)
     assert saved["values"] == {"best_val_loss": facts["best_val_loss"]}
     assert best.is_file() and set(torch.load(best)) >= {"head.weight", "embed.weight"}
+
+
+PER_RANK_FILES = """
+import torch
+import hpc_ddp
+from torch.utils.data import DataLoader, TensorDataset
+
+run = hpc_ddp.start(run={"name": "uneven"}, tracking={"enabled": False})
+model = run.wrap(torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+run.register(model=model, optimizer=optimizer)
+# Each rank reads its own list of files, one rank's longer than the other's.
+samples = TensorDataset(torch.randn(64 + 32 * run.rank, 4))
+for epoch in run.epochs(1):
+    for (features,) in run.steps(DataLoader(samples, batch_size=8)):
+        model(features).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+run.finish()
+"""
+
+
+def test_ranks_with_datasets_of_different_lengths_are_refused_not_left_waiting(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "uneven.py").write_text(PER_RANK_FILES)
+    result = run_local_program(
+        2, [str(tmp_path / "uneven.py"), f"run.output_dir={tmp_path}"], timeout=90
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "different numbers of steps per epoch (rank 0: 8, rank 1: 12)" in result.stderr
+    assert "HINT: give every rank the same dataset" in result.stderr

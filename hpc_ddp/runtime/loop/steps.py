@@ -27,9 +27,31 @@ from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Limits, Position
 from hpc_ddp.runtime.loop.stopper import Stopper
 from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
+from hpc_ddp.runtime.place.dist import all_gather_object
 from hpc_ddp.runtime.preempt.watchdog import StallWatchdog
 
 _END = object()
+
+
+def check_same_steps(steps_per_epoch: int | None, group: Any | None) -> None:
+    """Every rank must run the same steps per epoch: a rank that runs fewer leaves the others
+    waiting in a collective it never joins. One small exchange per epoch; refused on every
+    rank in one line naming each rank's count."""
+    if group is None:
+        return
+    counts = all_gather_object(steps_per_epoch, group)
+    if len(set(counts)) > 1:
+        each = ", ".join(
+            f"rank {rank}: {'no end' if count is None else count}"
+            for rank, count in enumerate(counts[:8])
+        )
+        raise HpcDdpError(
+            f"the ranks would run different numbers of steps per epoch ({each}"
+            f"{', ...' if len(counts) > 8 else ''}) and wait on each other for ever",
+            "give every rank the same dataset: its length decides the steps (a per-rank file "
+            "list must hold the same number of samples on each rank), or let run.train_loader "
+            "shard one dataset by index",
+        )
 
 
 def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | None:
@@ -121,6 +143,7 @@ class StepLoop:
         else:
             micro = loader.global_batch_size // (accum * self.context.env.world_size)
             self.metrics.set_batch(micro, accum)
+        check_same_steps(loader.steps_per_epoch, self.context.control_group)
         self.metrics.progress.total_steps = self.limits.total_steps(loader.steps_per_epoch)
         left = self.limits.steps_left(position, loader.steps_per_epoch)
         loader.set_position(position.epoch, position.step_in_epoch)
