@@ -57,6 +57,12 @@ def script(text: str, says: str, code: int = 2) -> Case:
     return Case("script", (), code, says, text=text)
 
 
+#: 400 bytes of YAML that stand for 9**9 values through aliases.
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{name}: &{name} [{', '.join([f'*{previous}'] * 9)}]\n"
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True)
+)
+
 #: What ``RUN`` stands for in a script case.
 RUN = 'run = hpc_ddp.start(tracking={"enabled": False})'
 
@@ -295,6 +301,10 @@ CASES: list[Case] = [
     yaml_file("data:\n  batch_size: 1e400\n", says="data.batch_size"),
     yaml_file("model:\n  hidden_sizes: {a: 1}\n", says="model.hidden_sizes"),
     yaml_file("unknown_section:\n  a: 1\n", says="unknown_section"),
+    yaml_file(ALIAS_BOMB, says="expands to more than 100,000 values"),
+    yaml_file(
+        "model:\n  hidden_sizes: [[1, 2, 3, 4, 5, 6, 7, 8, 9]]\n", says="got [1, 2, 3, 4, ...]"
+    ),
     # -- a user's script: the public API -----------------------------------------------------
     script("hpc_ddp.start(run=5)", says="expected a mapping of run settings or a RunConfig"),
     script('hpc_ddp.start(dist=["x"])', says="expected a mapping of dist settings"),

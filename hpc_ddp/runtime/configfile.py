@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -41,7 +42,48 @@ def section(factory: Any, doc: str) -> Any:
 def require(condition: bool, key: str, seen: object, expected: str) -> None:
     """Refuse a bad value in a ``__post_init__``, naming the key and what is valid."""
     if not condition:
-        raise HpcDdpError(f"{key}={seen!r} is invalid: expected {expected}", f"fix {key}")
+        raise HpcDdpError(f"{key}={shown(seen)} is invalid: expected {expected}", f"fix {key}")
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring = _SHORT.maxother = 40
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 2, 4, 4
+
+#: The most values a config file may expand to: YAML aliases can make a few hundred bytes
+#: stand for billions of values (an "alias bomb").
+MAX_EXPANDED_VALUES = 100_000
+
+
+def shown(value: object) -> str:
+    """``value`` as a message quotes it: its repr, bounded in length and depth."""
+    return _SHORT.repr(value)
+
+
+def expanded_size(node: yaml.Node, limit: int = MAX_EXPANDED_VALUES) -> int:
+    """How many values the YAML ``node`` stands for once every alias is expanded (counted
+    without expanding; past ``limit`` the count stops; a node inside itself counts as over)."""
+    sizes: dict[int, int] = {}
+
+    def size(current: yaml.Node) -> int:
+        known = sizes.get(id(current))
+        if known is not None:
+            return known
+        sizes[id(current)] = limit + 1  # while counting it: a node inside itself is too big
+        total = 1
+        if isinstance(current, yaml.SequenceNode):
+            children = list(current.value)
+        elif isinstance(current, yaml.MappingNode):
+            children = [part for pair in current.value for part in pair]
+        else:
+            children = []
+        for child in children:
+            total += size(child)
+            if total > limit:
+                break
+        sizes[id(current)] = min(total, limit + 1)
+        return sizes[id(current)]
+
+    return size(node)
 
 
 def section_names(cls: type) -> list[str]:
@@ -110,17 +152,17 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         matched, coerced = _coerce_scalar(value, hint)
         if matched:
             return coerced
-    shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:40]}..."
     expected = _describe(hint)
     if _is_int(value) and not -INT_LIMIT <= value < INT_LIMIT:
         expected += " within a 64-bit integer"
-    raise HpcDdpError(f"{where}: got {shown} ({type(value).__name__}), expected {expected}")
+    raise HpcDdpError(f"{where}: got {shown(value)} ({type(value).__name__}), expected {expected}")
 
 
 def _build_section(defaults: Any, section: str, values: Any, source: str) -> Any:
     if not isinstance(values, Mapping):
         raise HpcDdpError(
-            f"{source}: section '{section}' must be a mapping of keys to values, got {values!r}",
+            f"{source}: section '{section}' must be a mapping of keys to values, got "
+            f"{shown(values)}",
             f"write it as '{section}:' followed by indented 'key: value' lines",
         )
     hints = typing.get_type_hints(type(defaults))
@@ -193,7 +235,17 @@ class _Named(io.StringIO):
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key written twice in one mapping."""
+    """YAML's safe loader, refusing a key written twice in one mapping and a document that
+    aliases expand past :data:`MAX_EXPANDED_VALUES` values."""
+
+    def construct_document(self, node: Any) -> Any:
+        if expanded_size(node) > MAX_EXPANDED_VALUES:
+            raise HpcDdpError(
+                f"{node.start_mark.name}: expands to more than {MAX_EXPANDED_VALUES:,} values "
+                "(YAML aliases, *name, repeating each other?)",
+                "write the values out; a config needs no more than a few hundred",
+            )
+        return super().construct_document(node)
 
     def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -252,7 +304,8 @@ def load_raw(path: str | Path) -> dict[str, Any]:
             )
         if section_values is not None and not isinstance(section_values, dict):
             raise HpcDdpError(
-                f"{config_path}: section {name!r} is {section_values!r}, not a mapping of keys",
+                f"{config_path}: section {name!r} is {shown(section_values)}, not a mapping of "
+                "keys",
                 f"write its keys on indented lines below '{name}:', e.g. '  key: value'",
             )
         for key in section_values or {}:
