@@ -390,6 +390,10 @@ FAULTS: list[tuple[str, str, str]] = [
      "test_view.py::test_damaged_lines_of_metrics_jsonl_are_left_out_of_runs_plot_and_sync"),
     ("rendezvous port in use", "one line naming the port, exit 2",
      "test_training.py::test_rendezvous_port_in_use_is_reported"),
+    ("a second process reaches for a local run's store", "answered on 127.0.0.1 only, "
+     "refused at another address of the host", "test_training.py::test_a_local_runs_store_listens_on_loopback_only"),
+    ("ranks whose datasets give different steps per epoch", "refused on every rank naming each "
+     "count, no hang", "test_any_loop.py::test_ranks_with_datasets_of_different_lengths_are_refused_not_left_waiting"),
     ("rank 0 never starts", "the others give up in init_timeout_s, one line each",
      "test_training.py::test_a_rank_without_rank_0_gives_up_in_one_line"),
     ("tracking server down at start", "one warning, training and its record whole; sync "

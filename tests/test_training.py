@@ -21,7 +21,15 @@ from hpc_ddp.runtime.loop.data import ShardedEvalSampler
 from hpc_ddp.runtime.loop.metrics import PENDING_MAX, Sums
 from hpc_ddp.runtime.loop.replicas import replica_fingerprint
 from hpc_ddp.trainer.schedule import LrSchedule, lr_factor
-from tests.helpers import REPO, clean_environ, read_summary, run_local, run_train, summary_path
+from tests.helpers import (
+    REPO,
+    clean_environ,
+    read_summary,
+    run_local,
+    run_local_program,
+    run_train,
+    summary_path,
+)
 
 EXACT = [
     "train.max_steps=20",
@@ -513,3 +521,30 @@ def test_a_model_split_in_two_stages_trains_to_the_unsplit_weights(tmp_path: Pat
     ]
     pairs = zip(split_weights.values(), whole_weights.values(), strict=True)
     assert all(torch.equal(split_tensor, whole_tensor) for split_tensor, whole_tensor in pairs)
+
+
+STORE_PROBE = """
+import os, subprocess, sys
+import hpc_ddp
+
+run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False})
+if run.rank == 0:
+    port = int(os.environ["MASTER_PORT"])
+    probe = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 5)"
+    for host in ("127.0.0.1", "127.0.0.2"):  # the announced address; another on this host
+        reached = subprocess.run([sys.executable, "-c", probe, host, str(port)]).returncode == 0
+        print(f"STORE {host} {'reached' if reached else 'refused'}", flush=True)
+run.finish()
+"""
+
+
+def test_a_local_runs_store_listens_on_loopback_only(tmp_path: Path) -> None:
+    """torch's rendezvous store takes any client without credentials: a local run's store
+    listens on the announced 127.0.0.1 only. A second process on this host reaches it there
+    and is refused at 127.0.0.2 (an address of this host that a store listening on every
+    interface would answer; loopback, so the test stays off the network)."""
+    (tmp_path / "probe.py").write_text(STORE_PROBE)
+    result = run_local_program(2, [str(tmp_path / "probe.py"), f"run.output_dir={tmp_path}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "STORE 127.0.0.1 reached" in result.stdout, result.stdout
+    assert "STORE 127.0.0.2 refused" in result.stdout, result.stdout

@@ -3,6 +3,8 @@ and the few cross-rank helpers the runtime uses, each a no-op without a group of
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import os
 import socket
 import time
@@ -46,6 +48,37 @@ def _wait_for_listener(host: str, port: int, deadline: float) -> None:
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
+def store_listen_host(master_addr: str, num_nodes: int) -> str | None:
+    """The one address rank 0's store listens on: the announced one (loopback for a local
+    run), so nothing else on the host or its network can reach the store, which takes any
+    client without credentials. None (every interface, torch's default) when the name does
+    not resolve here, or resolves to loopback in a job of several nodes (a node whose
+    /etc/hosts maps its own name to 127.0.1.1: the other nodes reach it by another
+    address)."""
+    try:
+        found = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    host = str(found[0][4][0])
+    if ipaddress.ip_address(host.split("%")[0]).is_loopback and num_nodes > 1:
+        return None
+    return host
+
+
+def _listening_socket(host: str, port: int) -> int:
+    """A socket listening on ``host``:``port`` only, handed over to the store as its fd."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(1024)
+    except BaseException:
+        listener.close()
+        raise
+    return listener.detach()
+
+
 def _rendezvous_store(dist_env: DistEnv, init_timeout_s: float) -> Store:
     """The store all ranks meet in; every wait on it is bounded by ``init_timeout_s``."""
     if dist_env.world_size == 1:
@@ -57,6 +90,9 @@ def _rendezvous_store(dist_env: DistEnv, init_timeout_s: float) -> Store:
         if not hosts_store:
             # Wait for the port here: torch's own timeout logs pages of C++ frames.
             _wait_for_listener(dist_env.master_addr, dist_env.master_port, deadline)
+        listen_host = (
+            store_listen_host(dist_env.master_addr, dist_env.num_nodes) if hosts_store else None
+        )
         store = TCPStore(
             host_name=dist_env.master_addr,
             port=dist_env.master_port,
@@ -64,19 +100,28 @@ def _rendezvous_store(dist_env: DistEnv, init_timeout_s: float) -> Store:
             is_master=hosts_store,
             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
             wait_for_workers=True,
+            master_listen_fd=(
+                _listening_socket(listen_host, dist_env.master_port) if listen_host else None
+            ),
         )
         if dist_env.store_hosted_by_launcher:
             # torchrun's agent keeps its store across worker restarts: the keys of the
             # workers it restarted (their gloo addresses) would be read as this round's.
             return PrefixStore(f"hpc_ddp/attempt_{dist_env.elastic_restarts}", store)
         return store
-    except (RuntimeError, dist.DistError, TimeoutError) as error:
+    except (RuntimeError, dist.DistError, TimeoutError, OSError) as error:
         text = str(error)
-        if "address already in use" in text.lower() or "EADDRINUSE" in text:
+        in_use = isinstance(error, OSError) and error.errno == errno.EADDRINUSE
+        if in_use or "address already in use" in text.lower() or "EADDRINUSE" in text:
             raise HpcDdpError(
                 f"rank 0 cannot listen on rendezvous port {where}: it is already in use",
                 "another job on this node holds the port; set dist.master_port=<free port> "
                 "(or export MASTER_PORT) to pick another",
+            ) from None
+        if hosts_store and isinstance(error, OSError) and not isinstance(error, TimeoutError):
+            raise HpcDdpError(
+                f"rank 0 cannot listen on rendezvous address {where}: {error.strerror or error}",
+                "MASTER_ADDR must name this host (rank 0's); check it, or leave it to the launcher",
             ) from None
         if hosts_store:
             raise HpcDdpError(
