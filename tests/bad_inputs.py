@@ -408,6 +408,11 @@ FAULTS: list[tuple[str, str, str]] = [
      "test_tracking_outage.py::test_runs_that_open_a_new_sqlite_store_at_once_all_get_their_mlflow_run"),
     ("second live run with the same run.id", "refused naming the first's host and pid",
      "test_rundir.py::test_a_second_live_run_with_the_same_id_is_refused_naming_the_first"),
+    ("links planted at a run directory's file names; umask 000", "never written through, "
+     "nothing made group- or world-writable; a link at .lock refused in one line",
+     "test_rundir.py::test_links_planted_in_a_run_directory_are_never_written_through"),
+    ("a run directory owned by another user", "refused in one line",
+     "test_rundir.py::test_a_run_directory_of_another_user_is_refused"),
     ("the local launcher killed with kill -9", "its ranks stop as on a preemption",
      "test_fault_tolerance.py::test_ranks_end_when_their_local_launcher_is_killed"),
 ]  # fmt: skip

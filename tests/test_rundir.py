@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import socket
 import subprocess
@@ -150,3 +151,54 @@ def test_a_file_system_without_locks_warns_and_runs(
         rundir.claim_run_dir(tmp_path / "run")
     assert (tmp_path / "run" / ".lock").exists()
     assert "cannot lock the run directory" in caplog.text and "HINT: mount" in caplog.text
+
+
+def run_as_user_would(
+    tmp_path: Path, run_id: str, umask: str = "022"
+) -> subprocess.CompletedProcess[str]:
+    """The regression program on 2 local ranks with tracking on (its own files too), from a
+    shell with ``umask``."""
+    command = [sys.executable, "-m", "hpc_ddp", "local", "--nproc", "2", PROGRAM,
+               "--epochs", "1", f"run.output_dir={tmp_path}", f"run.id={run_id}"]  # fmt: skip
+    return subprocess.run(
+        ["bash", "-c", f'umask {umask} && exec "$@"', "bash", *command],
+        cwd=REPO, env=clean_environ(), capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+
+
+def test_links_planted_in_a_run_directory_are_never_written_through(tmp_path: Path) -> None:
+    """Run ids are predictable and project folders shared: links planted at the names the
+    run writes (the old fixed temporary names included) must not lead its writes to the
+    files they point at; under umask 000 nothing it makes is group- or world-writable."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    run_dir = tmp_path / "regression" / "planted"
+    run_dir.mkdir(parents=True)
+    for name in (".status.json.tmp", ".tracking.json.tmp", ".summary.json.tmp"):
+        (run_dir / name).symlink_to(victim)
+    result = run_as_user_would(tmp_path, "planted", umask="000")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert victim.read_text() == "precious\n"
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    made = [run_dir, *run_dir.rglob("*")]
+    writable = [str(p) for p in made if not p.is_symlink() and p.stat().st_mode & 0o022]
+    assert writable == [], writable
+    # A link where the lock goes: refused in one line, the file it points at untouched.
+    (tmp_path / "regression" / "locked").mkdir()
+    (tmp_path / "regression" / "locked" / ".lock").symlink_to(victim)
+    refused = run_as_user_would(tmp_path, "locked")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert ".lock is a link" in one_line_error(refused.stderr)
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_run_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    """Changing a folder's owner needs root (CI runs as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    run_dir = tmp_path / "regression" / "theirs"
+    run_dir.mkdir(parents=True)
+    os.chown(run_dir, 4242, 4242)
+    result = run_as_user_would(tmp_path, "theirs")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "belongs to another user (uid 4242" in one_line_error(result.stderr)

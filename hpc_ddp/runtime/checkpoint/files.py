@@ -21,6 +21,7 @@ import torch
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.safefiles import DIR_MODE, create_temporary, make_dirs
 
 FORMAT_VERSION = 2
 #: Where unreadable checkpoints are moved, inside the checkpoints folder.
@@ -76,7 +77,7 @@ def prepare_checkpoint_dir(run_dir: Path) -> Path:
     the first save."""
     directory = checkpoint_dir(run_dir)
     try:
-        directory.mkdir(exist_ok=True)
+        directory.mkdir(mode=DIR_MODE, exist_ok=True)
     except OSError as error:
         kind = "a link that leads nowhere" if directory.is_symlink() else "not a directory"
         reason = kind if isinstance(error, FileExistsError) else error.strerror or str(error)
@@ -113,10 +114,10 @@ def _fsync_directory(directory: Path) -> None:
 def write_atomically(path: Path, write: Callable[[IO[bytes]], Any]) -> Path:
     """Write ``path`` through ``write(handle)`` so that readers see the old file or the whole
     new one, never a part: a temporary file, fsynced, renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    make_dirs(path.parent)
+    temporary, descriptor = create_temporary(path.parent, f".{path.name}.tmp-")
     try:
-        with open(temporary, "wb") as handle:
+        with os.fdopen(descriptor, "wb") as handle:
             write(handle)
             handle.flush()
             os.fsync(handle.fileno())
@@ -256,7 +257,7 @@ def set_aside(paths: list[Path]) -> None:
     """Move unreadable checkpoints into ``unreadable/`` beside them, never over a file."""
     for path in paths:
         aside = path.parent / UNREADABLE_DIR
-        aside.mkdir(exist_ok=True)
+        aside.mkdir(mode=DIR_MODE, exist_ok=True)
         target, copy = aside / path.name, 1
         while target.exists():
             target, copy = aside / f"{path.name}.{copy}", copy + 1

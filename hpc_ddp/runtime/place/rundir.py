@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.safefiles import make_dirs, open_lock_file
 
 LOCK_FILE = ".lock"
 _PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
@@ -51,15 +52,32 @@ def check_creatable(run_dir: Path) -> None:
     )
 
 
+def check_owned(run_dir: Path) -> None:
+    """Refuse a run directory another user owns: they could read or replace its files."""
+    owner = run_dir.stat().st_uid
+    if owner != os.getuid():
+        raise HpcDdpError(
+            f"run directory {run_dir} belongs to another user (uid {owner}, this job runs as "
+            f"uid {os.getuid()})",
+            "give the run another run.id, or set run.output_dir to a folder of your own",
+        )
+
+
 def claim_run_dir(run_dir: Path) -> None:
     """Create ``run_dir`` and hold its lock for this process (HpcDdpError if another live
     run holds it, or if it cannot be created or written)."""
     if run_dir in _HELD:
         return
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        handle = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 (held open for the process)
+        make_dirs(run_dir)
+        check_owned(run_dir)
+        handle = open_lock_file(run_dir / LOCK_FILE)
     except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise HpcDdpError(
+                f"{run_dir / LOCK_FILE} is a link: the run would write through it to another file",
+                "remove it (someone else may have planted it), or give the run another run.id",
+            ) from None
         raise HpcDdpError(
             f"cannot create or write the run directory {run_dir}: {error.strerror or error}",
             "set run.output_dir to a directory this job can write (every node must see it)",

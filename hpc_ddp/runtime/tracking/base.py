@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import re
 import socket
 import subprocess
 from collections.abc import Iterator, Mapping, Sequence
@@ -151,6 +152,13 @@ def tracking_uri(config: TrackingConfig, output_dir: str | Path) -> str:
 def artifact_root(output_dir: str | Path) -> Path:
     """Where the embedded store's runs keep their artifacts."""
     return Path(output_dir) / "mlartifacts"
+
+
+def experiment_folder(root: Path, experiment: str) -> Path:
+    """The folder under ``root`` for an experiment's artifacts: one plain name made from
+    the experiment's (which may hold '/' or '..'), so it never leads out of ``root``."""
+    plain = re.sub(r"[^A-Za-z0-9._-]", "_", experiment).lstrip(".") or "_"
+    return root / plain
 
 
 def run_tags(

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.runtime.safefiles import make_dirs, open_append, replace_bytes
 from hpc_ddp.runtime.tracking.base import Tracker
 
 STATUS_FILE = "status.json"
@@ -136,9 +137,7 @@ def _step_after(entry: Mapping[str, Any], step: int) -> bool:
 
 def replace_json(path: Path, data: Any) -> None:
     """Write a small JSON file so that readers see the old one or the new one, never half."""
-    partial = path.with_name(f".{path.name}.tmp")
-    partial.write_text(json.dumps(data, sort_keys=True, default=str) + "\n")
-    partial.replace(path)
+    replace_bytes(path, (json.dumps(data, sort_keys=True, default=str) + "\n").encode())
 
 
 def _finite(value: float) -> float | None:
@@ -229,7 +228,7 @@ class JournalTracker:
         status = dict(self._status)
 
         def write() -> None:
-            self._run_dir.mkdir(parents=True, exist_ok=True)
+            make_dirs(self._run_dir)
             replace_json(self._run_dir / STATUS_FILE, status)
 
         self._guarded(write)
@@ -246,7 +245,7 @@ class JournalTracker:
                 if previous is None:
                     (self._run_dir / name).unlink(missing_ok=True)
                 else:
-                    (self._run_dir / name).write_text(previous)
+                    replace_bytes(self._run_dir / name, previous.encode())
 
         self._guarded(put_back)
 
@@ -267,7 +266,7 @@ class JournalTracker:
             lines.insert(0, {**began, "time": entry["time"]})
 
         def append() -> None:
-            with open(self._run_dir / METRICS_FILE, "a") as handle:
+            with open_append(self._run_dir / METRICS_FILE) as handle:
                 handle.write("".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
 
         self._guarded(append)

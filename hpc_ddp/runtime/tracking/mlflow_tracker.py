@@ -9,7 +9,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.runtime.tracking.base import MAX_METRICS_PER_CALL, LoggedMetrics, RunRecord
+from hpc_ddp.runtime.tracking.base import (
+    MAX_METRICS_PER_CALL,
+    LoggedMetrics,
+    RunRecord,
+    experiment_folder,
+)
 
 
 class MlflowTracker:
@@ -89,7 +94,8 @@ class MlflowTracker:
         try:
             return str(
                 self._client.create_experiment(
-                    name, artifact_location=(artifact_root / name).resolve().as_uri()
+                    name,
+                    artifact_location=experiment_folder(artifact_root, name).resolve().as_uri(),
                 )
             )
         except self._mlflow.exceptions.MlflowException:

@@ -16,7 +16,7 @@ from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.names import name_problem
-from hpc_ddp.runtime.tracking.base import store_lock
+from hpc_ddp.runtime.tracking.base import experiment_folder, store_lock
 from hpc_ddp.runtime.tracking.journal import (
     TRACKING_FILE,
     pid_alive,
@@ -162,7 +162,9 @@ def _find_or_create(
             pass  # another store, or the run was deleted: make a new one
     experiment = client.get_experiment_by_name(tracking["experiment"])
     if experiment is None:
-        root = Path(tracking.get("artifact_root", "mlartifacts")) / tracking["experiment"]
+        root = experiment_folder(
+            Path(tracking.get("artifact_root", "mlartifacts")), tracking["experiment"]
+        )
         experiment_id = client.create_experiment(
             tracking["experiment"], artifact_location=root.as_uri()
         )
