@@ -49,6 +49,18 @@ def refused_request(error: BaseException) -> bool:
     return getattr(error, "error_code", None) in REFUSED_CODES
 
 
+def unreplayed(logged: list[LoggedMetrics], replayed: set[tuple[str, int]]) -> list[LoggedMetrics]:
+    """``logged`` less the (metric, step) points a recovery already replayed into MLflow."""
+    if not replayed:
+        return logged
+    kept = []
+    for point in logged:
+        metrics = {k: v for k, v in point.metrics.items() if (k, point.step) not in replayed}
+        if metrics:
+            kept.append(point._replace(metrics=metrics))
+    return kept
+
+
 #: A call handed over to the background thread: (what it does, for a warning; method; args).
 Call = tuple[str, str, tuple[Any, ...]]
 
@@ -115,7 +127,10 @@ class GuardedTracker:
             if tracker is None or method == "_idle":
                 continue
             if method == "log_metrics":
-                method, args = "log_metric_steps", (self._unreplayed(self._gather(args[0])),)
+                method, args = (
+                    "log_metric_steps",
+                    (unreplayed(self._gather(args[0]), self._replayed),),
+                )
                 if not args[0]:
                     continue
             try:
@@ -151,17 +166,6 @@ class GuardedTracker:
                 return logged
             logged.append(call[2][0])
         return logged
-
-    def _unreplayed(self, logged: list[LoggedMetrics]) -> list[LoggedMetrics]:
-        """``logged`` less the points a recovery already replayed into MLflow."""
-        if not self._replayed:
-            return logged
-        kept, replayed = [], self._replayed
-        for point in logged:
-            metrics = {k: v for k, v in point.metrics.items() if (k, point.step) not in replayed}
-            if metrics:
-                kept.append(point._replace(metrics=metrics))
-        return kept
 
     def _retry(self) -> StoreTracker | None:
         """The tracker again, after replaying the run's record, once RETRY_S passed since
