@@ -415,6 +415,8 @@ FAULTS: list[tuple[str, str, str]] = [
      "test_rundir.py::test_a_run_directory_of_another_user_is_refused"),
     ("the local launcher killed with kill -9", "its ranks stop as on a preemption",
      "test_fault_tolerance.py::test_ranks_end_when_their_local_launcher_is_killed"),
+    ("a process a rank started is left running when the ranks end", "ended with them: "
+     "`hpc-ddp local ... | tee` returns", "test_fault_tolerance.py::test_processes_a_rank_started_end_with_the_ranks"),
 ]  # fmt: skip
 
 

@@ -593,3 +593,39 @@ def test_a_summary_that_cannot_be_written_leaves_the_run_finished(tmp_path: Path
     status = json.loads((run_dir / "status.json").read_text())
     assert status["state"] == "finished" and status["global_step"] == 6, status
     assert load_checkpoint(sorted((run_dir / "checkpoints").glob("step-*.pt"))[-1])["finished"]
+
+
+LEAVES_A_CHILD = """
+import os, subprocess, sys, time
+import hpc_ddp
+
+run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False})
+if run.rank == 0:
+    # A helper of the user's own (as its own mp.spawn workers would be): it holds stdout.
+    helper = subprocess.Popen(["sleep", "300"])
+    print("HELPER", helper.pid, flush=True)
+    time.sleep(60)  # rank 1's failure ends this rank long before
+else:
+    time.sleep(1)
+    raise RuntimeError("rank 1 fails")
+"""
+
+
+def test_processes_a_rank_started_end_with_the_ranks(tmp_path: Path) -> None:
+    """`hpc-ddp local ... | tee log`: a process a rank started and left running kept the
+    output pipe open, so the pipeline never returned; it ends with the ranks now."""
+    (tmp_path / "leaves.py").write_text(LEAVES_A_CHILD)
+    program = [str(tmp_path / "leaves.py"), f"run.output_dir={tmp_path}"]
+    command = [sys.executable, "-m", "hpc_ddp", "local", "--nproc", "2", *program]
+    began = time.monotonic()
+    result = subprocess.run(
+        command, cwd=REPO, env=clean_environ(), capture_output=True, text=True, timeout=90,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert time.monotonic() - began < 60, "the output pipe closed when the ranks ended"
+    helper = int(result.stdout.split("HELPER ")[1].split()[0])
+    assert (
+        not Path(f"/proc/{helper}").exists()
+        or "zombie" in Path(f"/proc/{helper}/status").read_text().lower()
+    ), "the helper was ended"

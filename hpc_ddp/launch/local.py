@@ -7,6 +7,7 @@ wait for a collective timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -75,6 +76,33 @@ def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def end_leftovers(processes: list[subprocess.Popen[bytes]]) -> None:
+    """End what the ranks started and left running (their own spawned workers, a helper):
+    each rank leads a process group of its own, and a leftover in it would hold the output
+    pipe (``hpc-ddp local ... | tee log`` would never return) or sit in a collective."""
+    groups = [process.pid for process in processes]
+    for ending in (signal.SIGTERM, signal.SIGKILL):
+        alive = [group for group in groups if _group_alive(group)]
+        if not alive:
+            return
+        for group in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, ending)
+        deadline = time.monotonic() + STOP_GRACE_S
+        while time.monotonic() < deadline and any(_group_alive(group) for group in alive):
+            time.sleep(POLL_INTERVAL_S)
 
 
 def failure_to_report(
@@ -216,6 +244,7 @@ def launch_local(nproc: int, program: Program, environ: Mapping[str, str] | None
         _stop(processes)
         return 130
     finally:
+        end_leftovers(processes)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 130 if len(interrupts) > 1 and code else code
