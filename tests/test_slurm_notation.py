@@ -26,6 +26,9 @@ from hpc_ddp.runtime.place.slurm import (
         ("x[7]", ["x7"]),
         ("gpu-a100-[1,3],cpu[02-03]", ["gpu-a100-1", "gpu-a100-3", "cpu02", "cpu03"]),
         ("node1.cluster.edu,node2.cluster.edu", ["node1.cluster.edu", "node2.cluster.edu"]),
+        # Set by hand: spaces separate hosts as in Slurm's own reading of a host list.
+        ("alpha beta gamma", ["alpha", "beta", "gamma"]),
+        (" a, b[1-2]\n c ", ["a", "b1", "b2", "c"]),
     ],
 )
 def test_expand_hostlist(hostlist: str, expected: list[str]) -> None:

@@ -55,6 +55,12 @@ class RunConfig:
     def __post_init__(self) -> None:
         require(0 <= self.seed < 2**63, "run.seed", self.seed, "0 to 2**63-1")
         require(bool(self.output_dir.strip()), "run.output_dir", self.output_dir, "a folder")
+        if self.output_dir.startswith("~"):
+            raise HpcDdpError(
+                f"run.output_dir={self.output_dir!r} starts with '~', which no shell expands "
+                "inside a setting: it would make a folder named '~'",
+                "write the full path, e.g. run.output_dir=$HOME/runs (the shell expands $HOME)",
+            )
 
 
 @dataclass(frozen=True)

@@ -220,7 +220,7 @@ def parse_override(text: str, sections: Sequence[str]) -> tuple[str, str, Any]:
             f"valid sections: {', '.join(sections)}",
         )
     try:
-        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+        value = yaml.load(raw_value, Loader=CoreLoader) if raw_value.strip() else ""
     except yaml.YAMLError:
         value = raw_value  # not YAML (e.g. a path with a backquote): keep it as text
     return name, key, value
@@ -234,7 +234,36 @@ class _Named(io.StringIO):
         self.name = name
 
 
-class _StrictLoader(yaml.SafeLoader):
+class CoreLoader(yaml.SafeLoader):
+    """YAML's safe loader, reading plain values as a person means them (YAML 1.2's core
+    schema, not 1.1's): decimal integers, plain floats, true/false and null. ``017`` (1.1:
+    octal 15), ``4:16`` (1.1: 256), ``0x10``, ``1_000`` and ``yes``/``on`` stay text, which
+    a number or bool setting then refuses by name."""
+
+
+CoreLoader.yaml_implicit_resolvers = {
+    first: [
+        (tag, regexp) for tag, regexp in resolvers if not tag.endswith(("bool", "int", "float"))
+    ]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+CoreLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+CoreLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9]*)$"), list("-+0123456789")
+)
+CoreLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|(?:0|[1-9][0-9]*)(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+.0123456789"),
+)
+
+
+class _StrictLoader(CoreLoader):
     """YAML's safe loader, refusing a key written twice in one mapping and a document that
     aliases expand past :data:`MAX_EXPANDED_VALUES` values."""
 

@@ -128,7 +128,9 @@ def expand_hostlist(hostlist: str) -> list[str]:
 
     Hosts come back in Slurm's order; the first host is where rank 0 runs.
     """
-    text = hostlist.strip()
+    # Spaces separate hosts as commas do (Slurm's own hostlist reading, e.g. `scontrol show
+    # hostnames "a b"`); a list written by hand often has them.
+    text = re.sub(r"\s+", ",", re.sub(r"\s*,\s*", ",", hostlist.strip()))
     if not text:
         raise HpcDdpError(
             "the Slurm host list is empty", "check SLURM_STEP_NODELIST / SLURM_JOB_NODELIST"
