@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc_ddp.launch.program import program_from
 from hpc_ddp.launch.sbatch import RenderRequest, render_sbatch, template_path
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.place.slurm import time_to_minutes
@@ -418,3 +419,42 @@ def test_the_body_both_templates_share_picks_the_program(
     *chosen, trace = result.stdout.splitlines()
     assert chosen == program
     assert trace == "/scratch/logs/nccl-trace-7-rank-"
+
+
+@pytest.mark.parametrize(
+    ("first", "is_program"),
+    [
+        ("lr=0.1.py", True),  # files whose names hold '='
+        ("exp=1/train", True),
+        ("pkgdir", True),  # a folder with __main__.py: python runs it
+        ("train.epochs=2", False),
+        ("data.batch_size=64", False),
+    ],
+)
+def test_one_rule_tells_a_program_from_a_setting_in_every_launcher(
+    first: str, is_program: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """hpc-ddp's reading and the job templates' agree, on real files in the folder."""
+    (tmp_path / "lr=0.1.py").write_text("print(1)\n")
+    (tmp_path / "exp=1").mkdir()
+    (tmp_path / "exp=1" / "train").write_text("print(1)\n")
+    (tmp_path / "pkgdir").mkdir()
+    (tmp_path / "pkgdir" / "__main__.py").write_text("print(1)\n")
+    monkeypatch.chdir(tmp_path)
+    program = program_from([first], default_config="configs/digits.yaml")
+    assert (program.kind == "script") == is_program, program
+    if is_program:
+        program.check()  # exists, runnable
+    script = (
+        "DEFAULT_ARGS=(configs/digits.yaml); HPC_DDP_LOG_DIR=/scratch/logs\n"
+        'source "$("$PYTHON" -m hpc_ddp.launch.templates)"\n'
+        'printf "%s\\n" "${program[@]}"\n'
+    )
+    result = subprocess.run(
+        ["bash", "-c", script, "job", first],
+        cwd=tmp_path, env=clean_environ(PYTHON=sys.executable), capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    chosen = result.stdout.splitlines()
+    trainer = [*TRAINER, "configs/digits.yaml", first]
+    assert chosen == (["-m", "hpc_ddp", "run", first] if is_program else trainer), result.stderr

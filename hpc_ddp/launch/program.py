@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import runpy
 import sys
 from collections.abc import Sequence
@@ -24,6 +25,11 @@ from hpc_ddp.runtime.tracking.worker import discard_prestarted
 
 #: The config the built-in trainer uses when a launch names none.
 DEFAULT_CONFIG = "configs/digits.yaml"
+
+
+def runnable_path(path: Path) -> bool:
+    """What ``python PATH`` runs: a file, or a folder (or zip) with a ``__main__.py``."""
+    return path.is_file() or (path / "__main__.py").is_file()
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ class Program:
     def check(self) -> None:
         """Refuse a script that does not exist or a module that cannot be found, here rather
         than on every rank after the job started."""
-        if self.kind == "script" and not Path(self.name).is_file():
+        if self.kind == "script" and not runnable_path(Path(self.name)):
             shipped = shipped_config_name(self.name)
             raise HpcDdpError(
                 f"script {self.name!r} does not exist (looked in {os.getcwd()})",
@@ -81,8 +87,15 @@ class Program:
         return " ".join(self.template_args())
 
 
-def _is_override(text: str) -> bool:
-    return "=" in text and not text.startswith("-") and not text.endswith(".py")
+_SETTING_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*")
+
+
+def is_setting(text: str) -> bool:
+    """Whether a launcher's first word is a dotted setting rather than a program: it reads
+    ``section.key=value`` and no file or folder of that name exists (``lr=0.1.py`` or
+    ``exp=1/train`` that exist are programs). The job templates apply the same rule."""
+    key, equals, _value = text.partition("=")
+    return bool(equals) and bool(_SETTING_KEY.fullmatch(key)) and not os.path.lexists(text)
 
 
 def program_from(
@@ -102,7 +115,7 @@ def program_from(
         return Program("module", first, rest)
     if config is not None:
         return Program("builtin", config, tuple(arguments))
-    if first is None or _is_override(first):
+    if first is None or is_setting(first):
         return Program("builtin", default_config, tuple(arguments))
     if first.endswith((".yaml", ".yml")):
         return Program("builtin", first, rest)
@@ -124,7 +137,8 @@ def _run_program(program: Program) -> int:
     sys.stdout = labelled_stdout(sys.stdout, os.environ)
     try:
         if program.kind == "script":
-            sys.path.insert(0, str(Path(program.name).resolve().parent))
+            path = Path(program.name).resolve()
+            sys.path.insert(0, str(path if path.is_dir() else path.parent))  # as python does
             runpy.run_path(program.name, run_name="__main__")
         else:
             runpy.run_module(program.name, run_name="__main__", alter_sys=True)

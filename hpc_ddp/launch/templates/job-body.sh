@@ -13,8 +13,11 @@ export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
 export TORCH_FR_DUMP_TEMP_FILE=${TORCH_FR_DUMP_TEMP_FILE:-$HPC_DDP_LOG_DIR/nccl-trace-${SLURM_JOB_ID:-0}-rank-}
 
 # The program: the job's own arguments, else DEFAULT_ARGS (overrides alone go after them).
+# One rule with hpc-ddp's own (hpc_ddp.launch.program.is_setting): a first word is a setting
+# when it reads section.key=value and no file or folder of that name exists.
+is_setting() { [[ $1 =~ ^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*= && ! -e $1 ]]; }
 args=("$@")
-if ((${#args[@]} == 0)) || [[ ${args[0]} == *=* ]]; then
+if ((${#args[@]} == 0)) || is_setting "${args[0]}"; then
     args=("${DEFAULT_ARGS[@]}" "${args[@]}")
 fi
 # A .yaml first: the built-in trainer with that config and overrides. Anything else is your
