@@ -343,3 +343,23 @@ def test_a_stopped_runs_hint_is_the_exact_command_that_continues_it(tmp_path: Pa
     run_id = next(word for word in command if word.startswith("run.id=")).split("=", 1)[1]
     summary = json.loads((tmp_path / "runs" / "own" / run_id / "summary.json").read_text())
     assert summary["global_step"] == 40 and summary["resumed_from_step"] > 3, summary
+
+
+def test_settings_from_the_environment_reach_the_built_in_trainer(tmp_path: Path) -> None:
+    """`hpc-ddp local --set` carries settings in $HPC_DDP_OVERRIDES: the built-in trainer's
+    own sections were refused there ("unknown section 'train'") and a dry run ignored them."""
+    settings = ["--set", "train.epochs=1", "--set", "tracking.enabled=false", "--set", "run.id=s"]
+    trained = hpc_ddp_cli("local", "--nproc", "2", *settings, "--config", "digits", cwd=tmp_path)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs/digits-mlp/s/summary.json").read_text())
+    assert summary["epochs"] == 1 and summary["world_size"] == 2
+    environment = {**clean_environ(), "HPC_DDP_OVERRIDES": "run.id=fromenv data.batch_size=32"}
+    planned = subprocess.run(
+        [sys.executable, "-m", "hpc_ddp.train", "--config", "digits", "--dry-run",
+         "data.batch_size=16"],
+        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    report = json.loads(planned.stdout)
+    assert "runs/digits-mlp/fromenv" in report["plan"], report["plan"]
+    assert report["per_rank_batch"] == 16, "the command line wins over the environment"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 
 from hpc_ddp.launch.shipped import find_config
-from hpc_ddp.runtime.errors import Stopped
+from hpc_ddp.runtime.config import OVERRIDES_VARIABLE
+from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 from hpc_ddp.runtime.place.plan import describe_launch, micro_batch_size
 from hpc_ddp.runtime.place.rundir import check_creatable
@@ -84,11 +86,15 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     environment = os.environ if environ is None else environ
     try:
         config_file = find_config(args.config, Path.cwd()) if args.config else None
-        config = load_config(config_file, args.overrides)
+        # $HPC_DDP_OVERRIDES (hpc-ddp local --set, a job's environment) reach every section
+        # here, the trainer's own too, before the command line's (which win); start() is then
+        # given an environment without them, so they are not applied twice.
+        from_environ = environment_overrides(environment)
+        config = load_config(config_file, [*from_environ, *args.overrides])
         if args.dry_run:
             print(json.dumps(dry_run(config, environment), indent=2))
             return 0
-        summary = train(config)
+        summary = train(config, without_overrides(environment))
     except Stopped as stopped:
         return int(stopped.code or 0)
     except (Exception, KeyboardInterrupt) as error:
@@ -99,6 +105,22 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if summary.get("summary_path"):
         print(summary_lines(summary))
     return 0
+
+
+def environment_overrides(environ: Mapping[str, str]) -> list[str]:
+    """The dotted settings in $HPC_DDP_OVERRIDES (space-separated, shell quoting)."""
+    text = environ.get(OVERRIDES_VARIABLE, "")
+    try:
+        return shlex.split(text)
+    except ValueError as error:
+        raise HpcDdpError(
+            f"${OVERRIDES_VARIABLE}={text!r}: {error}",
+            f"set {OVERRIDES_VARIABLE} to space-separated section.key=value settings",
+        ) from None
+
+
+def without_overrides(environ: Mapping[str, str]) -> dict[str, str]:
+    return {key: value for key, value in environ.items() if key != OVERRIDES_VARIABLE}
 
 
 def summary_lines(summary: Mapping[str, Any]) -> str:

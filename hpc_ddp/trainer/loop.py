@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -89,11 +90,13 @@ def _refuse_empty(datasets: Datasets) -> None:
         )
 
 
-def train(config: Config) -> dict[str, Any]:
+def train(config: Config, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Train as the config says on the ranks the launcher started; returns this rank's
-    summary (rank 0 also writes summary.json and model.pt)."""
+    summary (rank 0 also writes summary.json and model.pt). ``environ``: the launcher's
+    environment as :func:`hpc_ddp.start` takes it (default: this process's)."""
     run = start(
         config.runtime,
+        environ=environ,
         name=config.run.name,
         params=config.trainer_sections(),
         fingerprint=resume_fingerprint(config),
