@@ -314,6 +314,10 @@ CASES: list[Case] = [
     # -- a user's script: the public API -----------------------------------------------------
     script("hpc_ddp.start(run=5)", says="expected a mapping of run settings or a RunConfig"),
     script('hpc_ddp.start(dist=["x"])', says="expected a mapping of dist settings"),
+    script(
+        'hpc_ddp.start(tracking={"enabled": False}, fingerprint={"model": object()})',
+        says="fingerprint value 'model' (object) is shown with a memory address",
+    ),
     script(f'{RUN}\nlist(run.epochs("3"))', says="run.epochs(num_epochs)='3': expected a whole"),
     script(f"{RUN}\nlist(run.epochs(-1))", says="run.epochs(num_epochs)=-1: expected a whole"),
     script(f"{RUN}\nlist(run.epochs(0))", says="run.epochs(num_epochs)=0: expected a whole"),
@@ -352,6 +356,12 @@ CASES: list[Case] = [
     script(f'{RUN}\nrun.log("loss", 1.0, -4)', says="count=-4"),
     script(f'{RUN}\nrun.log_metrics({{"acc@1": 0.5}})', says="run.log_metrics('acc@1', ...)"),
     script(f'{RUN}\nrun.log_text("../notes.txt", "x")', says="reads as the path"),
+    script(
+        f"{RUN}\nfor epoch in run.epochs(1):\n    for _ in run.steps(range(4)):\n"
+        '        run.log("loss", float("nan"), 1)\nrun.finish()',
+        code=0,
+        says="loss is nan in the metrics at step 4: training diverged",
+    ),
 ]
 
 

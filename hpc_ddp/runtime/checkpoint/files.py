@@ -35,9 +35,24 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
 def fingerprint_of(values: Mapping[str, Any]) -> dict[str, str]:
-    """``values`` as a checkpoint keeps them: each value's repr, so any type compares."""
-    return {key: repr(value) for key, value in values.items()}
+    """``values`` as a checkpoint keeps them: each value's repr, so any type compares. A repr
+    that holds a memory address differs in every process (every resume would be refused):
+    refused at the start, naming the key."""
+    kept = {key: repr(value) for key, value in values.items()}
+    for key, text in kept.items():
+        if _ADDRESS.search(text):
+            raise HpcDdpError(
+                f"fingerprint value {key!r} ({type(values[key]).__name__}) is shown with a "
+                f"memory address ({text[:60]}): it differs in every process, and every "
+                "resume would be refused",
+                "pass plain values (numbers, strings, lists of them), e.g. a model's "
+                "settings rather than the model",
+            )
+    return kept
 
 
 def check_resumable(saved: Mapping[str, str], current: Mapping[str, str], path: Path) -> None:

@@ -3,6 +3,7 @@ path: each interval's all-reduce runs in the background and is read one interval
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,7 @@ class MetricLog:
         self.progress = Progress(None, enabled=False)
         self._pending: IntervalReport | None = None
         self._checked_names: set[str] = set()
+        self._non_finite_said: set[str] = set()
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
         """A training metric's total over ``count`` items (see :meth:`hpc_ddp.Run.log`);
@@ -137,6 +139,8 @@ class MetricLog:
             name: values[2 * i] / values[2 * i + 1] if values[2 * i + 1] else float("nan")
             for i, name in enumerate(report.names)
         }
+        counted = {name for i, name in enumerate(report.names) if values[2 * i + 1]}
+        self._say_non_finite({name: means[name] for name in counted}, report.step)
         steps_per_s = report.steps / max(1e-9, report.seconds)
         metrics = {f"interval/{name}": value for name, value in means.items()}
         if self.global_batch_size:
@@ -150,6 +154,18 @@ class MetricLog:
         if report.lr is not None:
             metrics["interval/lr"] = report.lr
         self.context.tracker.log_metrics(metrics, report.step)
+
+    def _say_non_finite(self, means: dict[str, float], step: int) -> None:
+        """Once per metric, on rank 0: a NaN or infinite value over items that exist."""
+        for name, value in means.items():
+            if not math.isfinite(value) and name not in self._non_finite_said:
+                self._non_finite_said.add(name)
+                if self.context.env.is_main:
+                    get_logger().warning(
+                        f"{name} is {value} in the metrics at step {step}: training "
+                        "diverged, or a logged total holds NaN/inf. HINT: lower the learning "
+                        "rate or clip gradients; check the inputs of the first such step"
+                    )
 
     def end_epoch(self, epoch: int, step: int) -> None:
         """The epoch's metrics, summed over all ranks, logged at ``step`` (the global step the
@@ -167,6 +183,8 @@ class MetricLog:
             self.context.tracker.log_metrics(scalars, step)
             if self.context.env.is_main:
                 get_logger().info(f"epoch {epoch} ended: {metric_text(scalars)}")
+            counted = {name for name, value in self.epoch_metrics.items() if value.count}
+            self._say_non_finite({n: v for n, v in scalars.items() if n in counted}, step)
 
     def saved(self) -> dict[str, Any]:
         """The partial sums, over all ranks, for a checkpoint (a collective)."""

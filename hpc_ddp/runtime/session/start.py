@@ -298,6 +298,9 @@ def start(
             if settings.checkpoint.enabled:
                 prepare_checkpoint_dir(plan.run_dir)
         init_distributed(dist_env, plan.device, settings.dist, timeline)
+        # init_process_group wraps the excepthook in one that holds stderr in a buffer until
+        # the hook returns; ours ends the process first, so a refusal would print nothing.
+        install_excepthook()
         mark(timeline, "dist_ready")
         # Control messages (stop agreement, barriers) go over gloo on the CPU, so they never
         # force a GPU synchronisation.
