@@ -173,6 +173,13 @@ CASES: list[Case] = [
     cli("local", "--nproc", "0", "x.py", says="--nproc: 0 is too small: at least 1"),
     cli("local", "--nproc", "two", "x.py", says="--nproc: 'two' is not a whole number"),
     cli("local", "--nproc", "2", "missing.py", says="script 'missing.py' does not exist"),
+    cli(
+        "local",
+        "--nproc",
+        "2",
+        "tests/programs/broken_script",
+        says="tests/programs/broken_script, line 2: invalid syntax",
+    ),
     cli("local", "-m", "no_such_pkg.train", says="module 'no_such_pkg.train' cannot be found"),
     cli("local", "--config", "missing.yaml", says="missing.yaml"),
     cli("local", "--dry-run", "tests/programs/faults.py", says="--dry-run applies to the built-in"),
@@ -192,6 +199,20 @@ CASES: list[Case] = [
     cli("render", "-o", "/nonexistent/dir/job.sh", says="the directory /nonexistent/dir does not"),
     cli("render", "train.epochz=1", says="unknown key 'train.epochz'"),
     cli("render", "missing.py", says="script 'missing.py' does not exist"),
+    cli(
+        "render",
+        "-o",
+        "/tmp",
+        "tests/programs/regression.py",
+        says="cannot write /tmp: it is a directory",
+    ),
+    cli(
+        "render",
+        "-o",
+        "/proc/version",
+        "tests/programs/regression.py",
+        says="cannot write /proc/version",
+    ),
     cli("render", "$(touch PWNED).py", says="does not exist"),
     cli("submit", "--nodes", "0", says="--nodes: 0 is too small: at least 1"),
     cli("submit", "--tasks-per-node", "0", says="--tasks-per-node: 0 is too small"),
@@ -227,6 +248,11 @@ CASES: list[Case] = [
     train(*SYNTHETIC, says="n[3-1]", environ={**SLURM_STEP, "SLURM_STEP_NODELIST": "n[3-1]"}),
     train(*SYNTHETIC, says="SLURM_PROCID", environ={**SLURM_STEP, "SLURM_PROCID": "9"}),
     train(*SYNTHETIC, says="warning signal", environ={"HPC_DDP_JOB_SIGNAL": "USR2"}),
+    train(
+        *SYNTHETIC,
+        says="GLOO_SOCKET_IFNAME=nope0 names no network interface",
+        environ={"GLOO_SOCKET_IFNAME": "nope0"},
+    ),
     train(*SYNTHETIC, "data.batch_size=7", says="data.batch_size=7", environ=TORCHRUN),
     train(*SYNTHETIC, "train.grad_accum_steps=3", says="train.grad_accum_steps", environ=TORCHRUN),
     train(*SYNTHETIC, "run.output_dir=/etc/hostname", says="/etc/hostname is not a directory"),
@@ -313,6 +339,12 @@ CASES: list[Case] = [
     ),
     # -- a user's script: the public API -----------------------------------------------------
     script("hpc_ddp.start(run=5)", says="expected a mapping of run settings or a RunConfig"),
+    script(
+        "import threading\nfailed = []\ndef main():\n    try:\n        hpc_ddp.start()\n"
+        "    except Exception as error:\n        failed.append(error)\n"
+        "thread = threading.Thread(target=main)\nthread.start()\nthread.join()\nraise failed[0]",
+        says="hpc_ddp.start() called in thread 'Thread-1 (main)': stop signals",
+    ),
     script('hpc_ddp.start(dist=["x"])', says="expected a mapping of dist settings"),
     script(
         'hpc_ddp.start(tracking={"enabled": False}, fingerprint={"model": object()})',

@@ -196,18 +196,33 @@ def render(args: argparse.Namespace) -> int:
         sys.stdout.write(script)
         return 0
     output = Path(args.output)
-    if not output.parent.is_dir():
-        raise HpcDdpError(
-            f"cannot write {output}: the directory {output.parent} does not exist",
-            f"create it first (mkdir -p {output.parent}) or pick another --output",
-        )
-    output.write_text(script)
-    output.chmod(0o755)
+    write_job_script(output, script)
     print(
         f"wrote {output}: submit it with sbatch {output}; its log goes to {log_dir}",
         file=sys.stderr,
     )
     return 0
+
+
+def write_job_script(output: Path, script: str) -> None:
+    """``script`` at ``output``, executable; a path that cannot take it is one line."""
+    if not output.parent.is_dir():
+        raise HpcDdpError(
+            f"cannot write {output}: the directory {output.parent} does not exist",
+            f"create it first (mkdir -p {output.parent}) or pick another --output",
+        )
+    if output.is_dir():
+        raise HpcDdpError(
+            f"cannot write {output}: it is a directory", f"name a file, e.g. -o {output}/job.sh"
+        )
+    try:
+        output.write_text(script)
+        output.chmod(0o755)
+    except OSError as error:
+        raise HpcDdpError(
+            f"cannot write {output}: {error.strerror or error}",
+            "pick an --output in a folder of your own",
+        ) from None
 
 
 def submit(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_ddp.cli.commands import check_builtin, program_arguments
+from hpc_ddp.cli.commands import check_builtin, program_arguments, write_job_script
 from hpc_ddp.launch.program import Program
 from hpc_ddp.launch.shipped import CONFIG_DIR, example_script, shipped_config_name
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -82,8 +82,7 @@ def init(args: argparse.Namespace) -> int:
         partition=args.partition,
         log_dir=str(logs),
     )
-    output.write_text(render_sbatch(template_path().read_text(), request))
-    output.chmod(0o755)
+    write_job_script(output, render_sbatch(template_path().read_text(), request))
     for copy in copies:
         print(f"wrote {copy.target.relative_to(cwd)} (from {copy.source})", file=sys.stderr)
     print(

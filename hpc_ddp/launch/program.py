@@ -27,6 +27,31 @@ from hpc_ddp.runtime.tracking.worker import discard_prestarted
 DEFAULT_CONFIG = "configs/digits.yaml"
 
 
+def check_compiles(path: Path) -> None:
+    """Refuse a script that Python cannot compile, in one line before any rank starts (each
+    rank would print the same traceback)."""
+    source_path = path / "__main__.py" if path.is_dir() else path
+    try:
+        source = source_path.read_bytes()
+    except OSError as error:
+        raise HpcDdpError(
+            f"cannot read {source_path}: {error.strerror or error}",
+            "pass a script this user can read",
+        ) from None
+    if source_path.suffix not in ("", ".py", ".pyw"):
+        return  # a zip or another format python runs: it checks it itself
+    try:
+        compile(source, str(source_path), "exec", dont_inherit=True)
+    except SyntaxError as error:
+        text = (error.text or "").strip()
+        raise HpcDdpError(
+            f"{source_path}, line {error.lineno}: {error.msg}" + (f": {text[:80]}" if text else ""),
+            "fix the script; `python -m py_compile " + str(source_path) + "` shows the same",
+        ) from None
+    except ValueError as error:  # null bytes
+        raise HpcDdpError(f"{source_path}: {error}", "pass a Python script") from None
+
+
 def runnable_path(path: Path) -> bool:
     """What ``python PATH`` runs: a file, or a folder (or zip) with a ``__main__.py``."""
     return path.is_file() or (path / "__main__.py").is_file()
@@ -69,6 +94,8 @@ class Program:
                 else "pass the path of your training script, relative to the directory you "
                 "launch from, or -m package.module for a module",
             )
+        if self.kind == "script":
+            check_compiles(Path(self.name))
         if self.kind == "module":
             try:
                 found = importlib.util.find_spec(self.name) is not None

@@ -7,6 +7,7 @@ request fails in seconds with a HINT instead of hanging inside NCCL or gloo.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,3 +179,16 @@ def launch_lines(plan: LaunchPlan) -> list[str]:
         f"CUDA_VISIBLE_DEVICES {env.cuda_visible_devices or 'unset'}",
         f"run directory {plan.run_dir}",
     ]
+
+
+def check_socket_interfaces(environ: Mapping[str, str], interfaces: Sequence[str]) -> None:
+    """Refuse GLOO_SOCKET_IFNAME naming an interface this host does not have (gloo would
+    fail deep inside process-group creation); ``interfaces``: this host's names."""
+    named = environ.get("GLOO_SOCKET_IFNAME", "")
+    missing = [name for name in named.split(",") if name and name not in interfaces]
+    if missing:
+        raise HpcDdpError(
+            f"GLOO_SOCKET_IFNAME={named} names no network interface of this host: "
+            f"{', '.join(missing)} (it has {', '.join(interfaces) or 'none'})",
+            "unset GLOO_SOCKET_IFNAME, or name interfaces every node has (e.g. ib0 or eth0)",
+        )

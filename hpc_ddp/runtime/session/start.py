@@ -6,6 +6,8 @@ import dataclasses
 import multiprocessing
 import os
 import random
+import socket
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -51,6 +53,7 @@ from hpc_ddp.runtime.place.env import (
 from hpc_ddp.runtime.place.limits import open_file_warning, open_files_needed, raise_open_file_limit
 from hpc_ddp.runtime.place.plan import (
     LaunchPlan,
+    check_socket_interfaces,
     gpu_binding_warning,
     launch_lines,
     make_launch_plan,
@@ -91,6 +94,7 @@ def resolve_launch(settings: RuntimeConfig, name: str, environ: Mapping[str, str
         allocation_tasks=allocation_tasks,
     )
     check_job_signal(environ, settings.preempt.signal)
+    check_socket_interfaces(environ, [name for _index, name in socket.if_nameindex()])
     cuda_count = torch.cuda.device_count() if settings.dist.device != "cpu" else 0
     return make_launch_plan(settings.dist, settings.run, name, dist_env, cuda_count)
 
@@ -268,6 +272,12 @@ def start(
     """
     started, entry_unix = time.perf_counter(), time.time()
     install_excepthook()
+    if threading.current_thread() is not threading.main_thread():
+        raise HpcDdpError(
+            f"hpc_ddp.start() called in thread {threading.current_thread().name!r}: stop "
+            "signals (preemption, Ctrl-C) reach the main thread only",
+            "call hpc_ddp.start() and run the training loop in the main thread",
+        )
     environment = os.environ if environ is None else environ
     refuse_nested_start(
         environment,
