@@ -218,6 +218,15 @@ CASES: list[Case] = [
     cli("submit", "--tasks-per-node", "0", says="--tasks-per-node: 0 is too small"),
     cli("submit", "--cluster", "aws", says="invalid choice: 'aws'"),
     cli("submit", "--cluster", "local", "missing.py", says="script 'missing.py' does not exist"),
+    cli(
+        "submit",
+        "--cluster",
+        "local",
+        "--gpus-per-node",
+        "2",
+        "tests/programs/regression.py",
+        says="gpus_per_node=2 on submitit's 'local' executor",
+    ),
     cli("port", "--job-id", "abc", says="unrecognized arguments: --job-id abc"),
     cli("data", "make", "--rows", "0", "--out", "/tmp/x", says="--rows: 0 is too small"),
     cli("data", "make", "--rows", "10", "--features", "0", "--out", "/tmp/x", says="--features"),
@@ -248,6 +257,11 @@ CASES: list[Case] = [
     train(*SYNTHETIC, says="n[3-1]", environ={**SLURM_STEP, "SLURM_STEP_NODELIST": "n[3-1]"}),
     train(*SYNTHETIC, says="SLURM_PROCID", environ={**SLURM_STEP, "SLURM_PROCID": "9"}),
     train(*SYNTHETIC, says="warning signal", environ={"HPC_DDP_JOB_SIGNAL": "USR2"}),
+    train(
+        *SYNTHETIC,
+        says="WORLD_SIZE=2 (RANK=1) is set, but no launcher",
+        environ={"RANK": "1", "WORLD_SIZE": "2"},
+    ),
     train(
         *SYNTHETIC,
         says="GLOO_SOCKET_IFNAME=nope0 names no network interface",

@@ -363,3 +363,20 @@ def test_settings_from_the_environment_reach_the_built_in_trainer(tmp_path: Path
     report = json.loads(planned.stdout)
     assert "runs/digits-mlp/fromenv" in report["plan"], report["plan"]
     assert report["per_rank_batch"] == 16, "the command line wins over the environment"
+
+
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        (["argv.py", "--", "--lr", "3"], ["argv.py", "--", "--lr", "3"]),  # as python keeps it
+        (["--", "argv.py", "--lr", "3"], ["argv.py", "--lr", "3"]),  # hpc-ddp's own end
+        (["argv.py", "--lr", "3", "--", "x"], ["argv.py", "--lr", "3", "--", "x"]),
+    ],
+)
+def test_a_double_dash_after_the_script_reaches_it(
+    tmp_path: Path, command: list[str], argv: list[str]
+) -> None:
+    (tmp_path / "argv.py").write_text("import sys\nprint('ARGV', sys.argv)\n")
+    result = hpc_ddp_cli("local", "--nproc", "1", *command, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"ARGV {argv}" in result.stdout, result.stdout

@@ -15,6 +15,8 @@ hpc-ddp tracking sync NAME/ID    replay a run's record into MLflow after an outa
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -246,8 +248,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Stands for a ``--`` after the program while argparse reads the line (it would drop it).
+KEPT_SEPARATOR = "\0--"
+
+
+def keep_programs_separator(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``argv`` with a ``--`` that follows the program's name kept for the program, as
+    ``python train.py -- --lr 3`` keeps it; one before the program ends hpc-ddp's options."""
+    if "--" not in argv:
+        return argv
+    at = argv.index("--")
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            head, _rest = parser.parse_known_args(argv[:at])
+        except SystemExit:
+            return argv
+    if getattr(head, "target", None) is None:
+        return argv
+    return [*argv[:at], KEPT_SEPARATOR, *argv[at + 1 :]]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(
+        keep_programs_separator(parser, list(sys.argv[1:] if argv is None else argv))
+    )
+    if getattr(args, "target_args", None):
+        args.target_args = ["--" if word == KEPT_SEPARATOR else word for word in args.target_args]
     try:
         code = int(args.handler(args))
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit

@@ -187,8 +187,20 @@ def submit(
             f"nodes={nodes} needs Slurm, but submitit chose the {executor.cluster!r} executor",
             "use nodes=1 locally, or submit from a machine with Slurm (sbatch on PATH)",
         )
+    elif gpus_per_node and gpus_per_node > (here := _gpus_here()):
+        raise HpcDdpError(
+            f"gpus_per_node={gpus_per_node} on submitit's {executor.cluster!r} executor, "
+            f"which runs on this machine: it has {here} GPU(s)",
+            "leave gpus_per_node out for CPU ranks here, or submit from a machine with Slurm",
+        )
     executor.update_parameters(**parameters)
     return executor.submit(task)
+
+
+def _gpus_here() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _task_failures(job: Any) -> list[tuple[int, str]]:

@@ -161,8 +161,23 @@ def resolve_dist_env(
     elif launcher == "submitit-local":
         resolved = _resolve_submitit_local(environ, host, configured_port)
     else:
+        refuse_hand_set_world(environ)
         resolved = dist_env_from(environ, host, "single", single_run_id)
     return check_dist_env(resolved)
+
+
+def refuse_hand_set_world(environ: Mapping[str, str]) -> None:
+    """RANK/WORLD_SIZE of several ranks with no launcher's own variables: each process so
+    started would train alone, as a world of one, and say nothing."""
+    world = environ.get("WORLD_SIZE", "1").strip()
+    if world not in ("", "1", "0"):
+        raise HpcDdpError(
+            f"WORLD_SIZE={world} (RANK={environ.get('RANK', 'unset')}) is set, but no launcher "
+            "this toolkit knows started the process: it would train alone, as would every "
+            "other one",
+            "start the ranks with hpc-ddp local --nproc N, torchrun --nproc-per-node N or "
+            "srun (they set the rest), or unset RANK and WORLD_SIZE for one process",
+        )
 
 
 def check_dist_env(env: DistEnv) -> DistEnv:
