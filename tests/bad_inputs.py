@@ -403,6 +403,12 @@ CASES: list[Case] = [
     script(f'{RUN}\nrun.log_metrics({{"acc@1": 0.5}})', says="run.log_metrics('acc@1', ...)"),
     script(f'{RUN}\nrun.log_text("../notes.txt", "x")', says="reads as the path"),
     script(
+        f"{RUN}\nrun.finish()\nimport os, signal, time\nos.kill(os.getpid(), signal.SIGUSR1)\n"
+        'time.sleep(0.5)\nprint("ALIVE after the job signal")',
+        code=0,
+        says="ALIVE after the job signal",
+    ),
+    script(
         f"{RUN}\nfor epoch in run.epochs(1):\n    for _ in run.steps(range(4)):\n"
         '        run.log("loss", float("nan"), 1)\nrun.finish()',
         code=0,

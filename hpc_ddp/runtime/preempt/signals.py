@@ -73,7 +73,12 @@ class StopSignals:
         return self
 
     def restore(self) -> None:
+        """The handlers from before :meth:`install`; but the job's warning signal, which Slurm
+        may still send (ahead of the time limit) after the run ended, is then ignored rather
+        than left to its default action, which would end a finished run with 128+N."""
         for signum, handler in self._previous.items():
+            if signum == self.warning and handler in (signal.SIG_DFL, None):
+                handler = signal.SIG_IGN
             signal.signal(signum, handler)
         self._previous.clear()
 
