@@ -483,6 +483,8 @@ FAULTS: list[tuple[str, str, str]] = [
      "test_rundir.py::test_a_run_directory_of_another_user_is_refused"),
     ("the local launcher killed with kill -9", "its ranks stop as on a preemption",
      "test_fault_tolerance.py::test_ranks_end_when_their_local_launcher_is_killed"),
+    ("a rank leaves the loop early (sys.exit(0/3/None), os._exit(0))", "named as the cause, "
+     "not the rank that lost contact with it", "test_training.py::test_a_rank_that_leaves_the_loop_early_is_named_as_the_cause"),
     ("a process a rank started is left running when the ranks end", "ended with them: "
      "`hpc-ddp local ... | tee` returns", "test_fault_tolerance.py::test_processes_a_rank_started_end_with_the_ranks"),
 ]  # fmt: skip

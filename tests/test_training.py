@@ -548,3 +548,16 @@ def test_a_local_runs_store_listens_on_loopback_only(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "STORE 127.0.0.1 reached" in result.stdout, result.stdout
     assert "STORE 127.0.0.2 refused" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("how", ["0", "3", "none", "os"])
+def test_a_rank_that_leaves_the_loop_early_is_named_as_the_cause(how: str) -> None:
+    """The survivor exits 4 (lost contact); the launcher used to blame it and never named
+    the rank that left."""
+    result = run_local_program(2, [str(REPO / "tests/programs/leaves_early.py"), how])
+    assert result.returncode == EXIT_PEER_LOST, result.stderr[-3000:]
+    code = "3" if how == "3" else "0"
+    assert (
+        f"hpc-ddp local: rank 1 left the run early (exit code {code}) while the others trained "
+        "on, and rank 0 lost contact with it" in result.stderr
+    ), result.stderr[-3000:]

@@ -128,6 +128,22 @@ def failure_to_report(
     return None
 
 
+def failure_line(rank: int, code: int, codes: Sequence[int | None]) -> str:
+    """What the launcher says of the failure that ends the run. A rank that lost contact
+    with a peer names the rank that left early when one ended well (0, or stopped) while
+    the others trained on (``sys.exit`` inside the loop): that one is the cause."""
+    if code != EXIT_PEER_LOST:
+        return f"rank {rank} exited with code {code}"
+    early = [(other, done) for other, done in enumerate(codes) if done in (0, EXIT_STOPPED)]
+    if early:
+        other, done = early[0]
+        return (
+            f"rank {other} left the run early (exit code {done}) while the others trained "
+            f"on, and rank {rank} lost contact with it"
+        )
+    return f"rank {rank} exited with code {code} (it lost contact with another rank)"
+
+
 def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
     """Wait for all ranks; on a failure stop the rest, name the failed rank and return its
     exit code (see :func:`failure_to_report`)."""
@@ -140,12 +156,8 @@ def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
         failure = failure_to_report(codes, waited)
         if failure is not None:
             rank, code = failure
-            why = " (it lost contact with another rank)" if code == EXIT_PEER_LOST else ""
-            print(
-                f"hpc-ddp local: rank {rank} exited with code {code}{why}; stopping the other "
-                "ranks",
-                file=sys.stderr,
-            )
+            said = failure_line(rank, code, codes)
+            print(f"hpc-ddp local: {said}; stopping the other ranks", file=sys.stderr)
             _stop(processes)
             return code if code > 0 else 128 - code
         if None not in codes:
