@@ -472,6 +472,9 @@ FAULTS: list[tuple[str, str, str]] = [
      "frame in the log, exit 5", "test_watchdog.py::test_a_rank_sleeping_in_the_users_code_ends_the_job_and_shows_the_frame"),
     ("hung DataLoader worker", "named as such, job ends, worker killed",
      "test_watchdog.py::test_a_hung_dataloader_worker_is_named"),
+    ("one rank stopped with SIGSTOP (rank 1, or rank 0 holding the store)", "the waiting "
+     "rank's stall report names it (or says the store does not answer)",
+     "test_watchdog.py::test_a_stall_report_names_the_rank_that_stopped_answering"),
     ("4 concurrent runs on one fresh MLflow store", "every run gets its MLflow run",
      "test_tracking_outage.py::test_runs_that_open_a_new_sqlite_store_at_once_all_get_their_mlflow_run"),
     ("second live run with the same run.id", "refused naming the first's host and pid",

@@ -97,3 +97,20 @@ def test_a_stall_timeout_that_is_not_positive_is_refused(value: str, tmp_path: P
     )
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"dist.stall_timeout_s={float(value)!r} is invalid" in result.stderr
+
+
+@pytest.mark.parametrize("stopped", [1, 0], ids=["rank-1", "rank-0-holding-the-store"])
+def test_a_stall_report_names_the_rank_that_stopped_answering(stopped: int) -> None:
+    """A rank stopped with SIGSTOP makes no report of its own: the rank waiting for it in a
+    collective fires, and its report names the stopped rank (or, when that rank holds the
+    rendezvous store, says the store does not answer either)."""
+    result = run_local_program(
+        2, [str(REPO / "tests/programs/stops_itself.py"), str(stopped)], timeout=120
+    )
+    assert result.returncode == EXIT_STALLED, result.stderr[-3000:]
+    waiting = 1 - stopped
+    report = next(line for line in result.stderr.splitlines() if f"rank {waiting} stalled" in line)
+    if stopped == 1:
+        assert re.search(r"these ranks stopped answering: rank 1 \(\d+ s ago\)", report), report
+    else:
+        assert "the rendezvous store at 127.0.0.1" in report and "does not answer" in report

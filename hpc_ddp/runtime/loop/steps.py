@@ -28,6 +28,7 @@ from hpc_ddp.runtime.loop.position import Limits, Position
 from hpc_ddp.runtime.loop.stopper import Stopper
 from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
 from hpc_ddp.runtime.place.dist import all_gather_object
+from hpc_ddp.runtime.preempt.liveness import Liveness
 from hpc_ddp.runtime.preempt.watchdog import StallWatchdog
 
 _END = object()
@@ -66,12 +67,19 @@ def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | N
             f"({position.step_in_epoch + 1} of the epoch)"
         )
 
+    env = context.env
+    liveness = (
+        Liveness(env.master_addr, env.master_port, env.rank, env.world_size, env.elastic_restarts)
+        if env.world_size > 1
+        else None
+    )
     return StallWatchdog(
         settings.stall_timeout_s,
         settings.timeout_s,
-        context.env.rank,
+        env.rank,
         where,
         lambda: context.tracker.finish("FAILED"),
+        liveness,
     )
 
 

@@ -27,6 +27,7 @@ import torch
 
 from hpc_ddp.runtime.errors import EXIT_STALLED
 from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.preempt.liveness import Liveness
 
 #: Seconds between the watchdog's looks at the heartbeat.
 CHECK_PERIOD_S = 0.5
@@ -81,8 +82,10 @@ class StallWatchdog:
         rank: int,
         where: Callable[[], str],
         end_run: Callable[[], None],
+        liveness: Liveness | None = None,
     ) -> None:
         self.timeout_s = timeout_s
+        self._liveness = liveness
         self.first_timeout_s = max(timeout_s, first_timeout_s)
         self.rank = rank
         self._where = where
@@ -136,6 +139,8 @@ class StallWatchdog:
     def close(self) -> None:
         self.armed = False
         self._closed.set()
+        if self._liveness is not None:
+            self._liveness.close()
 
     def _watch(self) -> None:
         while not self._closed.wait(CHECK_PERIOD_S):
@@ -147,11 +152,12 @@ class StallWatchdog:
     def _fire(self, waited: float) -> None:
         frame = sys._current_frames().get(self._main.ident or -1)
         stuck = where_stuck(frame)
+        others = self._liveness.silent_ranks() if self._liveness is not None else ""
         log = get_logger()
         log.error(
             f"rank {self.rank} stalled: no training step finished for {waited:.0f} s "
             f"(dist.stall_timeout_s={self.timeout_s:g}) at {self._where()}; its main thread is "
-            f"{stuck}. Every thread's stack follows."
+            f"{stuck}" + (f"; {others}" if others else "") + ". Every thread's stack follows."
         )
         for handler in log.handlers:
             handler.flush()
@@ -159,7 +165,9 @@ class StallWatchdog:
         sys.stderr.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         log.error(
-            f"rank {self.rank} ends the job: stalled {stuck}. HINT: the stack above shows "
+            f"rank {self.rank} ends the job: stalled {stuck}"
+            + (f"; {others}" if others else "")
+            + ". HINT: the stack above shows "
             "where; a rank inside torch waits for another one (look for the rank stalled in "
             "its own code or in a DataLoader worker); raise dist.stall_timeout_s if a step "
             "legitimately takes this long"

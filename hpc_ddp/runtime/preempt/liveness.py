@@ -1,0 +1,108 @@
+"""Which ranks still answer. Each rank's watchdog thread writes "alive at <time>" to the
+rendezvous store every few seconds, over a connection of its own with a short timeout. When
+a rank's stall watchdog fires, it reads the others' times, so its report names a rank that
+stopped answering (SIGSTOP, a frozen node) instead of only itself, which merely waits for
+that rank in a collective."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+#: How long one store call may take before the store counts as not answering.
+STORE_TIMEOUT_S = 5.0
+
+
+def publish_period_s(world_size: int) -> float:
+    """Seconds between a rank's "alive" writes: 1 s, longer for large jobs so that rank 0's
+    store takes at most about 200 writes a second."""
+    return max(1.0, world_size / 200)
+
+
+class Liveness:
+    """This rank's "alive" writes, and the others' as read at a stall (see the module
+    docstring). Best effort, on threads of its own: a store call may block for good (a
+    stopped store host leaves the connection open), so none is made where waiting matters."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, attempt: int) -> None:
+        self.host, self.port = host, port
+        self.rank, self.world_size = rank, world_size
+        self.period_s = publish_period_s(world_size)
+        self._prefix = f"hpc_ddp/alive/{attempt}/"
+        self._client: Any = None
+        self._first: float | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._publish, name="hpc_ddp-alive", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _store(self) -> Any:
+        if self._client is None:
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+            self._client = TCPStore(
+                self.host,
+                self.port,
+                is_master=False,
+                timeout=timedelta(seconds=STORE_TIMEOUT_S),
+                wait_for_workers=False,
+            )
+        return self._client
+
+    def _publish(self) -> None:
+        """Write this rank's "alive" time every period until closed (or the store fails)."""
+        try:
+            while True:
+                now = time.time()
+                self._store().set(f"{self._prefix}{self.rank}", repr(now))
+                if self._first is None:
+                    self._first = now
+                if self._closed.wait(self.period_s):
+                    return
+        except Exception:
+            return  # the store is away: silent_ranks says so when it matters
+
+    def silent_ranks(self) -> str:
+        """The other ranks that stopped answering, in words ("" when all answer); waits at
+        most STORE_TIMEOUT_S for the store."""
+        found: list[str] = []
+        reader = threading.Thread(target=self._read, args=(found,), daemon=True)
+        reader.start()
+        reader.join(STORE_TIMEOUT_S)
+        if reader.is_alive() or found == ["unreachable"]:
+            return (
+                f"the rendezvous store at {self.host}:{self.port} does not answer either: "
+                "the rank that holds it (rank 0, or torchrun's agent) stopped or its host is "
+                "gone"
+            )
+        if not found:
+            return ""
+        shown = ", ".join(found[:8]) + (", ..." if len(found) > 8 else "")
+        return (
+            f"these ranks stopped answering: {shown} (stopped, frozen, or their host is "
+            "gone); this rank waits for them"
+        )
+
+    def _read(self, found: list[str]) -> None:
+        now, limit = time.time(), max(3.0, 3 * self.period_s)
+        # Ranks that never wrote count once every rank has had the time to.
+        everyone_had_time = self._first is not None and now - self._first > limit
+        try:
+            store = self._store()
+            for rank in range(self.world_size):
+                key = f"{self._prefix}{rank}"
+                if rank == self.rank:
+                    continue
+                if not store.check([key]):
+                    if everyone_had_time:
+                        found.append(f"rank {rank} (never)")
+                    continue
+                age = now - float(store.get(key))
+                if age > limit:
+                    found.append(f"rank {rank} ({age:.0f} s ago)")
+        except Exception:
+            found[:] = ["unreachable"]
