@@ -361,6 +361,10 @@ CASES: list[Case] = [
     ),
     script('hpc_ddp.start(dist=["x"])', says="expected a mapping of dist settings"),
     script(
+        'hpc_ddp.start(log_interval="10")',
+        says="hpc_ddp.start(log_interval)='10': expected a whole",
+    ),
+    script(
         'hpc_ddp.start(tracking={"enabled": False}, fingerprint={"model": object()})',
         says="fingerprint value 'model' (object) is shown with a memory address",
     ),

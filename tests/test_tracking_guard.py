@@ -15,7 +15,7 @@ import pytest
 from mlflow import MlflowClient
 
 from hpc_ddp.runtime.names import name_problem
-from hpc_ddp.runtime.tracking.base import LoggedMetrics, RunRecord
+from hpc_ddp.runtime.tracking.base import LoggedMetrics, RunRecord, experiment_folder
 from hpc_ddp.runtime.tracking.guard import GuardedTracker
 from hpc_ddp.runtime.tracking.mlflow_tracker import MlflowTracker
 
@@ -144,3 +144,14 @@ def test_names_mlflow_refuses_are_named_with_the_reason(name: object, problem: s
     found = name_problem(name)
     assert found is not None and problem in found, found
     assert name_problem("val/top-1 acc:5") is None and name_problem("interval/loss") is None
+
+
+@pytest.mark.parametrize("experiment", ["../../escaped", "/etc", "a/b", ".", "..", "ok-name.1"])
+def test_an_experiments_artifact_folder_stays_inside_the_artifact_root(
+    tmp_path: Path, experiment: str
+) -> None:
+    """tracking.experiment is free text (MLflow allows '/'); its artifacts' folder is one
+    plain name under the root, whatever the name holds."""
+    folder = experiment_folder(tmp_path / "mlartifacts", experiment)
+    assert folder.parent == tmp_path / "mlartifacts" and folder.name not in ("", ".", "..")
+    assert folder.resolve().is_relative_to((tmp_path / "mlartifacts").resolve())

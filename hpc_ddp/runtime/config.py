@@ -20,6 +20,7 @@ from typing import Any, Literal
 from hpc_ddp.runtime import configfile
 from hpc_ddp.runtime.configfile import require, section, setting
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.yamlread import load_raw
 
 #: Dotted settings from the environment (``HPC_DDP_OVERRIDES="run.id=a tracking.enabled=false"``):
 #: a script's run settings changed without touching its code or its arguments.
@@ -242,7 +243,7 @@ def resolve_config(
     if isinstance(config, RuntimeConfig):
         raw, source = configfile.to_dict(config), "<config>"
     elif isinstance(config, str | Path):
-        raw, source = configfile.load_raw(config), str(config)
+        raw, source = load_raw(config), str(config)
     elif config is None:
         raw, source = {}, "<defaults>"
     else:

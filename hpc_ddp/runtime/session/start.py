@@ -17,6 +17,7 @@ import torch
 import torch.distributed as torch_dist
 
 from hpc_ddp.runtime import configfile
+from hpc_ddp.runtime.arguments import optional_whole_number
 from hpc_ddp.runtime.checkpoint.files import (
     Found,
     check_resumable,
@@ -278,6 +279,7 @@ def start(
             "signals (preemption, Ctrl-C) reach the main thread only",
             "call hpc_ddp.start() and run the training loop in the main thread",
         )
+    log_interval = optional_whole_number(log_interval, "hpc_ddp.start(log_interval)")
     environment = os.environ if environ is None else environ
     refuse_nested_start(
         environment,
