@@ -9,13 +9,14 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.launch.program import DEFAULT_CONFIG, Program, program_from
 from hpc_ddp.launch.shipped import find_config
 from hpc_ddp.runtime.errors import HpcDdpError
 
 if TYPE_CHECKING:
+    from hpc_ddp.launch.sbatch import RenderRequest
     from hpc_ddp.trainer.config import Config
 
 
@@ -164,7 +165,7 @@ def _warning_signal(requested: str | None, config: Config | None) -> str:
 
 
 def render(args: argparse.Namespace) -> int:
-    from hpc_ddp.launch.sbatch import RenderRequest, render_sbatch, template_path
+    from hpc_ddp.launch.sbatch import render_sbatch, template_path
 
     program = program_arguments(args, default_config=DEFAULT_CONFIG)
     config = check_builtin(program)
@@ -178,18 +179,13 @@ def render(args: argparse.Namespace) -> int:
             f"cannot create the job's log folder {log_dir}: {error.strerror}",
             "pass --log-dir with a folder you can write, e.g. --log-dir ~/logs",
         ) from None
-    request = RenderRequest(
-        arguments=tuple(program.template_args()),
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        cpu_tasks_per_node=args.tasks_per_node or 1,
-        cpus_per_task=args.cpus_per_task,
-        time=args.time,
-        partition=args.partition,
+    request = job_request(
+        args,
+        program,
+        log_dir,
         job_name=args.job_name,
         launcher=args.launcher,
         signal=_warning_signal(args.signal, config),
-        log_dir=str(log_dir),
     )
     script = render_sbatch(template_path(args.launcher).read_text(), request)
     if args.output in (None, "-"):
@@ -202,6 +198,26 @@ def render(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def job_request(
+    args: argparse.Namespace, program: Program, log_dir: Path, **launch: Any
+) -> RenderRequest:
+    """What a job script is rendered from: the job's size from ``args`` (render, init),
+    ``program``, its log folder and ``launch`` (job name, launcher, signal)."""
+    from hpc_ddp.launch.sbatch import RenderRequest
+
+    return RenderRequest(
+        arguments=tuple(program.template_args()),
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        cpu_tasks_per_node=args.tasks_per_node or 1,
+        cpus_per_task=args.cpus_per_task,
+        time=args.time,
+        partition=args.partition,
+        log_dir=str(log_dir),
+        **launch,
+    )
 
 
 def write_job_script(output: Path, script: str) -> None:

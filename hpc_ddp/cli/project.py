@@ -9,7 +9,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_ddp.cli.commands import check_builtin, program_arguments, write_job_script
+from hpc_ddp.cli.commands import (
+    check_builtin,
+    job_request,
+    program_arguments,
+    write_job_script,
+)
 from hpc_ddp.launch.program import Program
 from hpc_ddp.launch.shipped import CONFIG_DIR, example_script, shipped_config_name
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -56,7 +61,7 @@ def planned_copies(
 def init(args: argparse.Namespace) -> int:
     """Write the job script (never over an existing file), ./logs/ and the copies; say what
     was written and how to submit it."""
-    from hpc_ddp.launch.sbatch import RenderRequest, render_sbatch, template_path
+    from hpc_ddp.launch.sbatch import render_sbatch, template_path
 
     cwd = Path.cwd()
     output = Path(args.output)
@@ -72,16 +77,7 @@ def init(args: argparse.Namespace) -> int:
     for copy in copies:
         copy.target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(copy.source, copy.target)
-    request = RenderRequest(
-        arguments=tuple(program.template_args()),
-        nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node,
-        cpu_tasks_per_node=args.tasks_per_node or 1,
-        cpus_per_task=args.cpus_per_task,
-        time=args.time,
-        partition=args.partition,
-        log_dir=str(logs),
-    )
+    request = job_request(args, program, logs)
     write_job_script(output, render_sbatch(template_path().read_text(), request))
     for copy in copies:
         print(f"wrote {copy.target.relative_to(cwd)} (from {copy.source})", file=sys.stderr)
