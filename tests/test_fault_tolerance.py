@@ -302,7 +302,8 @@ def test_warning_signal_while_importing_torch_still_checkpoints(tmp_path: Path) 
     while not _catches(process.pid, signal.SIGUSR1):
         assert process.poll() is None and time.monotonic() < deadline, "no handler installed"
         time.sleep(0.001)
-    assert "torch" not in Path(f"/proc/{process.pid}/maps").read_text(), "too late: torch loaded"
+    # At once: torch's import starts right after. Whether it has begun by now depends on
+    # the machine's load; the rank's own line below says the signal came during start-up.
     process.send_signal(signal.SIGUSR1)
     _out, err = process.communicate(timeout=120)
     assert process.returncode == EXIT_STOPPED, err[-3000:]
