@@ -19,6 +19,10 @@ from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.preempt.startup_signals import release_stop_signals
 
 
+def ignored_after_the_run(_signum: int, _frame: FrameType | None) -> None:
+    """The job's warning signal once the run ended: its work is saved, nothing to do."""
+
+
 class StopSignals:
     """Records stop signals; nothing else happens inside the handler."""
 
@@ -78,7 +82,9 @@ class StopSignals:
         than left to its default action, which would end a finished run with 128+N."""
         for signum, handler in self._previous.items():
             if signum == self.warning and handler in (signal.SIG_DFL, None):
-                handler = signal.SIG_IGN
+                # A handler, not SIG_IGN: an ignored signal stays ignored in every program
+                # this process starts later, which would then never stop on it.
+                handler = ignored_after_the_run
             signal.signal(signum, handler)
         self._previous.clear()
 
