@@ -28,17 +28,24 @@ def run_on_a_terminal(args: list[str]) -> str:
         stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary,
     )  # fmt: skip
     os.close(secondary)
+    output = read_terminal(main)
+    assert process.wait(timeout=120) == 0, output[-3000:]
+    return output
+
+
+def read_terminal(main: int) -> str:
+    """Everything written to the pty whose main side is ``main``, until its other side
+    closes (the process is gone); closes ``main``."""
     chunks = []
     while True:
         try:
             chunk = os.read(main, 65536)
-        except OSError:  # the terminal's other side closed: the process is gone
+        except OSError:  # the terminal's other side closed
             break
         if not chunk:
             break
         chunks.append(chunk)
     os.close(main)
-    assert process.wait(timeout=120) == 0, b"".join(chunks).decode()[-3000:]
     return b"".join(chunks).decode(errors="replace")
 
 
@@ -95,17 +102,8 @@ def test_log_lines_written_around_the_bar_stay_on_stderr(tmp_path: Path) -> None
         stderr=secondary, text=True,
     )  # fmt: skip
     os.close(secondary)
-    chunks = []
-    while True:
-        try:
-            chunk = os.read(main, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(main)
+    terminal = read_terminal(main)
     stdout, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, b"".join(chunks).decode()[-3000:]
-    assert "INFO checkpoint (end of training)" in b"".join(chunks).decode(errors="replace")
+    assert process.returncode == 0, terminal[-3000:]
+    assert "INFO checkpoint (end of training)" in terminal
     assert "INFO" not in stdout and stdout.startswith("RESULT "), stdout[-2000:]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -19,8 +18,8 @@ from typing import Any
 import torch
 
 from hpc_ddp.launch.shipped import find_config
-from hpc_ddp.runtime.config import OVERRIDES_VARIABLE
-from hpc_ddp.runtime.errors import HpcDdpError, Stopped
+from hpc_ddp.runtime.config import OVERRIDES_VARIABLE, environment_overrides
+from hpc_ddp.runtime.errors import Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 from hpc_ddp.runtime.place.plan import describe_launch, micro_batch_size
 from hpc_ddp.runtime.place.rundir import check_creatable
@@ -105,18 +104,6 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if summary.get("summary_path"):
         print(summary_lines(summary))
     return 0
-
-
-def environment_overrides(environ: Mapping[str, str]) -> list[str]:
-    """The dotted settings in $HPC_DDP_OVERRIDES (space-separated, shell quoting)."""
-    text = environ.get(OVERRIDES_VARIABLE, "")
-    try:
-        return shlex.split(text)
-    except ValueError as error:
-        raise HpcDdpError(
-            f"${OVERRIDES_VARIABLE}={text!r}: {error}",
-            f"set {OVERRIDES_VARIABLE} to space-separated section.key=value settings",
-        ) from None
 
 
 def without_overrides(environ: Mapping[str, str]) -> dict[str, str]:

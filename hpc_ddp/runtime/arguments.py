@@ -10,6 +10,11 @@ from typing import Any
 from hpc_ddp.runtime.errors import HpcDdpError
 
 
+def is_number(value: object) -> bool:
+    """An int or a float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def whole_number(value: Any, call: str, minimum: int = 1) -> int:
     """``value`` as an int when it is a whole number of at least ``minimum`` (a bool or a
     float is not); else an HpcDdpError naming ``call`` (e.g. ``run.epochs(num_epochs)``)."""

@@ -229,6 +229,18 @@ Section = (
 )
 
 
+def environment_overrides(environ: Mapping[str, str]) -> list[str]:
+    """The dotted settings in $HPC_DDP_OVERRIDES (space-separated, shell quoting)."""
+    text = environ.get(OVERRIDES_VARIABLE, "")
+    try:
+        return shlex.split(text)
+    except ValueError as error:
+        raise HpcDdpError(
+            f"${OVERRIDES_VARIABLE}={text!r}: {error}",
+            f"set {OVERRIDES_VARIABLE} to space-separated section.key=value settings",
+        ) from None
+
+
 def resolve_config(
     config: RuntimeConfig | str | Path | None,
     overrides: Sequence[str],
@@ -275,8 +287,8 @@ def resolve_config(
             raw.setdefault(name, {}).update(dict(value))  # type: ignore[arg-type]
     sections_known = configfile.section_names(RuntimeConfig)
     text = configfile.text_keys(RuntimeConfig)
+    from_environ = environment_overrides(environ)
     try:
-        from_environ = shlex.split(environ.get(OVERRIDES_VARIABLE, ""))
         if from_environ:
             configfile.apply_overrides(raw, from_environ, sections_known, text)
             configfile.from_dict(RuntimeConfig, copy.deepcopy(raw), source)  # unknown keys

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from hpc_ddp.runtime.arguments import is_number
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import Progress, get_logger
 from hpc_ddp.runtime.loop.context import RunContext
@@ -18,10 +19,6 @@ from hpc_ddp.runtime.names import check_name
 
 #: Interval metrics the run logs itself (as interval/<name>).
 RESERVED_METRICS = frozenset({"lr", "samples_per_s", "steps_per_s"})
-
-
-def is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def check_logged_name(name: object) -> None:

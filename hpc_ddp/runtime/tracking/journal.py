@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.runtime.arguments import is_number
 from hpc_ddp.runtime.safefiles import make_dirs, open_append, replace_bytes
 from hpc_ddp.runtime.tracking.base import Tracker
 
@@ -110,22 +111,18 @@ def current_points(lines: Iterable[str]) -> list[dict[str, Any]]:
     return [entry for entry in kept if entry["metrics"]]
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
 def _whole_entry(entry: dict[str, Any]) -> dict[str, Any] | None:
     """A metric entry as readers need it (whole-number steps, time and epoch; each value a
     number or None), or None for a damaged one; a damaged value alone is left out."""
     steps = [entry.get(key, 0) for key in ("step", "global_step", "epoch")]
     if not all(isinstance(step, int) and not isinstance(step, bool) for step in steps):
         return None
-    if not _is_number(entry.get("time", 0.0)):
+    if not is_number(entry.get("time", 0.0)):
         return None
     metrics = {
         name: value
         for name, value in entry["metrics"].items()
-        if isinstance(name, str) and (value is None or _is_number(value))
+        if isinstance(name, str) and (value is None or is_number(value))
     }
     return {**entry, "metrics": metrics}
 
