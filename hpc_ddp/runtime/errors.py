@@ -95,3 +95,9 @@ class AlreadyFinished(SystemExit):
         super().__init__(0)
         self.step = step
         self.run_dir = run_dir
+
+
+def error_line(error: BaseException, limit: int = 300) -> str:
+    """``error`` in one line for a message: its type and the first line of its text."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:limit]}" if lines else type(error).__name__

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import torch
 
-from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.errors import HpcDdpError, error_line
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.safefiles import DIR_MODE, create_temporary, make_dirs
 
@@ -244,7 +244,7 @@ def load_newest(directory: Path, start_fresh_if_unreadable: bool = False) -> Fou
         except HpcDdpError:
             raise
         except Exception as error:  # a damaged file can fail in many ways; all mean: skip it
-            unreadable.append((path, _first_line(error)))
+            unreadable.append((path, error_line(error, 200)))
             get_logger().warning(f"checkpoint {path} cannot be loaded ({unreadable[-1][1]})")
             continue
         if unreadable:
@@ -261,11 +261,6 @@ def load_newest(directory: Path, start_fresh_if_unreadable: bool = False) -> Fou
         )
     set_aside([path for path, _reason in unreadable])
     return None
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def set_aside(paths: list[Path]) -> None:

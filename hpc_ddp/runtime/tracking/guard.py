@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from hpc_ddp.runtime.errors import error_line
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.tracking.base import LoggedMetrics, StoreTracker
 from hpc_ddp.runtime.tracking.worker import mlflow_http_settings
@@ -33,11 +34,6 @@ def export_mlflow_http_settings(environ: Any = os.environ) -> dict[str, str]:
     written = mlflow_http_settings(environ)
     environ.update(written)
     return written
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {lines[0][:300]}" if lines else type(error).__name__
 
 
 #: MLflow's answer to a request it refuses for its content (a name, a value), not because
@@ -178,7 +174,7 @@ class GuardedTracker:
             tracker, self._replayed = self._recover()
         except BaseException as error:
             self._failed_at = time.monotonic()
-            get_logger().debug(f"MLflow at {self._uri} still fails: {_first_line(error)}")
+            get_logger().debug(f"MLflow at {self._uri} still fails: {error_line(error)}")
             return None
         self._run_id = tracker.run_id
         self._status = f"recovered after: {self._status.removeprefix('failed: ')}"
@@ -194,7 +190,7 @@ class GuardedTracker:
         if doing not in self._dropped:
             self._dropped.add(doing)
             get_logger().warning(
-                f"MLflow at {self._uri} refused {doing} ({_first_line(error)}); that call is "
+                f"MLflow at {self._uri} refused {doing} ({error_line(error)}); that call is "
                 "dropped, tracking goes on, and metrics.jsonl keeps every point"
             )
 
@@ -202,9 +198,9 @@ class GuardedTracker:
         self._failed_at = time.monotonic()
         if self._status.startswith("failed"):
             return
-        self._status = f"failed: {doing}: {_first_line(error)}"
+        self._status = f"failed: {doing}: {error_line(error)}"
         get_logger().warning(
-            f"MLflow at {self._uri} failed {doing} ({_first_line(error)}); training goes on "
+            f"MLflow at {self._uri} failed {doing} ({error_line(error)}); training goes on "
             "without it, and the run's metrics stay in metrics.jsonl in its directory. HINT: "
             "check tracking.uri and that the server is up, or set tracking.enabled=false"
         )
