@@ -13,6 +13,10 @@ hpc_ddp's time is its epoch's wall time minus the hand-written steps run inside 
 holds everything hpc_ddp does per step and at the epoch's end. Each round is one epoch of
 both.
 
+``--fsdp``: both sides shard the model with FSDP2 (the hand-written one calls
+``fully_shard`` on each layer and the model; hpc_ddp's runs with ``dist.strategy=fsdp`` and
+the same layers named in ``dist.shard_blocks``).
+
 The control (``--control``) puts a second copy of the hand-written loop where hpc_ddp's was:
 its ratio shows what this method reads when both sides are the same code (ideally 1.000).
 
@@ -86,11 +90,16 @@ class StepsInBetween:
 
 
 def library_rounds(
-    run: hpc_ddp.Run, hidden: list[int], samples: int, rounds: int, accuracy: bool
+    run: hpc_ddp.Run,
+    hidden: list[int],
+    samples: int,
+    rounds: int,
+    accuracy: bool,
+    shard: bool = False,
 ) -> list[tuple[float, float]]:
     """Epochs of a loop written against the public API, each with the hand-written loop's
     steps in between: (hand-written seconds, hpc_ddp seconds) per epoch."""
-    raw = RawLoop(hidden, samples, BATCH)
+    raw = RawLoop(hidden, samples, BATCH, shard=shard)
     model = run.wrap(raw_model(hidden))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     dataset = synthetic_datasets(samples, 1, 64, 10, seed=0).train
@@ -143,10 +152,14 @@ def rank_main() -> None:
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--control", action="store_true", help="hand-written vs itself")
     parser.add_argument("--accuracy", action="store_true", help="also log train accuracy")
+    parser.add_argument("--fsdp", action="store_true", help="both sides shard with FSDP2")
     args = parser.parse_args()
     hidden = MODELS[args.model]["hidden"]
     samples = EPOCH_SAMPLES[args.model]
+    layers = [str(2 * index) for index in range(len(hidden) + 1)]  # the Linear layers
+    sharded = ["dist.strategy=fsdp", f"dist.shard_blocks=[{','.join(layers)}]"]
     run = hpc_ddp.start(
+        overrides=sharded if args.fsdp else [],
         name="bench",
         run={"output_dir": "/tmp/hpc-ddp-bench"},
         tracking={"enabled": False},
@@ -156,7 +169,9 @@ def rank_main() -> None:
     if args.control:
         seconds = control_rounds(hidden, samples, args.rounds + 1)[1:]
     else:
-        seconds = library_rounds(run, hidden, samples, args.rounds + 1, args.accuracy)[1:]
+        seconds = library_rounds(run, hidden, samples, args.rounds + 1, args.accuracy, args.fsdp)[
+            1:
+        ]
     if run.is_main:
         samples_per_round = (samples // BATCH) * BATCH
         print(
@@ -220,16 +235,18 @@ def token_result(
 
 
 def measure(
-    name: str, rounds: int, control: bool = False, accuracy: bool = False
+    name: str, rounds: int, control: bool = False, accuracy: bool = False, fsdp: bool = False
 ) -> dict[str, Any]:
     arguments = ["--model", name, "--rounds", str(rounds)]
     arguments += (["--control"] if control else []) + (["--accuracy"] if accuracy else [])
+    arguments += ["--fsdp"] if fsdp else []
     output, _ = launch(WORLD, "bench.interleaved", arguments, timeout=3600)
     row = summarise(output["raw"], output["hpc_ddp"])
     if output["end_of_epoch_s"]:
         row["end_of_epoch_median_s"] = statistics.median(output["end_of_epoch_s"])
     low, high = row["ratio_ci95"]
     label = name + (" control" if control else "") + (" train accuracy" if accuracy else "")
+    label += " FSDP2" if fsdp else ""
     print(
         f"{label} (paired, {rounds} rounds): ratio "
         f"{row['ratio']:.3f} (95% CI {low:.3f}-{high:.3f})",

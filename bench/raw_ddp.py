@@ -47,6 +47,7 @@ class RawLoop:
         device: torch.device | None = None,
         bf16: bool = False,
         num_workers: int = 0,
+        shard: bool = False,
     ) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         self.device = device or torch.device("cpu")
@@ -55,9 +56,18 @@ class RawLoop:
         assert isinstance(data, TensorDataset)
         module = raw_model(hidden_sizes).to(self.device)
         on_gpu = self.device.type == "cuda"
-        self.model = DistributedDataParallel(
-            module, device_ids=[self.device.index] if on_gpu else None
-        )
+        if shard:  # the hand-written FSDP2 loop: fully_shard on each layer, then the model
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in module.modules():
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fully_shard(module)
+            self.model: nn.Module = module
+        else:
+            self.model = DistributedDataParallel(
+                module, device_ids=[self.device.index] if on_gpu else None
+            )
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.05, momentum=0.9)
         self.sampler: DistributedSampler[Any] = DistributedSampler(
             data, num_replicas=world, rank=rank, shuffle=True, seed=0, drop_last=True

@@ -63,6 +63,8 @@ ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     for previous, name in zip("abcdefgh", "bcdefghi", strict=True)
 )
 
+#: A start with dist.strategy=fsdp, to which a case adds its own arguments and ``)``.
+FSDP_RUN = 'run = hpc_ddp.start(tracking={"enabled": False}, dist={"strategy": "fsdp"}'
 #: What ``RUN`` stands for in a script case.
 RUN = 'run = hpc_ddp.start(tracking={"enabled": False})'
 
@@ -147,6 +149,11 @@ def _override_cases() -> list[Case]:
         "checkpoint.every_minutes=0": "checkpoint.every_minutes",
         "checkpoint.keep_last=0": "checkpoint.keep_last",
         "checkpoint.enabled=perhaps": "checkpoint.enabled",
+        "checkpoint.save_mode=fast": "checkpoint.save_mode",
+        "dist.strategy=zero3": "dist.strategy",
+        "dist.shard_blocks=layers": "dist.shard_blocks",
+        "dist.mixed_precision=fp8": "dist.mixed_precision",
+        "preempt.warning_s=0": "preempt.warning_s",
         "preempt.signal=KILL": "preempt.signal",
         "preempt.max_requeues=-1": "preempt.max_requeues",
         "preempt.check_every_steps=0": "preempt.check_every_steps",
@@ -380,6 +387,18 @@ CASES: list[Case] = [
     script(f"{RUN}\nrun.wrap(torch.nn.ReLU())", says="no parameter that requires a gradient"),
     script(f'{RUN}\nrun.wrap(torch.nn.Linear(2, 1, device="meta"))', says="the meta device"),
     script(
+        f"{FSDP_RUN}, overrides=['dist.shard_blocks=[head]'])\nrun.wrap(torch.nn.Linear(2, 1))",
+        says="dist.shard_blocks names 'head', which is neither a submodule nor a class",
+    ),
+    script(
+        f"{FSDP_RUN})\nrun.wrap(torch.nn.Linear(2, 1), find_unused_parameters=True)",
+        says="DistributedDataParallel's options",
+    ),
+    script(
+        f"{FSDP_RUN}, checkpoint={{'save_mode': 'single_file'}})\nrun.wrap(torch.nn.Linear(2, 1))",
+        says="one rank cannot write a sharded model's state alone",
+    ),
+    script(
         f"{RUN}\nrun.train_loader(list(range(10)), batch_size=64)",
         says="fewer than one global batch",
     ),
@@ -427,8 +446,16 @@ FAULTS: list[tuple[str, str, str]] = [
      "checkpoint loads", "test_slurm_fault_tolerance.py::test_kill_9_of_one_rank_ends_the_job_fast_and_the_checkpoint_loads"),
     ("a rank raises in the user's code", "job ends fast naming the rank, the user's frames "
      "shown, MLflow FAILED", "test_user_script.py::test_an_error_in_the_users_code_shows_their_frames_and_the_rank"),
-    ("kill -9 during a checkpoint write", "previous checkpoint kept and resumed from, no "
-     "partial file", "test_slurm_fault_tolerance.py::test_kill_during_a_checkpoint_write_keeps_the_previous_one"),
+    ("kill -9 during a checkpoint write (folder and single file)", "previous checkpoint kept "
+     "and resumed from, the partial write removed", "test_slurm_fault_tolerance.py::test_kill_during_a_checkpoint_write_keeps_the_previous_one"),
+    ("kill -9 of every rank during a background save", "the folder without .metadata is no "
+     "checkpoint; the rerun resumes from the previous one, bitwise equal", "test_sharded_checkpoints.py::test_a_kill_during_a_background_save_leaves_the_previous_checkpoint"),
+    ("a stop signal during a background save", "that save finishes, then the stop's own; both "
+     "whole; a save slower than the signal's warning named once", "test_sharded_checkpoints.py::test_a_stop_during_a_background_save_waits_for_it_then_saves"),
+    ("a run stopped with an earlier version's single-file checkpoint", "goes on under folder "
+     "checkpoints, bitwise equal", "test_sharded_checkpoints.py::test_a_single_file_checkpoint_goes_on_as_a_folder_run"),
+    ("an FSDP2 checkpoint of 4 ranks resumed on 2 and on 3; DDP's under FSDP2 and back",
+     "model and optimizer reshard; weights as an uninterrupted run's", "test_fsdp.py::test_an_fsdp_checkpoint_of_4_ranks_goes_on_at_2_and_at_3"),
     ("disk full while checkpointing (tmpfs)", "previous checkpoint loadable, no partial file, "
      "one line with path and free space", "test_fault_tolerance.py::test_a_full_disk_keeps_the_previous_checkpoint_and_names_the_path"),
     ("preemption signal (USR1) mid-epoch", "checkpoint, requeue, bitwise-equal weights, one "

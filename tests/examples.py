@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from hpc_ddp.runtime.checkpoint.export import model_weights
+from hpc_ddp.runtime.checkpoint.files import list_checkpoints
 from tests.helpers import REPO
 
 
@@ -77,5 +79,4 @@ def summary(output_dir: Path, example: Example, run_id: str) -> dict[str, Any]:
 
 def final_model(output_dir: Path, example: Example, run_id: str) -> dict[str, torch.Tensor]:
     checkpoints = run_dir(output_dir, example, run_id) / "checkpoints"
-    saved = torch.load(sorted(checkpoints.glob("step-*.pt"))[-1], weights_only=True)
-    return saved["objects"]["model"]  # type: ignore[no-any-return]
+    return model_weights(list_checkpoints(checkpoints)[0], "model")[1]

@@ -19,6 +19,8 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
+from hpc_ddp.runtime.checkpoint.export import model_weights
+from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, clean_environ, run_local_program, signal_after
@@ -55,8 +57,8 @@ def result_of(output: str) -> dict[str, Any]:
 
 
 def final_model(output_dir: Path) -> dict[str, torch.Tensor]:
-    newest = sorted(output_dir.glob("*/*/checkpoints/step-*.pt"))[-1]
-    return torch.load(newest, weights_only=True)["objects"]["model"]  # type: ignore[no-any-return]
+    (checkpoints,) = output_dir.glob("*/*/checkpoints")
+    return model_weights(list_checkpoints(checkpoints)[0], "model")[1]
 
 
 DETERMINISTIC = {
@@ -153,7 +155,8 @@ def test_the_lm_loop_evaluates_once_per_interval_and_keeps_its_best_loss(tmp_pat
     assert [point.step for point in history] == [0, 50, 100, 150]
     assert facts["best_val_loss"] == pytest.approx(min(point.value for point in history))
     assert "interval/lr" in run.data.metrics and "lr" not in run.data.metrics
-    saved = torch.load(sorted(tmp_path.glob("*/*/checkpoints/step-*.pt"))[-1], weights_only=True)
+    (checkpoints,) = tmp_path.glob("*/*/checkpoints")
+    saved = load_checkpoint(list_checkpoints(checkpoints)[0])
     assert saved["values"] == {"best_val_loss": facts["best_val_loss"]}
     assert best.is_file() and set(torch.load(best)) >= {"head.weight", "embed.weight"}
 

@@ -14,18 +14,21 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import TensorDataset
 
-from hpc_ddp.runtime.checkpoint.files import checkpoint_dir, load_newest
-from hpc_ddp.runtime.config import RunConfig, RuntimeConfig
+from hpc_ddp.runtime.checkpoint.files import checkpoint_dir, list_checkpoints, load_newest
+from hpc_ddp.runtime.config import CheckpointConfig, RunConfig, RuntimeConfig
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.loop.cadence import CHECK_EVERY_MAX, Cadence, steps_for
 from hpc_ddp.runtime.loop.checkpointer import Checkpointer
 from hpc_ddp.runtime.loop.context import RunContext
+from hpc_ddp.runtime.loop.data import eval_loader
 from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.stopper import Stopper
 from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
 from hpc_ddp.runtime.preempt.signals import StopSignals
+from hpc_ddp.runtime.session.resume import restore_registered
 from hpc_ddp.runtime.session.start import resolve_launch
 from hpc_ddp.runtime.tracking.base import NullTracker
 
@@ -58,8 +61,11 @@ class Recorder(NullTracker):
         self.ended.append(status)
 
 
-def context_in(tmp_path: Path, tracker: Any = None) -> RunContext:
-    settings = RuntimeConfig(run=RunConfig(output_dir=str(tmp_path), id="unit"))
+def context_in(tmp_path: Path, tracker: Any = None, save_mode: str = "async") -> RunContext:
+    settings = RuntimeConfig(
+        run=RunConfig(output_dir=str(tmp_path), id="unit"),
+        checkpoint=CheckpointConfig(save_mode=save_mode),  # type: ignore[arg-type]
+    )
     plan = resolve_launch(settings, "unit", {})
     plan.run_dir.mkdir(parents=True)
     return RunContext(
@@ -102,8 +108,11 @@ def test_the_cadence_keeps_what_is_set_and_measures_the_rest() -> None:
     assert steps_for(1e9, 1.0, CHECK_EVERY_MAX) == CHECK_EVERY_MAX and steps_for(0.01, 1, 9) == 1
 
 
-def test_the_checkpointer_owns_what_a_checkpoint_holds_and_puts_it_back(tmp_path: Path) -> None:
-    context = context_in(tmp_path)
+@pytest.mark.parametrize("save_mode", ["async", "sync", "single_file"])
+def test_the_checkpointer_owns_what_a_checkpoint_holds_and_puts_it_back(
+    tmp_path: Path, save_mode: str
+) -> None:
+    context = context_in(tmp_path, save_mode=save_mode)
     model = torch.nn.Linear(3, 2)
     context.registry.add({"model": model})
     context.values["best"] = 0.25
@@ -115,20 +124,28 @@ def test_the_checkpointer_owns_what_a_checkpoint_holds_and_puts_it_back(tmp_path
     torch.manual_seed(3)
     checkpointer.save("periodic")
     expected_draw = torch.rand(3)
+    checkpointer.wait()
     path, saved = load_newest(checkpoint_dir(context.run_dir))  # type: ignore[misc]
-    assert path.name == "step-000000030.pt"
+    assert path.name == "step-000000030" + (".pt" if save_mode == "single_file" else "")
     assert set(saved) >= {"objects", "values", "streams", "rng", "metrics", "fingerprint"}
-    assert saved["values"] == {"best": 0.25} and saved["streams"] == [{"position": 11}]
+    assert saved["values"] == {"best": 0.25}
+    assert len(saved["streams"]) == 1 and saved["streams"][0] == {"position": 11}
     assert (saved["global_step"], saved["epoch"], saved["step_in_epoch"]) == (30, 1, 5)
     assert saved["fingerprint"] == {"lr": "0.1"} and saved["finished"] is False
     checkpointer.save("periodic")
-    assert len(list(checkpoint_dir(context.run_dir).glob("step-*.pt"))) == 1, "once per step"
+    checkpointer.wait()
+    assert len(list_checkpoints(checkpoint_dir(context.run_dir))) == 1, "once per step"
+    saved_weight = model.weight.detach().clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)  # after the save: the checkpoint must not see it
 
     again = context_in(tmp_path / "again")
     again.registry.add({"model": torch.nn.Linear(3, 2)})
     position2, streams2, checkpointer2 = parts(again)
     torch.manual_seed(99)
+    restore_registered(again.registry, saved["objects"], path)
     assert checkpointer2.restore(saved) is True, "one rank wrote it, one rank reads it"
+    assert torch.equal(again.registry.objects["model"].weight, saved_weight)
     assert torch.equal(torch.rand(3), expected_draw), "the random stream goes on"
     assert (position2.global_step, position2.resumed_from_step) == (30, 30)
     assert again.values == {"best": 0.25}
@@ -143,7 +160,7 @@ def test_a_value_a_resume_could_not_load_is_refused_at_the_save(tmp_path: Path) 
     _position, _streams, checkpointer = parts(context)
     with pytest.raises(HpcDdpError, match=r"run\.state has a state that a resume could not"):
         checkpointer.save("periodic")
-    assert not list(checkpoint_dir(context.run_dir).glob("step-*.pt")), "nothing half-written"
+    assert not list_checkpoints(checkpoint_dir(context.run_dir)), "nothing half-written"
 
 
 def test_the_stopper_checkpoints_ends_the_tracking_and_raises_stopped(tmp_path: Path) -> None:
@@ -160,7 +177,7 @@ def test_the_stopper_checkpoints_ends_the_tracking_and_raises_stopped(tmp_path: 
         stopper.stop()
     assert (stopped.value.step, stopped.value.requeued) == (12, False)
     assert position.stopped and tracker.ended == ["KILLED"]
-    assert (checkpoint_dir(context.run_dir) / "step-000000012.pt").is_file()
+    assert list_checkpoints(checkpoint_dir(context.run_dir))[0].name == "step-000000012"
     stopper.close()
 
 
@@ -218,3 +235,19 @@ def test_a_forked_child_does_not_hold_the_parents_run() -> None:
         assert len(ending._ACTIVE) == 1, "the parent still does"
     finally:
         ending._ACTIVE.pop()
+
+
+def test_evaluation_for_a_sharded_model_gives_every_rank_as_many_batches() -> None:
+    """5 samples, 2 ranks, 2 a batch: rank 0 holds 3 (2 batches), rank 1 holds 2 (1 batch),
+    and gets an empty one besides, so both run two forward passes; nothing is counted twice."""
+    data = TensorDataset(torch.arange(5.0))
+    shares = [
+        [batch[0].tolist() for batch in eval_loader(
+            data, rank=rank, world_size=2, batch_size=2, num_workers=0, device=None,
+            same_count=True,
+        )]
+        for rank in (0, 1)
+    ]  # fmt: skip
+    assert shares == [[[0.0, 2.0], [4.0]], [[1.0, 3.0], []]]
+    plain = eval_loader(data, rank=1, world_size=2, batch_size=2, num_workers=0, device=None)
+    assert len(plain) == 1 and len(list(plain)) == 1, "a replicated model needs no filler"

@@ -34,8 +34,8 @@ UNDER_WAY = {
 }
 
 
-def submit(slurm: SlurmCluster, example: Example, work: Path) -> str:
-    args = list(example.command(*LONGER[example.name]))
+def submit(slurm: SlurmCluster, example: Example, work: Path, *extra: str) -> str:
+    args = list(example.command(*LONGER[example.name], *extra))
     if example is TUTORIAL:
         args[1] = "40"  # epochs
     overrides = settings(
@@ -49,19 +49,25 @@ def summary_of(work: Path, example: Example) -> dict[str, Any]:
     return json.loads((work / "runs" / example.name / "job" / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
-# One example in the default suite; the other two repeat its requeue path (pytest --slow).
+# One example in the default suite; the others repeat its requeue path (pytest --slow), the
+# language model sharded with FSDP2 (--fsdp) among them.
 @pytest.mark.parametrize(
-    "example",
-    [LM, pytest.param(CNN, marks=pytest.mark.slow), pytest.param(TUTORIAL, marks=pytest.mark.slow)],
-    ids=lambda example: example.name,
+    ("example", "extra"),
+    [
+        (LM, ()),
+        pytest.param(LM, ("--fsdp",), marks=pytest.mark.slow, id="lm-fsdp"),
+        pytest.param(CNN, (), marks=pytest.mark.slow),
+        pytest.param(TUTORIAL, (), marks=pytest.mark.slow),
+    ],
+    ids=lambda value: value.name if isinstance(value, Example) else None,
 )
 def test_an_example_on_two_nodes_requeues_once_and_ends_with_the_uninterrupted_weights(
-    slurm: SlurmCluster, tmp_path: Path, example: Example
+    slurm: SlurmCluster, tmp_path: Path, example: Example, extra: tuple[str, ...]
 ) -> None:
     interrupted = prepare_workdir(tmp_path / "interrupted")
     reference = prepare_workdir(tmp_path / "reference")
-    job = submit(slurm, example, interrupted)
-    reference_job = submit(slurm, example, reference)
+    job = submit(slurm, example, interrupted, *extra)
+    reference_job = submit(slurm, example, reference, *extra)
     log_path = interrupted / "logs" / f"hpc-ddp-{job}.out"
     _, stop_step = slurm.requeue_by_signal(
         job, interrupted, log_path, UNDER_WAY[example.name], timeout=180

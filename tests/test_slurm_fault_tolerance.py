@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from mlflow import MlflowClient
 
 from hpc_ddp.launch.jobs import submit, wait
-from hpc_ddp.runtime.checkpoint.files import list_checkpoints
+from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
+from hpc_ddp.runtime.checkpoint.sharded import is_complete
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, read_summary, run_local, summary_path
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
@@ -298,7 +298,7 @@ def test_time_limit_signal_checkpoints_and_a_resubmission_resumes(
     assert "not requeueing: the job was already requeued 0 time(s), preempt.max_requeues=0" in log
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
     checkpoints = list_checkpoints(work / "runs" / "synthetic-mlp" / job / "checkpoints")
-    assert checkpoints and checkpoints[0].name == f"step-{stop_step:09d}.pt"
+    assert checkpoints and checkpoints[0].name == f"step-{stop_step:09d}"
 
     again = slurm.sbatch(
         [
@@ -346,7 +346,7 @@ def test_kill_9_of_one_rank_ends_the_job_fast_and_the_checkpoint_loads(
     log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
     assert re.search(r"task 1: Killed", log), log[-2000:]
     newest = list_checkpoints(checkpoints)[0]
-    saved = torch.load(newest, weights_only=True)
+    saved = load_checkpoint(newest)
     assert saved["global_step"] % 20 == 0 and saved["global_step"] > 0
 
 
@@ -375,11 +375,22 @@ def test_a_rank_that_raises_ends_the_job_fast_naming_it(
     assert re.search(r"tasks? (1|0-1): Exited with exit code 1", log), log[-2000:]
 
 
+def partial_writes(checkpoints: Path) -> list[Path]:
+    """What writers killed mid-save leave: a single file's temporary, or a folder without
+    its .metadata."""
+    if not checkpoints.is_dir():
+        return []
+    folders = [path for path in checkpoints.glob("step-*") if path.is_dir()]
+    return [*checkpoints.glob(".step-*.tmp-*"), *(f for f in folders if not is_complete(f))]
+
+
+@pytest.mark.parametrize("save_mode", ["async", "single_file"])
 def test_kill_during_a_checkpoint_write_keeps_the_previous_one(
-    slurm: SlurmCluster, tmp_path: Path
+    slurm: SlurmCluster, tmp_path: Path, save_mode: str
 ) -> None:
     work = prepare_workdir(tmp_path)
     common = [
+        f"checkpoint.save_mode={save_mode}",
         "configs/synthetic.yaml",
         f"run.output_dir={work / 'runs'}",
         "tracking.enabled=false",
@@ -396,7 +407,7 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(
     partial: list[Path] = []
     while time.monotonic() < deadline:
         complete = list_checkpoints(checkpoints)
-        partial = list(checkpoints.glob(".step-*.tmp-*")) if checkpoints.is_dir() else []
+        partial = partial_writes(checkpoints)
         if complete and partial:
             os.kill(writer, signal.SIGKILL)
             break
@@ -404,7 +415,7 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(
     assert partial, "never caught a checkpoint being written"
     assert slurm.wait(job, timeout=90) == "FAILED"
     previous = list_checkpoints(checkpoints)[0]
-    previous_step = int(torch.load(previous, weights_only=True)["global_step"])
+    previous_step = int(load_checkpoint(previous)["global_step"])
 
     again = slurm.sbatch(
         [
@@ -419,7 +430,7 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(
     assert slurm.wait(again) == "COMPLETED"
     log = (work / "logs" / f"hpc-ddp-{again}.out").read_text()
     assert f"resumed from {previous} at step {previous_step}" in log
-    assert not list(checkpoints.glob(".step-*.tmp-*")), "the partial write was cleaned up"
+    assert not partial_writes(checkpoints), "the partial write was cleaned up"
     assert read_summary(work / "runs")["global_step"] == previous_step + 3
 
 

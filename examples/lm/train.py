@@ -5,9 +5,11 @@ split into training and validation by file; nothing downloads. Next-token cross-
 AdamW with warmup and cosine decay, gradient clipping, gradient accumulation with the
 gradient sync skipped on the micro-steps before the last, bf16 autocast on GPUs and optional
 torch.compile. The validation loss (and perplexity) counts every validation token exactly
-once, at any world size. Rank 0 samples a few lines at the end.
+once, at any world size. A few lines are sampled at the end. ``--fsdp`` shards the model
+over the ranks (FSDP2, block by block) instead of replicating it.
 
     hpc-ddp local --nproc 2 examples/lm/train.py --epochs 1
+    hpc-ddp local --nproc 2 examples/lm/train.py --epochs 1 --fsdp
     sbatch slurm/train.sh examples/lm/train.py --epochs 1
 """
 
@@ -163,11 +165,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--train-bytes", type=int, default=2_000_000)
     parser.add_argument("--val-bytes", type=int, default=200_000)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument(
+        "--fsdp", action="store_true", help="shard the model over the ranks (FSDP2), block by block"
+    )
     parser.add_argument("--sample-bytes", type=int, default=160, help="0: no sample")
     parser.add_argument("--log-interval", type=int, default=None, help="steps between logs")
     args, overrides = parser.parse_known_args(argv)  # the rest: hpc_ddp's dotted overrides
 
     shape = ("batch", "context", "width", "layers", "heads", "train_bytes", "lr", "accum")
+    if args.fsdp:  # the same as dist.strategy=fsdp on the command line or in a config
+        overrides = ["dist.strategy=fsdp", "dist.shard_blocks=[Block]", *overrides]
     run = hpc_ddp.start(
         overrides=overrides,
         run={"name": "lm"},
@@ -210,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 (loss / args.accum).backward()
             run.log("loss", loss.detach() * tokens, tokens)
             if not run.accumulating:
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                norm = run.clip_grad_norm_(model.parameters(), args.clip)
                 run.log("grad_norm", norm.detach())
                 optimizer.step()
                 scheduler.step()
@@ -221,8 +228,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         val_loss = float(val.mean)
         run.log_metrics({"val_loss": val_loss, "val_perplexity": math.exp(val_loss)})
 
-    text = sample(network, b"def ", args.sample_bytes, run.device) if run.is_main else ""
-    if text:
+    # Every rank samples: a sharded model's forward pass needs them all (the same text).
+    text = sample(network, b"def ", args.sample_bytes, run.device)
+    if text and run.is_main:
         run.log_text("sample.txt", text)
     tokens_per_s = steps_timed * args.batch * args.context / max(1e-9, train_seconds)
     summary = run.finish(

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hpc_ddp.cli import commands as cmd
+from hpc_ddp.cli import results
 from hpc_ddp.launch.shipped import EXAMPLES
 from hpc_ddp.runtime.errors import HpcDdpError
 
@@ -200,19 +201,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _command(commands, "port", cmd.port, "print this job's rendezvous port")
 
-    runs = _command(commands, "runs", cmd.runs, "list runs: state, step, newest metrics")
+    runs = _command(commands, "runs", results.runs, "list runs: state, step, newest metrics")
     runs.add_argument("output_dir", nargs="?", default="runs", help="run.output_dir (runs)")
-    plot = _command(commands, "plot", cmd.plot, "write a PNG of a run's curves (matplotlib)")
+    plot = _command(commands, "plot", results.plot, "write a PNG of a run's curves (matplotlib)")
     plot.add_argument("run", help="a run directory, or NAME/ID or ID as `hpc-ddp runs` shows")
     plot.add_argument("--output-dir", default="runs", help="where to look for NAME/ID (runs)")
     plot.add_argument("--output", "-o", default=None, help="PNG to write (<run dir>/curves.png)")
 
+    export = _command(
+        commands, "export", results.export, "write a model's weights from a checkpoint as one file"
+    )
+    export.add_argument("run", help="a run directory, or NAME/ID or ID as `hpc-ddp runs` shows")
+    export.add_argument("--output-dir", default="runs", help="where to look for NAME/ID (runs)")
+    export.add_argument("--step", type=_at_least(0), default=None, help="(default: newest)")
+    export.add_argument("--object", default=None, help="registered model (default: the only)")
+    export.add_argument("--output", "-o", required=True, help="the file to write, e.g. model.pt")
     tracking = _command(commands, "tracking", lambda _args: 2, "MLflow tools")
     tracking_commands = tracking.add_subparsers(metavar="COMMAND", required=True)
     sync = _command(
         tracking_commands,
         "sync",
-        cmd.tracking_sync,
+        results.tracking_sync,
         "replay a run's own record (metrics.jsonl, summary, final state) into MLflow, into "
         "the same MLflow run, skipping points already there",
     )

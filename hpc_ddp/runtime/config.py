@@ -101,6 +101,23 @@ class DistConfig:
         "job id (10000-29999).",
     )
 
+    strategy: Literal["ddp", "fsdp"] = setting(
+        "ddp",
+        "What run.wrap(model) does: ddp replicates the model on every rank "
+        "(DistributedDataParallel); fsdp shards its parameters, gradients and optimizer state "
+        "over the ranks (FSDP2's fully_shard), for a model that does not fit one GPU.",
+    )
+    shard_blocks: list[str] | None = setting(
+        None,
+        "fsdp: the blocks sharded one by one (names of submodules such as layers.0, or class "
+        "names such as Block), then the whole model; null: each child of every ModuleList.",
+    )
+    mixed_precision: Literal["auto", "bf16", "fp32"] = setting(
+        "auto",
+        "fsdp: the dtype of the parameters in forward and backward (gradients are reduced in "
+        "fp32); auto: bf16 on GPU, fp32 on CPU.",
+    )
+
     def __post_init__(self) -> None:
         require(self.init_timeout_s > 0, "dist.init_timeout_s", self.init_timeout_s, "> 0")
         require(self.timeout_s > 0, "dist.timeout_s", self.timeout_s, "> 0")
@@ -128,6 +145,14 @@ class CheckpointConfig:
         30.0, "Save when this many minutes passed since the last save; null: not by time."
     )
     keep_last: int = setting(3, "Checkpoints kept; older ones are deleted after a good save.")
+    save_mode: Literal["async", "sync", "single_file"] = setting(
+        "async",
+        "How checkpoints are written. async: a step-N/ folder through "
+        "torch.distributed.checkpoint, every rank writing its part in the background while "
+        "training goes on (stop and end saves are complete before the run goes on); sync: the "
+        "same folder, training waits; single_file: rank 0 writes step-N.pt alone (the format "
+        "of hpc_ddp before folders; both load whatever this setting).",
+    )
     resume: bool = setting(
         True,
         "Resume from the newest loadable checkpoint of this run directory on start (a requeued "
@@ -170,6 +195,11 @@ class PreemptConfig:
         3, "Requeue only while SLURM_RESTART_COUNT is below this; then stop after the checkpoint."
     )
     requeue_timeout_s: float = setting(60.0, "Seconds `scontrol requeue` may take.")
+    warning_s: float = setting(
+        120.0,
+        "Seconds between the warning signal and the kill (`--signal=USR1@120`): a checkpoint "
+        "that takes longer is named at the first save, with a HINT.",
+    )
     check_every_steps: int | None = setting(
         None,
         "Optimizer steps between the ranks' agreement on stop signals (and time-based saves); "
@@ -190,6 +220,7 @@ class PreemptConfig:
         require(
             self.requeue_timeout_s > 0, "preempt.requeue_timeout_s", self.requeue_timeout_s, "> 0"
         )
+        require(self.warning_s > 0, "preempt.warning_s", self.warning_s, "> 0")
 
 
 @dataclass(frozen=True)

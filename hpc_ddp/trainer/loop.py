@@ -147,14 +147,15 @@ def train(config: Config, environ: Mapping[str, str] | None = None) -> dict[str,
                 run.log("train_accuracy", logits.argmax(dim=1).eq(labels).sum(), count)
             if not run.accumulating:
                 if optim.grad_clip_norm is not None:
-                    nn.utils.clip_grad_norm_(model.parameters(), optim.grad_clip_norm)
+                    run.clip_grad_norm_(model.parameters(), optim.grad_clip_norm)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
-        val = evaluate(run, model.module, val_loader, bf16)
+        val = evaluate(run, run.unwrap(model), val_loader, bf16)
         _log_epoch(run, val)
+    weights = run.full_state_dict(model)  # every rank: a sharded model gathers its weights
     if run.is_main:
-        _save_weights(model.module, run)
+        _save_weights(weights, run)
         run.log_text("config.yaml", yaml.safe_dump(to_dict(config)))
     trained = run.train_metrics
     nan = Sum(math.nan, 0)
@@ -169,10 +170,10 @@ def train(config: Config, environ: Mapping[str, str] | None = None) -> dict[str,
     )
 
 
-def _save_weights(model: nn.Module, run: Run) -> None:
+def _save_weights(weights: dict[str, torch.Tensor], run: Run) -> None:
     """``model.pt`` in the run directory, whole or not at all (renamed into place)."""
     partial = run.run_dir / "model.pt.partial"
-    torch.save(model.state_dict(), partial)
+    torch.save(weights, partial)
     os.replace(partial, run.run_dir / "model.pt")
 
 

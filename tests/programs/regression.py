@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--log-interval", type=int, default=None, help="steps between logs")
     parser.add_argument("--record-ids", default=None, help="folder: each rank's sample ids")
     parser.add_argument("--step-pause", type=float, default=0.0, help="seconds: a slower step")
+    parser.add_argument("--clip", type=float, default=None, help="gradient norm clipped to")
     args, overrides = parser.parse_known_args(argv)  # the rest: hpc_ddp's dotted overrides
 
     run = hpc_ddp.start(
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     best = BestLoss()
     run.register(model=model, optimizer=optimizer, scheduler=scheduler, best=best)
     # The initial weights are the same at any world size, so this must be too, exactly.
-    initial = evaluate(run, model.module, val_loader) if run.resume() is None else None
+    initial = evaluate(run, run.unwrap(model), val_loader) if run.resume() is None else None
 
     for _epoch in run.epochs(args.epochs):
         for batch in run.steps(loader):
@@ -111,11 +112,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if args.record_ids:
                 record_ids(args.record_ids, run, batch["id"])
             if not run.accumulating:
+                if args.clip is not None:
+                    run.clip_grad_norm_(model.parameters(), args.clip)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
                 time.sleep(args.step_pause)
-        val = evaluate(run, model.module, val_loader)
+        val = evaluate(run, run.unwrap(model), val_loader)
         best.value = min(best.value, float(val.mean))
         run.log_metrics({"val_mse": val.mean})
 

@@ -19,6 +19,7 @@ from typing import IO, Any
 
 import torch
 
+from hpc_ddp.runtime.checkpoint.sharded import is_complete, load_run
 from hpc_ddp.runtime.errors import HpcDdpError, error_line
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.safefiles import DIR_MODE, create_temporary, make_dirs
@@ -28,49 +29,11 @@ FORMAT_VERSION = 2
 UNREADABLE_DIR = "unreadable"
 #: A checkpoint's path and its contents.
 Found = tuple[Path, dict[str, Any]]
-_NAME = re.compile(r"^step-(\d{9})\.pt$")
+_NAME = re.compile(r"^step-(\d{9})(\.pt)?$")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
-
-
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
-
-
-def fingerprint_of(values: Mapping[str, Any]) -> dict[str, str]:
-    """``values`` as a checkpoint keeps them: each value's repr, so any type compares. A repr
-    that holds a memory address differs in every process (every resume would be refused):
-    refused at the start, naming the key."""
-    kept = {key: repr(value) for key, value in values.items()}
-    for key, text in kept.items():
-        if _ADDRESS.search(text):
-            raise HpcDdpError(
-                f"fingerprint value {key!r} ({type(values[key]).__name__}) is shown with a "
-                f"memory address ({text[:60]}): it differs in every process, and every "
-                "resume would be refused",
-                "pass plain values (numbers, strings, lists of them), e.g. a model's "
-                "settings rather than the model",
-            )
-    return kept
-
-
-def check_resumable(saved: Mapping[str, str], current: Mapping[str, str], path: Path) -> None:
-    """Refuse a resume whose fingerprint (see :func:`fingerprint_of`) changed, naming every
-    change."""
-    changed = [
-        f"{key}: {saved.get(key, '<absent>')} -> {current.get(key, '<absent>')}"
-        for key in sorted(set(saved) | set(current))
-        if saved.get(key) != current.get(key)
-    ]
-    if changed:
-        raise HpcDdpError(
-            f"cannot resume from {path}: the config changed in ways that break resuming: "
-            + "; ".join(changed),
-            "restore those values, or start a fresh run with another run.id (or "
-            "checkpoint.resume=false); epochs, log interval, tracking, dist and checkpoint "
-            "settings may change freely",
-        )
 
 
 def saved_world_size(saved: Mapping[str, Any]) -> int:
@@ -79,7 +42,7 @@ def saved_world_size(saved: Mapping[str, Any]) -> int:
 
 
 def checkpoint_step(path: Path) -> int:
-    """The step in a checkpoint's name (``step-000000120.pt``: 120)."""
+    """The step in a checkpoint's name (``step-000000120/`` or ``step-000000120.pt``: 120)."""
     matched = _NAME.match(path.name)
     if matched is None:
         raise ValueError(f"not a checkpoint's name: {path.name}")
@@ -111,11 +74,28 @@ def prepare_checkpoint_dir(run_dir: Path) -> Path:
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoints in ``directory``, newest (highest step) first."""
+    """Checkpoints in ``directory``, newest (highest step) first: whole folders (with
+    ``.metadata``) and single files; at one step the folder comes first."""
     if not directory.is_dir():
         return []
-    found = [path for path in directory.iterdir() if _NAME.match(path.name)]
-    return sorted(found, key=lambda path: path.name, reverse=True)
+    found = [
+        path
+        for path in directory.iterdir()
+        if _NAME.match(path.name) and (is_complete(path) or not path.is_dir())
+    ]
+    return sorted(found, key=lambda path: (checkpoint_step(path), path.is_dir()), reverse=True)
+
+
+def prune_older(directory: Path, step: int, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` checkpoints up to ``step`` (the one just written).
+    Only checkpoints before it count: one numbered above it (another run's, or one kept
+    aside by hand) must not push the one just written out."""
+    older = [other for other in list_checkpoints(directory) if checkpoint_step(other) < step]
+    for old in older[keep_last - 1 :]:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -153,16 +133,13 @@ def save_checkpoint(state: Mapping[str, Any], directory: Path, step: int, keep_l
     try:
         final = write_atomically(path, lambda handle: torch.save(dict(state), handle))
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
-        raise _unwritable(path, error) from None
-    # Only checkpoints before this one count: a file numbered above it (another run's, or
-    # one kept aside by hand) must not push the one just written out.
-    older = [other for other in list_checkpoints(directory) if checkpoint_step(other) < step]
-    for old in older[keep_last - 1 :]:
-        old.unlink(missing_ok=True)
+        raise unwritable(path, error) from None
+    prune_older(directory, step, keep_last)
     return final
 
 
-def _unwritable(path: Path, error: BaseException) -> HpcDdpError:
+def unwritable(path: Path, error: BaseException) -> HpcDdpError:
+    """The refusal of a checkpoint the file system would not take, naming its space."""
     try:
         usage = shutil.disk_usage(path.parent)
         space = f"{_size(usage.free)} free of {_size(usage.total)} on its file system"
@@ -194,23 +171,33 @@ def _size(count: int) -> str:
 
 
 def remove_partial_writes(directory: Path) -> None:
-    """Temporary files left by a writer that was killed mid-save."""
+    """Temporary files and unfinished folders (no ``.metadata``) left by writers killed
+    mid-save."""
     if directory.is_dir():
         for path in directory.glob(".step-*.pt.tmp-*"):
             path.unlink(missing_ok=True)
+        for path in directory.glob("step-*"):
+            if path.is_dir() and _NAME.match(path.name) and not is_complete(path):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def _refused_by_weights_only(error: Exception) -> bool:
     return "weights_only" in str(error) and "Unsupported global" in str(error)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """One checkpoint, with ``weights_only=True``; raises for a damaged or foreign file.
+def load_checkpoint(path: Path, rank: int = 0) -> dict[str, Any]:
+    """One checkpoint, as ``rank`` needs it; raises for a damaged or foreign one. A folder's
+    run state and this rank's own state are read now, its objects on resume (see
+    :func:`hpc_ddp.runtime.checkpoint.sharded.load_run`).
+
+    A single file is read with ``weights_only=True``.
 
     The file is memory-mapped: a tensor is read from disk when it is used, so each of W ranks
     reads the weights and its own random streams, not every rank's. A file that is whole but
     holds an object ``weights_only`` loading refuses is the user's to fix, so that one is an
     HpcDdpError, not a damaged file to skip."""
+    if path.is_dir():
+        return load_run(path, rank)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:

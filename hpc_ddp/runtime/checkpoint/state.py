@@ -70,6 +70,19 @@ class Registry:
 
     def restore(self, saved: Mapping[str, Any], path: Path) -> None:
         """Load every registered object from ``saved``; the names must match exactly."""
+        self.check_names(list(saved), path)
+        for name, value in self.objects.items():
+            try:
+                value.load_state_dict(saved[name])
+            except Exception as error:
+                reason, hint = describe_load_error(error)
+                raise HpcDdpError(
+                    f"cannot restore {name!r} from {path}: {type(error).__name__}: {reason}",
+                    hint,
+                ) from None
+
+    def check_names(self, saved: list[str], path: Path) -> None:
+        """Refuse a checkpoint whose objects are not registered under the same names."""
         missing = sorted(set(saved) - set(self.objects))
         extra = sorted(set(self.objects) - set(saved))
         if missing or extra:
@@ -82,15 +95,6 @@ class Registry:
                 "checkpoint, or start a fresh run with another run.id (or "
                 "checkpoint.resume=false)",
             )
-        for name, value in self.objects.items():
-            try:
-                value.load_state_dict(saved[name])
-            except Exception as error:
-                reason, hint = describe_load_error(error)
-                raise HpcDdpError(
-                    f"cannot restore {name!r} from {path}: {type(error).__name__}: {reason}",
-                    hint,
-                ) from None
 
 
 #: Keys listed of each kind (missing, unexpected) when a state does not load.

@@ -17,15 +17,26 @@ from hpc_ddp.runtime.checkpoint.files import (
     save_checkpoint,
     saved_world_size,
 )
-from hpc_ddp.runtime.checkpoint.state import check_loadable, gathered_rng_states, restore_rng
+from hpc_ddp.runtime.checkpoint.objects import object_kinds, plain_states, tensor_states
+from hpc_ddp.runtime.checkpoint.sharded import FOLDER_FORMAT, folder_state
+from hpc_ddp.runtime.checkpoint.state import (
+    check_loadable,
+    gathered_rng_states,
+    restore_rng,
+    rng_state,
+)
+from hpc_ddp.runtime.checkpoint.writer import FolderSaves
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Position
-from hpc_ddp.runtime.loop.replicas import diverged_replicas
+from hpc_ddp.runtime.loop.replicas import diverged_replicas, divergence_message
 from hpc_ddp.runtime.loop.streams import StreamStates
 from hpc_ddp.runtime.loop.timeline import durations
 from hpc_ddp.runtime.place.dist import several_ranks
+
+#: Saves that may be written in the background: training goes on after them.
+_BACKGROUND_REASONS = ("periodic", "requested")
 
 
 class Checkpointer:
@@ -45,6 +56,13 @@ class Checkpointer:
         self.metrics = metrics
         self.streams = streams
         self._unwatched = unwatched
+        self.folders = FolderSaves(
+            checkpoint_dir(context.run_dir),
+            context.config.checkpoint.keep_last,
+            context.checkpoint_group or context.control_group,
+            context.env.is_main,
+        )
+        self._budget_said = False
         #: Seconds of the last save by phase (replica check, state gather, rank 0's write,
         #: the barrier after it); empty before the first save.
         self.last_save_s: dict[str, float] = {}
@@ -74,24 +92,69 @@ class Checkpointer:
             "finished": finished,
         }
 
+    def folder_contents(self, finished: bool = False) -> dict[str, Any]:
+        """What this rank hands a folder save (see :mod:`hpc_ddp.runtime.checkpoint.sharded`):
+        the registered objects' tensors, its own random streams and batch state and, on rank
+        0, the run's state."""
+        context = self.context
+        check_loadable("run.state", context.values)
+        objects = context.registry.objects
+        kinds = object_kinds(objects)
+        own = {"rng": rng_state(context.device), "streams": self.streams.own_state()}
+        metrics = self.metrics.saved()
+        run = None
+        if context.env.is_main:
+            run = {
+                "format": FOLDER_FORMAT,
+                "kinds": kinds,
+                "plain": plain_states(objects, kinds),
+                "values": dict(context.values),
+                "has_streams": own["streams"] is not None,
+                **self.position.saved(),
+                "world_size": context.env.world_size,
+                "restart_count": context.env.restart_count,
+                "metrics": metrics,
+                "mlflow_run_id": context.tracker.run_id,
+                "fingerprint": context.fingerprint,
+                "finished": finished,
+            }
+        return folder_state(tensor_states(objects, kinds), run, context.env.rank, own)
+
     def save(self, reason: str) -> None:
-        """A checkpoint at the current step, unless one was written at it: rank 0 writes, every
-        rank waits until the file is in place."""
+        """A checkpoint at the current step, unless one was written at it (every rank calls
+        it). Periodic and requested saves may go on in the background (checkpoint.save_mode
+        async); a stop or the end returns once every earlier save is on disk."""
         self.metrics.publish()
         position = self.position
         if not self.context.config.checkpoint.enabled:
             return
         if position.last_checkpoint_step == position.global_step:
+            if reason not in _BACKGROUND_REASONS:
+                self.folders.wait()
             return
         with self._unwatched():
             self._write(reason)
         position.last_checkpoint_step = position.global_step
         position.last_save_time = time.monotonic()
 
+    def wait(self) -> None:
+        """Until a checkpoint being written in the background is on disk."""
+        self.folders.wait()
+
     def _write(self, reason: str) -> None:
         context, position = self.context, self.position
         phases = {"replica_check": time.perf_counter()}
         self.check_replicas()
+        mode = context.config.checkpoint.save_mode
+        if mode != "single_file":
+            phases["gather_state"] = time.perf_counter()
+            state = self.folder_contents(finished=reason == "end of training")
+            phases["write"] = time.perf_counter()
+            background = mode == "async" and reason in _BACKGROUND_REASONS
+            self.folders.write(state, position.global_step, reason, background)
+            self.last_save_s = durations(phases, time.perf_counter())
+            self._check_budget()
+            return
         phases["gather_state"] = time.perf_counter()
         state = self.contents(finished=reason == "end of training")
         phases["write"] = time.perf_counter()
@@ -111,6 +174,21 @@ class Checkpointer:
             dist.barrier(group=context.control_group)
         self.last_save_s = durations(phases, time.perf_counter())
 
+    def _check_budget(self) -> None:
+        """Name, once, a save that takes longer than the stop signal's warning."""
+        took, warning = self.folders.last_write_s, self.context.config.preempt.warning_s
+        if self._budget_said or took is None or not self.context.env.is_main:
+            return
+        self._budget_said = True
+        if took > warning:
+            get_logger().warning(
+                f"a checkpoint took {took:.0f} s, longer than the {warning:.0f} s between the "
+                "stop signal and the kill (preempt.warning_s): a stop would be killed before "
+                "its checkpoint is on disk. HINT: warn earlier (#SBATCH --signal=USR1@300 and "
+                "preempt.warning_s=300), save less (fewer registered objects), or write to a "
+                "faster file system (run.output_dir)"
+            )
+
     def restore(self, saved: dict[str, Any]) -> bool:
         """Continue where ``saved`` left off: position, metric sums, plain values, the
         batches' states and, when it was written by as many ranks, every rank's random
@@ -129,17 +207,11 @@ class Checkpointer:
         """Compare every rank's weights with rank 0's; report the first divergence loudly."""
         context, position = self.context, self.position
         for model in context.models():
+            if context.is_sharded(model):
+                continue  # each rank holds its own shard: there are no replicas
             diverged = diverged_replicas(model, context.env.world_size, context.control_group)
             if diverged is None or position.replicas_diverged_at is not None:
                 continue
             position.replicas_diverged_at = position.global_step
             if context.env.is_main:
-                others = f" and {diverged.ranks - 1} other rank(s)" if diverged.ranks > 1 else ""
-                get_logger().error(
-                    f"model replicas differ from rank 0's at step {position.global_step}: "
-                    f"rank {diverged.first_rank} ({diverged.first_entry}){others}; checkpoints "
-                    "hold rank 0's weights. HINT: DDP keeps replicas "
-                    "equal only when every rank makes the same update: look for parameters "
-                    "or buffers changed outside the optimizer on some ranks only (in-place "
-                    "edits, rank-dependent branches, buffers not broadcast)"
-                )
+                get_logger().error(divergence_message(diverged, position.global_step))

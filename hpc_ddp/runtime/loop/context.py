@@ -35,11 +35,16 @@ class RunContext:
     fingerprint: dict[str, str]
     #: Steps between interval metrics; None: about every 5 s (measured).
     log_interval: int | None
+    #: A gloo group of its own for checkpoints written in the background (None: saves use
+    #: ``control_group``).
+    checkpoint_group: Any | None = None
     registry: Registry = field(default_factory=Registry)
     #: Plain values the user keeps in :attr:`hpc_ddp.Run.state`, saved in every checkpoint.
     values: dict[str, Any] = field(default_factory=dict)
     #: Models given to :meth:`hpc_ddp.Run.wrap` (their modules).
     wrapped: list[nn.Module] = field(default_factory=list)
+    #: Those of them sharded over the ranks (dist.strategy=fsdp): no replicas to compare.
+    sharded: list[nn.Module] = field(default_factory=list)
 
     @property
     def env(self) -> DistEnv:
@@ -54,10 +59,13 @@ class RunContext:
         return self.plan.run_dir
 
     def models(self) -> list[nn.Module]:
-        """The models whose replicas are compared: the wrapped ones, else the registered."""
+        """The models trained: the wrapped ones, else the registered."""
         if self.wrapped:
             return list(self.wrapped)
         return [value for value in self.registry.objects.values() if isinstance(value, nn.Module)]
+
+    def is_sharded(self, model: nn.Module) -> bool:
+        return any(model is sharded for sharded in self.sharded)
 
     def current_lr(self) -> float | None:
         """The first registered optimizer's first parameter group's learning rate."""

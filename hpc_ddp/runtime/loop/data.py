@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
+from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -153,6 +154,34 @@ class _DeviceBatches:
         return (move_to(batch, device) for batch in self.loader)
 
 
+def _no_samples(value: Any) -> Any:
+    return value[:0] if isinstance(value, torch.Tensor) else value
+
+
+class _SameCountBatches(_DeviceBatches):
+    """As many batches on every rank: a rank whose share ends a batch early gets an empty
+    one (each tensor cut to 0 samples), so that every rank runs as many forward passes. A
+    sharded model gathers its parameters in each: a rank that stopped early would leave
+    the others waiting."""
+
+    def __init__(self, loader: DataLoader[Any], device: torch.device | None, batches: int) -> None:
+        super().__init__(loader, device)
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return self.batches
+
+    def __iter__(self) -> Iterator[Any]:
+        last, count = None, 0
+        for last in super().__iter__():
+            count += 1
+            yield last
+        for _ in range(self.batches - count if last is not None else 0):
+            yield tree_map(
+                lambda value: value[:0] if isinstance(value, torch.Tensor) else value, last
+            )
+
+
 class TrainLoader(_DeviceBatches):
     """This rank's shuffled share of ``dataset`` in micro-batches, for :meth:`Run.steps`.
 
@@ -233,10 +262,12 @@ def eval_loader(
     num_workers: int,
     device: torch.device | None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    same_count: bool = False,
     **dataloader_kwargs: Any,
 ) -> _DeviceBatches:
     """Every sample of ``dataset`` exactly once across ranks, ``batch_size`` per rank (see
-    ShardedEvalSampler): sum and count per batch, and the reduced result is exact."""
+    ShardedEvalSampler): sum and count per batch, and the reduced result is exact.
+    ``same_count``: as many batches on every rank (see :class:`_SameCountBatches`)."""
     if dataloader_kwargs.get("shuffle"):
         raise HpcDdpError(
             "run.eval_loader(..., shuffle=True): evaluation visits every sample once, in order",
@@ -253,4 +284,7 @@ def eval_loader(
         collate_fn=collate_fn,
         **options,
     )
+    if same_count:
+        largest_share = -(-len(dataset) // world_size)  # type: ignore[arg-type]
+        return _SameCountBatches(loader, device, -(-largest_share // batch_size))
     return _DeviceBatches(loader, device)

@@ -7,6 +7,7 @@ rank 0's weights alone, so a divergence must be named, not hidden.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +18,10 @@ from torch import nn
 from hpc_ddp.runtime.place.dist import several_ranks
 
 
-def weights_sha256(model: nn.Module) -> str:
-    """A fingerprint of the state_dict: names, dtypes, shapes and bytes, in sorted order."""
+def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
+    """A fingerprint of a state dict: names, dtypes, shapes and bytes, in sorted order."""
     digest = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted(state.items()):
         value = tensor.detach().cpu().contiguous()
         digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}".encode())
         digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
@@ -83,3 +84,15 @@ def diverged_replicas(model: nn.Module, world_size: int, group: Any | None) -> D
         return None
     first_rank, entry = divmod(int(first), len(names) + 1)
     return Divergence(int(count), first_rank, names[entry])
+
+
+def divergence_message(diverged: Divergence, step: int) -> str:
+    """The error line for replicas found to differ from rank 0's at ``step``."""
+    others = f" and {diverged.ranks - 1} other rank(s)" if diverged.ranks > 1 else ""
+    return (
+        f"model replicas differ from rank 0's at step {step}: rank {diverged.first_rank} "
+        f"({diverged.first_entry}){others}; checkpoints hold rank 0's weights. HINT: DDP "
+        "keeps replicas equal only when every rank makes the same update: look for "
+        "parameters or buffers changed outside the optimizer on some ranks only (in-place "
+        "edits, rank-dependent branches, buffers not broadcast)"
+    )

@@ -180,12 +180,17 @@ class StreamStates:
     def gathered(self, group: Any | None) -> list[Any] | None:
         """Every rank's state of a stateful stream, on rank 0 (a collective; None for a
         stream without state)."""
+        mine = self.own_state()
+        return None if mine is None else gather_object_to_main(mine, group)
+
+    def own_state(self) -> Any:
+        """This rank's state of a stateful stream (None for a stream without state)."""
         stream = self.current
         if stream is None or not stream.stateful:
             return None
         mine = stream.state_dict()
         check_loadable(f"the batches' {type(stream.batches).__name__}", mine)
-        return gather_object_to_main(mine, group)
+        return mine
 
     def restore(self, saved: list[Any] | None) -> None:
         """A checkpoint's per-rank states, for the next stream taken."""

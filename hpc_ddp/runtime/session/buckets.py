@@ -82,6 +82,23 @@ def check_wrappable(model: object, wrapped: Sequence[nn.Module]) -> None:
         )
 
 
+def check_shardable(ddp_options: Mapping[str, Any], save_mode: str) -> None:
+    """Refuse what a sharded model cannot have: DDP's options, single-file checkpoints."""
+    if ddp_options:
+        raise HpcDdpError(
+            f"run.wrap(model, {', '.join(ddp_options)}=...) with dist.strategy=fsdp: these are "
+            "DistributedDataParallel's options",
+            "leave them out under fsdp (dist.shard_blocks and dist.mixed_precision shape the "
+            "sharding), or use dist.strategy=ddp",
+        )
+    if save_mode == "single_file":
+        raise HpcDdpError(
+            "dist.strategy=fsdp with checkpoint.save_mode=single_file: one rank cannot write "
+            "a sharded model's state alone",
+            "use checkpoint.save_mode=async (or sync): every rank writes its shards",
+        )
+
+
 def wrap_in_ddp(
     model: nn.Module, device: torch.device, ddp_options: Mapping[str, Any]
 ) -> DistributedDataParallel:

@@ -130,7 +130,9 @@ class RankView:
     ) -> Any:
         """Every sample of ``dataset`` exactly once over all ranks (no padding, nothing
         dropped), in batches of about ``batch_size / world_size`` per rank. Sum with
-        :meth:`sums` for exact results."""
+        :meth:`sums` for exact results. After :meth:`wrap` with ``dist.strategy=fsdp``
+        every rank gets as many batches (a shorter share ends with an empty batch: 0
+        samples), since each forward pass of a sharded model needs every rank."""
         sized_dataset(dataset, "run.eval_loader")
         batch_size = whole_number(batch_size, "run.eval_loader(batch_size)")
         return eval_loader(
@@ -141,6 +143,7 @@ class RankView:
             num_workers=self.loader_workers(num_workers),
             device=self.device,
             collate_fn=collate_fn,
+            same_count=bool(self._context.sharded),
             **dataloader_options,
         )
 

@@ -19,6 +19,8 @@ from hpc_ddp.runtime.checkpoint.files import (
     remove_partial_writes,
     saved_world_size,
 )
+from hpc_ddp.runtime.checkpoint.objects import restore_objects
+from hpc_ddp.runtime.checkpoint.sharded import FolderObjects
 from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
@@ -41,13 +43,16 @@ class Resumed:
 
 
 def find_resume(
-    run_dir: Path, is_main: bool, group: Any | None, start_fresh_if_unreadable: bool = False
+    run_dir: Path,
+    rank: int,
+    group: Any | None,
+    start_fresh_if_unreadable: bool = False,
 ) -> Found | None:
     """The newest good checkpoint of this run: rank 0 chooses, every rank loads the same;
     a refusal (no checkpoint loads) reaches every rank, so each ends with the same line."""
     directory = checkpoint_dir(run_dir)
     found, refusal = None, None
-    if is_main:
+    if rank == 0:
         remove_partial_writes(directory)
         try:
             found = load_newest(directory, start_fresh_if_unreadable)
@@ -59,14 +64,14 @@ def find_resume(
     if not chosen:
         return None
     path = Path(chosen)
-    return path, found[1] if found else load_checkpoint(path)
+    return path, found[1] if found else load_checkpoint(path, rank)
 
 
 def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, bool]:
     """Put the registered objects and the loop's position, metric sums and random streams
     back as ``found`` has them; also says whether the streams fitted this world size."""
     path, saved = found
-    registry.restore(saved["objects"], path)
+    restore_registered(registry, saved["objects"], path)
     streams_restored = loop.checkpointer.restore(saved)
     position = loop.position
     get_logger().info(
@@ -84,6 +89,16 @@ def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, 
             "from (run.seed, rank, step), so such a run is not bitwise the one it continues"
         )
     return resumed, streams_restored
+
+
+def restore_registered(registry: Registry, saved: Any, path: Path) -> None:
+    """The registered objects as checkpoint ``path`` holds them (``saved``: its objects, of
+    a folder or a single file)."""
+    if isinstance(saved, FolderObjects):
+        registry.check_names(list(saved.kinds), path)
+        restore_objects(registry.objects, saved, path)
+    else:
+        registry.restore(saved, path)
 
 
 def seed_rank_streams(seed: int, rank: int, step: int) -> None:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp.runtime.arguments import optional_whole_number, whole_number
 from hpc_ddp.runtime.checkpoint.files import Found
@@ -24,16 +20,15 @@ from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import Ticks, step_source
 from hpc_ddp.runtime.loop.timeline import mark
 from hpc_ddp.runtime.names import check_name
-from hpc_ddp.runtime.session.buckets import check_wrappable, wrap_in_ddp
 from hpc_ddp.runtime.session.ending import Ending
 from hpc_ddp.runtime.session.finishing import end_already_finished, finish_run
-from hpc_ddp.runtime.session.rank import RankView
+from hpc_ddp.runtime.session.models import ModelView
 from hpc_ddp.runtime.session.resume import Resumed, resume_run
 
 __all__ = ["Resumed", "Run"]
 
 
-class Run(RankView):
+class Run(ModelView):
     """One training run on this rank; made by :func:`hpc_ddp.start`, never directly.
 
     Add a few calls to a plain PyTorch loop::
@@ -102,39 +97,6 @@ class Run(RankView):
         them to every rank when training begins (read them through ``run.state`` after
         :meth:`resume`)."""
         return self._context.values
-
-    # -- model and data ----------------------------------------------------------------------
-
-    def wrap(self, model: nn.Module, **ddp_options: Any) -> DistributedDataParallel:
-        """``model`` on this rank's device inside DistributedDataParallel.
-
-        A module already spread over several devices (model parallel inside the rank: its
-        parts placed on :attr:`devices`) stays where it is and is wrapped without
-        ``device_ids``; feed its inputs to its first device.
-        ``ddp_options`` go to DistributedDataParallel (e.g. ``find_unused_parameters``).
-        """
-        check_wrappable(model, self._context.wrapped)
-        wrapped = wrap_in_ddp(model, self.device, ddp_options)
-        self._context.wrapped.append(wrapped.module)
-        return wrapped
-
-    def accumulate(self, model: nn.Module) -> AbstractContextManager[Any]:
-        """Gradient accumulation in one context: while :attr:`accumulating` (a micro-batch
-        that is not the last of its optimizer step) DDP's gradient all-reduce is skipped;
-        take the optimizer step when it is not::
-
-            for batch in run.steps(loader, grad_accum_steps=4):
-                with run.accumulate(model):
-                    (loss_of(model, batch) / 4).backward()
-                if not run.accumulating:
-                    optimizer.step()
-                    optimizer.zero_grad()
-        """
-        if self.accumulating and isinstance(model, DistributedDataParallel):
-            return model.no_sync()
-        return contextlib.nullcontext()
-
-    no_sync = accumulate
 
     # -- checkpoints -------------------------------------------------------------------------
 

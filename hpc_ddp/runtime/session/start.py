@@ -20,11 +20,10 @@ from hpc_ddp.runtime import configfile
 from hpc_ddp.runtime.arguments import optional_whole_number
 from hpc_ddp.runtime.checkpoint.files import (
     Found,
-    check_resumable,
-    fingerprint_of,
     prepare_checkpoint_dir,
     saved_world_size,
 )
+from hpc_ddp.runtime.checkpoint.fingerprint import check_resumable, fingerprint_of
 from hpc_ddp.runtime.config import (
     CheckpointConfig,
     DistConfig,
@@ -317,6 +316,14 @@ def start(
         # Control messages (stop agreement, barriers) go over gloo on the CPU, so they never
         # force a GPU synchronisation.
         group = torch_dist.new_group(backend="gloo") if dist_env.world_size > 1 else None
+        # A background save's collectives run on a thread of their own: never on a group
+        # that training uses meanwhile.
+        background_saves = settings.checkpoint.enabled and settings.checkpoint.save_mode == "async"
+        checkpoint_group = (
+            torch_dist.new_group(backend="gloo")
+            if dist_env.world_size > 1 and background_saves
+            else None
+        )
         mark(timeline, "control_group")
         if dist_env.launcher == "torchelastic":
             plan = _agree_on_elastic_restarts(plan, group, environment)
@@ -325,7 +332,7 @@ def start(
         if settings.checkpoint.resume:
             resume = find_resume(
                 plan.run_dir,
-                dist_env.is_main,
+                dist_env.rank,
                 group,
                 settings.checkpoint.start_fresh_if_unreadable,
             )
@@ -346,6 +353,7 @@ def start(
             config=settings,
             plan=plan,
             control_group=group,
+            checkpoint_group=checkpoint_group,
             signals=signals,
             tracker=tracker,
             environ=environment,

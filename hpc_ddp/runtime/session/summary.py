@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from hpc_ddp.runtime.checkpoint.files import write_atomically
 from hpc_ddp.runtime.loop.context import RunContext
@@ -42,7 +43,7 @@ def run_facts(
         "wall_time_s": round(time.perf_counter() - started, 3),
         "train_time_s": round(position.train_time_s, 3),
         "samples_per_s": round(samples / max(1e-9, position.train_time_s), 1),
-        "weights_sha256": weights_sha256(models[0]) if len(models) == 1 else None,
+        "weights_sha256": _weights_sha256(context, models),
         "replicas_in_sync": position.replicas_diverged_at is None,
         "replicas_diverged_at": position.replicas_diverged_at,
         "torch_threads": torch.get_num_threads(),
@@ -52,6 +53,19 @@ def run_facts(
         "timeline": dict(timeline),
         "last_checkpoint_save_s": dict(loop.checkpointer.last_save_s),
     }
+
+
+def _weights_sha256(context: RunContext, models: list[nn.Module]) -> str | None:
+    """The one trained model's fingerprint (None with several); of a sharded model, its
+    whole weights gathered on rank 0 (a collective; None on the other ranks)."""
+    if len(models) != 1:
+        return None
+    if not context.is_sharded(models[0]):
+        return weights_sha256(models[0].state_dict())
+    from hpc_ddp.runtime.session.sharding import full_weights
+
+    whole = full_weights(models[0])
+    return weights_sha256(whole) if context.env.is_main else None
 
 
 def strict_json(value: Any) -> Any:

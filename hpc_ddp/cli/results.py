@@ -1,0 +1,58 @@
+"""The commands that read a run's results: runs, plot, export, tracking sync."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def runs(args: argparse.Namespace) -> int:
+    from hpc_ddp.view.runs import find_runs, format_runs
+
+    damaged: list[str] = []
+    found = find_runs(Path(args.output_dir), damaged)
+    print(format_runs(found) if found else f"no runs in {args.output_dir}")
+    for line in damaged:
+        print(f"hpc-ddp runs: skipped {line}", file=sys.stderr)
+    return 0
+
+
+def plot(args: argparse.Namespace) -> int:
+    from hpc_ddp.view.plot import save_plot
+    from hpc_ddp.view.runs import find_run
+
+    run = find_run(args.run, Path(args.output_dir))
+    print(save_plot(run, Path(args.output) if args.output else None))
+    return 0
+
+
+def tracking_sync(args: argparse.Namespace) -> int:
+    from hpc_ddp.runtime.tracking.sync import sync_run
+    from hpc_ddp.view.runs import find_run
+
+    run = find_run(args.run, Path(args.output_dir)).path
+    report = sync_run(run, args.uri)
+    made = "a new MLflow run" if report.created else "MLflow run"
+    print(
+        f"synced {run} into {made} {report.run_id} at {report.uri}: {report.added} points "
+        f"added, {report.already} already there"
+        + (f"; status {report.status}" if report.status else "")
+    )
+    if report.refused:
+        print(
+            f"skipped metrics MLflow refuses by name: {', '.join(report.refused)}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    from hpc_ddp.runtime.checkpoint.export import choose_checkpoint, export_model
+    from hpc_ddp.view.runs import find_run
+
+    run = find_run(args.run, Path(args.output_dir)).path
+    checkpoint = choose_checkpoint(run, args.step)
+    name, count = export_model(checkpoint, Path(args.output), args.object)
+    print(f"wrote {args.output}: {name!r} ({count} tensors) from {checkpoint}")
+    return 0

@@ -1,0 +1,82 @@
+"""A registered model's full weights out of any checkpoint, as one plain file: what
+inference code and other tools load with ``torch.load`` and ``load_state_dict``. Needs no
+process group and no model class."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_ddp.runtime.checkpoint.files import (
+    checkpoint_dir,
+    checkpoint_step,
+    list_checkpoints,
+    load_checkpoint,
+    write_atomically,
+)
+from hpc_ddp.runtime.checkpoint.objects import MODULE
+from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, full_tensors
+from hpc_ddp.runtime.errors import HpcDdpError
+
+
+def choose_checkpoint(run_dir: Path, step: int | None = None) -> Path:
+    """The run's newest checkpoint, or the one at ``step``."""
+    found = list_checkpoints(checkpoint_dir(run_dir))
+    if step is not None:
+        found = [path for path in found if checkpoint_step(path) == step]
+    if not found:
+        steps = [checkpoint_step(path) for path in list_checkpoints(checkpoint_dir(run_dir))]
+        at = f" at step {step}" if step is not None else ""
+        raise HpcDdpError(
+            f"no checkpoint{at} in {checkpoint_dir(run_dir)}"
+            + (f" (it holds steps {', '.join(map(str, sorted(steps)))})" if steps else ""),
+            "give one of the steps it holds (--step), or leave --step out for the newest",
+        )
+    return found[0]
+
+
+def _is_weights(state: Any) -> bool:
+    return (
+        isinstance(state, Mapping)
+        and bool(state)
+        and all(isinstance(value, torch.Tensor) for value in state.values())
+    )
+
+
+def _models(objects: Any) -> list[str]:
+    if isinstance(objects, FolderObjects):
+        return [name for name, kind in objects.kinds.items() if kind == MODULE]
+    return [name for name, state in objects.items() if _is_weights(state)]
+
+
+def model_weights(path: Path, name: str | None = None) -> tuple[str, dict[str, torch.Tensor]]:
+    """The registered model ``name`` (default: the only one) in checkpoint ``path``, whole,
+    on the CPU: its name and state dict."""
+    objects = load_checkpoint(path)["objects"]
+    models = _models(objects)
+    if name is None and len(models) != 1:
+        listed = ", ".join(models) or "none"
+        raise HpcDdpError(
+            f"{path} holds {len(models)} registered models ({listed}): which one?",
+            "name it with --object NAME",
+        )
+    chosen = name if name is not None else models[0]
+    if chosen not in models:
+        raise HpcDdpError(
+            f"{path} holds no registered model {chosen!r} (models: {', '.join(models) or 'none'})",
+            "name one of its models with --object",
+        )
+    if isinstance(objects, FolderObjects):
+        return chosen, full_tensors(objects.folder, chosen)
+    return chosen, {key: value.clone() for key, value in objects[chosen].items()}
+
+
+def export_model(path: Path, output: Path, name: str | None = None) -> tuple[str, int]:
+    """Write the model's state dict to ``output`` with ``torch.save``; its name and tensor
+    count."""
+    chosen, weights = model_weights(path, name)
+    write_atomically(output, lambda handle: torch.save(weights, handle))
+    return chosen, len(weights)

@@ -1,0 +1,114 @@
+"""The registered objects in a folder checkpoint: modules and optimizers as tensors that DCP
+spreads over the ranks and reshards on load (through torch's ``get_state_dict`` family,
+keyed by parameter names, so a DDP checkpoint loads into an FSDP2 run and back), every
+other object's state dict as a plain value."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, load_objects
+from hpc_ddp.runtime.checkpoint.state import describe_load_error
+from hpc_ddp.runtime.errors import HpcDdpError
+
+MODULE, OPTIMIZER, PLAIN = "module", "optimizer", "plain"
+
+
+def _owner(optimizer: torch.optim.Optimizer, objects: Mapping[str, Any]) -> str | None:
+    """The registered module holding every parameter ``optimizer`` updates, if one does."""
+    wanted = {id(param) for group in optimizer.param_groups for param in group["params"]}
+    for name, value in objects.items():
+        if isinstance(value, nn.Module) and wanted <= {id(p) for p in value.parameters()}:
+            return name
+    return None
+
+
+def object_kinds(objects: Mapping[str, Any]) -> dict[str, str]:
+    """How each registered object is saved. An optimizer that has not stepped yet is saved
+    plain: torch's sharded form would first take a step with zero gradients to create its
+    state, and that step changes Adam's step count."""
+    kinds = {}
+    for name, value in objects.items():
+        if isinstance(value, nn.Module):
+            kinds[name] = MODULE
+        elif isinstance(value, torch.optim.Optimizer) and value.state and _owner(value, objects):
+            kinds[name] = OPTIMIZER
+        else:
+            kinds[name] = PLAIN
+    return kinds
+
+
+def _tensor_state(name: str, value: Any, kind: str, objects: Mapping[str, Any]) -> Any:
+    # Imported here: torch.distributed.checkpoint takes most of a second to import.
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    if kind == MODULE:
+        return get_model_state_dict(value)
+    owner = _owner(value, objects)
+    if owner is None:
+        raise HpcDdpError(
+            f"the registered optimizer {name!r} no longer updates parameters of a registered "
+            "module",
+            "register the model whose parameters the optimizer updates",
+        )
+    return get_optimizer_state_dict(objects[owner], value)
+
+
+def tensor_states(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str, Any]:
+    """The module and optimizer states DCP writes, by registered name."""
+    return {
+        name: _tensor_state(name, value, kinds[name], objects)
+        for name, value in objects.items()
+        if kinds[name] != PLAIN
+    }
+
+
+def plain_states(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str, Any]:
+    return {name: value.state_dict() for name, value in objects.items() if kinds[name] == PLAIN}
+
+
+def restore_objects(objects: Mapping[str, Any], saved: FolderObjects, path: Path) -> None:
+    """Load every registered object from a folder checkpoint (the names are checked
+    already). Optimizers get their state created first (a step with zero gradients and a
+    zero learning rate), then the modules load, so that step leaves no trace."""
+    from torch.distributed.checkpoint.state_dict import (
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    templates = {}
+    for name, kind in saved.kinds.items():
+        if kind != PLAIN:
+            templates[name] = _guarded(
+                name, path, _tensor_state, name, objects[name], kind, objects
+            )
+    _guarded("the registered objects", path, load_objects, saved.folder, templates)
+    for name, kind in sorted(saved.kinds.items(), key=lambda item: item[1] != MODULE):
+        value = objects[name]
+        if kind == MODULE:
+            _guarded(name, path, set_model_state_dict, value, templates[name])
+        elif kind == OPTIMIZER:
+            owner = objects[_owner(value, objects) or name]
+            _guarded(name, path, set_optimizer_state_dict, owner, value, templates[name])
+        else:
+            _guarded(name, path, value.load_state_dict, saved.plain[name])
+
+
+def _guarded(what: str, path: Path, call: Any, *args: Any) -> Any:
+    try:
+        return call(*args)
+    except HpcDdpError:
+        raise
+    except Exception as error:
+        reason, hint = describe_load_error(error)
+        raise HpcDdpError(
+            f"cannot restore {what!r} from {path}: {type(error).__name__}: {reason}", hint
+        ) from None

@@ -1,0 +1,212 @@
+"""Checkpoints as ``step-N/`` folders that every rank writes through
+``torch.distributed.checkpoint`` (DCP).
+
+Each rank hands DCP the same state dict shape; DCP writes a replicated tensor once, the
+writes spread over the ranks (each writes about 1/W of the bytes), and a sharded one
+(FSDP2's DTensors) by each owner. The coordinator writes ``.metadata`` last, through a
+temporary name: a folder without it is a save that did not finish, never a checkpoint.
+
+torch.distributed.checkpoint is imported at the first save or load, not with hpc_ddp (it
+takes most of a second).
+
+Small values travel as one blob each (``torch.save`` bytes, read back with
+``weights_only=True``): the run's own state under ``run`` (rank 0's), and each rank's random
+streams and batch state under ``rank.<r>``, so a rank reads only its own.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.metadata import Metadata
+
+#: The file DCP writes last: a folder holding it is a whole checkpoint.
+METADATA = ".metadata"
+RUN_KEY = "run"
+RANKS_KEY = "rank"
+OBJECTS_KEY = "objects"
+
+
+def is_complete(folder: Path) -> bool:
+    return (folder / METADATA).is_file()
+
+
+def pack(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def unpack(data: bytes) -> Any:
+    if not isinstance(data, bytes):
+        raise ValueError(f"a blob of the checkpoint is a {type(data).__name__}, not bytes")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def folder_state(
+    tensors: Mapping[str, Any], run: Mapping[str, Any] | None, rank: int, own: Any
+) -> dict[str, Any]:
+    """What this rank hands DCP: the registered objects' tensors, rank 0's run state (None
+    elsewhere) and this rank's own state."""
+    state: dict[str, Any] = {OBJECTS_KEY: dict(tensors), RANKS_KEY: {str(rank): pack(own)}}
+    if run is not None:
+        state[RUN_KEY] = pack(dict(run))
+    return state
+
+
+def _writer(folder: Path) -> FileSystemWriter:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    return FileSystemWriter(folder, sync_files=True)
+
+
+def _alone() -> bool:
+    """One process without a process group: DCP then works alone, and would say so at every
+    save and load (from the writer's thread too, so a filter around the call is not enough);
+    each rank's own reads work alone as well."""
+    warnings.filterwarnings(
+        "ignore", message=r".*assuming the intent is to (save|load) in a single process"
+    )
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def write_folder(state: dict[str, Any], folder: Path, group: Any | None) -> None:
+    """Every rank writes its part of ``folder``; returns once ``.metadata`` is in place (a
+    collective on ``group``)."""
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    save(state, storage_writer=_writer(folder), process_group=group, no_dist=_alone())
+
+
+def start_writing(state: dict[str, Any], folder: Path, group: Any | None) -> Future[Any]:
+    """Copy ``state`` now, write it in the background on ``group`` (which nothing else may
+    use meanwhile); the future completes once ``.metadata`` is in place."""
+    from torch.distributed.checkpoint.state_dict_saver import async_save
+
+    started = async_save(
+        state, storage_writer=_writer(folder), process_group=group, no_dist=_alone()
+    )
+    if not isinstance(started, Future):
+        raise TypeError(f"torch's async_save returned {type(started).__name__}")
+    return started
+
+
+def read_metadata(folder: Path) -> Metadata:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    return FileSystemReader(folder).read_metadata()
+
+
+def _load(template: dict[str, Any], folder: Path) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    # Each process reads what it needs alone: no collective, so no peer can hang it.
+    _alone()
+    dcp_load(template, storage_reader=FileSystemReader(folder), no_dist=True)
+
+
+def read_blobs(folder: Path, keys: Iterable[str]) -> dict[str, Any]:
+    """The blobs named by dotted ``keys`` (``run``, ``rank.3``), unpacked."""
+    template: dict[str, Any] = {}
+    for key in keys:
+        head, _, tail = key.partition(".")
+        if tail:
+            template.setdefault(head, {})[tail] = b""
+        else:
+            template[head] = b""
+    _load(template, folder)
+    found: dict[str, Any] = {}
+    for key in keys:
+        head, _, tail = key.partition(".")
+        found[key] = unpack(template[head][tail] if tail else template[head])
+    return found
+
+
+def load_objects(folder: Path, templates: dict[str, Any]) -> None:
+    """Read the registered objects' tensors into ``templates`` (name -> state dict), in
+    place; each rank reads only what its tensors (or shards) cover."""
+    _load({OBJECTS_KEY: templates}, folder)
+
+
+def full_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    """Registered object ``name``'s tensors, whole, without a process group or the model's
+    class: the shapes come from the metadata."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    prefix = f"{OBJECTS_KEY}.{name}."
+    template: dict[str, Any] = {}
+    for key, entry in read_metadata(folder).state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata):
+            template[key[len(prefix) :]] = torch.empty(entry.size, dtype=entry.properties.dtype)
+    if template:
+        _load({OBJECTS_KEY: {name: template}}, folder)
+    return template
+
+
+class OwnRankOnly(Sequence[Any]):
+    """Every rank's saved state as the single-file checkpoints list it, of which this rank
+    read only its own (reading W ranks' would cost every rank W times the bytes)."""
+
+    def __init__(self, world_size: int, rank: int, own: Any) -> None:
+        self.world_size = world_size
+        self.rank = rank
+        self.own = own
+
+    def __len__(self) -> int:
+        return self.world_size
+
+    def __getitem__(self, index: Any) -> Any:
+        if index != self.rank:
+            raise LookupError(f"rank {self.rank} read its own saved state, not rank {index}'s")
+        return self.own
+
+    def __iter__(self) -> Iterator[Any]:
+        raise LookupError("each rank reads its own saved state only")
+
+
+#: The version of the run state a folder's ``run`` blob holds.
+FOLDER_FORMAT = 3
+
+
+@dataclass(frozen=True)
+class FolderObjects:
+    """The registered objects a folder checkpoint holds: how each was saved
+    (``module``/``optimizer``: tensors through DCP; ``plain``: a state dict in the run
+    blob) and the plain ones' states."""
+
+    folder: Path
+    kinds: dict[str, str]
+    plain: dict[str, Any]
+
+
+def load_run(folder: Path, rank: int) -> dict[str, Any]:
+    """A folder checkpoint as a single-file one reads (see :mod:`.files`): the run's state,
+    this rank's random streams and batch state, and the objects to load on resume."""
+    if not is_complete(folder):
+        raise ValueError(f"no {METADATA}: a save that did not finish")
+    run = read_blobs(folder, [RUN_KEY])[RUN_KEY]
+    if not isinstance(run, dict) or run.get("format") != FOLDER_FORMAT:
+        found = run.get("format") if isinstance(run, dict) else type(run).__name__
+        raise ValueError(f"format {found!r}: this hpc_ddp reads format {FOLDER_FORMAT}")
+    world_size = int(run["world_size"])
+    own: dict[str, Any] = {"rng": None, "streams": None}
+    if rank < world_size:
+        own = read_blobs(folder, [f"{RANKS_KEY}.{rank}"])[f"{RANKS_KEY}.{rank}"]
+    return {
+        **run,
+        "objects": FolderObjects(folder, dict(run["kinds"]), dict(run["plain"])),
+        "rng": OwnRankOnly(world_size, rank, own["rng"]),
+        "streams": OwnRankOnly(world_size, rank, own["streams"]) if run["has_streams"] else None,
+    }

@@ -1,0 +1,102 @@
+"""What a run does with the user's models: wrap them (replicate or shard), reach the model
+inside, accumulate gradients, clip them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hpc_ddp.runtime.session.buckets import check_shardable, check_wrappable, wrap_in_ddp
+from hpc_ddp.runtime.session.rank import RankView
+
+
+class ModelView(RankView):
+    """The model side of :class:`hpc_ddp.Run`."""
+
+    @property
+    def accumulating(self) -> bool:
+        """See :attr:`hpc_ddp.Run.accumulating`."""
+        raise NotImplementedError
+
+    def wrap(self, model: nn.Module, **ddp_options: Any) -> DistributedDataParallel:
+        """``model`` on this rank's device inside DistributedDataParallel; with
+        ``dist.strategy=fsdp``, the model itself, sharded over the ranks (FSDP2's
+        ``fully_shard`` on each of ``dist.shard_blocks``, then on the whole model), so that
+        one switch moves a DDP script to FSDP2. A sharded model has no ``.module``: code
+        meant for both reaches the model through :meth:`unwrap`.
+
+        A module already spread over several devices (model parallel inside the rank: its
+        parts placed on :attr:`devices`) stays where it is and is wrapped without
+        ``device_ids``; feed its inputs to its first device.
+        ``ddp_options`` go to DistributedDataParallel (e.g. ``find_unused_parameters``).
+        """
+        check_wrappable(model, self._context.wrapped)
+        settings = self._context.config.dist
+        if settings.strategy == "fsdp":
+            from hpc_ddp.runtime.session.sharding import shard_model
+
+            check_shardable(ddp_options, self._context.config.checkpoint.save_mode)
+            sharded = shard_model(
+                model, self.device, settings.shard_blocks, settings.mixed_precision
+            )
+            self._context.wrapped.append(sharded)
+            self._context.sharded.append(sharded)
+            return sharded  # type: ignore[return-value]
+        wrapped = wrap_in_ddp(model, self.device, ddp_options)
+        self._context.wrapped.append(wrapped.module)
+        return wrapped
+
+    @staticmethod
+    def unwrap(model: nn.Module) -> nn.Module:
+        """The model inside what :meth:`wrap` returned: DDP's ``.module``; a sharded model
+        is its own."""
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's whole state dict, for a file of weights: of a replicated model, its
+        own; of a sharded one, gathered on rank 0's CPU (a collective: call it on every
+        rank; the others get {})."""
+        if not self._context.is_sharded(model):
+            return self.unwrap(model).state_dict()
+        from hpc_ddp.runtime.session.sharding import full_weights
+
+        return full_weights(model)
+
+    def accumulate(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """Gradient accumulation in one context: while :attr:`accumulating` (a micro-batch
+        that is not the last of its optimizer step) DDP's gradient all-reduce is skipped
+        (FSDP2's reduce-scatter too, and its parameters stay gathered); take the optimizer
+        step when it is not::
+
+            for batch in run.steps(loader, grad_accum_steps=4):
+                with run.accumulate(model):
+                    (loss_of(model, batch) / 4).backward()
+                if not run.accumulating:
+                    optimizer.step()
+                    optimizer.zero_grad()
+        """
+        if self.accumulating and isinstance(model, DistributedDataParallel):
+            return model.no_sync()
+        if self._context.is_sharded(model):
+            from hpc_ddp.runtime.session.sharding import accumulating
+
+            return accumulating(model, self.accumulating)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(
+        self, parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` that is also right for a sharded model
+        (``dist.strategy=fsdp``): the norm is over the whole gradient, not this rank's
+        shard; returns it, the same on every rank."""
+        from hpc_ddp.runtime.session.sharding import clip_grad_norm_
+
+        return clip_grad_norm_(parameters, max_norm, norm_type)
+
+    no_sync = accumulate

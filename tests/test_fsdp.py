@@ -1,0 +1,169 @@
+"""Sharded data parallel (dist.strategy=fsdp, FSDP2's fully_shard) on real gloo ranks, with a
+user's own script (tests/programs/regression.py: accumulation, clipping, a scheduler):
+it trains as DDP does, stops and resumes bitwise, moves between world sizes and between
+DDP and FSDP2 through folder checkpoints."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpc_ddp.runtime.checkpoint.export import model_weights
+from hpc_ddp.runtime.checkpoint.files import list_checkpoints
+from hpc_ddp.runtime.checkpoint.sharded import read_metadata
+from hpc_ddp.runtime.errors import EXIT_STOPPED
+from tests.helpers import REPO, run_local_program, signal_after, start_program
+
+PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
+FSDP = ["dist.strategy=fsdp", "dist.shard_blocks=[0,2]"]
+#: 96 samples a step divide over 2, 3 and 4 ranks; 20 steps an epoch.
+COMMON = ["--epochs", "2", "--samples", "1920", "--accum", "2", "--clip", "0.5",
+          "--log-interval", "1", "preempt.check_every_steps=1",
+          "tracking.enabled=false"]  # fmt: skip
+IN_EPOCH_0, IN_EPOCH_1 = r"epoch 0 step ([5-9]|1[0-4])/40", r"epoch 1 step (2[5-9]|3[0-4])/40"
+
+
+def program(output: Path, run_id: str, *extra: str) -> list[str]:
+    return [PROGRAM, *COMMON, f"run.output_dir={output}", f"run.id={run_id}", *extra]
+
+
+def facts(output: Path, run_id: str) -> dict[str, Any]:
+    return json.loads((output / "regression" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def weights(output: Path, run_id: str) -> dict[str, torch.Tensor]:
+    newest = list_checkpoints(output / "regression" / run_id / "checkpoints")[0]
+    return model_weights(newest, "model")[1]
+
+
+def trained(nproc: int, output: Path, run_id: str, *extra: str) -> None:
+    result = run_local_program(nproc, program(output, run_id, *extra))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def stopped(nproc: int, output: Path, run_id: str, *extra: str, when: str = IN_EPOCH_1) -> int:
+    """Started, stopped by SIGUSR1 once a progress line matches ``when`` (mid-epoch); the
+    step of the stop's checkpoint."""
+    process = start_program(nproc, program(output, run_id, "--step-pause", "0.2", *extra))
+    log = signal_after(process, when, signal.SIGUSR1)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert step % 20, f"stopped at step {step}, not mid-epoch"
+    return step
+
+
+def assert_close_weights(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+) -> None:
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(actual[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fsdp_trains_as_ddp_does_at_2_and_3_ranks(tmp_path: Path) -> None:
+    """Same global batch, same updates: the sharded runs end where DDP ends, to rounding
+    (reduce-scatter sums in another order than all-reduce)."""
+    trained(2, tmp_path, "ddp")
+    trained(2, tmp_path, "fsdp2", *FSDP)
+    trained(3, tmp_path, "fsdp3", *FSDP)
+    expected = weights(tmp_path, "ddp")
+    assert_close_weights(weights(tmp_path, "fsdp2"), expected)
+    assert_close_weights(weights(tmp_path, "fsdp3"), expected)
+    for run_id in ("fsdp2", "fsdp3"):
+        assert (
+            abs(
+                float(facts(tmp_path, run_id)["val_mse"]) - float(facts(tmp_path, "ddp")["val_mse"])
+            )
+            < 1e-5
+        )
+    assert facts(tmp_path, "fsdp2")["global_step"] == 40
+    newest = list_checkpoints(tmp_path / "regression" / "fsdp3" / "checkpoints")[0]
+    shards = read_metadata(newest).state_dict_metadata["objects.model.0.weight"]
+    assert len(shards.chunks) == 3, "each of 3 ranks wrote its own shard"  # type: ignore[union-attr]
+    assert facts(tmp_path, "fsdp2")["weights_sha256"] is not None, "whole weights, on rank 0"
+
+
+def test_fsdp_stopped_mid_epoch_and_resumed_is_bitwise_the_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    trained(2, tmp_path, "reference", *FSDP)
+    stop_step = stopped(2, tmp_path, "interrupted", *FSDP)
+    trained(2, tmp_path, "interrupted", *FSDP)
+    expected, actual = facts(tmp_path, "reference"), facts(tmp_path, "interrupted")
+    assert actual["resumed_from_step"] == stop_step
+    assert actual["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
+    assert actual["val_mse"] == expected["val_mse"]
+
+
+def test_an_fsdp_checkpoint_of_4_ranks_goes_on_at_2_and_at_3(tmp_path: Path) -> None:
+    """Model and optimizer reshard on load; the sample order goes on from the global
+    position; the weights end as an uninterrupted run's at the new size, to rounding."""
+    trained(2, tmp_path, "reference", *FSDP)
+    for nproc in (2, 3):
+        run_id = f"from4to{nproc}"
+        stop_step = stopped(4, tmp_path, run_id, *FSDP)
+        trained(nproc, tmp_path, run_id, *FSDP)
+        moved = facts(tmp_path, run_id)
+        assert (moved["resumed_from_step"], moved["resumed_from_world_size"]) == (stop_step, 4)
+        assert_close_weights(weights(tmp_path, run_id), weights(tmp_path, "reference"))
+
+
+def test_a_ddp_checkpoint_goes_on_under_fsdp_and_back(tmp_path: Path) -> None:
+    trained(2, tmp_path, "reference")
+    stopped(2, tmp_path, "mixed", when=IN_EPOCH_0)
+    first = stopped(2, tmp_path, "mixed", *FSDP)  # resumed from DDP's, stopped again
+    trained(2, tmp_path, "mixed")  # and on under DDP from FSDP2's
+    assert facts(tmp_path, "mixed")["resumed_from_step"] == first
+    assert_close_weights(weights(tmp_path, "mixed"), weights(tmp_path, "reference"))
+
+
+def test_blocks_not_in_the_model_and_single_file_saves_are_refused(tmp_path: Path) -> None:
+    result = run_local_program(2, program(tmp_path, "bad", "dist.strategy=fsdp",
+                                          "dist.shard_blocks=[Block]"))  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (
+        "dist.shard_blocks names 'Block', which is neither a submodule nor a class" in result.stderr
+    )
+    assert (
+        "classes: Linear, Sequential, Tanh" in result.stderr
+        and "HINT: name blocks" in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+    single = run_local_program(2, program(tmp_path, "single", *FSDP,
+                                          "checkpoint.save_mode=single_file"))  # fmt: skip
+    assert single.returncode == 2, single.stderr[-3000:]
+    assert "one rank cannot write a sharded model's state alone" in single.stderr
+    assert "HINT: use checkpoint.save_mode=async" in single.stderr
+
+
+def test_the_trainer_and_the_lm_example_shard_with_one_switch(tmp_path: Path) -> None:
+    """The built-in trainer (dist.strategy=fsdp in its config's overrides) at 3 ranks and the
+    language-model example (--fsdp: its blocks sharded, a tied head) end where their DDP
+    runs end; every rank joins each forward pass of the evaluation and the sampling."""
+    trainer = ["--config", "digits", "train.epochs=1", "data.batch_size=48",
+               "tracking.enabled=false"]  # fmt: skip
+    for strategy in ("ddp", "fsdp"):
+        result = run_local_program(3, [*trainer, f"run.output_dir={tmp_path / strategy}",
+                                       f"dist.strategy={strategy}"])  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    (ddp,) = (tmp_path / "ddp").glob("*/*/model.pt")
+    (fsdp,) = (tmp_path / "fsdp").glob("*/*/model.pt")
+    assert_close_weights(torch.load(fsdp, weights_only=True), torch.load(ddp, weights_only=True))
+
+    lm = [str(REPO / "examples" / "lm" / "train.py"), "--train-bytes", "120000", "--val-bytes",
+          "20000", "--width", "32", "--layers", "2", "--sample-bytes", "8",
+          "tracking.enabled=false"]  # fmt: skip
+    results = []
+    for flag in ([], ["--fsdp"]):
+        result = run_local_program(2, [*lm, *flag, f"run.output_dir={tmp_path / 'lm'}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        (line,) = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+        results.append(json.loads(line.removeprefix("RESULT ")))
+    assert abs(results[0]["val_loss"] - results[1]["val_loss"]) < 1e-5
+    assert results[0]["val_tokens"] == results[1]["val_tokens"] == 19999

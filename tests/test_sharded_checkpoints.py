@@ -1,0 +1,168 @@
+"""Folder checkpoints through torch.distributed.checkpoint, on real gloo ranks: each rank
+writes its part, a background save survives nothing it should not (a kill -9 mid-write
+leaves the previous one, a stop waits for it), older single-file checkpoints go on, and a
+model's weights come out as one plain file."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
+from hpc_ddp.runtime.checkpoint.sharded import METADATA
+from hpc_ddp.runtime.errors import EXIT_STOPPED
+from tests.helpers import (
+    REPO,
+    read_summary,
+    run_local,
+    run_local_program,
+    run_python,
+    start_program,
+)
+from tests.test_fault_tolerance import RESUMABLE, signal_after, start_local, summary_of
+
+BALLAST = str(REPO / "tests" / "programs" / "ballast.py")
+
+
+def checkpoints_of(output: Path) -> Path:
+    (found,) = output.glob("*/*/checkpoints")
+    return found
+
+
+def ballast(output: Path, *extra: str) -> list[str]:
+    return [BALLAST, f"run.output_dir={output}", "run.id=b", *extra]
+
+
+def kill_after(process: subprocess.Popen[str], pattern: str) -> tuple[str, list[int]]:
+    """Once a line of stdout matches ``pattern``: SIGKILL to every rank that printed its pid
+    (a node lost mid-save: no handler runs). The output seen, and the pids."""
+    assert process.stdout is not None
+    seen, pids = [], set()
+    for line in process.stdout:
+        seen.append(line)
+        matched = re.search(r"STEP \d+ (\d+)", line)
+        if matched:
+            pids.add(int(matched.group(1)))
+        if re.search(pattern, line) and len(pids) == 2:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            break
+    out, err = process.communicate(timeout=120)
+    return "".join(seen) + out + err, sorted(pids)
+
+
+def test_every_rank_writes_its_part_and_the_metadata_commits_it(tmp_path: Path) -> None:
+    """Two ranks, one replicated state of 32 MiB: each writes about half of it, and the
+    folder holds one .metadata; the model's weights come out as one plain file that loads
+    into a fresh nn.Linear."""
+    result = run_local_program(2, ballast(tmp_path, "checkpoint.save_mode=sync", "--steps=3",
+                                          "--ballast-mb=32", "--save-every=100"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder, first = list_checkpoints(checkpoints_of(tmp_path))  # run.every(100) at step 0
+    assert (folder.name, first.name) == ("step-000000003", "step-000000001")
+    assert (folder / METADATA).is_file()
+    parts = sorted(path.stat().st_size for path in folder.glob("*.distcp"))
+    assert len(parts) == 2, parts
+    assert parts[0] > 0.4 * sum(parts), f"one rank wrote most of it: {parts}"
+    assert 32 * 2**20 < sum(parts) < 34 * 2**20, "a replicated tensor is written once"
+
+    exported = tmp_path / "model.pt"
+    shown = run_python(["-m", "hpc_ddp", "export", str(folder.parent.parent), "--object",
+                        "model", "-o", str(exported)])  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "'model' (2 tensors)" in shown.stdout
+    fresh = nn.Linear(8, 1)
+    fresh.load_state_dict(torch.load(exported, weights_only=True))
+    assert read_summary(tmp_path)["weights_sha256"] is not None
+
+    which = run_python(["-m", "hpc_ddp", "export", str(folder.parent.parent), "-o", "x.pt"])
+    assert which.returncode == 2 and "2 registered models (model, ballast)" in which.stderr
+    assert "HINT: name it with --object NAME" in which.stderr
+
+
+def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL to both ranks right after the save of step 21 began (256 MiB to write): the
+    unfinished folder is no checkpoint, the rerun resumes from step 11 and ends bitwise
+    equal to an uninterrupted run."""
+    common = ("--steps=30", "--ballast-mb=256")
+    reference = run_local_program(2, [*ballast(tmp_path / "ref", *common)])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    output = tmp_path / "killed"
+    process = start_program(2, ballast(output, *common))
+    log, _pids = kill_after(process, r"STEP 22 ")
+    checkpoints = checkpoints_of(output)
+    unfinished = checkpoints / "step-000000021"
+    assert unfinished.is_dir() and not (unfinished / METADATA).exists(), (
+        f"the kill came after the save finished: {log[-2000:]}"
+    )
+    complete = [path.name for path in list_checkpoints(checkpoints)]
+    assert complete == ["step-000000011", "step-000000001"]
+
+    resumed = run_local_program(2, ballast(output, *common))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "at step 11 " in resumed.stderr
+    assert (
+        read_summary(output)["weights_sha256"] == read_summary(tmp_path / "ref")["weights_sha256"]
+    )
+
+
+def test_a_stop_during_a_background_save_waits_for_it_then_saves(tmp_path: Path) -> None:
+    """SIGUSR1 right after the background save of step 11 began: that save finishes, the
+    stop's own save follows, and both are whole checkpoints; a save slower than the
+    warning the job's signal gives is named at the first save."""
+    process = start_program(
+        2, ballast(tmp_path, "--steps=200", "--ballast-mb=128", "preempt.warning_s=0.001")
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith("STEP 12 "):
+            process.send_signal(signal.SIGUSR1)
+            break
+    _out, err = process.communicate(timeout=240)
+    assert process.returncode == EXIT_STOPPED, err[-3000:]
+    periodic = err.index("checkpoint (requested) step 11:")
+    stop = re.search(r"checkpoint \(stop signal\) step (\d+):", err)
+    assert stop is not None and stop.start() > periodic, err[-3000:]
+    stop_step = int(stop.group(1))
+    assert stop_step < 200
+    steps = [int(path.name[5:]) for path in list_checkpoints(checkpoints_of(tmp_path))]
+    assert steps[:2] == [stop_step, 11]
+    assert err.count("longer than the 0 s between the stop signal and the kill") == 1
+    assert "HINT: warn earlier (#SBATCH --signal=USR1@300" in err
+
+
+def test_a_single_file_checkpoint_goes_on_as_a_folder_run(tmp_path: Path) -> None:
+    """A run stopped mid-epoch with the single-file format of earlier versions resumes
+    under folder checkpoints, and ends bitwise as the uninterrupted run does."""
+    common = [*RESUMABLE, "tracking.enabled=false"]
+    reference = run_local(2, tmp_path, [*common, "run.id=reference"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    old = [*common, "run.id=old", "checkpoint.save_mode=single_file"]
+    log = signal_after(start_local(2, tmp_path, old), r"step (4[0-9]|5[0-9])/600", signal.SIGUSR1)
+    checkpoints = tmp_path / "synthetic-mlp" / "old" / "checkpoints"
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert list_checkpoints(checkpoints)[0].name == f"step-{stop_step:09d}.pt"
+    exported = tmp_path / "old.pt"
+    shown = run_python(["-m", "hpc_ddp", "export", str(checkpoints.parent), "--step",
+                        str(stop_step), "-o", str(exported)])  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    saved = torch.load(checkpoints / f"step-{stop_step:09d}.pt", weights_only=True)
+    written = torch.load(exported, weights_only=True)
+    assert written.keys() == saved["objects"]["model"].keys()
+    assert all(torch.equal(written[key], saved["objects"]["model"][key]) for key in written)
+
+    resumed = run_local(2, tmp_path, [*common, "run.id=old"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"at step {stop_step} " in resumed.stderr
+    newest = list_checkpoints(checkpoints)[0]
+    assert newest.is_dir() and load_checkpoint(newest)["global_step"] == 600
+    expected, actual = summary_of(tmp_path, "reference"), summary_of(tmp_path, "old")
+    assert actual["weights_sha256"] == expected["weights_sha256"]
+    assert actual["val_loss"] == expected["val_loss"]
