@@ -9,6 +9,7 @@ from typing import Any
 
 from bench.harness import REPO, RESULTS
 from bench.report_scale import plot, scale_section, tracking_section
+from bench.report_sharded import sharded_section
 
 HEADER = """# Benchmarks
 
@@ -345,6 +346,7 @@ def write_readme() -> Path:
         ("iterations_paired", _iterations_paired),
         ("startup", _startup),
         ("checkpoint_io", _checkpoint),
+        ("sharded", sharded_section),
         ("data_memory", _data_memory),
         ("scale", scale_section),
         ("tracking_cost", tracking_section),

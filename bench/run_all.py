@@ -14,6 +14,7 @@ from bench import (
     overhead,
     report,
     scale,
+    sharded,
     startup,
     tracking_cost,
 )
@@ -23,6 +24,7 @@ def main() -> None:
     only = set(sys.argv[1:])
     for name, module in (
         ("checkpoint_io", checkpoint_io),
+        ("sharded", sharded),
         ("data_memory", data_memory),
         ("startup", startup),
         ("overhead", overhead),

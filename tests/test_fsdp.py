@@ -17,7 +17,7 @@ from hpc_ddp.runtime.checkpoint.export import model_weights
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints
 from hpc_ddp.runtime.checkpoint.sharded import read_metadata
 from hpc_ddp.runtime.errors import EXIT_STOPPED
-from tests.helpers import REPO, run_local_program, signal_after, start_program
+from tests.helpers import REPO, run_local_program, run_python, signal_after, start_program
 
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
 FSDP = ["dist.strategy=fsdp", "dist.shard_blocks=[0,2]"]
@@ -167,3 +167,53 @@ def test_the_trainer_and_the_lm_example_shard_with_one_switch(tmp_path: Path) ->
         results.append(json.loads(line.removeprefix("RESULT ")))
     assert abs(results[0]["val_loss"] - results[1]["val_loss"]) < 1e-5
     assert results[0]["val_tokens"] == results[1]["val_tokens"] == 19999
+
+
+NESTED = """
+import torch, hpc_ddp
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+class Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stages = nn.ModuleList(Stage() for _ in range(2))
+    def forward(self, x):
+        for stage in self.stages:
+            x = stage(x)
+        return x
+
+run = hpc_ddp.start(tracking={"enabled": False}, dist={"strategy": "fsdp"},
+                    run={"output_dir": OUTPUT})
+model = run.wrap(Net())
+print("SHARDED", sum(isinstance(module, FSDPModule) for module in model.modules()))
+first = run.wrap(nn.Linear(4, 4))
+optimizer = torch.optim.AdamW([*model.parameters(), *first.parameters()])
+run.register(model=model, first=first, optimizer=optimizer)
+for _ in run.iterations(2):
+    model(first(torch.randn(2, 4))).sum().backward()
+    optimizer.step()
+run.finish()
+"""
+
+
+def test_nested_blocks_shard_inside_out_and_a_shared_optimizer_is_refused(tmp_path: Path) -> None:
+    """Lists inside lists (stages of layers): the inner blocks are sharded before the ones
+    holding them (4 layers + 2 stages + the model). An optimizer over two sharded models,
+    neither holding all its parameters, is refused at the save: its state could be saved
+    only as rank 0's shards."""
+    script = NESTED.replace("OUTPUT", repr(str(tmp_path)))
+    result = run_python(["-c", script])
+    assert "SHARDED 7" in result.stdout, result.stderr[-3000:]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "updates sharded parameters that no one registered module holds" in result.stderr
+    assert "HINT: register the model whose parameters it updates" in result.stderr

@@ -63,3 +63,21 @@ def test_more_local_ranks_than_gpus_is_refused_with_a_hint(tmp_path: Path) -> No
     assert f"{nproc} tasks" in result.stderr and "HINT:" in result.stderr, result.stderr[-3000:]
     assert "dist.device=cpu" in result.stderr, "the local fix: CPU ranks, or fewer of them"
     assert "Traceback" not in result.stderr
+
+
+def test_fsdp_in_bf16_with_background_saves_resumes_on_the_gpu(tmp_path: Path) -> None:
+    """FSDP2 on one GPU over NCCL, bf16 parameters, background saves (their own gloo group is
+    not needed at one rank: a NCCL-only group would refuse them): stopped mid-epoch and run
+    again, it ends with the uninterrupted run's weights."""
+    fsdp = [*RESUMABLE, "dist.strategy=fsdp", "checkpoint.save_mode=async"]
+    reference = run_local(1, tmp_path, [*fsdp, "run.id=reference"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    config = ["--config", str(REPO / "configs/synthetic.yaml"), f"run.output_dir={tmp_path}"]
+    process = start_program(1, [*config, *fsdp, "run.id=interrupted"])
+    log = signal_after(process, r"step (8[0-9]|9[0-9]|1[0-4][0-9])/600", signal.SIGUSR1)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    resumed = run_local(1, tmp_path, [*fsdp, "run.id=interrupted"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, actual = summary_of(tmp_path, "reference"), summary_of(tmp_path, "interrupted")
+    assert actual["device"] == "cuda:0" and actual["backend"] == "nccl"
+    assert actual["weights_sha256"] == expected["weights_sha256"]

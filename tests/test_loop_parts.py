@@ -5,6 +5,7 @@ consequences) and the per-rank states of a user's iterable."""
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 from collections.abc import Iterator
@@ -26,7 +27,7 @@ from hpc_ddp.runtime.loop.data import eval_loader
 from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.stopper import Stopper
-from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
+from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates, no_samples
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.resume import restore_registered
 from hpc_ddp.runtime.session.start import resolve_launch
@@ -238,8 +239,9 @@ def test_a_forked_child_does_not_hold_the_parents_run() -> None:
 
 
 def test_evaluation_for_a_sharded_model_gives_every_rank_as_many_batches() -> None:
-    """5 samples, 2 ranks, 2 a batch: rank 0 holds 3 (2 batches), rank 1 holds 2 (1 batch),
-    and gets an empty one besides, so both run two forward passes; nothing is counted twice."""
+    """5 samples, 2 ranks, 2 a batch: rank 0 holds 3 (2 batches), rank 1 holds 2, which it
+    takes in 2 batches too (not 1), so both run two forward passes; nothing is counted
+    twice, and no batch is empty (a model may not take one)."""
     data = TensorDataset(torch.arange(5.0))
     shares = [
         [batch[0].tolist() for batch in eval_loader(
@@ -248,6 +250,26 @@ def test_evaluation_for_a_sharded_model_gives_every_rank_as_many_batches() -> No
         )]
         for rank in (0, 1)
     ]  # fmt: skip
-    assert shares == [[[0.0, 2.0], [4.0]], [[1.0, 3.0], []]]
+    assert shares == [[[0.0, 2.0], [4.0]], [[1.0], [3.0]]]
     plain = eval_loader(data, rank=1, world_size=2, batch_size=2, num_workers=0, device=None)
     assert len(plain) == 1 and len(list(plain)) == 1, "a replicated model needs no filler"
+
+
+def test_a_rank_with_no_evaluation_samples_still_runs_as_many_passes() -> None:
+    """One sample, two ranks: rank 1's share is empty, and it still gets one (empty) batch,
+    built from a sample and cut to none; a batch in a dict subclass or a namedtuple is cut
+    whole, never handed out again as it was."""
+    data = TensorDataset(torch.arange(1.0))
+    empty = list(eval_loader(data, rank=1, world_size=2, batch_size=2, num_workers=0,
+                             device=None, same_count=True))  # fmt: skip
+    assert len(empty) == 1 and empty[0][0].shape == (0,)
+
+    class Encoding(dict):  # type: ignore[type-arg]
+        """Like a tokenizer's BatchEncoding: a dict subclass."""
+
+    Pair = collections.namedtuple("Pair", ["x", "y"])
+    batch = {"enc": Encoding(ids=torch.ones(3, 2)), "pair": Pair(torch.ones(3), [torch.ones(3)])}
+    cut = no_samples(batch)
+    assert cut["enc"]["ids"].shape == (0, 2)
+    assert isinstance(cut["pair"], Pair) and cut["pair"].x.shape == (0,)
+    assert cut["pair"].y[0].shape == (0,)

@@ -9,14 +9,19 @@ import os
 import re
 import signal
 import subprocess
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
-from hpc_ddp.runtime.checkpoint.sharded import METADATA
-from hpc_ddp.runtime.errors import EXIT_STOPPED
+from hpc_ddp.runtime.checkpoint.objects import object_kinds, restore_objects, tensor_states
+from hpc_ddp.runtime.checkpoint.sharded import METADATA, FolderObjects, folder_state, write_folder
+from hpc_ddp.runtime.checkpoint.writer import FolderSaves, Pending
+from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from tests.helpers import (
     REPO,
     read_summary,
@@ -166,3 +171,78 @@ def test_a_single_file_checkpoint_goes_on_as_a_folder_run(tmp_path: Path) -> Non
     expected, actual = summary_of(tmp_path, "reference"), summary_of(tmp_path, "old")
     assert actual["weights_sha256"] == expected["weights_sha256"]
     assert actual["val_loss"] == expected["val_loss"]
+
+
+def test_a_background_save_is_timed_to_its_commit_not_to_the_next_save(tmp_path: Path) -> None:
+    """Saves 1.5 s apart that take a fraction of a second, against a warning of 1 s: no
+    warning (the time until the next save is not the save's)."""
+    result = run_local_program(2, ballast(tmp_path, "--steps=32", "--ballast-mb=1",
+                                          "--step-pause=0.15", "preempt.warning_s=1"))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("checkpoint (requested) step") >= 3
+    assert "longer than the" not in result.stderr
+
+
+def test_a_folder_left_at_a_step_by_an_earlier_run_is_replaced_whole(tmp_path: Path) -> None:
+    """checkpoint.resume=false in a run directory that holds step-5/: the new save at step 5
+    does not write into the old folder (whose .metadata would commit a mix of both)."""
+    common = ["run.id=again", "tracking.enabled=false", "train.max_steps=5",
+              "checkpoint.every_steps=5"]  # fmt: skip
+    first = run_local(2, tmp_path, common)
+    assert first.returncode == 0, first.stderr[-2000:]
+    folder = checkpoints_of(tmp_path) / "step-000000005"
+    (folder / "__7_0.distcp").write_bytes(b"left by the earlier run")
+    again = run_local(2, tmp_path, [*common, "checkpoint.resume=false", "run.seed=3"])
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert not (folder / "__7_0.distcp").exists()
+    assert load_checkpoint(folder)["global_step"] == 5
+
+
+def test_an_optimizer_state_without_some_parameters_resumes_exactly(tmp_path: Path) -> None:
+    """A parameter that never had a gradient (an unused branch) has no optimizer state in
+    the checkpoint; the resume loads the rest and the next step is the uninterrupted one."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.used, self.unused = nn.Linear(3, 3), nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.used(x)  # type: ignore[no-any-return]
+
+    torch.manual_seed(0)
+    net = Net()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    objects = {"model": net, "optimizer": optimizer}
+    kinds = object_kinds(objects)
+    assert kinds == {"model": "module", "optimizer": "optimizer"}
+    folder = tmp_path / "step-000000001"
+    write_folder(folder_state(tensor_states(objects, kinds), {}, 0, {}), folder, None)
+    again = Net()
+    again_optimizer = torch.optim.AdamW(again.parameters(), lr=0.1)
+    restored = {"model": again, "optimizer": again_optimizer}
+    restore_objects(restored, FolderObjects(folder, kinds, {}), folder)
+    assert len(again_optimizer.state) == len(optimizer.state) == 2
+    batch = torch.randn(2, 3)
+    for model, stepper in ((net, optimizer), (again, again_optimizer)):
+        model(batch).sum().backward()
+        stepper.step()
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), again.parameters(), strict=True))
+
+
+def test_a_stop_after_a_failed_background_save_still_writes_its_own(tmp_path: Path) -> None:
+    """The background save before a stop failed (here: its future holds the error): the
+    stop's save logs that failure and is written, so the job can still requeue."""
+    saves = FolderSaves(tmp_path, keep_last=3, group=None, is_main=True)
+    failed: Future[Any] = Future()
+    failed.set_exception(OSError(28, "No space left on device"))
+    saves.pending = Pending(failed, tmp_path / "step-000000010", 10, "periodic", 0.0, [])
+    state = folder_state({"model": {"w": torch.ones(2)}}, {"step": 12}, 0, {})
+    saves.write(state, 12, "stop signal", background=False)
+    assert [path.name for path in list_checkpoints(tmp_path)] == ["step-000000012"]
+    saves.pending = Pending(failed, tmp_path / "step-000000014", 14, "periodic", 0.0, [])
+    with pytest.raises(HpcDdpError, match=r"step-000000014 \(No space left on device\)"):
+        saves.write(state, 16, "periodic", background=True)

@@ -390,8 +390,8 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(
 ) -> None:
     work = prepare_workdir(tmp_path)
     common = [
-        f"checkpoint.save_mode={save_mode}",
         "configs/synthetic.yaml",
+        f"checkpoint.save_mode={save_mode}",
         f"run.output_dir={work / 'runs'}",
         "tracking.enabled=false",
         "model.hidden_sizes=[2048, 2048]",

@@ -20,6 +20,8 @@ import torch
 from mlflow import MlflowClient
 
 import hpc_ddp
+from hpc_ddp.runtime.checkpoint.export import model_weights
+from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.runtime.loop.data import TrainLoader, move_to
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
@@ -45,10 +47,11 @@ def summary(output_dir: Path, run_id: str) -> dict[str, Any]:
 
 
 def final_weights(output_dir: Path, run_id: str) -> dict[str, torch.Tensor]:
-    newest = sorted((output_dir / "regression" / run_id / "checkpoints").glob("step-*.pt"))[-1]
-    saved = torch.load(newest, weights_only=True)
-    assert set(saved["objects"]) == {"model", "optimizer", "scheduler", "best"}
-    return saved["objects"]["model"]  # type: ignore[no-any-return]
+    newest = list_checkpoints(output_dir / "regression" / run_id / "checkpoints")[0]
+    objects = load_checkpoint(newest)["objects"]
+    assert set(objects.kinds) == {"model", "optimizer", "scheduler", "best"}
+    assert objects.kinds["optimizer"] == "optimizer", "saved as tensors, by parameter name"
+    return model_weights(newest, "model")[1]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--ballast-mb", type=int, default=256)
     parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--step-pause", type=float, default=0.0, help="seconds: a slower step")
     args, settings = parser.parse_known_args()
     run = hpc_ddp.start(overrides=settings, tracking={"enabled": False})
     model = run.wrap(nn.Linear(8, 1))
@@ -47,6 +49,7 @@ def main() -> None:
         if run.every(args.save_every):
             run.save()
         print(f"STEP {run.global_step + 1} {os.getpid()}", flush=True)
+        time.sleep(args.step_pause)
     run.finish()
 
 

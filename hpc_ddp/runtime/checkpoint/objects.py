@@ -5,6 +5,7 @@ other object's state dict as a plain value."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, load_objects
+from hpc_ddp.runtime.checkpoint.sharded import (
+    OBJECTS_KEY,
+    FolderObjects,
+    load_objects,
+    read_metadata,
+)
 from hpc_ddp.runtime.checkpoint.state import describe_load_error
 from hpc_ddp.runtime.errors import HpcDdpError
 
@@ -32,6 +38,7 @@ def object_kinds(objects: Mapping[str, Any]) -> dict[str, str]:
     """How each registered object is saved. An optimizer that has not stepped yet is saved
     plain: torch's sharded form would first take a step with zero gradients to create its
     state, and that step changes Adam's step count."""
+    _reshard(objects)
     kinds = {}
     for name, value in objects.items():
         if isinstance(value, nn.Module):
@@ -39,8 +46,37 @@ def object_kinds(objects: Mapping[str, Any]) -> dict[str, str]:
         elif isinstance(value, torch.optim.Optimizer) and value.state and _owner(value, objects):
             kinds[name] = OPTIMIZER
         else:
+            if isinstance(value, torch.optim.Optimizer) and value.state and _is_sharded(value):
+                raise HpcDdpError(
+                    f"the registered optimizer {name!r} updates sharded parameters that no one "
+                    "registered module holds all of: its state could be saved only as rank "
+                    "0's shards",
+                    "register the model whose parameters it updates (several models: one "
+                    "nn.ModuleDict holding them, wrapped and registered as one)",
+                )
             kinds[name] = PLAIN
     return kinds
+
+
+def _reshard(objects: Mapping[str, Any]) -> None:
+    """Put back the sharded parameters of every FSDP2 block: a forward pass without a
+    backward (an evaluation) leaves the root's gathered, and a checkpoint, like the
+    optimizer, must see the sharded ones."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for value in objects.values():
+        if isinstance(value, nn.Module):
+            for module in value.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+
+def _is_sharded(optimizer: torch.optim.Optimizer) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(
+        isinstance(param, DTensor) for group in optimizer.param_groups for param in group["params"]
+    )
 
 
 def _tensor_state(name: str, value: Any, kind: str, objects: Mapping[str, Any]) -> Any:
@@ -80,6 +116,7 @@ def restore_objects(objects: Mapping[str, Any], saved: FolderObjects, path: Path
     already). Optimizers get their state created first (a step with zero gradients and a
     zero learning rate), then the modules load, so that step leaves no trace."""
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
@@ -90,6 +127,8 @@ def restore_objects(objects: Mapping[str, Any], saved: FolderObjects, path: Path
             templates[name] = _guarded(
                 name, path, _tensor_state, name, objects[name], kind, objects
             )
+            if kind == OPTIMIZER:
+                _only_saved_parameters(templates[name], name, saved.folder)
     _guarded("the registered objects", path, load_objects, saved.folder, templates)
     for name, kind in sorted(saved.kinds.items(), key=lambda item: item[1] != MODULE):
         value = objects[name]
@@ -97,9 +136,25 @@ def restore_objects(objects: Mapping[str, Any], saved: FolderObjects, path: Path
             _guarded(name, path, set_model_state_dict, value, templates[name])
         elif kind == OPTIMIZER:
             owner = objects[_owner(value, objects) or name]
-            _guarded(name, path, set_optimizer_state_dict, owner, value, templates[name])
+            # Not strict: parameters that never had a gradient have no saved state.
+            options = StateDictOptions(strict=False)
+            load = functools.partial(set_optimizer_state_dict, options=options)
+            _guarded(name, path, load, owner, value, templates[name])
         else:
             _guarded(name, path, value.load_state_dict, saved.plain[name])
+
+
+def _only_saved_parameters(template: dict[str, Any], name: str, folder: Path) -> None:
+    """Drop from an optimizer's template the parameters the checkpoint holds no state for
+    (never given a gradient: an unused branch, an expert no token reached). Creating the
+    state made some for every parameter; loaded without them, they have none again, as in
+    the run that wrote the checkpoint."""
+    saved = read_metadata(folder).state_dict_metadata
+    prefix = f"{OBJECTS_KEY}.{name}.state."
+    states = template.get("state", {})
+    for parameter in list(states):
+        if not any(key.startswith(f"{prefix}{parameter}.") for key in saved):
+            del states[parameter]
 
 
 def _guarded(what: str, path: Path, call: Any, *args: Any) -> Any:

@@ -72,13 +72,14 @@ def _writer(folder: Path) -> FileSystemWriter:
 
 
 def _alone() -> bool:
-    """One process without a process group: DCP then works alone, and would say so at every
-    save and load (from the writer's thread too, so a filter around the call is not enough);
-    each rank's own reads work alone as well."""
+    """One process, with or without a process group: DCP then works alone (a GPU's group of
+    one is NCCL's, on which a background save refuses to run), and would say so at every
+    save and load (from the writer's thread too, so a filter around the call is not
+    enough); each rank's own reads work alone as well."""
     warnings.filterwarnings(
         "ignore", message=r".*assuming the intent is to (save|load) in a single process"
     )
-    return not (dist.is_available() and dist.is_initialized())
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
 
 
 def write_folder(state: dict[str, Any], folder: Path, group: Any | None) -> None:
@@ -89,13 +90,35 @@ def write_folder(state: dict[str, Any], folder: Path, group: Any | None) -> None
     save(state, storage_writer=_writer(folder), process_group=group, no_dist=_alone())
 
 
-def start_writing(state: dict[str, Any], folder: Path, group: Any | None) -> Future[Any]:
-    """Copy ``state`` now, write it in the background on ``group`` (which nothing else may
-    use meanwhile); the future completes once ``.metadata`` is in place."""
+def new_stager() -> Any:
+    """What copies a state for a background save: into CPU buffers kept from one save to
+    the next (pinned on a GPU), so that after the first save a copy allocates nothing.
+    Before it returns the copy is complete: training may change the tensors at once."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    options = StagingOptions(
+        use_pinned_memory=torch.cuda.is_available(),
+        use_shared_memory=False,
+        use_async_staging=False,
+        use_non_blocking_copy=False,
+    )
+    return DefaultStager(options)
+
+
+def start_writing(
+    state: dict[str, Any], folder: Path, group: Any | None, stager: Any = None
+) -> Future[Any]:
+    """Copy ``state`` now (through ``stager``, see :func:`new_stager`; None: a new one),
+    write it in the background on ``group`` (which nothing else may use meanwhile); the
+    future completes once ``.metadata`` is in place."""
     from torch.distributed.checkpoint.state_dict_saver import async_save
 
     started = async_save(
-        state, storage_writer=_writer(folder), process_group=group, no_dist=_alone()
+        state,
+        storage_writer=_writer(folder),
+        process_group=group,
+        no_dist=_alone(),
+        async_stager=stager,
     )
     if not isinstance(started, Future):
         raise TypeError(f"torch's async_save returned {type(started).__name__}")

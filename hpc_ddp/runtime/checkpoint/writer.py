@@ -10,10 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from hpc_ddp.runtime.checkpoint.files import prune_older, unwritable
-from hpc_ddp.runtime.checkpoint.sharded import is_complete, start_writing, write_folder
+from hpc_ddp.runtime.checkpoint.sharded import (
+    is_complete,
+    new_stager,
+    start_writing,
+    write_folder,
+)
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.place.dist import several_ranks
+from hpc_ddp.runtime.safefiles import make_dirs
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,8 @@ class Pending:
     step: int
     reason: str
     started: float
+    #: When the writer's thread finished (set by the future's callback).
+    finished: list[float]
 
 
 class FolderSaves:
@@ -38,21 +49,36 @@ class FolderSaves:
         self.group = group
         self.is_main = is_main
         self.pending: Pending | None = None
+        #: The copier of background saves, kept for its buffers (made at the first one).
+        self.stager: Any = None
         #: Seconds from the start of the last finished save to its commit (None: none yet).
         self.last_write_s: float | None = None
 
     def write(self, state: dict[str, Any], step: int, reason: str, background: bool) -> None:
-        """Save ``state`` as step ``step``; ``background``: return once it is copied."""
-        self.wait()
+        """Save ``state`` as step ``step``; ``background``: return once it is copied. A stop's
+        or the end's save (not ``background``) is written even when the background save
+        before it failed: that failure is logged, and the stop still requeues."""
+        try:
+            self.wait()
+        except HpcDdpError as failed:
+            if background:
+                raise
+            get_logger().error(f"{failed.message}. HINT: {failed.hint}")
         folder = self.directory / f"step-{step:09d}"
+        self._fresh_folder(folder)
         started = time.perf_counter()
         try:
             if background:
-                future = start_writing(state, folder, self.group)
-                self.pending = Pending(future, folder, step, reason, started)
+                self.stager = self.stager or new_stager()
+                future = start_writing(state, folder, self.group, self.stager)
+                finished: list[float] = []
+                future.add_done_callback(lambda _done: finished.append(time.perf_counter()))
+                self.pending = Pending(future, folder, step, reason, started, finished)
                 return
             write_folder(state, folder, self.group)
-        except Exception as error:
+        except BaseException as error:  # torch's CheckpointException is a BaseException
+            if isinstance(error, KeyboardInterrupt | SystemExit):
+                raise
             raise self._refusal(folder, error) from None
         self._committed(folder, step, reason, started)
 
@@ -63,19 +89,39 @@ class FolderSaves:
             return
         try:
             pending.future.result()
-        except Exception as error:
+        except BaseException as error:  # torch's CheckpointException is a BaseException
+            if isinstance(error, KeyboardInterrupt | SystemExit):
+                raise
             raise self._refusal(pending.folder, error) from None
-        self._committed(pending.folder, pending.step, pending.reason, pending.started)
+        done = pending.finished[0] if pending.finished else time.perf_counter()
+        self._committed(pending.folder, pending.step, pending.reason, pending.started, done)
 
-    def _committed(self, folder: Path, step: int, reason: str, started: float) -> None:
-        self.last_write_s = time.perf_counter() - started
+    def _fresh_folder(self, folder: Path) -> None:
+        """An empty ``folder`` made by rank 0 before any rank writes into it. One left at
+        this step by an earlier attempt (checkpoint.resume=false) would mix its old
+        .metadata with the new files; a link there would be written through. The folder
+        is made without group or world write, whatever the umask."""
         if self.is_main:
+            if folder.is_symlink() or folder.is_file():
+                folder.unlink()
+            elif folder.exists():
+                shutil.rmtree(folder, ignore_errors=True)
+            make_dirs(folder)
+        if several_ranks():  # no rank may make or write into it before that
+            dist.barrier(group=self.group)
+
+    def _committed(
+        self, folder: Path, step: int, reason: str, started: float, done: float | None = None
+    ) -> None:
+        self.last_write_s = (done or time.perf_counter()) - started
+        if self.is_main:
+            _no_shared_write(folder)
             prune_older(self.directory, step, self.keep_last)
             get_logger().info(
                 f"checkpoint ({reason}) step {step}: {folder} ({self.last_write_s:.2f} s)"
             )
 
-    def _refusal(self, folder: Path, error: Exception) -> HpcDdpError:
+    def _refusal(self, folder: Path, error: BaseException) -> HpcDdpError:
         """The failure of a save on any rank, as every rank reports it; rank 0 removes what
         was written of it (it is no checkpoint, and it takes space)."""
         if self.is_main and not is_complete(folder):
@@ -90,6 +136,13 @@ class FolderSaves:
             "the previous checkpoint is kept; fix the cause, then run the same command again "
             "to resume from it",
         )
+
+
+def _no_shared_write(folder: Path) -> None:
+    """Take group and world write off the files torch wrote (they follow the umask)."""
+    for path in folder.iterdir():
+        if not path.is_symlink():
+            path.chmod(path.stat().st_mode & 0o7755)
 
 
 def _first_cause(error: BaseException) -> BaseException:

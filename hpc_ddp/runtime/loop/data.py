@@ -10,11 +10,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
-from torch.utils._pytree import tree_map
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.loop.streams import no_samples
 from hpc_ddp.runtime.place.plan import micro_batch_size
 
 
@@ -154,15 +154,24 @@ class _DeviceBatches:
         return (move_to(batch, device) for batch in self.loader)
 
 
-def _no_samples(value: Any) -> Any:
-    return value[:0] if isinstance(value, torch.Tensor) else value
+def even_batches(indices: list[int], count: int) -> list[list[int]]:
+    """``indices`` in ``count`` consecutive batches whose sizes differ by one at most (empty
+    ones only where there are fewer indices than batches)."""
+    size, extra = divmod(len(indices), count)
+    batches, start = [], 0
+    for number in range(count):
+        end = start + size + (1 if number < extra else 0)
+        batches.append(indices[start:end])
+        start = end
+    return batches
 
 
 class _SameCountBatches(_DeviceBatches):
-    """As many batches on every rank: a rank whose share ends a batch early gets an empty
-    one (each tensor cut to 0 samples), so that every rank runs as many forward passes. A
-    sharded model gathers its parameters in each: a rank that stopped early would leave
-    the others waiting."""
+    """As many batches on every rank, so that every rank runs as many forward passes (a
+    sharded model gathers its parameters in each: a rank that stopped early would leave the
+    others waiting). Each rank's share is split into that many batches of nearly equal
+    size; only a share smaller than the count (one sample a batch, or a dataset smaller
+    than the world) ends with empty batches (each tensor cut to 0 samples)."""
 
     def __init__(self, loader: DataLoader[Any], device: torch.device | None, batches: int) -> None:
         super().__init__(loader, device)
@@ -176,10 +185,17 @@ class _SameCountBatches(_DeviceBatches):
         for last in super().__iter__():
             count += 1
             yield last
-        for _ in range(self.batches - count if last is not None else 0):
-            yield tree_map(
-                lambda value: value[:0] if isinstance(value, torch.Tensor) else value, last
-            )
+        if count < self.batches:
+            if last is None:  # this rank's share is empty: a batch of one sample, cut to none
+                dataset, collate = self.loader.dataset, self.loader.collate_fn
+                last = (
+                    move_to(collate([dataset[0]]), self.device)
+                    if self.device
+                    else collate([dataset[0]])
+                )
+            empty = no_samples(last)
+            for _ in range(self.batches - count):
+                yield empty
 
 
 class TrainLoader(_DeviceBatches):
@@ -276,15 +292,25 @@ def eval_loader(
     dataloader_kwargs = {k: v for k, v in dataloader_kwargs.items() if k != "shuffle"}
     options = loader_options(num_workers, device, dataloader_kwargs, "run.eval_loader")
     options.setdefault("generator", torch.Generator().manual_seed(mixed_seed(rank)))
-    loader: DataLoader[Any] = DataLoader(
+    sampler = ShardedEvalSampler(len(dataset), rank, world_size)  # type: ignore[arg-type]
+    if same_count:
+        largest_share = -(-len(dataset) // world_size)  # type: ignore[arg-type]
+        count = -(-largest_share // batch_size)
+        batches = even_batches(list(sampler), count)
+        loader: DataLoader[Any] = DataLoader(
+            dataset,
+            batch_sampler=[batch for batch in batches if batch],
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            **options,
+        )
+        return _SameCountBatches(loader, device, count)
+    loader = DataLoader(
         dataset,
         batch_size=batch_size,
-        sampler=ShardedEvalSampler(len(dataset), rank, world_size),  # type: ignore[arg-type]
+        sampler=sampler,
         num_workers=num_workers,
         collate_fn=collate_fn,
         **options,
     )
-    if same_count:
-        largest_share = -(-len(dataset) // world_size)  # type: ignore[arg-type]
-        return _SameCountBatches(loader, device, -(-largest_share // batch_size))
     return _DeviceBatches(loader, device)

@@ -53,6 +53,19 @@ def batch_length(batch: Any) -> int | None:
     return None
 
 
+def no_samples(value: Any) -> Any:
+    """``value`` (a batch of any structure) with every tensor cut to 0 samples."""
+    if isinstance(value, torch.Tensor):
+        return value[:0]
+    if isinstance(value, Mapping):
+        return {key: no_samples(item) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(no_samples(item) for item in value))
+    if isinstance(value, list | tuple):
+        return type(value)(no_samples(item) for item in value)
+    return value
+
+
 class BatchStream:
     """A user's iterable of micro-batches, counted in optimizer steps of
     ``grad_accum_steps`` micro-batches (see the module docstring)."""

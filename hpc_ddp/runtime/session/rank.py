@@ -143,7 +143,7 @@ class RankView:
             num_workers=self.loader_workers(num_workers),
             device=self.device,
             collate_fn=collate_fn,
-            same_count=bool(self._context.sharded),
+            same_count=self._context.config.dist.strategy == "fsdp",
             **dataloader_options,
         )
 

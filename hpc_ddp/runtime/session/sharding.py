@@ -63,8 +63,12 @@ def precision_policy(device: torch.device, setting: str) -> MixedPrecisionPolicy
 def shard_model(
     model: nn.Module, device: torch.device, blocks: Sequence[str] | None, precision: str
 ) -> nn.Module:
-    """``model`` on ``device``, sharded over every rank (a collective)."""
+    """``model`` on ``device``, sharded over every rank (a collective). Inner blocks are
+    sharded before the blocks that hold them: a block sharded first would make its inner
+    blocks' parameters look tensor-parallel to fully_shard."""
     chosen = default_blocks(model) if blocks is None else named_blocks(model, blocks)
+    depth = {id(module): name.count(".") for name, module in model.named_modules()}
+    chosen.sort(key=lambda block: -depth[id(block)])
     model = model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = precision_policy(device, precision)
