@@ -9,9 +9,11 @@ temporary name: a folder without it is a save that did not finish, never a check
 torch.distributed.checkpoint is imported at the first save or load, not with hpc_ddp (it
 takes most of a second).
 
-Small values travel as one blob each (``torch.save`` bytes, read back with
+Small values travel as one blob each (``torch.save`` bytes, unpacked with
 ``weights_only=True``): the run's own state under ``run`` (rank 0's), and each rank's random
-streams and batch state under ``rank.<r>``, so a rank reads only its own.
+streams and batch state under ``rank.<r>``, so a rank reads only its own. torch itself reads
+a folder's ``.metadata`` and wraps each blob with plain pickle: load folders you (or your
+group) wrote, as with any pickle.
 """
 
 from __future__ import annotations
