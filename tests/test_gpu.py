@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,20 +38,26 @@ def test_one_rank_trains_on_the_gpu_over_nccl_in_bf16(tmp_path: Path) -> None:
     assert isinstance(facts["val_loss"], float) and facts["val_loss"] < 1.0, facts["val_loss"]
 
 
-def test_a_gpu_run_stopped_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
-    reference = run_local(1, tmp_path, [*RESUMABLE, "run.id=reference"])
+def stopped_and_rerun(
+    tmp_path: Path, settings: list[str]
+) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    """An uninterrupted run, and one stopped by SIGUSR1 mid-epoch and run again: the stop's
+    step, the uninterrupted run's summary and the rerun's."""
+    reference = run_local(1, tmp_path, [*settings, "run.id=reference"])
     assert reference.returncode == 0, reference.stderr[-3000:]
-
     config = ["--config", str(REPO / "configs/synthetic.yaml"), f"run.output_dir={tmp_path}"]
-    process = start_program(1, [*config, *RESUMABLE, "run.id=interrupted"])
+    process = start_program(1, [*config, *settings, "run.id=interrupted"])
     log = signal_after(process, r"step (8[0-9]|9[0-9]|1[0-4][0-9])/600", signal.SIGUSR1)
     assert process.returncode == EXIT_STOPPED, log[-3000:]
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
-    assert stop_step % 200 > 0, f"stopped at step {stop_step}, not mid-epoch"
-
-    resumed = run_local(1, tmp_path, [*RESUMABLE, "run.id=interrupted"])
+    resumed = run_local(1, tmp_path, [*settings, "run.id=interrupted"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    expected, actual = summary_of(tmp_path, "reference"), summary_of(tmp_path, "interrupted")
+    return stop_step, summary_of(tmp_path, "reference"), summary_of(tmp_path, "interrupted")
+
+
+def test_a_gpu_run_stopped_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
+    stop_step, expected, actual = stopped_and_rerun(tmp_path, RESUMABLE)
+    assert stop_step % 200 > 0, f"stopped at step {stop_step}, not mid-epoch"
     assert actual["device"] == "cuda:0" and actual["resumed_from_step"] == stop_step
     assert actual["weights_sha256"] == expected["weights_sha256"]
     assert actual["val_loss"] == expected["val_loss"]
@@ -70,14 +77,6 @@ def test_fsdp_in_bf16_with_background_saves_resumes_on_the_gpu(tmp_path: Path) -
     not needed at one rank: a NCCL-only group would refuse them): stopped mid-epoch and run
     again, it ends with the uninterrupted run's weights."""
     fsdp = [*RESUMABLE, "dist.strategy=fsdp", "checkpoint.save_mode=async"]
-    reference = run_local(1, tmp_path, [*fsdp, "run.id=reference"])
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    config = ["--config", str(REPO / "configs/synthetic.yaml"), f"run.output_dir={tmp_path}"]
-    process = start_program(1, [*config, *fsdp, "run.id=interrupted"])
-    log = signal_after(process, r"step (8[0-9]|9[0-9]|1[0-4][0-9])/600", signal.SIGUSR1)
-    assert process.returncode == EXIT_STOPPED, log[-3000:]
-    resumed = run_local(1, tmp_path, [*fsdp, "run.id=interrupted"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    expected, actual = summary_of(tmp_path, "reference"), summary_of(tmp_path, "interrupted")
+    _stop_step, expected, actual = stopped_and_rerun(tmp_path, fsdp)
     assert actual["device"] == "cuda:0" and actual["backend"] == "nccl"
     assert actual["weights_sha256"] == expected["weights_sha256"]

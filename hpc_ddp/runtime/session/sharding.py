@@ -78,12 +78,6 @@ def shard_model(
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule) or any(
-        isinstance(parameter, DTensor) for parameter in model.parameters()
-    )
-
-
 @contextlib.contextmanager
 def accumulating(model: nn.Module, accumulate: bool) -> Iterator[None]:
     """A micro-step of gradient accumulation: while ``accumulate``, no reduce-scatter and no
