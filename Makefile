@@ -4,7 +4,7 @@
 #   make test                  the test suite (Slurm tests skip unless a cluster is up)
 #   make test-all              the test suite and the tests marked slow
 #   make cluster-up            start the test Slurm cluster (root; installs Debian packages);
-#                              NODES=16 starts 16 nodes of 2 CPUs (default 2)
+#                              NODES=16 starts 16 nodes of 2 CPUs (default 3)
 #   make test-slurm            only the Slurm tests, failing if no cluster is up
 #   make cluster-down          stop the test cluster
 #   make install TORCH=...     (re)install; TORCH is the pip requirement for torch
@@ -18,7 +18,7 @@ BIN := $(VENV)/bin
 #   make install TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
 TORCH ?= torch==2.13.0
 NPROC ?= 2
-NODES ?= 2
+NODES ?= 3
 CONFIG ?= configs/digits.yaml
 ARGS ?=
 PYTEST_ARGS ?=

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from hpc_ddp.runtime.loop.metrics import Sum, Sums
     from hpc_ddp.runtime.session.run import Resumed, Run
     from hpc_ddp.runtime.session.start import start
+    from hpc_ddp.sweep.api import submit_sweep
 
 __version__ = "0.1.0"
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "spawn",
     "start",
     "submit",
+    "submit_sweep",
     "wait",
 ]
 
@@ -64,6 +66,7 @@ _LAZY = {
     "spawn": "hpc_ddp.launch.spawn",
     "submit": "hpc_ddp.launch.jobs",
     "wait": "hpc_ddp.launch.jobs",
+    "submit_sweep": "hpc_ddp.sweep.api",
 }
 
 

@@ -11,6 +11,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from hpc_ddp.runtime.checkpoint.export import model_weights
@@ -100,6 +101,7 @@ def test_fsdp_stopped_mid_epoch_and_resumed_is_bitwise_the_uninterrupted_run(
     assert actual["val_mse"] == expected["val_mse"]
 
 
+@pytest.mark.slow
 def test_an_fsdp_checkpoint_of_4_ranks_goes_on_at_2_and_at_3(tmp_path: Path) -> None:
     """Model and optimizer reshard on load; the sample order goes on from the global
     position; the weights end as an uninterrupted run's at the new size, to rounding."""

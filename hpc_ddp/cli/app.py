@@ -10,6 +10,8 @@ srun hpc-ddp doctor train.py     each rank's plan and checks (or --config for th
 hpc-ddp runs                     the runs under ./runs: state, step, newest metrics
 hpc-ddp plot NAME/ID             their training and validation curves as a PNG
 hpc-ddp tracking sync NAME/ID    replay a run's record into MLflow after an outage
+hpc-ddp sweep submit SWEEP.yaml -- train.py   many runs as Slurm job arrays (sweep status,
+                                 sweep resume, sweep plot)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 from hpc_ddp.cli import commands as cmd
 from hpc_ddp.cli import results
+from hpc_ddp.cli.sweeps import add_sweep_commands, split_sweep_program
 from hpc_ddp.launch.shipped import EXAMPLES
 from hpc_ddp.runtime.errors import HpcDdpError
 
@@ -229,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     sync.add_argument("--output-dir", default="runs", help="where to look for NAME/ID (runs)")
     sync.add_argument("--uri", default=None, help="MLflow tracking URI (default: the run's)")
 
+    sweep = _command(commands, "sweep", lambda _args: 2, "many runs of one program as job arrays")
+    add_sweep_commands(sweep, _command, _add_job_arguments)
+
     data = _command(commands, "data", lambda _args: 2, "data tools")
     data_commands = data.add_subparsers(dest="data_command", metavar="COMMAND", required=True)
     make = _command(data_commands, "make", cmd.data_make, "write a Parquet set (train/ and val/)")
@@ -279,9 +285,11 @@ def keep_programs_separator(parser: argparse.ArgumentParser, argv: list[str]) ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(
-        keep_programs_separator(parser, list(sys.argv[1:] if argv is None else argv))
-    )
+    words = list(sys.argv[1:] if argv is None else argv)
+    words, sweep_program = split_sweep_program(words)
+    args = parser.parse_args(keep_programs_separator(parser, words))
+    if sweep_program is not None:
+        args.program = sweep_program
     if getattr(args, "target_args", None):
         args.target_args = ["--" if word == KEPT_SEPARATOR else word for word in args.target_args]
     try:

@@ -150,7 +150,7 @@ def check_builtin(program: Program) -> Config | None:
     return None
 
 
-def _warning_signal(requested: str | None, config: Config | None) -> str:
+def warning_signal(requested: str | None, config: Config | None) -> str:
     """--signal, else the built-in config's preempt.signal, else USR1; the two must agree."""
     if config is None:
         return requested or "USR1"
@@ -185,7 +185,7 @@ def render(args: argparse.Namespace) -> int:
         log_dir,
         job_name=args.job_name,
         launcher=args.launcher,
-        signal=_warning_signal(args.signal, config),
+        signal=warning_signal(args.signal, config),
     )
     script = render_sbatch(template_path(args.launcher).read_text(), request)
     if args.output in (None, "-"):

@@ -121,14 +121,14 @@ class _StrictLoader(CoreLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load_raw(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config file into nested plain data: a mapping of sections, each a mapping
-    with text keys."""
+def load_mapping(path: str | Path, what: str = "config file") -> dict[Any, Any]:
+    """Read a YAML file that holds one mapping (strictly: keys written once, aliases
+    bounded); HpcDdpError naming the file and the place for anything else."""
     config_path = Path(path)
     if not config_path.is_file():
         raise HpcDdpError(
-            f"config file {str(config_path)!r} does not exist",
-            "pass --config with a path to a YAML file, e.g. configs/digits.yaml",
+            f"{what} {str(config_path)!r} does not exist",
+            "pass the path of a YAML file, e.g. configs/digits.yaml",
         )
     try:
         text = config_path.read_bytes().decode("utf-8")
@@ -151,9 +151,17 @@ def load_raw(path: str | Path) -> dict[str, Any]:
         ) from None
     if not isinstance(raw, dict):
         raise HpcDdpError(
-            f"{config_path}: expected a mapping of sections, got {type(raw).__name__}",
-            "write sections such as 'run:' and 'train:' with their keys indented below",
+            f"{config_path}: expected a mapping, got {type(raw).__name__}",
+            "write 'key: value' lines (sections such as 'run:' with their keys indented below)",
         )
+    return raw
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into nested plain data: a mapping of sections, each a mapping
+    with text keys."""
+    config_path = Path(path)
+    raw = load_mapping(config_path)
     for name, section_values in raw.items():
         if not isinstance(name, str):
             raise HpcDdpError(

@@ -34,7 +34,7 @@ def curves(run_dir: Path) -> tuple[Series, Series]:
     return train, val
 
 
-def _figure_class() -> Any:
+def figure_class() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -83,7 +83,7 @@ def plot_run(run: RunView) -> Any:
     names = sorted({base_name(label) for label, _data, _kind in every})
     palette = [f"C{index % 10}" for index in range(len(names))]
     colour = dict(zip(names, palette, strict=True))
-    figure = _figure_class()(figsize=(11, 4.2), layout="constrained")
+    figure = figure_class()(figsize=(11, 4.2), layout="constrained")
     for index, (title, members) in enumerate(families, start=1):
         axes = figure.add_subplot(1, len(families), index)
         for label, (steps, values), kind in members:

@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = Path(os.environ.get("HPC_DDP_CLUSTER_DIR", REPO / ".cluster"))
 CLUSTER_NAME = "hpcddp"
-DEFAULT_NODES = 2
+DEFAULT_NODES = 3
 # Slurm's config_overrides lets a node claim more CPUs than the machine has: 16 nodes of 2
 # CPUs schedule 32 one-CPU ranks on a 2-core machine (slowly, but for real).
 CPUS_PER_NODE = 2
@@ -131,6 +131,8 @@ ReturnToService=2
 SlurmdParameters=config_overrides
 KillWait=5
 MinJobAge=600
+# Low, so that a sweep larger than this is split into several job arrays (tests).
+MaxArraySize=8
 InactiveLimit=0
 SchedulerParameters=sched_interval=2,bf_interval=2
 JobAcctGatherType=jobacct_gather/none

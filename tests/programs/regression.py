@@ -107,6 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for batch in run.steps(loader):
             with run.no_sync(model):
                 loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
+                if not torch.isfinite(loss):  # a learning rate too high, as users meet it
+                    raise FloatingPointError(f"loss {loss.item()} at step {run.global_step}")
                 (loss / args.accum).backward()
             run.log("mse", loss.detach() * len(batch["x"]), len(batch["x"]))
             if args.record_ids:

@@ -76,6 +76,7 @@ from hpc_ddp.runtime.tracking.base import (
 )
 from hpc_ddp.runtime.tracking.factory import start_tracker
 from hpc_ddp.runtime.tracking.journal import STATUS_FILE, JournalTracker, read_tracked_run_id
+from hpc_ddp.runtime.tracking.membership import read_membership
 from hpc_ddp.runtime.tracking.worker import discard_prestarted
 
 __all__ = ["end_active_run", "resolve_launch", "start"]
@@ -187,19 +188,27 @@ def _open_tracker(
     """Rank 0's tracker: MLflow (in the background) behind the run's own record."""
     env = plan.dist_env
     saved = resume[1] if resume else None
+    membership = read_membership(plan.run_dir)
     record = RunRecord(
         # NAME/ID, as `hpc-ddp runs` shows it: runs of one script are told apart in the UI.
         name=f"{run_name}/{plan.run_dir.name}",
-        params={**configfile.flatten(settings), **(params or {})},
-        tags=run_tags(
-            env.launcher,
-            env.world_size,
-            env.num_nodes,
-            env.job_id,
-            env.restart_count,
-            env.elastic_restarts,
-            saved_world_size(saved) if saved else None,
-        ),
+        params={
+            **configfile.flatten(settings),
+            **(params or {}),
+            **(membership.params() if membership else {}),
+        },
+        tags={
+            **run_tags(
+                env.launcher,
+                env.world_size,
+                env.num_nodes,
+                env.job_id,
+                env.restart_count,
+                env.elastic_restarts,
+                saved_world_size(saved) if saved else None,
+            ),
+            **(membership.tags() if membership else {}),
+        },
         # One MLflow run per run id: the checkpoint's, else the one tracking.json names (a
         # checkpoint written while MLflow was still starting names none; a run stopped
         # before its first checkpoint has none).

@@ -1,0 +1,91 @@
+"""``hpc_ddp.submit_sweep``: a sweep from Python, as ``hpc-ddp sweep submit`` makes it."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from hpc_ddp.sweep.spec import DEFAULT_MAX_TASKS
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A submitted sweep: its folder, and its tasks as `hpc-ddp sweep status` shows them."""
+
+    directory: Path
+
+    def status(self) -> list[Any]:
+        """Every task (hpc_ddp.sweep.views.TaskRow), best first."""
+        from hpc_ddp.sweep.arrays import live_tasks
+        from hpc_ddp.sweep.manifest import read_manifest
+        from hpc_ddp.sweep.views import task_rows
+
+        data = read_manifest(self.directory)
+        live = live_tasks([array["job_id"] for array in data["arrays"]], os.environ)
+        return task_rows(self.directory, live)[0]
+
+    def wait(self, poll_s: float = 10.0, timeout_s: float | None = None) -> list[Any]:
+        """Poll until no task is pending, running or requeued; returns the tasks."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            rows = self.status()
+            if all(row.state not in ("pending", "running", "requeued") for row in rows):
+                return rows
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"sweep {self.directory} still runs after {timeout_s} s")
+            time.sleep(poll_s)
+
+
+def submit_sweep(
+    program: str | Sequence[str],
+    *,
+    name: str,
+    grid: Mapping[str, Sequence[Any]] | None = None,
+    zip: Mapping[str, Sequence[Any]] | None = None,
+    tasks: Sequence[Mapping[str, Any]] | None = None,
+    concurrency: int | None = None,
+    metric: str | None = None,
+    mode: Literal["min", "max"] | None = None,
+    max_tasks: int = DEFAULT_MAX_TASKS,
+    nodes: int = 1,
+    gpus_per_node: int = 0,
+    tasks_per_node: int | None = None,
+    cpus_per_task: int | None = None,
+    time: str = "01:00:00",
+    partition: str | None = None,
+    output_dir: str | Path = "runs",
+) -> Sweep:
+    """Submit ``program`` (``"train.py --epochs 5"`` split as a shell would, or a list of
+    words; ``-m pkg.mod ...`` for a module) once per combination of ``grid``, row of
+    ``zip`` and entry of ``tasks``, as Slurm job arrays of at most ``concurrency`` running
+    tasks. Keys are your program's options (``"--lr"``) or dotted hpc_ddp settings
+    (``"run.seed"``); each task is a whole hpc_ddp run in ``output_dir/name/task-N``."""
+    import shlex
+
+    from hpc_ddp.launch.program import program_from
+    from hpc_ddp.launch.sbatch import RenderRequest
+    from hpc_ddp.sweep.spec import spec_from_dict
+    from hpc_ddp.sweep.submit import submit_sweep as submit
+
+    words = shlex.split(program) if isinstance(program, str) else list(program)
+    module = bool(words) and words[0] == "-m"
+    parsed = program_from(words[1:] if module else words, module=module)
+    raw: dict[str, Any] = {"name": name, "concurrency": concurrency, "metric": metric}
+    raw.update(mode=mode, max_tasks=max_tasks, grid=grid, zip=zip)
+    if tasks is not None:
+        raw["list"] = [dict(task) for task in tasks]
+    spec = spec_from_dict({key: value for key, value in raw.items() if value is not None}, name)
+    request = RenderRequest(
+        arguments=(),
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        cpu_tasks_per_node=tasks_per_node or 1,
+        cpus_per_task=cpus_per_task,
+        time=time,
+        partition=partition,
+    )
+    return Sweep(submit(spec, parsed, request, Path(output_dir), os.environ, print))

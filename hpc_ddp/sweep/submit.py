@@ -1,0 +1,316 @@
+"""Submitting a sweep as job arrays, and resubmitting the tasks of it that did not finish.
+
+Nothing stays alive on the login node: the sweep's state lives in its record (sweep.json),
+in its tasks' run directories and in Slurm's queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.launch.program import Program
+from hpc_ddp.launch.sbatch import RenderRequest
+from hpc_ddp.runtime import configfile
+from hpc_ddp.runtime.config import RuntimeConfig, resolve_config
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.safefiles import make_dirs, replace_bytes
+from hpc_ddp.runtime.tracking.base import artifact_root, tracking_uri
+from hpc_ddp.runtime.yamlread import load_raw
+from hpc_ddp.sweep import arrays, manifest
+from hpc_ddp.sweep.spec import (
+    RESERVED_SETTINGS,
+    Settings,
+    SweepSpec,
+    check_key,
+    command_line_key,
+    expand,
+    with_overrides,
+)
+
+Say = Callable[[str], None]
+
+
+def known_settings(program: Program) -> set[str]:
+    """The dotted keys a task of ``program`` may set: the built-in trainer's, or the
+    runtime's for a script or module (its own options are written with dashes)."""
+    if program.kind == "builtin":
+        from hpc_ddp.trainer.config import Config
+
+        return set(configfile.flatten(Config()))
+    return set(configfile.flatten(RuntimeConfig()))
+
+
+def check_settings(keys: Sequence[str], program: Program) -> None:
+    known = known_settings(program)
+    for key in keys:
+        if key.startswith("-") or key in known:
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1)
+        raise HpcDdpError(
+            f"the sweep sets {key}, which is not a setting of "
+            + ("the built-in trainer" if program.kind == "builtin" else "hpc_ddp"),
+            (f"did you mean {close[0]}? " if close else "")
+            + "`hpc-ddp config` lists the settings; your program's own options take their "
+            "dashes (--lr)",
+        )
+
+
+def _fixed_settings(program: Program) -> list[str]:
+    """The dotted settings on the program's own command line (they would win over the
+    sweep's, which reach the ranks in $HPC_DDP_OVERRIDES)."""
+    return [word for word in program.args if "=" in word and not word.startswith("-")]
+
+
+def _refuse_conflicts(program: Program, swept: set[str]) -> None:
+    for word in _fixed_settings(program):
+        key = word.partition("=")[0]
+        if key in RESERVED_SETTINGS or key in swept:
+            raise HpcDdpError(
+                f"the program's command line sets {key}, which the sweep sets for each task",
+                f"remove {word} from the command line"
+                + ("" if key in RESERVED_SETTINGS else " or from the sweep"),
+            )
+
+
+def runtime_settings(program: Program, environ: Mapping[str, str]) -> RuntimeConfig:
+    """The runtime settings every task starts from: the built-in trainer's config file, the
+    environment's $HPC_DDP_OVERRIDES and the program's own dotted settings."""
+    sections = configfile.section_names(RuntimeConfig)
+    raw: dict[str, Any] = {}
+    if program.kind == "builtin" and program.name:
+        from hpc_ddp.launch.shipped import find_config
+
+        raw = load_raw(find_config(program.name, Path.cwd()))
+    given = {key: raw[key] for key in sections if isinstance(raw.get(key), Mapping)}
+    words = [word for word in _fixed_settings(program) if word.split(".", 1)[0] in sections]
+    return resolve_config(None, words, given, environ)
+
+
+def _sweep_dir(output_dir: Path, name: str) -> Path:
+    sweep_dir = output_dir / name
+    if manifest.manifest_path(sweep_dir).exists():
+        other = manifest.read_manifest(sweep_dir)
+        raise HpcDdpError(
+            f"{sweep_dir} already holds sweep {other.get('name')!r} ({len(other['tasks'])} tasks)",
+            f"continue it with `hpc-ddp sweep resume {sweep_dir}`, or give this sweep another name",
+        )
+    if sweep_dir.exists() and any(sweep_dir.iterdir()):
+        raise HpcDdpError(
+            f"{sweep_dir} holds runs that are not a sweep's (no {manifest.MANIFEST_FILE})",
+            "give the sweep another name, or set --output-dir to another folder",
+        )
+    return sweep_dir
+
+
+def submit_sweep(
+    spec: SweepSpec,
+    program: Program,
+    job: RenderRequest,
+    output_dir: Path,
+    environ: Mapping[str, str] = os.environ,
+    say: Say = print,
+) -> Path:
+    """Check everything, record the sweep, make its MLflow parent run and submit its
+    arrays; returns the sweep's folder."""
+    program.check()
+    tasks = expand(spec)
+    swept = {key for task in tasks for key in task}
+    check_settings(sorted(swept), program)
+    _refuse_conflicts(program, swept)
+    settings = runtime_settings(program, environ)
+    output_dir = output_dir.resolve()
+    sweep_dir = _sweep_dir(output_dir, spec.name)
+    max_size = arrays.read_max_array_size(environ)
+    tracking = None
+    if settings.tracking.enabled:
+        tracking = {
+            "uri": tracking_uri(settings.tracking, output_dir),
+            "experiment": settings.tracking.experiment,
+            "parent_run_id": None,
+        }
+    record = {
+        "name": spec.name,
+        "program": {"kind": program.kind, "name": program.name, "args": list(program.args)},
+        "job": {k: v for k, v in dataclasses.asdict(job).items() if k != "arguments"},
+        "workdir": str(Path.cwd()),
+        "output_dir": str(output_dir),
+        "concurrency": spec.concurrency,
+        "metric": spec.metric,
+        "mode": spec.mode,
+        "tracking": tracking,
+        "arrays": [],
+        "tasks": [
+            manifest.new_task(index, task, manifest.run_id_for(index, len(tasks)))
+            for index, task in enumerate(tasks)
+        ],
+    }
+    manifest.create_manifest(sweep_dir, record)
+    if tracking is not None:
+        _make_parent(sweep_dir, spec, len(tasks), output_dir, say)
+    _submit(sweep_dir, list(range(len(tasks))), max_size, environ, say)
+    return sweep_dir
+
+
+def _make_parent(sweep_dir: Path, spec: SweepSpec, count: int, output_dir: Path, say: Say) -> None:
+    from hpc_ddp.sweep.parent import create_parent_run
+
+    data = manifest.read_manifest(sweep_dir)
+    tracking = data["tracking"]
+    params = {"sweep.name": spec.name, "sweep.tasks": str(count)}
+    params["sweep.concurrency"] = str(spec.concurrency or "")
+    try:
+        run_id = create_parent_run(
+            tracking["uri"], tracking["experiment"], artifact_root(output_dir), spec.name, params
+        )
+    except Exception as error:  # MLflow down: the sweep runs, its tasks tracked on their own
+        say(f"warning: no MLflow parent run for the sweep ({error}); its tasks are tracked alone")
+        return
+
+    def note(record: dict[str, Any]) -> None:
+        record["tracking"]["parent_run_id"] = run_id
+
+    manifest.update_manifest(sweep_dir, note)
+
+
+def _submit(
+    sweep_dir: Path, tasks: list[int], max_size: int, environ: Mapping[str, str], say: Say
+) -> list[str]:
+    """Render and sbatch the arrays that run ``tasks``, each after the one before, so the
+    sweep's concurrency holds across them."""
+    data = manifest.read_manifest(sweep_dir)
+    job = RenderRequest(arguments=(), **data["job"])
+    split = arrays.split_into_arrays(tasks, max_size)
+    if len(split) > 1:
+        say(
+            f"{len(tasks)} tasks do not fit one job array (the cluster's MaxArraySize is "
+            f"{max_size}): submitting {len(split)} arrays, each starting after the one before"
+        )
+    scripts = sweep_dir / "jobs"
+    make_dirs(scripts)
+    make_dirs(sweep_dir / "logs")
+    submitted: list[str] = []
+    previous = None
+    for array in split:
+        request = dataclasses.replace(
+            job,
+            job_name=data["name"],
+            log_dir=str(sweep_dir / "logs"),
+            arguments=("-m", "hpc_ddp.sweep.task", str(sweep_dir), "--offset", str(array.offset)),
+        )
+        text = arrays.job_script(request, sweep_dir, array.offset)
+        script = scripts / f"array-{len(data['arrays']) + len(submitted)}.sh"
+        replace_bytes(script, text.encode())
+        job_id = arrays.submit_array(
+            script, array, data["concurrency"], previous, Path(data["workdir"]), environ
+        )
+        submitted.append(job_id)
+        previous = job_id
+        _record_array(sweep_dir, job_id, array, script)
+        spec = arrays.array_spec(array.indices, data["concurrency"])
+        say(f"submitted job array {job_id} (--array={spec}): tasks {_ranges(array.tasks)}")
+    return submitted
+
+
+def _record_array(sweep_dir: Path, job_id: str, array: arrays.Array, script: Path) -> None:
+    def note(record: dict[str, Any]) -> None:
+        record["arrays"].append(
+            {
+                "job_id": job_id,
+                "offset": array.offset,
+                "tasks": list(array.tasks),
+                "script": str(script),
+            }
+        )
+        for index in array.indices:
+            task = record["tasks"][array.offset + index]
+            if task["state"] == "pending":
+                manifest.set_task(task, job=f"{job_id}_{index}")
+
+    manifest.update_manifest(sweep_dir, note)
+
+
+def _ranges(tasks: Sequence[int]) -> str:
+    return arrays.array_spec(tasks, None).replace(",", ", ")
+
+
+def live_jobs(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
+    """Slurm's state of the sweep's queued and running array tasks; HpcDdpError when
+    squeue cannot be asked."""
+    live = arrays.live_tasks([array["job_id"] for array in data["arrays"]], environ)
+    if live is None:
+        raise HpcDdpError(
+            "cannot ask Slurm which of the sweep's tasks still run (squeue failed)",
+            "run this on a host where squeue answers (a login node)",
+        )
+    return live
+
+
+def resume_sweep(
+    sweep_dir: Path,
+    overrides: Sequence[str] = (),
+    environ: Mapping[str, str] = os.environ,
+    say: Say = print,
+) -> list[int]:
+    """Resubmit the tasks that did not finish (failed, lost, never started) as new arrays,
+    each in its own run directory again, with ``overrides`` (``KEY=VALUE``) applied to
+    them; refused while any task of the sweep is queued or running. Returns the tasks."""
+    data = manifest.read_manifest(sweep_dir)
+    live = live_jobs(data, environ)
+    running = [
+        task
+        for task in data["tasks"]
+        if task.get("job") in live and task["state"] not in manifest.ENDED
+    ]
+    if running:
+        named = ", ".join(
+            f"{task['index']} ({task['job']} {live[task['job']]})" for task in running
+        )
+        raise HpcDdpError(
+            f"sweep {data['name']} is still running: tasks {named}",
+            "wait for them to end (hpc-ddp sweep status shows them), or scancel them first",
+        )
+    chosen = [task["index"] for task in data["tasks"] if task["state"] != "finished"]
+    if not chosen:
+        say(f"every task of sweep {data['name']} finished: nothing to resume")
+        return []
+    program = Program(
+        data["program"]["kind"], data["program"]["name"], tuple(data["program"]["args"])
+    )
+    pairs = [_override(text) for text in overrides]
+    check_settings([key for key, _ in pairs], program)
+    _refuse_conflicts(program, {key for key, _ in pairs})
+
+    def reset(record: dict[str, Any]) -> None:
+        for index in chosen:
+            task = record["tasks"][index]
+            settings: Settings = with_overrides(task["settings"], pairs)
+            manifest.set_task(task, state="pending", settings=settings, error=None, job=None)
+            if pairs:
+                task.setdefault("overrides", []).extend(f"{k}={v}" for k, v in pairs)
+
+    manifest.update_manifest(sweep_dir, reset)
+    tracking = data.get("tracking") or {}
+    if tracking.get("parent_run_id"):
+        from hpc_ddp.sweep.parent import set_parent_status
+
+        set_parent_status(tracking["uri"], tracking["parent_run_id"], "RUNNING")
+    say(f"resubmitting {len(chosen)} of {len(data['tasks'])} tasks: {_ranges(chosen)}")
+    _submit(sweep_dir, chosen, arrays.read_max_array_size(environ), environ, say)
+    return chosen
+
+
+def _override(text: str) -> tuple[str, str]:
+    key, equals, value = text.partition("=")
+    key = command_line_key(key)
+    if not equals:
+        raise HpcDdpError(
+            f"--set {text!r} is not KEY=VALUE",
+            "e.g. --set lr=0.05 (your --lr) or --set train.epochs=3",
+        )
+    check_key(key, "--set")
+    return key, value

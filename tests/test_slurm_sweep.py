@@ -1,0 +1,239 @@
+"""Sweeps on the real test Slurm cluster (3 nodes of 2 CPUs; "nodes" are slurmd daemons on
+this machine: a second physical host cannot exist here).
+
+A 6-task sweep of a user's script (tests/programs/regression.py, 2 ranks per task) with
+concurrency 2: one task preempted with ``scancel --signal=USR1 JOB_TASK`` (requeued alone,
+resumed bitwise equal to its uninterrupted twin), one task whose learning rate makes the
+script fail, resumed with the setting fixed; one MLflow parent with one child per task. And a
+sweep larger than the cluster's MaxArraySize (8), submitted from Python as two arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mlflow import MlflowClient
+
+from tests.helpers import REPO
+from tests.slurm_cluster import SlurmCluster, prepare_workdir
+
+pytestmark = pytest.mark.slurm
+PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
+SWEEP = """\
+name: lr
+list:
+  - {--lr: 0.05, --step-pause: 0.0}
+  - {--lr: 0.05, --step-pause: 0.1}
+  - {--lr: 0.1}
+  - {--lr: 0.02}
+  - {--lr: 40}
+  - {--lr: 0.2}
+concurrency: 2
+metric: val_mse
+"""
+
+
+def hpc_ddp(slurm: SlurmCluster, work: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return slurm.run([sys.executable, "-m", "hpc_ddp", *args], work, timeout=120)
+
+
+class RunningCount:
+    """The most tasks of one array running at once, read from squeue every 0.3 s."""
+
+    def __init__(self, slurm: SlurmCluster, work: Path, array: str) -> None:
+        self.most = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(slurm, work, array))
+        self._thread.start()
+
+    def _watch(self, slurm: SlurmCluster, work: Path, array: str) -> None:
+        while not self._stop.is_set():
+            listed = slurm.run(["squeue", "-h", "-r", "-j", array, "-t", "R", "-o", "%i"], work)
+            self.most = max(self.most, len(listed.stdout.split()))
+            time.sleep(0.3)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.most
+
+
+def record(sweep_dir: Path) -> dict[str, Any]:
+    return json.loads((sweep_dir / "sweep.json").read_text())  # type: ignore[no-any-return]
+
+
+def wait_for_sweep(sweep_dir: Path, timeout: float = 300) -> dict[str, Any]:
+    """The record once no task is pending, running or requeued."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        data = record(sweep_dir)
+        if all(task["state"] in ("finished", "failed", "stopped") for task in data["tasks"]):
+            return data
+        time.sleep(1)
+    pytest.fail(f"the sweep did not end within {timeout:.0f} s: {record(sweep_dir)['tasks']}")
+
+
+def summary(sweep_dir: Path, task: int) -> dict[str, Any]:
+    return json.loads((sweep_dir / f"task-{task:03d}" / "summary.json").read_text())  # type: ignore[no-any-return]
+
+
+def test_a_sweep_runs_two_at_a_time_survives_a_preemption_and_resumes_its_failed_task(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    work = prepare_workdir(tmp_path)
+    (work / "sweep.yaml").write_text(SWEEP)
+    submitted = hpc_ddp(
+        slurm,
+        work,
+        "sweep",
+        "submit",
+        "sweep.yaml",
+        "--nodes=1",
+        "--tasks-per-node=2",
+        "--cpus-per-task=1",
+        "--time=00:10:00",
+        "--",
+        PROGRAM,
+        "--epochs=2",
+        "--samples=9600",
+        "--log-interval=5",
+        "preempt.check_every_steps=1",
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    sweep_dir = work / "runs" / "lr"
+    array = record(sweep_dir)["arrays"][0]["job_id"]
+    assert f"submitted job array {array} (--array=0-5%2): tasks 0-5" in submitted.stdout
+    running = RunningCount(slurm, work, array)
+    try:
+        # A sweep still running is not resumed: its tasks are named.
+        refused = hpc_ddp(slurm, work, "sweep", "resume", str(sweep_dir))
+        assert refused.returncode == 2 and "is still running: tasks 0 (" in refused.stderr
+        # Task 1 (a twin of task 0, slower) is preempted mid-run, alone.
+        slurm.wait_for_log(
+            sweep_dir / "logs" / f"lr-{array}_1.out",
+            r"\[rank 0/2\] INFO epoch 0 step ([2-9]\d)/200",
+        )
+        signalled = slurm.run(["scancel", "--signal=USR1", f"{array}_1"], work)
+        assert signalled.returncode == 0, signalled.stderr
+        data = wait_for_sweep(sweep_dir)
+    finally:
+        most = running.stop()
+    assert most == 2, "3 nodes fit 3 tasks: %2 holds them to 2"
+    assert [task["state"] for task in data["tasks"]] == ["finished"] * 4 + ["failed", "finished"]
+    # Slurm 22.05's scancel retries a signal to an array task that its requeue made "not
+    # alterable now", and the retry may stop the task's next attempt once more.
+    attempts = [task["attempts"] for task in data["tasks"]]
+    assert attempts[:1] + attempts[2:] == [1] * 5 and attempts[1] in (2, 3), attempts
+    log = (sweep_dir / "logs" / f"lr-{array}_1.out").read_text()
+    assert f"requeued job {array}_1" in log
+    preempted, twin = summary(sweep_dir, 1), summary(sweep_dir, 0)
+    assert preempted["restart_count"] == attempts[1] - 1
+    assert 0 < preempted["resumed_from_step"] < 200
+    assert preempted["weights_sha256"] == twin["weights_sha256"], "bitwise equal to its twin"
+    assert twin["restart_count"] == 0
+
+    status = hpc_ddp(slurm, work, "sweep", "status", str(sweep_dir))
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert "1 failed, 5 finished" in lines
+    assert lines[2].split()[:2] == ["5", "finished"], "lr=0.2 ends lowest: best first"
+    assert f"task 4: exit code 1: see {sweep_dir}/logs/lr-{array}_4.out" in status.stdout
+    assert "FloatingPointError: loss" in (sweep_dir / "logs" / f"lr-{array}_4.out").read_text()
+
+    resumed = hpc_ddp(slurm, work, "sweep", "resume", str(sweep_dir), "--set", "lr=0.05")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resubmitting 1 of 6 tasks: 4" in resumed.stdout
+    data = wait_for_sweep(sweep_dir)
+    assert [task["state"] for task in data["tasks"]] == ["finished"] * 6
+    assert data["tasks"][4]["settings"] == {"--lr": "0.05"}
+    assert len(data["arrays"]) == 2 and data["arrays"][1]["tasks"] == [4]
+    assert summary(sweep_dir, 4)["weights_sha256"] == twin["weights_sha256"]
+    assert "6 finished" in hpc_ddp(slurm, work, "sweep", "status", str(sweep_dir)).stdout
+
+    client = MlflowClient(f"sqlite:///{work / 'runs' / 'mlflow.db'}")
+    parent_id = data["tracking"]["parent_run_id"]
+    deadline = time.monotonic() + 60  # the job script ends it just after recording the task
+    while client.get_run(parent_id).info.status == "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.5)
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED" and parent.data.params["sweep.tasks"] == "6"
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    by_task = {int(run.data.tags["hpc_ddp.sweep.task"]): run for run in children}
+    assert sorted(by_task) == list(range(6)) and len(children) == 6, "one child per task"
+    assert {task: run.data.params["sweep.lr"] for task, run in by_task.items()} == {
+        0: "0.05",
+        1: "0.05",
+        2: "0.1",
+        3: "0.02",
+        4: "40",
+        5: "0.2",
+    }
+    assert by_task[1].data.tags["hpc_ddp.attempts"] == str(attempts[1])
+    assert by_task[4].data.tags["hpc_ddp.sweep.overrides"] == "--lr=0.05"
+    assert {run.info.status for run in children} == {"FINISHED"}
+    assert {task["mlflow_run_id"] for task in data["tasks"]} == {
+        run.info.run_id for run in children
+    }
+
+    plotted = hpc_ddp(slurm, work, "sweep", "plot", str(sweep_dir))
+    assert plotted.returncode == 0, plotted.stderr
+    assert (sweep_dir / "val_mse.png").stat().st_size > 10_000
+
+
+TINY = """\
+import sys
+print("TASK", sys.argv[1:])
+"""
+
+
+def test_a_sweep_larger_than_max_array_size_is_split_into_arrays_run_one_after_another(
+    slurm: SlurmCluster,
+    slurm_conf_in_environ: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Submitted from Python; the program is a plain script (no hpc_ddp run of its own)."""
+    import hpc_ddp
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PATH", slurm.environ()["PATH"])  # the jobs' python: this one's
+    (tmp_path / "tiny.py").write_text(TINY)
+    sweep = hpc_ddp.submit_sweep(
+        "tiny.py --fixed 1",
+        name="big",
+        grid={"--value": list(range(10))},
+        concurrency=3,
+        tasks_per_node=1,
+        time="00:05:00",
+        output_dir=tmp_path / "runs",
+    )
+    rows = sweep.wait(poll_s=1, timeout_s=180)
+    assert sorted(row.state for row in rows) == ["finished"] * 10
+    data = record(sweep.directory)
+    first, second = data["arrays"]
+    assert (first["offset"], first["tasks"]) == (0, list(range(8)))
+    assert (second["offset"], second["tasks"]) == (8, [8, 9])
+    for task in range(10):
+        array = first if task < 8 else second
+        log = sweep.directory / "logs" / f"big-{array['job_id']}_{task - array['offset']}.out"
+        assert f"TASK ['--fixed', '1', '--value', '{task}']" in log.read_text()
+
+    def times(array: dict[str, Any]) -> list[tuple[str, str]]:
+        """(start, end) of each task of ``array``, as slurmctld keeps them."""
+        shown = slurm.run(["scontrol", "show", "job", "-o", array["job_id"]], tmp_path).stdout
+        return re.findall(r"StartTime=(\S+) EndTime=(\S+)", shown)
+
+    ends = [end for _start, end in times(first)]
+    starts = [start for start, _end in times(second)]
+    assert len(ends) == 8 and len(starts) == 2
+    assert min(starts) >= max(ends), "the second array starts after the first ended"

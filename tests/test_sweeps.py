@@ -1,0 +1,254 @@
+"""A sweep's parts that need no cluster: the sweep file and its expansion (grid, zip, list),
+the settings refused with a clear message, job arrays split at MaxArraySize, the job script
+each array runs, what a task's ranks get, the record written under a lock, and the status
+table made from it. The sweep on a real cluster is tests/test_slurm_sweep.py."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpc_ddp.cli.app import main as cli_main
+from hpc_ddp.launch.program import Program
+from hpc_ddp.launch.sbatch import RenderRequest
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.tracking.membership import SweepMembership, read_membership, write_membership
+from hpc_ddp.sweep import manifest
+from hpc_ddp.sweep.arrays import Array, array_spec, job_script, max_array_size, split_into_arrays
+from hpc_ddp.sweep.spec import expand, parse_values, spec_from_dict
+from hpc_ddp.sweep.submit import check_settings
+from hpc_ddp.sweep.task import ended_state, task_environ, task_program
+from hpc_ddp.sweep.views import format_rows, task_rows, task_state
+
+
+def tasks_of(raw: dict[str, Any]) -> list[dict[str, str]]:
+    return expand(spec_from_dict({"name": "s", **raw}, "sweep.yaml"))
+
+
+def test_a_grid_is_every_combination_in_order() -> None:
+    tasks = tasks_of({"grid": {"--lr": [0.1, 0.01], "run.seed": [1, 2, 3]}})
+    assert tasks == [
+        {"--lr": "0.1", "run.seed": "1"},
+        {"--lr": "0.1", "run.seed": "2"},
+        {"--lr": "0.1", "run.seed": "3"},
+        {"--lr": "0.01", "run.seed": "1"},
+        {"--lr": "0.01", "run.seed": "2"},
+        {"--lr": "0.01", "run.seed": "3"},
+    ]
+
+
+def test_list_entries_times_zip_rows_times_grid() -> None:
+    tasks = tasks_of(
+        {
+            "list": [{"--opt": "sgd"}, {"--opt": "adam", "--beta": 0.9}],
+            "zip": {"--width": [64, 128], "--depth": [2, 4]},
+            "grid": {"--flag": [True, False]},
+        }
+    )
+    assert len(tasks) == 2 * 2 * 2
+    assert tasks[0] == {"--opt": "sgd", "--width": "64", "--depth": "2", "--flag": "true"}
+    assert tasks[3] == {"--opt": "sgd", "--width": "128", "--depth": "4", "--flag": "false"}
+    assert tasks[-1] == {
+        "--opt": "adam",
+        "--beta": "0.9",
+        "--width": "128",
+        "--depth": "4",
+        "--flag": "false",
+    }
+
+
+def test_no_grid_zip_or_list_is_one_task_and_a_single_value_is_a_list_of_one() -> None:
+    assert tasks_of({}) == [{}]
+    assert tasks_of({"grid": {"--lr": 0.1}}) == [{"--lr": "0.1"}]
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        ({"grdi": {"--lr": [1]}}, "unknown key 'grdi'"),
+        ({"grid": {"--lr": []}}, "grid.--lr: the list is empty"),
+        ({"zip": {"--a": [1, 2], "--b": [1, 2, 3]}}, "different lengths (--a: 2, --b: 3)"),
+        ({"grid": {"--a": [1, 2]}, "zip": {"--a": [3, 4]}}, "--a is swept in both grid and zip"),
+        ({"grid": {"--a": list(range(40)), "--b": list(range(30))}}, "1200 tasks, more than"),
+        ({"grid": {"--a": [1, 2, 3]}, "max_tasks": 2}, "3 tasks, more than max_tasks=2"),
+        ({"grid": {"lr": [1]}}, "'lr' is neither an option of your program"),
+        ({"grid": {"run.id": [1, 2]}}, "run.id is set by the sweep"),
+        ({"grid": {"--lr": [[1, 2]]}}, "is a list, not a single value"),
+        ({"list": []}, "list: expected a non-empty list"),
+        ({"list": [5]}, "list[0]: 5 is not a mapping"),
+        ({"concurrency": 0}, "concurrency: 0 is not a whole number at least 1"),
+        ({"mode": "best"}, "mode='best'"),
+        ({"name": "a/b"}, "name='a/b' cannot name the sweep's folder"),
+    ],
+)
+def test_settings_that_cannot_be_expanded_are_refused_with_the_reason(
+    raw: dict[str, Any], says: str
+) -> None:
+    with pytest.raises(HpcDdpError, match="HINT") as refused:
+        tasks_of(raw)
+    assert says in str(refused.value)
+
+
+def test_dotted_keys_must_be_the_programs_settings() -> None:
+    check_settings(["--anything", "run.seed", "checkpoint.every_steps"], Program("script", "t.py"))
+    with pytest.raises(HpcDdpError, match=r"did you mean run\.seed"):
+        check_settings(["run.sed"], Program("script", "t.py"))
+    check_settings(["train.epochs", "optim.lr"], Program("builtin", ""))
+    with pytest.raises(HpcDdpError, match="not a setting of the built-in trainer"):
+        check_settings(["optim.learning_rate"], Program("builtin", ""))
+
+
+def test_the_command_line_form_reads_plain_keys_as_program_options() -> None:
+    assert parse_values("lr=0.1,0.01", "--grid") == ("--lr", ("0.1", "0.01"))
+    assert parse_values("run.seed=1,2", "--grid") == ("run.seed", ("1", "2"))
+    with pytest.raises(HpcDdpError, match="is not KEY=V1,V2"):
+        parse_values("lr", "--grid")
+
+
+def test_arrays_are_split_at_max_array_size_with_offsets() -> None:
+    assert max_array_size("Foo = 1\nMaxArraySize            = 8\n") == 8
+    assert max_array_size("no such line") == 1001
+    assert split_into_arrays(list(range(10)), 8) == [
+        Array(0, tuple(range(8))),
+        Array(8, (0, 1)),
+    ]
+    assert split_into_arrays([3, 9, 17], 8) == [Array(0, (3,)), Array(8, (1,)), Array(16, (1,))]
+    assert Array(8, (0, 1)).tasks == (8, 9)
+    assert array_spec([0, 1, 2, 4, 6, 7], 2) == "0-2,4,6-7%2"
+    assert array_spec([5], None) == "5"
+
+
+def test_the_array_job_script_runs_the_task_and_records_its_end(tmp_path: Path) -> None:
+    request = RenderRequest(arguments=("-m", "hpc_ddp.sweep.task"), nodes=2, gpus_per_node=4)
+    text = job_script(request, tmp_path / "my sweep", 8)
+    assert "#SBATCH --output=logs/%x-%A_%a.out" in text
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
+    task = f"-m hpc_ddp.sweep.task '{tmp_path}/my sweep' --offset 8"
+    assert f"program=({task})" in text
+    assert text.index('srun --kill-on-bad-exit=1 "$python" "${program[@]}"') < text.index(
+        f'"$python" {task} --ended "$status"'
+    )
+    assert text.rstrip().endswith('exit "$status"')
+
+
+def sweep_record(tmp_path: Path, tasks: list[dict[str, str]]) -> dict[str, Any]:
+    return {
+        "name": "s",
+        "program": {"kind": "script", "name": "train.py", "args": ["--epochs", "2"]},
+        "output_dir": str(tmp_path),
+        "tracking": {"uri": "sqlite:////x/mlflow.db", "experiment": "exp 1", "parent_run_id": "p"},
+        "arrays": [{"job_id": "7", "offset": 0, "tasks": list(range(len(tasks)))}],
+        "tasks": [manifest.new_task(i, task, f"task-{i:03d}") for i, task in enumerate(tasks)],
+    }
+
+
+def test_a_tasks_ranks_get_its_options_its_settings_and_its_run_directory(
+    tmp_path: Path,
+) -> None:
+    data = sweep_record(tmp_path, [{"--lr": "0.1", "run.seed": "3"}])
+    task = data["tasks"][0]
+    assert task_program(data, task) == Program(
+        "script", "train.py", ("--epochs", "2", "--lr", "0.1")
+    )
+    environ = {"HPC_DDP_OVERRIDES": "checkpoint.every_steps=5", "MLFLOW_RUN_ID": "x", "A": "1"}
+    changed = task_environ(data, task, environ)
+    assert "MLFLOW_RUN_ID" not in changed and changed["A"] == "1"
+    assert shlex.split(changed["HPC_DDP_OVERRIDES"]) == [
+        "checkpoint.every_steps=5",
+        "run.seed=3",
+        f"run.output_dir={tmp_path}",
+        "run.name=s",
+        "run.id=task-000",
+        "tracking.uri=sqlite:////x/mlflow.db",
+        "tracking.experiment=exp 1",
+    ]
+
+
+def test_membership_makes_the_run_a_tagged_child_with_its_settings_as_params(
+    tmp_path: Path,
+) -> None:
+    member = SweepMembership("s", 4, {"--lr": "0.1", "run.seed": "2"}, "parent", ("--lr=0.05",))
+    write_membership(tmp_path / "run", member)
+    assert read_membership(tmp_path / "run") == member
+    assert member.tags() == {
+        "hpc_ddp.sweep": "s",
+        "hpc_ddp.sweep.task": "4",
+        "mlflow.parentRunId": "parent",
+        "hpc_ddp.sweep.overrides": "--lr=0.05",
+    }
+    assert member.params() == {"sweep.lr": "0.1", "sweep.run.seed": "2"}
+    (tmp_path / "run" / "sweep-task.json").write_text("{not json")
+    assert read_membership(tmp_path / "run") is None
+
+
+def _mark_running(sweep_dir: str, index: int) -> None:
+    def running(record: dict[str, Any]) -> None:
+        task = record["tasks"][index]
+        manifest.set_task(task, state="running", attempts=task["attempts"] + 1)
+
+    for _ in range(20):
+        manifest.update_manifest(Path(sweep_dir), running)
+
+
+def test_the_record_loses_no_change_when_tasks_write_it_at_once(tmp_path: Path) -> None:
+    """Four processes change the record 20 times each, at once: every change is kept (the
+    lock), and every read in between sees a whole file (the rename)."""
+    manifest.create_manifest(tmp_path, sweep_record(tmp_path, [{}, {}, {}, {}]))
+    with pytest.raises(HpcDdpError, match="already holds a sweep"):
+        manifest.create_manifest(tmp_path, sweep_record(tmp_path, [{}]))
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_mark_running, args=(str(tmp_path), i)) for i in range(4)]
+    for worker in workers:
+        worker.start()
+    while any(worker.is_alive() for worker in workers):
+        json.loads(manifest.manifest_path(tmp_path).read_text())
+    assert [task["attempts"] for task in manifest.read_manifest(tmp_path)["tasks"]] == [20] * 4
+
+
+def test_a_tasks_state_joins_its_record_and_slurms_queue() -> None:
+    assert task_state("running", "RUNNING", True) == "running"
+    assert task_state("running", "PENDING", True) == "requeued"
+    assert task_state("pending", "PENDING", True) == "pending"
+    assert task_state("running", None, True) == "lost"
+    assert task_state("pending", None, True) == "lost"
+    assert task_state("running", None, False) == "running"
+    assert task_state("failed", None, True) == "failed"
+    assert task_state("finished", "COMPLETING", True) == "finished"
+    assert ended_state(0, "finished") == "finished"
+    assert ended_state(0, None) == "finished"  # a program that is no hpc_ddp run
+    assert ended_state(1, "failed") == "failed"
+    assert ended_state(0, "requeued") == "requeued"
+    assert ended_state(137, "running") == "failed"
+
+
+def test_status_sorts_finished_tasks_best_first_and_names_the_failure(tmp_path: Path) -> None:
+    data = sweep_record(tmp_path, [{"--lr": "0.1"}, {"--lr": "0.2"}, {"--lr": "9"}])
+    data["metric"] = "val_loss"
+    for index, value in ((0, 0.5), (1, 0.25)):
+        manifest.set_task(data["tasks"][index], state="finished", final={"val_loss": value})
+    manifest.set_task(data["tasks"][2], state="failed", error="exit code 1: see log")
+    manifest.create_manifest(tmp_path, data)
+    rows, metric, mode = task_rows(tmp_path, {})
+    assert (metric, mode) == ("val_loss", "min")
+    assert [(row.index, row.state, row.metric) for row in rows] == [
+        (1, "finished", 0.25),
+        (0, "finished", 0.5),
+        (2, "failed", None),
+    ]
+    table = format_rows(rows, metric, mode)
+    assert "1 failed, 2 finished" in table and "task 2: exit code 1: see log" in table
+
+
+def test_a_sweep_file_that_does_not_parse_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("name: s\ngrid:\n  --lr: [0.1, 0.2\n")
+    assert cli_main(["sweep", "submit", str(sweep), "--", "tests/programs/regression.py"]) == 2
+    error = capsys.readouterr().err
+    assert "not valid YAML at line" in error and "Traceback" not in error
