@@ -252,3 +252,22 @@ def test_a_sweep_file_that_does_not_parse_is_one_line(
     assert cli_main(["sweep", "submit", str(sweep), "--", "tests/programs/regression.py"]) == 2
     error = capsys.readouterr().err
     assert "not valid YAML at line" in error and "Traceback" not in error
+
+
+def test_a_sweep_is_not_submitted_into_another_sweeps_folder_or_a_folder_of_runs(
+    tmp_path: Path,
+) -> None:
+    """Refused before Slurm is asked anything: no cluster needed."""
+    from hpc_ddp.sweep.submit import submit_sweep
+
+    spec = spec_from_dict({"name": "s", "grid": {"--lr": [1, 2]}}, "sweep.yaml")
+    program = Program("script", "tests/programs/regression.py")
+    request = RenderRequest(arguments=())
+    manifest.create_manifest(tmp_path / "a" / "s", sweep_record(tmp_path, [{}, {}, {}]))
+    with pytest.raises(HpcDdpError, match="already holds sweep 's' \\(3 tasks\\)") as refused:
+        submit_sweep(spec, program, request, tmp_path / "a", {}, print)
+    assert f"hpc-ddp sweep resume {tmp_path / 'a' / 's'}" in str(refused.value)
+    (tmp_path / "b" / "s" / "task-1").mkdir(parents=True)
+    with pytest.raises(HpcDdpError, match="holds runs that are not a sweep's"):
+        submit_sweep(spec, program, request, tmp_path / "b", {}, print)
+    assert not (tmp_path / "b" / "s" / "sweep.json").exists()
