@@ -20,8 +20,8 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.tracking.membership import SweepMembership, read_membership, write_membership
 from hpc_ddp.sweep import manifest
 from hpc_ddp.sweep.arrays import Array, array_spec, job_script, max_array_size, split_into_arrays
+from hpc_ddp.sweep.programs import check_settings
 from hpc_ddp.sweep.spec import expand, parse_values, spec_from_dict
-from hpc_ddp.sweep.submit import check_settings
 from hpc_ddp.sweep.task import ended_state, task_environ, task_program
 from hpc_ddp.sweep.views import format_rows, task_rows, task_state
 
@@ -233,7 +233,7 @@ def test_status_sorts_finished_tasks_best_first_and_names_the_failure(tmp_path: 
         manifest.set_task(data["tasks"][index], state="finished", final={"val_loss": value})
     manifest.set_task(data["tasks"][2], state="failed", error="exit code 1: see log")
     manifest.create_manifest(tmp_path, data)
-    rows, metric, mode = task_rows(tmp_path, {})
+    rows, metric, mode = task_rows(manifest.read_manifest(tmp_path), {})
     assert (metric, mode) == ("val_loss", "min")
     assert [(row.index, row.state, row.metric) for row in rows] == [
         (1, "finished", 0.25),

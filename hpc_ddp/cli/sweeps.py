@@ -77,21 +77,6 @@ def split_sweep_program(words: list[str]) -> tuple[list[str], list[str] | None]:
     return words[:at], words[at + 1 :]
 
 
-def _program(words: list[str]) -> Any:
-    from hpc_ddp.launch.program import program_from
-
-    if not words:
-        raise HpcDdpError(
-            "no program: the sweep needs what every task runs after --",
-            "e.g. hpc-ddp sweep submit sweep.yaml -- train.py --epochs 5 (or -- --config "
-            "digits for the built-in trainer)",
-        )
-    if words[0] == "--config" and len(words) > 1:
-        return program_from(words[2:], config=words[1])
-    module = words[0] == "-m"
-    return program_from(words[1:] if module else words, module=module)
-
-
 def _spec(args: argparse.Namespace) -> Any:
     from hpc_ddp.runtime.yamlread import load_mapping
     from hpc_ddp.sweep.spec import parse_values, spec_from_dict
@@ -120,10 +105,11 @@ def _spec(args: argparse.Namespace) -> Any:
 
 def submit_command(args: argparse.Namespace) -> int:
     from hpc_ddp.cli.commands import check_builtin, job_request, warning_signal
-    from hpc_ddp.sweep.submit import runtime_settings, submit_sweep
+    from hpc_ddp.sweep.programs import runtime_settings, sweep_program
+    from hpc_ddp.sweep.submit import submit_sweep
 
     spec = _spec(args)
-    program = _program(args.program)
+    program = sweep_program(args.program)
     config = check_builtin(program)
     request = job_request(args, program, Path("logs"), signal=warning_signal(None, config))
     output_dir = args.output_dir or runtime_settings(program, os.environ).run.output_dir
@@ -133,17 +119,13 @@ def submit_command(args: argparse.Namespace) -> int:
 
 
 def status_command(args: argparse.Namespace) -> int:
-    from hpc_ddp.sweep.arrays import live_tasks
-    from hpc_ddp.sweep.manifest import read_manifest
-    from hpc_ddp.sweep.views import format_rows, task_rows
+    from hpc_ddp.sweep.views import format_rows, sweep_status
 
     sweep_dir = Path(args.sweep_dir)
-    data = read_manifest(sweep_dir)
-    live = live_tasks([array["job_id"] for array in data["arrays"]], os.environ)
-    rows, metric, mode = task_rows(sweep_dir, live)
+    data, rows, metric, mode, queue_read = sweep_status(sweep_dir, os.environ)
     print(f"sweep {data['name']} ({len(rows)} tasks) in {sweep_dir}")
     print(format_rows(rows, metric, mode))
-    if live is None:
+    if not queue_read:
         print("(Slurm's queue could not be read: states are the sweep's record)", file=sys.stderr)
     return 0
 

@@ -20,13 +20,9 @@ class Sweep:
 
     def status(self) -> list[Any]:
         """Every task (hpc_ddp.sweep.views.TaskRow), best first."""
-        from hpc_ddp.sweep.arrays import live_tasks
-        from hpc_ddp.sweep.manifest import read_manifest
-        from hpc_ddp.sweep.views import task_rows
+        from hpc_ddp.sweep.views import sweep_status
 
-        data = read_manifest(self.directory)
-        live = live_tasks([array["job_id"] for array in data["arrays"]], os.environ)
-        return task_rows(self.directory, live)[0]
+        return sweep_status(self.directory, os.environ)[1]
 
     def wait(self, poll_s: float = 10.0, timeout_s: float | None = None) -> list[Any]:
         """Poll until no task is pending, running or requeued; returns the tasks."""
@@ -66,14 +62,12 @@ def submit_sweep(
     (``"run.seed"``); each task is a whole hpc_ddp run in ``output_dir/name/task-N``."""
     import shlex
 
-    from hpc_ddp.launch.program import program_from
     from hpc_ddp.launch.sbatch import RenderRequest
+    from hpc_ddp.sweep.programs import sweep_program
     from hpc_ddp.sweep.spec import spec_from_dict
     from hpc_ddp.sweep.submit import submit_sweep as submit
 
-    words = shlex.split(program) if isinstance(program, str) else list(program)
-    module = bool(words) and words[0] == "-m"
-    parsed = program_from(words[1:] if module else words, module=module)
+    parsed = sweep_program(shlex.split(program) if isinstance(program, str) else list(program))
     raw: dict[str, Any] = {"name": name, "concurrency": concurrency, "metric": metric}
     raw.update(mode=mode, max_tasks=max_tasks, grid=grid, zip=zip)
     if tasks is not None:

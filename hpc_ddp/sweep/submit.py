@@ -7,7 +7,6 @@ in its tasks' run directories and in Slurm's queue.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -15,15 +14,12 @@ from typing import Any
 
 from hpc_ddp.launch.program import Program
 from hpc_ddp.launch.sbatch import RenderRequest
-from hpc_ddp.runtime import configfile
-from hpc_ddp.runtime.config import RuntimeConfig, resolve_config
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.safefiles import make_dirs, replace_bytes
 from hpc_ddp.runtime.tracking.base import artifact_root, tracking_uri
-from hpc_ddp.runtime.yamlread import load_raw
 from hpc_ddp.sweep import arrays, manifest
+from hpc_ddp.sweep.programs import check_settings, refuse_conflicts, runtime_settings
 from hpc_ddp.sweep.spec import (
-    RESERVED_SETTINGS,
     Settings,
     SweepSpec,
     check_key,
@@ -33,62 +29,6 @@ from hpc_ddp.sweep.spec import (
 )
 
 Say = Callable[[str], None]
-
-
-def known_settings(program: Program) -> set[str]:
-    """The dotted keys a task of ``program`` may set: the built-in trainer's, or the
-    runtime's for a script or module (its own options are written with dashes)."""
-    if program.kind == "builtin":
-        from hpc_ddp.trainer.config import Config
-
-        return set(configfile.flatten(Config()))
-    return set(configfile.flatten(RuntimeConfig()))
-
-
-def check_settings(keys: Sequence[str], program: Program) -> None:
-    known = known_settings(program)
-    for key in keys:
-        if key.startswith("-") or key in known:
-            continue
-        close = difflib.get_close_matches(key, sorted(known), n=1)
-        raise HpcDdpError(
-            f"the sweep sets {key}, which is not a setting of "
-            + ("the built-in trainer" if program.kind == "builtin" else "hpc_ddp"),
-            (f"did you mean {close[0]}? " if close else "")
-            + "`hpc-ddp config` lists the settings; your program's own options take their "
-            "dashes (--lr)",
-        )
-
-
-def _fixed_settings(program: Program) -> list[str]:
-    """The dotted settings on the program's own command line (they would win over the
-    sweep's, which reach the ranks in $HPC_DDP_OVERRIDES)."""
-    return [word for word in program.args if "=" in word and not word.startswith("-")]
-
-
-def _refuse_conflicts(program: Program, swept: set[str]) -> None:
-    for word in _fixed_settings(program):
-        key = word.partition("=")[0]
-        if key in RESERVED_SETTINGS or key in swept:
-            raise HpcDdpError(
-                f"the program's command line sets {key}, which the sweep sets for each task",
-                f"remove {word} from the command line"
-                + ("" if key in RESERVED_SETTINGS else " or from the sweep"),
-            )
-
-
-def runtime_settings(program: Program, environ: Mapping[str, str]) -> RuntimeConfig:
-    """The runtime settings every task starts from: the built-in trainer's config file, the
-    environment's $HPC_DDP_OVERRIDES and the program's own dotted settings."""
-    sections = configfile.section_names(RuntimeConfig)
-    raw: dict[str, Any] = {}
-    if program.kind == "builtin" and program.name:
-        from hpc_ddp.launch.shipped import find_config
-
-        raw = load_raw(find_config(program.name, Path.cwd()))
-    given = {key: raw[key] for key in sections if isinstance(raw.get(key), Mapping)}
-    words = [word for word in _fixed_settings(program) if word.split(".", 1)[0] in sections]
-    return resolve_config(None, words, given, environ)
 
 
 def _sweep_dir(output_dir: Path, name: str) -> Path:
@@ -121,7 +61,7 @@ def submit_sweep(
     tasks = expand(spec)
     swept = {key for task in tasks for key in task}
     check_settings(sorted(swept), program)
-    _refuse_conflicts(program, swept)
+    refuse_conflicts(program, swept)
     settings = runtime_settings(program, environ)
     output_dir = output_dir.resolve()
     sweep_dir = _sweep_dir(output_dir, spec.name)
@@ -151,16 +91,21 @@ def submit_sweep(
     }
     manifest.create_manifest(sweep_dir, record)
     if tracking is not None:
-        _make_parent(sweep_dir, spec, len(tasks), output_dir, say)
+        _make_parent(sweep_dir, tracking, spec, len(tasks), output_dir, say)
     _submit(sweep_dir, list(range(len(tasks))), max_size, environ, say)
     return sweep_dir
 
 
-def _make_parent(sweep_dir: Path, spec: SweepSpec, count: int, output_dir: Path, say: Say) -> None:
+def _make_parent(
+    sweep_dir: Path,
+    tracking: Mapping[str, Any],
+    spec: SweepSpec,
+    count: int,
+    output_dir: Path,
+    say: Say,
+) -> None:
     from hpc_ddp.sweep.parent import create_parent_run
 
-    data = manifest.read_manifest(sweep_dir)
-    tracking = data["tracking"]
     params = {"sweep.name": spec.name, "sweep.tasks": str(count)}
     params["sweep.concurrency"] = str(spec.concurrency or "")
     try:
@@ -283,7 +228,7 @@ def resume_sweep(
     )
     pairs = [_override(text) for text in overrides]
     check_settings([key for key, _ in pairs], program)
-    _refuse_conflicts(program, {key for key, _ in pairs})
+    refuse_conflicts(program, {key for key, _ in pairs})
 
     def reset(record: dict[str, Any]) -> None:
         for index in chosen:

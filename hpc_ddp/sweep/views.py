@@ -10,6 +10,7 @@ from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.sweep import manifest
+from hpc_ddp.sweep.arrays import live_tasks
 from hpc_ddp.sweep.spec import describe
 from hpc_ddp.sweep.task import run_dir_of
 from hpc_ddp.view.plot import curves, is_score
@@ -63,11 +64,10 @@ def _number(value: Any) -> float | None:
 
 
 def task_rows(
-    sweep_dir: Path, live: Mapping[str, str] | None
+    data: Mapping[str, Any], live: Mapping[str, str] | None
 ) -> tuple[list[TaskRow], str | None, str]:
-    """Every task, best first by the chosen metric (finished tasks first); the metric and
-    its direction. ``live``: Slurm's queue (None: not known)."""
-    data = manifest.read_manifest(sweep_dir)
+    """Every task of the sweep record ``data``, best first by the chosen metric (finished
+    tasks first); the metric and its direction. ``live``: Slurm's queue (None: not known)."""
     runs = []
     for task in data["tasks"]:
         try:
@@ -124,14 +124,28 @@ def format_rows(rows: list[TaskRow], metric: str | None, mode: str) -> str:
         + line[-1]
         for line in table
     ]
-    counts: dict[str, int] = {}
-    for row in rows:
-        counts[row.state] = counts.get(row.state, 0) + 1
-    lines.append(", ".join(f"{count} {state}" for state, count in sorted(counts.items())))
+    lines.append(state_counts(rows))
     lines += [
         f"task {row.index}: {row.error}" for row in rows if row.error and row.state == "failed"
     ]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def sweep_status(
+    sweep_dir: Path, environ: Mapping[str, str]
+) -> tuple[dict[str, Any], list[TaskRow], str | None, str, bool]:
+    """The record, its tasks (see :func:`task_rows`), the metric and its direction, and
+    whether Slurm's queue could be read."""
+    data = manifest.read_manifest(sweep_dir)
+    live = live_tasks([array["job_id"] for array in data["arrays"]], environ)
+    rows, metric, mode = task_rows(data, live)
+    return data, rows, metric, mode, live is not None
+
+
+def state_counts(rows: list[TaskRow]) -> str:
+    """``1 failed, 5 finished``."""
+    states = sorted({row.state for row in rows})
+    return ", ".join(f"{sum(row.state == state for row in rows)} {state}" for state in states)
 
 
 def plot_sweep(sweep_dir: Path, metric: str | None, output: Path | None) -> Path:
@@ -139,7 +153,7 @@ def plot_sweep(sweep_dir: Path, metric: str | None, output: Path | None) -> Path
     from hpc_ddp.view.plot import figure_class
 
     data = manifest.read_manifest(sweep_dir)
-    rows, chosen, _mode = task_rows(sweep_dir, None)
+    rows, chosen, _mode = task_rows(data, None)
     metric = metric or chosen
     if metric is None:
         raise HpcDdpError(f"the sweep's runs in {sweep_dir} have no metrics yet", "plot it later")
@@ -164,10 +178,8 @@ def plot_sweep(sweep_dir: Path, metric: str | None, output: Path | None) -> Path
     axes.set_ylabel(metric)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
-    counts = ", ".join(
-        sorted({f"{sum(r.state == s for r in rows)} {s}" for s in {r.state for r in rows}})
-    )
-    axes.set_title(f"sweep {data['name']}: {metric}, {drawn} of {len(rows)} tasks ({counts})")
+    title = f"sweep {data['name']}: {metric}, {drawn} of {len(rows)} tasks"
+    axes.set_title(f"{title} ({state_counts(rows)})")
     path = output or sweep_dir / f"{metric.replace('/', '_')}.png"
     try:
         figure.savefig(path, dpi=100)

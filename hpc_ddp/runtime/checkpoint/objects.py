@@ -149,11 +149,15 @@ def _only_saved_parameters(template: dict[str, Any], name: str, folder: Path) ->
     (never given a gradient: an unused branch, an expert no token reached). Creating the
     state made some for every parameter; loaded without them, they have none again, as in
     the run that wrote the checkpoint."""
-    saved = read_metadata(folder).state_dict_metadata
     prefix = f"{OBJECTS_KEY}.{name}.state."
+    present: set[str] = set()  # every dotted head of a saved state key: the parameters with state
+    for key in read_metadata(folder).state_dict_metadata:
+        if key.startswith(prefix):
+            parts = key.removeprefix(prefix).split(".")
+            present.update(".".join(parts[:cut]) for cut in range(1, len(parts)))
     states = template.get("state", {})
     for parameter in list(states):
-        if not any(key.startswith(f"{prefix}{parameter}.") for key in saved):
+        if parameter not in present:
             del states[parameter]
 
 

@@ -83,10 +83,10 @@ class ModelView(RankView):
         """
         if self.accumulating and isinstance(model, DistributedDataParallel):
             return model.no_sync()
-        if self._context.is_sharded(model):
+        if self.accumulating and self._context.is_sharded(model):
             from hpc_ddp.runtime.session.sharding import accumulating
 
-            return accumulating(model, self.accumulating)
+            return accumulating(model)
         return contextlib.nullcontext()
 
     def clip_grad_norm_(
@@ -95,6 +95,8 @@ class ModelView(RankView):
         """``torch.nn.utils.clip_grad_norm_`` that is also right for a sharded model
         (``dist.strategy=fsdp``): the norm is over the whole gradient, not this rank's
         shard; returns it, the same on every rank."""
+        if not self._context.sharded:  # no DTensor gradients: torch's own, no FSDP import
+            return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
         from hpc_ddp.runtime.session.sharding import clip_grad_norm_
 
         return clip_grad_norm_(parameters, max_norm, norm_type)

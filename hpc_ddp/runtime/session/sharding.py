@@ -79,14 +79,12 @@ def shard_model(
 
 
 @contextlib.contextmanager
-def accumulating(model: nn.Module, accumulate: bool) -> Iterator[None]:
-    """A micro-step of gradient accumulation: while ``accumulate``, no reduce-scatter and no
-    resharding after backward (the gathered parameters are used again at once)."""
-    if not isinstance(model, FSDPModule):
-        yield
-        return
-    model.set_requires_gradient_sync(not accumulate)
-    model.set_reshard_after_backward(not accumulate)
+def accumulating(model: nn.Module) -> Iterator[None]:
+    """A micro-step of gradient accumulation: no reduce-scatter and no resharding after
+    backward (the gathered parameters are used again at once)."""
+    assert isinstance(model, FSDPModule), "only a model run.wrap sharded"
+    model.set_requires_gradient_sync(False)
+    model.set_reshard_after_backward(False)
     try:
         yield
     finally:

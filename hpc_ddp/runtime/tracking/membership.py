@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.runtime.safefiles import make_dirs, replace_bytes
+from hpc_ddp.runtime.safefiles import make_dirs
+from hpc_ddp.runtime.tracking.journal import replace_json
 
 MEMBERSHIP_FILE = "sweep-task.json"
 
@@ -42,8 +43,7 @@ class SweepMembership:
 
 def write_membership(run_dir: Path, membership: SweepMembership) -> None:
     make_dirs(run_dir)
-    text = json.dumps(dataclasses.asdict(membership), indent=1, sort_keys=True) + "\n"
-    replace_bytes(run_dir / MEMBERSHIP_FILE, text.encode())
+    replace_json(run_dir / MEMBERSHIP_FILE, dataclasses.asdict(membership))
 
 
 def read_membership(run_dir: Path) -> SweepMembership | None:
