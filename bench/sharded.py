@@ -50,10 +50,10 @@ def wchar() -> int:
     return 0
 
 
-def state_of(megabytes: int) -> dict[str, Any]:
+def state_of(megabytes: int, device: str = "cpu") -> dict[str, Any]:
     """``megabytes`` of float32 in 16 tensors, as a model's state is spread over layers."""
     count = megabytes * 2**20 // 4 // 16
-    return {f"layer{index}.weight": torch.rand(count) for index in range(16)}
+    return {f"layer{index}.weight": torch.rand(count, device=device) for index in range(16)}
 
 
 def shared_dir(group: Any) -> Path:
@@ -65,14 +65,14 @@ def shared_dir(group: Any) -> Path:
     return Path(made[0])
 
 
-def blocked_times(sizes: list[int], repeats: int) -> dict[str, Any]:
+def blocked_times(sizes: list[int], repeats: int, device: str = "cpu") -> dict[str, Any]:
     from hpc_ddp.runtime.checkpoint.files import FORMAT_VERSION, save_checkpoint
     from hpc_ddp.runtime.checkpoint.sharded import new_stager, start_writing, write_folder
 
     group = dist.new_group(backend="gloo")
     rows = []
     for megabytes in sizes:
-        tensors = state_of(megabytes)
+        tensors = state_of(megabytes, device)
         times: dict[str, list[float]] = {
             "single_file": [],
             "sync": [],
@@ -200,13 +200,15 @@ def worker(argv: list[str]) -> None:
     parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)))
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--strategy", default="fsdp")
+    parser.add_argument("--device", default="cpu", help="where the blocked part's state lives")
     args = parser.parse_args(argv)
     if args.part == "memory":
         result: Any = rank_memory(args.strategy)
     else:
         dist.init_process_group("gloo")
         if args.part == "blocked":
-            result = blocked_times([int(size) for size in args.sizes.split(",")], args.repeats)
+            sizes = [int(size) for size in args.sizes.split(",")]
+            result = blocked_times(sizes, args.repeats, args.device)
         else:
             result = written_bytes(WRITE_MB)
         dist.destroy_process_group()

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from hpc_ddp.runtime.loop.metrics import Sum, Sums
     from hpc_ddp.runtime.session.run import Resumed, Run
     from hpc_ddp.runtime.session.start import start
-    from hpc_ddp.sweep.api import submit_sweep
+    from hpc_ddp.sweep.api import Sweep, submit_sweep
 
 __version__ = "0.1.0"
 __all__ = [
@@ -48,6 +48,7 @@ __all__ = [
     "Stopped",
     "Sum",
     "Sums",
+    "Sweep",
     "spawn",
     "start",
     "submit",
@@ -67,6 +68,7 @@ _LAZY = {
     "submit": "hpc_ddp.launch.jobs",
     "wait": "hpc_ddp.launch.jobs",
     "submit_sweep": "hpc_ddp.sweep.api",
+    "Sweep": "hpc_ddp.sweep.api",
 }
 
 

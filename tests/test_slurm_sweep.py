@@ -240,3 +240,96 @@ def test_a_sweep_larger_than_max_array_size_is_split_into_arrays_run_one_after_a
     starts = [start for start, _end in times(second)]
     assert len(ends) == 8 and len(starts) == 2
     assert min(starts) >= max(ends), "the second array starts after the first ended"
+
+
+USER_SWEEP = '''\
+"""A user's sweep of a function, as submitit's map_array runs one: `python sweep_fn.py`."""
+import json
+
+import torch
+from torch import nn
+
+import hpc_ddp
+
+
+def train(lr: float, width: int = 8, steps: int = 20) -> dict:
+    run = hpc_ddp.start()
+    torch.manual_seed(0)
+    model = run.wrap(nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 1)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    run.register(model=model, optimizer=optimizer)
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(1))
+    for step in run.iterations(steps):
+        loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss {loss.item()} at step {step}")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        run.log("mse", loss.detach())
+    run.finish({"final_mse": float(loss)})
+    return {"lr": lr, "lr_type": type(lr).__name__, "width": width, "steps": steps,
+            "seed": run.config.run.seed, "ranks": run.world_size, "mse": float(loss)}
+
+
+if __name__ == "__main__":
+    sweep = hpc_ddp.submit_sweep(
+        train,
+        name="fn",
+        kwargs={"steps": 30},
+        tasks=[{"lr": 0.05}, {"lr": 1e-05, "width": 16, "run.seed": 7}, {"lr": 1000}],
+        concurrency=3,
+        tasks_per_node=2,
+        time="00:05:00",
+    )
+    rows = sweep.wait(poll_s=1, timeout_s=240)
+    print("STATES", json.dumps([row.state for row in rows]))
+    print("RESULTS", json.dumps(sweep.results()))
+'''
+
+
+def test_a_sweep_of_a_python_function_calls_it_per_task_and_keeps_what_it_returned(
+    slurm: SlurmCluster,
+    slurm_conf_in_environ: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """submitit-style: a function of the user's own script (pickled by value), 2 ranks per
+    task, typed keyword arguments, a dotted setting, a task that fails in the user's code and
+    is resumed from the command line with its argument fixed."""
+    import hpc_ddp as toolkit
+
+    (tmp_path / "sweep_fn.py").write_text(USER_SWEEP)
+    submitted = slurm.run([sys.executable, "sweep_fn.py"], tmp_path, timeout=300)
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    states = json.loads(re.search(r"^STATES (.*)$", submitted.stdout, re.M)[1])  # type: ignore[index]
+    results = json.loads(re.search(r"^RESULTS (.*)$", submitted.stdout, re.M)[1])  # type: ignore[index]
+    assert states == ["finished", "finished", "failed"]
+    assert results[0] == {"lr": 0.05, "lr_type": "float", "width": 8, "steps": 30,
+                          "seed": 0, "ranks": 2, "mse": results[0]["mse"]}  # fmt: skip
+    assert results[1]["lr"] == 1e-05 and results[1]["width"] == 16 and results[1]["seed"] == 7
+    assert results[0]["mse"] < results[1]["mse"], "lr 0.05 learns; 1e-05 barely moves"
+    assert results[2] is None, "a failed task returned nothing"
+    sweep_dir = tmp_path / "runs" / "fn"
+    data = record(sweep_dir)
+    assert data["program"]["kind"] == "callable" and data["program"]["name"] == "__main__.train"
+    log = next((sweep_dir / "logs").glob("fn-*_2.out")).read_text()
+    # The user's frames, not the toolkit's: the failure shows where in their function it was.
+    raised = (
+        USER_SWEEP.splitlines().index(
+            '            raise FloatingPointError(f"loss {loss.item()} at step {step}")'
+        )
+        + 1
+    )
+    assert f'sweep_fn.py", line {raised}, in train' in log and "FloatingPointError: loss" in log
+    assert "hpc_ddp/sweep" not in log
+
+    resumed = hpc_ddp(slurm, tmp_path, "sweep", "resume", str(sweep_dir), "--set", "lr=0.05")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resubmitting 1 of 3 tasks: 2" in resumed.stdout
+    monkeypatch.setenv("PATH", slurm.environ()["PATH"])
+    rows = toolkit.Sweep(sweep_dir).wait(poll_s=1, timeout_s=180)
+    assert [row.state for row in rows] == ["finished"] * 3
+    again = toolkit.Sweep(sweep_dir).results()
+    assert again[2] == {**results[0], "mse": again[2]["mse"]}
+    assert again[2]["mse"] == results[0]["mse"], "the same function and arguments as task 0"

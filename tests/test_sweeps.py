@@ -271,3 +271,78 @@ def test_a_sweep_is_not_submitted_into_another_sweeps_folder_or_a_folder_of_runs
     with pytest.raises(HpcDdpError, match="holds runs that are not a sweep's"):
         submit_sweep(spec, program, request, tmp_path / "b", {}, print)
     assert not (tmp_path / "b" / "s" / "sweep.json").exists()
+
+
+def train(lr: float, width: int = 8, *, steps: int) -> None:
+    """A user's function to sweep (never called here)."""
+
+
+def test_a_callables_keyword_arguments_are_its_option_keys_with_their_values_typed() -> None:
+    from hpc_ddp.sweep.calls import keyword_arguments
+
+    settings = {"--lr": "1e-05", "--batch-size": "3", "--fused": "true", "--opt": "adamw",
+                "--decay": "null", "--name": "[1]", "run.seed": "7"}  # fmt: skip
+    assert keyword_arguments(settings) == {
+        "lr": 1e-05,
+        "batch_size": 3,
+        "fused": True,
+        "opt": "adamw",
+        "decay": None,
+        "name": "[1]",  # a JSON list is not a scalar: kept as text
+    }
+    # A value written as a YAML or Python scalar reaches the callable as that value again.
+    for value in (0.1, 1e-05, 3, 2**40, True, "adam", 1.5e300):
+        (task,) = tasks_of({"list": [{"--x": value}]})
+        assert keyword_arguments(task) == {"x": value}
+
+
+def test_a_task_whose_arguments_do_not_fit_the_callable_is_refused_before_submitting() -> None:
+    from hpc_ddp.sweep.calls import CallableProgram, check_calls
+
+    program = CallableProgram(train, {"steps": 5})
+    check_calls(program, [{"--lr": "0.1"}, {"--lr": "0.2", "--width": "4", "run.seed": "1"}])
+    with pytest.raises(HpcDdpError, match=r"task 1 \(lr=0.1 momentum=0.9\) cannot call "
+                       r".*train\(lr, width=8, \*, steps\).*momentum"):  # fmt: skip
+        check_calls(program, [{"--lr": "0.1"}, {"--lr": "0.1", "--momentum": "0.9"}])
+    with pytest.raises(HpcDdpError, match=r"task 0 \(width=4\).*missing a required argument: 'lr'"):
+        check_calls(program, [{"--width": "4"}])
+    with pytest.raises(HpcDdpError, match="the sweep sets steps, which kwargs= also sets"):
+        check_calls(program, [{"--lr": "1", "--steps": "3"}])
+
+
+def test_a_callable_that_cannot_travel_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    import threading
+
+    from hpc_ddp.sweep.calls import CallableProgram
+    from hpc_ddp.sweep.submit import submit_sweep
+
+    spec = spec_from_dict({"name": "s", "grid": {"--lr": [1, 2]}}, "sweep.yaml")
+    program = CallableProgram(train, {"steps": threading.Lock()})
+    with pytest.raises(HpcDdpError, match="cannot be pickled") as refused:
+        submit_sweep(spec, program, RenderRequest(arguments=()), tmp_path, {}, print)
+    assert "plain data" in str(refused.value)
+    assert not (tmp_path / "s").exists()
+
+
+def test_the_python_form_takes_plain_keys_as_options_and_refuses_kwargs_for_a_script() -> None:
+    import hpc_ddp
+
+    with pytest.raises(HpcDdpError, match="kwargs= applies to a callable"):
+        hpc_ddp.submit_sweep("train.py", name="s", kwargs={"a": 1}, grid={"lr": [1]})
+    with pytest.raises(HpcDdpError, match="task 0 \\(lr=1 depth=2\\) cannot call"):
+        hpc_ddp.submit_sweep(train, name="s", grid={"lr": [1], "--depth": [2]})
+
+
+def test_a_sweeps_results_are_what_rank_0_of_each_task_returned(tmp_path: Path) -> None:
+    import cloudpickle
+
+    import hpc_ddp
+    from hpc_ddp.sweep.calls import RESULT_FILE
+
+    data = sweep_record(tmp_path, [{}, {}, {}])
+    manifest.create_manifest(tmp_path / "s", data)
+    for index, value in ((0, {"loss": 0.5}), (2, [1, 2])):
+        run_dir = manifest.run_dir_of(data, data["tasks"][index])
+        run_dir.mkdir(parents=True)
+        (run_dir / RESULT_FILE).write_bytes(cloudpickle.dumps(value))
+    assert hpc_ddp.Sweep(tmp_path / "s").results() == [{"loss": 0.5}, None, [1, 2]]

@@ -12,7 +12,7 @@ import os
 import re
 import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -161,14 +161,24 @@ def run_program(program: Program) -> int:
 def _run_program(program: Program) -> int:
     program.check()
     sys.argv = [program.name, *program.args]
-    sys.stdout = labelled_stdout(sys.stdout, os.environ)
-    try:
+
+    def body() -> None:
         if program.kind == "script":
             path = Path(program.name).resolve()
             sys.path.insert(0, str(path if path.is_dir() else path.parent))  # as python does
             runpy.run_path(program.name, run_name="__main__")
         else:
             runpy.run_module(program.name, run_name="__main__", alter_sys=True)
+
+    return exit_code_of(body)
+
+
+def exit_code_of(body: Callable[[], object]) -> int:
+    """Run a user's code (``body``) with its output labelled by rank, as ``hpc-ddp run``
+    runs a script; return its exit code: theirs, or the documented one for what ended it."""
+    sys.stdout = labelled_stdout(sys.stdout, os.environ)
+    try:
+        body()
     except Stopped as stopped:
         return int(stopped.code or 0)
     except SystemExit as exiting:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.sweep.spec import DEFAULT_MAX_TASKS
 
 
@@ -24,6 +25,15 @@ class Sweep:
 
         return sweep_status(self.directory, os.environ)[1]
 
+    def results(self) -> list[Any]:
+        """What rank 0 of each task returned, in task order, for a sweep of a callable
+        (None for a task that returned None, failed or has not ended)."""
+        from hpc_ddp.sweep import manifest
+        from hpc_ddp.sweep.calls import read_result
+
+        data = manifest.read_manifest(self.directory)
+        return [read_result(manifest.run_dir_of(data, task)) for task in data["tasks"]]
+
     def wait(self, poll_s: float = 10.0, timeout_s: float | None = None) -> list[Any]:
         """Poll until no task is pending, running or requeued; returns the tasks."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -37,9 +47,10 @@ class Sweep:
 
 
 def submit_sweep(
-    program: str | Sequence[str],
+    program: str | Sequence[str] | Callable[..., Any],
     *,
     name: str,
+    kwargs: Mapping[str, Any] | None = None,
     grid: Mapping[str, Sequence[Any]] | None = None,
     zip: Mapping[str, Sequence[Any]] | None = None,
     tasks: Sequence[Mapping[str, Any]] | None = None,
@@ -55,23 +66,43 @@ def submit_sweep(
     partition: str | None = None,
     output_dir: str | Path = "runs",
 ) -> Sweep:
-    """Submit ``program`` (``"train.py --epochs 5"`` split as a shell would, or a list of
-    words; ``-m pkg.mod ...`` for a module) once per combination of ``grid``, row of
-    ``zip`` and entry of ``tasks``, as Slurm job arrays of at most ``concurrency`` running
-    tasks. Keys are your program's options (``"--lr"``) or dotted hpc_ddp settings
-    (``"run.seed"``); each task is a whole hpc_ddp run in ``output_dir/name/task-N``."""
+    """Submit ``program`` once per combination of ``grid``, row of ``zip`` and entry of
+    ``tasks``, as Slurm job arrays of at most ``concurrency`` running tasks; each task is a
+    whole hpc_ddp run in ``output_dir/name/task-N``.
+
+    ``program``: a command line (``"train.py --epochs 5"`` split as a shell would, or a list
+    of words; ``-m pkg.mod ...`` for a module), or a Python callable that every rank of each
+    task calls with ``kwargs`` and the task's own keyword arguments, as submitit's
+    ``map_array`` does (``Sweep.results()`` holds what rank 0 returned). Keys are the
+    program's options (``"lr"`` or ``"--lr"``; a callable's keyword arguments) or dotted
+    hpc_ddp settings (``"run.seed"``)."""
     import shlex
 
     from hpc_ddp.launch.sbatch import RenderRequest
-    from hpc_ddp.sweep.programs import sweep_program
-    from hpc_ddp.sweep.spec import spec_from_dict
+    from hpc_ddp.sweep.calls import CallableProgram
+    from hpc_ddp.sweep.programs import SweepProgram, sweep_program
+    from hpc_ddp.sweep.spec import command_line_key, spec_from_dict
     from hpc_ddp.sweep.submit import submit_sweep as submit
 
-    parsed = sweep_program(shlex.split(program) if isinstance(program, str) else list(program))
+    parsed: SweepProgram
+    if callable(program):
+        parsed = CallableProgram(program, dict(kwargs or {}))
+    elif kwargs:
+        raise HpcDdpError(
+            "kwargs= applies to a callable", "pass a program's own options in its command line"
+        )
+    else:
+        words = shlex.split(program) if isinstance(program, str) else list(program)
+        parsed = sweep_program(words)
+
+    def keyed(values: Mapping[str, Any]) -> dict[Any, Any]:
+        return {command_line_key(k) if isinstance(k, str) else k: v for k, v in values.items()}
+
     raw: dict[str, Any] = {"name": name, "concurrency": concurrency, "metric": metric}
-    raw.update(mode=mode, max_tasks=max_tasks, grid=grid, zip=zip)
+    raw.update(mode=mode, max_tasks=max_tasks)
+    raw.update(grid=grid and keyed(grid), zip=zip and keyed(zip))
     if tasks is not None:
-        raw["list"] = [dict(task) for task in tasks]
+        raw["list"] = [keyed(task) for task in tasks]
     spec = spec_from_dict({key: value for key, value in raw.items() if value is not None}, name)
     request = RenderRequest(
         arguments=(),

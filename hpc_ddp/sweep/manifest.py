@@ -13,7 +13,7 @@ import contextlib
 import fcntl
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,11 @@ FORMAT = 1
 #: A task's states in the record. `sweep status` adds what Slurm sees (requeued, lost).
 STATES = ("pending", "running", "requeued", "finished", "failed", "stopped")
 ENDED = ("finished", "failed", "stopped")
+
+
+def run_dir_of(data: Mapping[str, Any], task: Mapping[str, Any]) -> Path:
+    """A task's run directory: ``<output_dir>/<sweep name>/task-NNN``."""
+    return Path(str(data["output_dir"])) / str(data["name"]) / str(task["run_id"])
 
 
 def manifest_path(sweep_dir: Path) -> Path:

@@ -14,7 +14,11 @@ from hpc_ddp.runtime import configfile
 from hpc_ddp.runtime.config import RuntimeConfig, resolve_config
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.yamlread import load_raw
+from hpc_ddp.sweep.calls import CallableProgram, load_program
 from hpc_ddp.sweep.spec import RESERVED_SETTINGS
+
+#: What a sweep's tasks run: a script, a module, the built-in trainer or a Python callable.
+SweepProgram = Program | CallableProgram
 
 
 def sweep_program(words: Sequence[str]) -> Program:
@@ -32,7 +36,7 @@ def sweep_program(words: Sequence[str]) -> Program:
     return program_from(words[1:] if module else words, module=module)
 
 
-def known_settings(program: Program) -> set[str]:
+def known_settings(program: SweepProgram) -> set[str]:
     """The dotted keys a task of ``program`` may set: the built-in trainer's, or the
     runtime's for a script or module (its own options are written with dashes)."""
     if program.kind == "builtin":
@@ -42,7 +46,7 @@ def known_settings(program: Program) -> set[str]:
     return set(configfile.flatten(RuntimeConfig()))
 
 
-def check_settings(keys: Sequence[str], program: Program) -> None:
+def check_settings(keys: Sequence[str], program: SweepProgram) -> None:
     known = known_settings(program)
     for key in keys:
         if key.startswith("-") or key in known:
@@ -57,13 +61,13 @@ def check_settings(keys: Sequence[str], program: Program) -> None:
         )
 
 
-def fixed_settings(program: Program) -> list[str]:
+def fixed_settings(program: SweepProgram) -> list[str]:
     """The dotted settings on the program's own command line (they would win over the
     sweep's, which reach the ranks in $HPC_DDP_OVERRIDES)."""
     return [word for word in program.args if "=" in word and not word.startswith("-")]
 
 
-def refuse_conflicts(program: Program, swept: set[str]) -> None:
+def refuse_conflicts(program: SweepProgram, swept: set[str]) -> None:
     for word in fixed_settings(program):
         key = word.partition("=")[0]
         if key in RESERVED_SETTINGS or key in swept:
@@ -74,7 +78,7 @@ def refuse_conflicts(program: Program, swept: set[str]) -> None:
             )
 
 
-def runtime_settings(program: Program, environ: Mapping[str, str]) -> RuntimeConfig:
+def runtime_settings(program: SweepProgram, environ: Mapping[str, str]) -> RuntimeConfig:
     """The runtime settings every task starts from: the built-in trainer's config file, the
     environment's $HPC_DDP_OVERRIDES and the program's own dotted settings."""
     sections = configfile.section_names(RuntimeConfig)
@@ -86,3 +90,11 @@ def runtime_settings(program: Program, environ: Mapping[str, str]) -> RuntimeCon
     given = {key: raw[key] for key in sections if isinstance(raw.get(key), Mapping)}
     words = [word for word in fixed_settings(program) if word.split(".", 1)[0] in sections]
     return resolve_config(None, words, given, environ)
+
+
+def recorded_program(sweep_dir: Path, data: Mapping[str, Any]) -> SweepProgram:
+    """The program a sweep's record names (a callable's from its pickle)."""
+    recorded = data["program"]
+    if recorded["kind"] == "callable":
+        return load_program(sweep_dir)
+    return Program(recorded["kind"], recorded["name"], tuple(recorded["args"]))

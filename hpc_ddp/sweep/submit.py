@@ -18,7 +18,13 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.safefiles import make_dirs, replace_bytes
 from hpc_ddp.runtime.tracking.base import artifact_root, tracking_uri
 from hpc_ddp.sweep import arrays, manifest
-from hpc_ddp.sweep.programs import check_settings, refuse_conflicts, runtime_settings
+from hpc_ddp.sweep.calls import CallableProgram, check_calls, pickled, write_program
+from hpc_ddp.sweep.programs import (
+    check_settings,
+    recorded_program,
+    refuse_conflicts,
+    runtime_settings,
+)
 from hpc_ddp.sweep.spec import (
     Settings,
     SweepSpec,
@@ -49,7 +55,7 @@ def _sweep_dir(output_dir: Path, name: str) -> Path:
 
 def submit_sweep(
     spec: SweepSpec,
-    program: Program,
+    program: Program | CallableProgram,
     job: RenderRequest,
     output_dir: Path,
     environ: Mapping[str, str] = os.environ,
@@ -62,6 +68,10 @@ def submit_sweep(
     swept = {key for task in tasks for key in task}
     check_settings(sorted(swept), program)
     refuse_conflicts(program, swept)
+    code = None
+    if isinstance(program, CallableProgram):
+        check_calls(program, tasks)
+        code = pickled(program)
     settings = runtime_settings(program, environ)
     output_dir = output_dir.resolve()
     sweep_dir = _sweep_dir(output_dir, spec.name)
@@ -90,6 +100,8 @@ def submit_sweep(
         ],
     }
     manifest.create_manifest(sweep_dir, record)
+    if code is not None:
+        write_program(sweep_dir, code)
     if tracking is not None:
         _make_parent(sweep_dir, tracking, spec, len(tasks), output_dir, say)
     _submit(sweep_dir, list(range(len(tasks))), max_size, environ, say)
@@ -223,12 +235,13 @@ def resume_sweep(
     if not chosen:
         say(f"every task of sweep {data['name']} finished: nothing to resume")
         return []
-    program = Program(
-        data["program"]["kind"], data["program"]["name"], tuple(data["program"]["args"])
-    )
+    program = recorded_program(sweep_dir, data)
     pairs = [_override(text) for text in overrides]
     check_settings([key for key, _ in pairs], program)
     refuse_conflicts(program, {key for key, _ in pairs})
+    if isinstance(program, CallableProgram):
+        changed = [with_overrides(data["tasks"][index]["settings"], pairs) for index in chosen]
+        check_calls(program, changed)
 
     def reset(record: dict[str, Any]) -> None:
         for index in chosen:

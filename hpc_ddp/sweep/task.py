@@ -24,7 +24,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.preempt.startup_signals import hold_stop_signals
 from hpc_ddp.runtime.tracking.journal import read_tracked_run_id
 from hpc_ddp.runtime.tracking.membership import SweepMembership, write_membership
-from hpc_ddp.runtime.tracking.worker import prestart
+from hpc_ddp.runtime.tracking.worker import discard_prestarted, prestart
 from hpc_ddp.sweep import manifest
 from hpc_ddp.sweep.spec import program_words, setting_words
 
@@ -38,10 +38,6 @@ def task_index(offset: int, environ: Mapping[str, str]) -> int:
             "program with the settings `hpc-ddp sweep status` shows",
         )
     return offset + int(array_index)
-
-
-def run_dir_of(data: Mapping[str, Any], task: Mapping[str, Any]) -> Path:
-    return Path(str(data["output_dir"])) / str(data["name"]) / str(task["run_id"])
 
 
 def task_program(data: Mapping[str, Any], task: Mapping[str, Any]) -> Program:
@@ -85,8 +81,8 @@ def start_task(sweep_dir: Path, offset: int, environ: MutableMapping[str, str]) 
             f"array task {index} of a sweep of {len(data['tasks'])} tasks", "resubmit the sweep"
         )
     task = data["tasks"][index]
-    program = task_program(data, task)
-    if environ.get("SLURM_PROCID", "0") == "0":
+    is_main = environ.get("SLURM_PROCID", "0") == "0"
+    if is_main:
         tracking = data.get("tracking") or {}
         membership = SweepMembership(
             data["name"],
@@ -95,7 +91,7 @@ def start_task(sweep_dir: Path, offset: int, environ: MutableMapping[str, str]) 
             tracking.get("parent_run_id"),
             tuple(task.get("overrides", ())),
         )
-        write_membership(run_dir_of(data, task), membership)
+        write_membership(manifest.run_dir_of(data, task), membership)
         job = f"{environ.get('SLURM_ARRAY_JOB_ID', '')}_{environ.get('SLURM_ARRAY_TASK_ID')}"
 
         def started(record: dict[str, Any]) -> None:
@@ -108,6 +104,16 @@ def start_task(sweep_dir: Path, offset: int, environ: MutableMapping[str, str]) 
     changed = task_environ(data, task, environ)
     environ.pop("MLFLOW_RUN_ID", None)
     environ.update(changed)
+    if data["program"]["kind"] == "callable":
+        from hpc_ddp.sweep.calls import call_task
+
+        prestart(environ, ())
+        try:
+            run_dir = manifest.run_dir_of(data, task)
+            return call_task(sweep_dir, task["settings"], run_dir, is_main)
+        finally:
+            discard_prestarted()  # a tracking process the callable's run never took
+    program = task_program(data, task)
     if program.kind == "builtin":
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, *program.python_args()])
@@ -132,7 +138,7 @@ def record_end(sweep_dir: Path, offset: int, code: int, environ: Mapping[str, st
 
     data = manifest.read_manifest(sweep_dir)
     index = task_index(offset, environ)
-    run_dir = run_dir_of(data, data["tasks"][index])
+    run_dir = manifest.run_dir_of(data, data["tasks"][index])
     try:
         run = load_run(run_dir)
     except HpcDdpError:

@@ -12,7 +12,6 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.sweep import manifest
 from hpc_ddp.sweep.arrays import live_tasks
 from hpc_ddp.sweep.spec import describe
-from hpc_ddp.sweep.task import run_dir_of
 from hpc_ddp.view.plot import curves, is_score
 from hpc_ddp.view.runs import RunView, load_run
 
@@ -71,7 +70,7 @@ def task_rows(
     runs = []
     for task in data["tasks"]:
         try:
-            runs.append(load_run(run_dir_of(data, task)))
+            runs.append(load_run(manifest.run_dir_of(data, task)))
         except HpcDdpError:
             runs.append(None)
     metric, mode = chosen_metric(data, runs)
@@ -161,7 +160,7 @@ def plot_sweep(sweep_dir: Path, metric: str | None, output: Path | None) -> Path
     axes = figure.add_subplot(1, 1, 1)
     drawn = 0
     for task in data["tasks"]:
-        train, val = curves(run_dir_of(data, task))
+        train, val = curves(manifest.run_dir_of(data, task))
         series = val.get(metric) or train.get(metric) or train.get(f"{metric} (epoch)")
         if not series:
             continue

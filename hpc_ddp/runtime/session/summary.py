@@ -52,7 +52,15 @@ def run_facts(
         "tracking": context.tracker.status,
         "timeline": dict(timeline),
         "last_checkpoint_save_s": dict(loop.checkpointer.last_save_s),
+        "gpu_peak_memory_gb": _gpu_peak_memory_gb(context.device),
     }
+
+
+def _gpu_peak_memory_gb(device: torch.device) -> float | None:
+    """The most GPU memory this rank's tensors held at once (None on a CPU)."""
+    if device.type != "cuda":
+        return None
+    return round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
 
 
 def _weights_sha256(context: RunContext, models: list[nn.Module]) -> str | None:

@@ -1,0 +1,81 @@
+"""GPU figures for checkpoints and FSDP2; needs a CUDA GPU (none: exits 2 and says so).
+
+1. How long training is blocked per checkpoint when the state lives on the GPU (world size
+   1, 256 MB to 4 GB): the single file (``torch.save`` copies each tensor to the host while
+   the job waits), a torch.distributed.checkpoint folder written at once, and one written in
+   the background (blocked only while the state is copied into pinned host buffers).
+2. The language-model example on the GPU, DDP against FSDP2 (``--fsdp``), bf16, with a
+   background save every 100 steps: tokens/s, validation loss, peak GPU memory and what the
+   last save blocked, from each run's summary.json.
+
+    python -m bench.gpu_sharded && python -m bench.report   # bench/results/gpu_sharded.json
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.gpu import gpu_facts
+from bench.harness import REPO, launch, write_result
+
+SIZES_MB = (256, 1024, 2048, 4096)
+#: Larger than the example's default, so that the GPU's work and not Python sets the pace.
+LM_ARGS = ["--epochs", "1", "--batch", "64", "--context", "256", "--width", "512",
+           "--layers", "8", "--heads", "8", "--train-bytes", "8000000"]  # fmt: skip
+LM_SETTINGS = ["checkpoint.every_steps=100", "checkpoint.save_mode=async", "tracking.enabled=false"]
+
+
+def lm_run(strategy: str, output_dir: Path) -> dict[str, Any]:
+    """One run of examples/lm/train.py on one local rank; the facts of its summary.json."""
+    flags = ["--fsdp"] if strategy == "fsdp" else []
+    program = ["examples/lm/train.py", *LM_ARGS, *flags, f"run.output_dir={output_dir}",
+               f"run.id={strategy}", *LM_SETTINGS]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "local", "--nproc", "1", *program],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"examples/lm/train.py ({strategy}) failed:\n{done.stderr[-3000:]}")
+    # The example names its experiment: its runs are under output_dir/<experiment>/<run id>.
+    (summary_file,) = output_dir.glob(f"*/{strategy}/summary.json")
+    summary = json.loads(summary_file.read_text())
+    keys = ("device", "backend", "global_step", "val_loss", "tokens_per_s", "parameters",
+            "gpu_peak_memory_gb", "last_checkpoint_save_s")  # fmt: skip
+    return {"strategy": strategy, **{key: summary.get(key) for key in keys}}
+
+
+def run(repeats: int = 3) -> dict[str, Any] | None:
+    facts = gpu_facts()
+    if facts is None:
+        print(
+            "bench.gpu_sharded: error: no CUDA GPU is visible (torch.cuda.is_available() is "
+            "False)\nHINT: run it on a machine with a GPU and a CUDA build of torch",
+            file=sys.stderr,
+        )
+        return None
+    sizes = ",".join(map(str, SIZES_MB))
+    arguments = ["blocked", "--device", "cuda", "--sizes", sizes, "--repeats", str(repeats)]
+    blocked = launch(1, "bench.sharded", arguments, timeout=1800)[0]["rows"]
+    for row in blocked:
+        print(f"{row['size_mb']:5d} MB on the GPU: blocked single file {row['single_file_s']:.2f}"
+              f" s, DCP sync {row['sync_s']:.2f} s, DCP async {row['async_s']:.3f} s "
+              f"({100 * row['async_blocked_share']:.0f}% of sync)", flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as output_dir:
+        lm = [lm_run(strategy, Path(output_dir)) for strategy in ("ddp", "fsdp")]
+    for row in lm:
+        print(f"lm {row}", flush=True)
+    result = {**facts, "repeats": repeats, "blocked": blocked, "lm": lm}
+    write_result("gpu_sharded", result)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if run() is not None else 2)
