@@ -6,6 +6,7 @@ consequences) and the per-rank states of a user's iterable."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import signal
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from hpc_ddp.runtime.loop.data import eval_loader
 from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.stopper import Stopper
-from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates, no_samples
+from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates, batch_length, no_samples
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.resume import restore_registered
 from hpc_ddp.runtime.session.start import resolve_launch
@@ -273,3 +274,30 @@ def test_a_rank_with_no_evaluation_samples_still_runs_as_many_passes() -> None:
     assert cut["enc"]["ids"].shape == (0, 2)
     assert isinstance(cut["pair"], Pair) and cut["pair"].x.shape == (0,)
     assert cut["pair"].y[0].shape == (0,)
+    assert type(cut["enc"]) is Encoding
+
+
+@dataclasses.dataclass
+class Tokens:
+    """A user's batch as a dataclass (a common shape for language-model batches)."""
+
+    ids: torch.Tensor
+    mask: torch.Tensor
+    source: str = "train"
+
+
+def test_a_dataclass_batch_is_cut_to_no_samples_and_its_samples_counted() -> None:
+    """The filler batch of a rank with no evaluation samples is the dataclass with every
+    tensor cut, not the sample it was built from: that sample would be counted twice."""
+    data = TensorDataset(torch.arange(3.0).reshape(1, 3))
+
+    def collate(samples: list[tuple[torch.Tensor]]) -> Tokens:
+        ids = torch.stack([sample[0] for sample in samples])
+        return Tokens(ids=ids, mask=torch.ones_like(ids), source="val")
+
+    (filler,) = eval_loader(data, rank=1, world_size=2, batch_size=2, num_workers=0,
+                            device=None, collate_fn=collate, same_count=True)  # fmt: skip
+    assert isinstance(filler, Tokens) and filler.source == "val"
+    assert filler.ids.shape == (0, 3) and filler.mask.shape == (0, 3)
+    assert batch_length(filler) == 0
+    assert batch_length(Tokens(ids=torch.ones(5, 2), mask=torch.ones(5, 2))) == 5

@@ -23,7 +23,8 @@ import hpc_ddp
 from hpc_ddp.runtime.checkpoint.export import model_weights
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
 from hpc_ddp.runtime.errors import EXIT_STOPPED
-from hpc_ddp.runtime.loop.data import TrainLoader, move_to
+from hpc_ddp.runtime.loop.data import TrainLoader
+from hpc_ddp.runtime.loop.streams import move_to
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from hpc_ddp.view.plot import curves
 from hpc_ddp.view.runs import load_run

@@ -3,7 +3,6 @@ exact evaluation split, with batches of any structure moved to the rank's device
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 from collections.abc import Callable, Iterator, Mapping
@@ -14,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.loop.streams import no_samples
+from hpc_ddp.runtime.loop.streams import move_to, no_samples
 from hpc_ddp.runtime.place.plan import micro_batch_size
 
 
@@ -44,26 +43,6 @@ def mixed_seed(*parts: int) -> int:
     """A 63-bit seed from several integers, the same in every process."""
     text = "/".join(str(part) for part in parts).encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
-
-
-def move_to(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it on ``device``: tensors, dicts, lists, tuples (named
-    ones too) and dataclasses, nested; anything else as it is."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        moved = {key: move_to(value, device) for key, value in batch.items()}
-        return moved if type(batch) is dict else type(batch)(moved)  # type: ignore[call-arg]
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(move_to(value, device) for value in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(move_to(value, device) for value in batch)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {
-            f.name: move_to(getattr(batch, f.name), device) for f in dataclasses.fields(batch)
-        }
-        return dataclasses.replace(batch, **changes)
-    return batch
 
 
 class ShardedEvalSampler(Sampler[int]):

@@ -17,8 +17,9 @@ restored by the kind of iterable, and said once when it matters:
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -44,6 +45,8 @@ def batch_length(batch: Any) -> int | None:
         values: Iterable[Any] = batch.values()
     elif isinstance(batch, list | tuple):
         values = batch
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        values = (getattr(batch, field.name) for field in dataclasses.fields(batch))
     else:
         return None
     for value in values:
@@ -53,17 +56,35 @@ def batch_length(batch: Any) -> int | None:
     return None
 
 
-def no_samples(value: Any) -> Any:
-    """``value`` (a batch of any structure) with every tensor cut to 0 samples."""
-    if isinstance(value, torch.Tensor):
-        return value[:0]
-    if isinstance(value, Mapping):
-        return {key: no_samples(item) for key, item in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(no_samples(item) for item in value))
-    if isinstance(value, list | tuple):
-        return type(value)(no_samples(item) for item in value)
-    return value
+def map_tensors(batch: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``change`` applied to every tensor in it: tensors, dicts (and other
+    mappings), lists, tuples (named ones too) and dataclasses, nested; anything else as it
+    is, each container of the type it was."""
+    if isinstance(batch, torch.Tensor):
+        return change(batch)
+    if isinstance(batch, Mapping):
+        changed = {key: map_tensors(value, change) for key, value in batch.items()}
+        return changed if type(batch) is dict else type(batch)(changed)  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(map_tensors(value, change) for value in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(map_tensors(value, change) for value in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = dataclasses.fields(batch)
+        changes = {f.name: map_tensors(getattr(batch, f.name), change) for f in fields if f.init}
+        return dataclasses.replace(batch, **changes)
+    return batch
+
+
+def move_to(batch: Any, device: torch.device) -> Any:
+    """``batch`` (of any structure :func:`map_tensors` walks) with every tensor on ``device``."""
+    return map_tensors(batch, lambda tensor: tensor.to(device, non_blocking=True))
+
+
+def no_samples(batch: Any) -> Any:
+    """``batch`` (of any structure :func:`map_tensors` walks) with every tensor cut to 0
+    samples."""
+    return map_tensors(batch, lambda tensor: tensor[:0])
 
 
 class BatchStream:
