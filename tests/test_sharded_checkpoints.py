@@ -246,3 +246,58 @@ def test_a_stop_after_a_failed_background_save_still_writes_its_own(tmp_path: Pa
     saves.pending = Pending(failed, tmp_path / "step-000000014", 14, "periodic", 0.0, [])
     with pytest.raises(HpcDdpError, match=r"step-000000014 \(No space left on device\)"):
         saves.write(state, 16, "periodic", background=True)
+
+
+PER_RANK = str(REPO / "tests" / "programs" / "per_rank.py")
+
+
+def tallies(output: str) -> dict[int, tuple[int, int, int]]:
+    """Each rank's TALLY line: (the rank its tally belongs to, total, count)."""
+    found = re.findall(r"TALLY (\d+) (\d+) (\d+) (\d+)", output)
+    return {int(rank): (int(owner), int(total), int(count)) for rank, owner, total, count in found}
+
+
+@pytest.mark.parametrize("save_mode", ["single_file", "sync"])
+def test_state_registered_per_rank_comes_back_to_its_own_rank(
+    tmp_path: Path, save_mode: str
+) -> None:
+    """Stopped at a step and run again, each rank's own tally goes on from its own value:
+    saved from rank 0 alone, rank 1 would get rank 0's (owner 0, another total)."""
+    program = [PER_RANK, "--steps", "40", "--pause", "0.05", f"run.output_dir={tmp_path}",
+               "run.id=p", f"checkpoint.save_mode={save_mode}",
+               "preempt.check_every_steps=1"]  # fmt: skip
+    stopped = start_program(2, program)
+    log = signal_after(stopped, r"INFO epoch 0 step (1\d|2\d)/40", signal.SIGUSR1)
+    assert stopped.returncode == EXIT_STOPPED, log[-3000:]
+    again = run_local_program(2, program)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resumed from" in again.stderr
+    whole = sum(range(40))
+    assert tallies(again.stdout) == {0: (0, whole, 40), 1: (1, 2 * whole, 40)}
+
+    # Each rank saved its own: another number of ranks cannot split or merge them.
+    refused = run_local_program(3, program)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "cannot resume tally from" in refused.stderr
+    assert "the checkpoint holds 2 ranks' states, this run has 3" in refused.stderr
+    assert "HINT: resume on 2 ranks" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_per_rank_names_that_differ_from_the_checkpoints_are_refused() -> None:
+    from hpc_ddp.runtime.checkpoint.state import Registry
+
+    registry = Registry()
+    registry.add({"model": nn.Linear(1, 1)})
+    registry.add({"buffer": nn.Linear(1, 1)}, per_rank=True)
+    with pytest.raises(HpcDdpError, match=r"it holds no objects per rank, this run registered "
+                       r"\['buffer'\] per rank") as refused:  # fmt: skip
+        registry.restore_per_rank({"world_size": 2}, Path("step-5"), 2, 0, 2)
+    assert "run.register_per_rank()" in str(refused.value)
+    with pytest.raises(HpcDdpError, match=r"'model' is already registered with run\.register"):
+        registry.add({"model": nn.Linear(1, 1)}, per_rank=True)
+    with pytest.raises(HpcDdpError, match="'buffer' is already registered per rank"):
+        registry.add({"buffer": registry.per_rank["buffer"]})
+    with pytest.raises(HpcDdpError, match="'buffer' is already registered for another object"):
+        registry.add({"buffer": nn.Linear(1, 1)}, per_rank=True)
+    registry.add({"buffer": registry.per_rank["buffer"]}, per_rank=True)  # the same again
+    registry.add({"model": registry.objects["model"]})

@@ -19,7 +19,7 @@ from hpc_ddp.runtime.checkpoint.sharded import (
     load_objects,
     read_metadata,
 )
-from hpc_ddp.runtime.checkpoint.state import describe_load_error
+from hpc_ddp.runtime.checkpoint.state import guarded_restore
 from hpc_ddp.runtime.errors import HpcDdpError
 
 MODULE, OPTIMIZER, PLAIN = "module", "optimizer", "plain"
@@ -124,24 +124,24 @@ def restore_objects(objects: Mapping[str, Any], saved: FolderObjects, path: Path
     templates = {}
     for name, kind in saved.kinds.items():
         if kind != PLAIN:
-            templates[name] = _guarded(
+            templates[name] = guarded_restore(
                 name, path, _tensor_state, name, objects[name], kind, objects
             )
             if kind == OPTIMIZER:
                 _only_saved_parameters(templates[name], name, saved.folder)
-    _guarded("the registered objects", path, load_objects, saved.folder, templates)
+    guarded_restore("the registered objects", path, load_objects, saved.folder, templates)
     for name, kind in sorted(saved.kinds.items(), key=lambda item: item[1] != MODULE):
         value = objects[name]
         if kind == MODULE:
-            _guarded(name, path, set_model_state_dict, value, templates[name])
+            guarded_restore(name, path, set_model_state_dict, value, templates[name])
         elif kind == OPTIMIZER:
             owner = objects[_owner(value, objects) or name]
             # Not strict: parameters that never had a gradient have no saved state.
             options = StateDictOptions(strict=False)
             load = functools.partial(set_optimizer_state_dict, options=options)
-            _guarded(name, path, load, owner, value, templates[name])
+            guarded_restore(name, path, load, owner, value, templates[name])
         else:
-            _guarded(name, path, value.load_state_dict, saved.plain[name])
+            guarded_restore(name, path, value.load_state_dict, saved.plain[name])
 
 
 def _only_saved_parameters(template: dict[str, Any], name: str, folder: Path) -> None:
@@ -159,15 +159,3 @@ def _only_saved_parameters(template: dict[str, Any], name: str, folder: Path) ->
     for parameter in list(states):
         if parameter not in present:
             del states[parameter]
-
-
-def _guarded(what: str, path: Path, call: Any, *args: Any) -> Any:
-    try:
-        return call(*args)
-    except HpcDdpError:
-        raise
-    except Exception as error:
-        reason, hint = describe_load_error(error)
-        raise HpcDdpError(
-            f"cannot restore {what!r} from {path}: {type(error).__name__}: {reason}", hint
-        ) from None

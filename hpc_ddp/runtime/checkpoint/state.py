@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import random
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -38,10 +38,13 @@ class Registry:
 
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
+        #: Objects of which each rank saves and restores its own copy.
+        self.per_rank: dict[str, Any] = {}
 
-    def add(self, objects: Mapping[str, object]) -> None:
-        """Register each object under its name; a DDP wrapper is saved as its module, so the
-        weights load into a plain module too."""
+    def add(self, objects: Mapping[str, object], per_rank: bool = False) -> None:
+        """Register each object under its name (``per_rank``: each rank's own copy); a DDP
+        wrapper is saved as its module, so the weights load into a plain module too."""
+        target = self.per_rank if per_rank else self.objects
         for name, value in objects.items():
             if not _is_stateful(value):
                 raise HpcDdpError(
@@ -50,36 +53,68 @@ class Registry:
                     "register objects that follow torch's Stateful convention (modules, "
                     "optimizers, schedulers, ...), or give your own object these two methods",
                 )
-            if name in self.objects and self.objects[name] is not value:
+            if isinstance(value, DistributedDataParallel):
+                value = value.module
+            if name in target and target[name] is not value:
                 raise HpcDdpError(
                     f"the name {name!r} is already registered for another object",
                     "give every registered object its own name",
                 )
-            if isinstance(value, DistributedDataParallel):
-                value = value.module
-            self.objects[name] = value
+            if name not in target and (name in self.objects or name in self.per_rank):
+                how = "per rank" if name in self.per_rank else "with run.register()"
+                raise HpcDdpError(
+                    f"{name!r} is already registered {how}",
+                    "register each object once: shared (run.register) or per rank "
+                    "(run.register_per_rank)",
+                )
+            target[name] = value
 
     def check_loadable(self) -> None:
         """Refuse an object whose state a resume could not load back (see
         :func:`check_loadable`), before any checkpoint of the run is written."""
-        for name, value in self.objects.items():
+        for name, value in {**self.objects, **self.per_rank}.items():
             check_loadable(f"the registered {name!r} ({type(value).__name__})", value.state_dict())
 
     def state_dicts(self) -> dict[str, Any]:
         return {name: value.state_dict() for name, value in self.objects.items()}
 
+    def per_rank_states(self) -> dict[str, Any]:
+        """This rank's own state of each object registered per rank."""
+        return {name: value.state_dict() for name, value in self.per_rank.items()}
+
     def restore(self, saved: Mapping[str, Any], path: Path) -> None:
         """Load every registered object from ``saved``; the names must match exactly."""
         self.check_names(list(saved), path)
         for name, value in self.objects.items():
-            try:
-                value.load_state_dict(saved[name])
-            except Exception as error:
-                reason, hint = describe_load_error(error)
-                raise HpcDdpError(
-                    f"cannot restore {name!r} from {path}: {type(error).__name__}: {reason}",
-                    hint,
-                ) from None
+            guarded_restore(name, path, value.load_state_dict, saved[name])
+
+    def restore_per_rank(
+        self, saved: Mapping[str, Any], path: Path, written_by: int, rank: int, world_size: int
+    ) -> None:
+        """Give each object registered per rank this rank's own state from checkpoint
+        ``saved`` (written by ``written_by`` ranks); refused where the names differ or the
+        number of ranks changed: such state cannot be split or merged."""
+        names = sorted(saved.get("per_rank_names") or ())
+        if names != sorted(self.per_rank):
+            raise HpcDdpError(
+                f"cannot resume from {path}: it holds {names or 'no objects'} per rank, this "
+                f"run registered {sorted(self.per_rank) or 'none'} per rank",
+                "register the same objects with run.register_per_rank() under the same names "
+                "as the run that wrote the checkpoint, or start a fresh run with another run.id",
+            )
+        if not names:
+            return
+        if written_by != world_size:
+            raise HpcDdpError(
+                f"cannot resume {', '.join(names)} from {path}: each rank saved its own, and "
+                f"the checkpoint holds {written_by} ranks' states, this run has {world_size}",
+                f"resume on {written_by} ranks; register them with run.register() instead "
+                "where one copy (rank 0's) serves every rank; or start a fresh run with "
+                "another run.id",
+            )
+        own = saved["per_rank"][rank]
+        for name, value in self.per_rank.items():
+            guarded_restore(name, path, value.load_state_dict, own[name])
 
     def check_names(self, saved: list[str], path: Path) -> None:
         """Refuse a checkpoint whose objects are not registered under the same names."""
@@ -95,6 +130,20 @@ class Registry:
                 "checkpoint, or start a fresh run with another run.id (or "
                 "checkpoint.resume=false)",
             )
+
+
+def guarded_restore(what: str, path: Path, call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, restoring ``what`` from checkpoint ``path``; its failure as an
+    HpcDdpError that keeps torch's reason and says what to do."""
+    try:
+        return call(*args)
+    except HpcDdpError:
+        raise
+    except Exception as error:
+        reason, hint = describe_load_error(error)
+        raise HpcDdpError(
+            f"cannot restore {what!r} from {path}: {type(error).__name__}: {reason}", hint
+        ) from None
 
 
 #: Keys listed of each kind (missing, unexpected) when a state does not load.

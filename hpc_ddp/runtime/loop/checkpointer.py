@@ -33,7 +33,7 @@ from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.replicas import diverged_replicas, divergence_message
 from hpc_ddp.runtime.loop.streams import StreamStates
 from hpc_ddp.runtime.loop.timeline import durations
-from hpc_ddp.runtime.place.dist import several_ranks
+from hpc_ddp.runtime.place.dist import gather_object_to_main, several_ranks
 
 #: Saves that may be written in the background: training goes on after them.
 _BACKGROUND_REASONS = ("periodic", "requested")
@@ -74,12 +74,18 @@ class Checkpointer:
         check_loadable("run.state", context.values)
         rng = gathered_rng_states(context.device, context.control_group)
         streams = self.streams.gathered(context.control_group)
+        registry = context.registry
+        per_rank = None
+        if registry.per_rank:
+            per_rank = gather_object_to_main(registry.per_rank_states(), context.control_group)
         metrics = self.metrics.saved()
         if not context.env.is_main:
             return {}
         return {
             "format": FORMAT_VERSION,
-            "objects": context.registry.state_dicts(),
+            "objects": registry.state_dicts(),
+            "per_rank_names": sorted(registry.per_rank),
+            "per_rank": per_rank,
             "values": dict(context.values),
             "streams": streams,
             **self.position.saved(),
@@ -100,7 +106,11 @@ class Checkpointer:
         check_loadable("run.state", context.values)
         objects = context.registry.objects
         kinds = object_kinds(objects)
-        own = {"rng": rng_state(context.device), "streams": self.streams.own_state()}
+        own = {
+            "rng": rng_state(context.device),
+            "streams": self.streams.own_state(),
+            "per_rank": context.registry.per_rank_states(),
+        }
         metrics = self.metrics.saved()
         run = None
         if context.env.is_main:
@@ -108,6 +118,7 @@ class Checkpointer:
                 "format": FOLDER_FORMAT,
                 "kinds": kinds,
                 "plain": plain_states(objects, kinds),
+                "per_rank_names": sorted(context.registry.per_rank),
                 "values": dict(context.values),
                 "has_streams": own["streams"] is not None,
                 **self.position.saved(),

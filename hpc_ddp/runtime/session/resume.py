@@ -71,6 +71,9 @@ def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, 
     """Put the registered objects and the loop's position, metric sums and random streams
     back as ``found`` has them; also says whether the streams fitted this world size."""
     path, saved = found
+    env = loop.context.env
+    written_by = saved_world_size(saved)
+    registry.restore_per_rank(saved, path, written_by, env.rank, env.world_size)
     restore_registered(registry, saved["objects"], path)
     streams_restored = loop.checkpointer.restore(saved)
     position = loop.position

@@ -111,6 +111,20 @@ class Run(ModelView):
             )
         self._context.registry.add(objects)
 
+    def register_per_rank(self, **objects: Any) -> None:
+        """Like :meth:`register`, for state that differs from rank to rank (a replay buffer,
+        a cursor into this rank's own data, a generator of your own): each rank's copy is
+        saved under its own key, and a resume gives each rank its own back. Register the
+        same names on every rank. A resume on another number of ranks is refused: such
+        state cannot be split or merged."""
+        if self._resume_done:
+            raise HpcDdpError(
+                f"register_per_rank({', '.join(objects)}) after the run resumed or started "
+                "training",
+                "register every object before run.resume() and run.epochs()",
+            )
+        self._context.registry.add(objects, per_rank=True)
+
     def resume(self) -> Resumed | None:
         """Restore the registered objects, the position and every rank's random streams from
         the newest good checkpoint of this run, if there is one (also done by the first
