@@ -301,3 +301,38 @@ def test_per_rank_names_that_differ_from_the_checkpoints_are_refused() -> None:
         registry.add({"buffer": nn.Linear(1, 1)}, per_rank=True)
     registry.add({"buffer": registry.per_rank["buffer"]}, per_rank=True)  # the same again
     registry.add({"model": registry.objects["model"]})
+
+
+def test_a_folders_metadata_is_unpickled_once_however_often_a_resume_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume reads the run blob, its rank's blob, the optimizers' saved parameters and
+    the tensors: each read would unpickle ``.metadata`` again (large for a model of many
+    tensors). A folder written anew at the same path is read again."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from hpc_ddp.runtime.checkpoint.sharded import load_objects, read_blobs, read_metadata
+
+    unpickled = []
+    original = FileSystemReader.read_metadata
+
+    def counted(self: FileSystemReader, *args: Any, **kwargs: Any) -> Any:
+        unpickled.append(self.path)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemReader, "read_metadata", counted)
+    folder = tmp_path / "step-1"
+    weights = {"w": torch.arange(4.0)}
+    write_folder(folder_state({"model": weights}, {"step": 1}, 0, {"rng": 1}), folder, None)
+    assert read_blobs(folder, ["run", "rank.0"]) == {"run": {"step": 1}, "rank.0": {"rng": 1}}
+    assert "objects.model.w" in read_metadata(folder).state_dict_metadata
+    template = {"model": {"w": torch.zeros(4)}}
+    load_objects(folder, template)
+    assert torch.equal(template["model"]["w"], weights["w"])
+    assert len(unpickled) == 1, unpickled
+
+    for part in folder.iterdir():
+        part.unlink()
+    write_folder(folder_state({"model": {"w": torch.ones(2)}}, {"step": 2}, 0, {}), folder, None)
+    assert read_blobs(folder, ["run"]) == {"run": {"step": 2}}
+    assert len(unpickled) == 2

@@ -18,6 +18,7 @@ group) wrote, as with any pickle.
 
 from __future__ import annotations
 
+import functools
 import io
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -128,18 +129,38 @@ def start_writing(
 
 
 def read_metadata(folder: Path) -> Metadata:
+    """The folder's ``.metadata``, unpickled once while it is the same file: a resume reads
+    it several times (the run blob, the rank's own, the optimizers' saved parameters, the
+    tensors), and for a model of many tensors unpickling it is not free."""
+    found = (folder / METADATA).stat()
+    identity = (found.st_ino, found.st_size, found.st_mtime_ns)  # a new file: read again
+    return _metadata_of(str(folder.resolve()), identity)
+
+
+@functools.lru_cache(maxsize=1)
+def _metadata_of(folder: str, _identity: tuple[int, int, int]) -> Metadata:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     return FileSystemReader(folder).read_metadata()
 
 
-def _load(template: dict[str, Any], folder: Path) -> None:
+def _reader(folder: Path) -> Any:
+    """DCP's reader of ``folder``, handed the metadata :func:`read_metadata` keeps."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    class KeptMetadataReader(FileSystemReader):
+        def read_metadata(self, *_args: Any, **_kwargs: Any) -> Metadata:
+            return read_metadata(folder)
+
+    return KeptMetadataReader(folder)
+
+
+def _load(template: dict[str, Any], folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     # Each process reads what it needs alone: no collective, so no peer can hang it.
     _alone()
-    dcp_load(template, storage_reader=FileSystemReader(folder), no_dist=True)
+    dcp_load(template, storage_reader=_reader(folder), no_dist=True)
 
 
 def read_blobs(folder: Path, keys: Iterable[str]) -> dict[str, Any]:
