@@ -290,10 +290,18 @@ def test_a_callables_keyword_arguments_are_its_option_keys_with_their_values_typ
         "decay": None,
         "name": "[1]",  # a JSON list is not a scalar: kept as text
     }
-    # A value written as a YAML or Python scalar reaches the callable as that value again.
+    # A value written as a YAML or Python scalar reaches the callable as that value again;
+    # from Python, strings that read as numbers, None and the infinities too.
     for value in (0.1, 1e-05, 3, 2**40, True, "adam", 1.5e300):
         (task,) = tasks_of({"list": [{"--x": value}]})
         assert keyword_arguments(task) == {"x": value}
+    from hpc_ddp.sweep.calls import argument_text
+
+    given = ["1", "true", "null", '"q"', "", "inf", None, float("inf"), -float("inf"), 0.5, "a b"]
+    (task,) = tasks_of({"list": [{f"--x{i}": argument_text(v) for i, v in enumerate(given)}]})
+    back = keyword_arguments(task)
+    assert [back[f"x{i}"] for i in range(len(given))] == given
+    assert type(back["x0"]) is str and type(back["x6"]) is type(None)
 
 
 def test_a_task_whose_arguments_do_not_fit_the_callable_is_refused_before_submitting() -> None:
@@ -308,6 +316,8 @@ def test_a_task_whose_arguments_do_not_fit_the_callable_is_refused_before_submit
         check_calls(program, [{"--width": "4"}])
     with pytest.raises(HpcDdpError, match="the sweep sets steps, which kwargs= also sets"):
         check_calls(program, [{"--lr": "1", "--steps": "3"}])
+    # A resume's --set may replace what kwargs= gave.
+    check_calls(program, [{"--lr": "1", "--steps": "3"}], overriding=True)
 
 
 def test_a_callable_that_cannot_travel_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
@@ -339,10 +349,47 @@ def test_a_sweeps_results_are_what_rank_0_of_each_task_returned(tmp_path: Path) 
     import hpc_ddp
     from hpc_ddp.sweep.calls import RESULT_FILE
 
-    data = sweep_record(tmp_path, [{}, {}, {}])
+    data = sweep_record(tmp_path, [{}, {}, {}, {}])
+    for task, state in zip(data["tasks"], ["finished"] * 3 + ["running"], strict=True):
+        task["state"] = state
     manifest.create_manifest(tmp_path / "s", data)
-    for index, value in ((0, {"loss": 0.5}), (2, [1, 2])):
+    for index, value in ((0, {"loss": 0.5}), (2, [1, 2]), (3, "an earlier attempt's")):
         run_dir = manifest.run_dir_of(data, data["tasks"][index])
         run_dir.mkdir(parents=True)
         (run_dir / RESULT_FILE).write_bytes(cloudpickle.dumps(value))
-    assert hpc_ddp.Sweep(tmp_path / "s").results() == [{"loss": 0.5}, None, [1, 2]]
+    sweep = hpc_ddp.Sweep(str(tmp_path / "s"))  # a path as text, as users type it
+    assert sweep.results() == [{"loss": 0.5}, None, [1, 2], None], "only finished tasks'"
+    assert [row.state for row in sweep.status()][:3] == ["finished"] * 3
+
+
+def test_code_sent_by_value_gets_its_file_back_for_tracebacks(tmp_path: Path) -> None:
+    """cloudpickle 3.1.3 names the file of code it sends by value ``<dynamic-code>``: the
+    function, a helper and a class's method of the user's script get their file back."""
+    import traceback
+
+    from hpc_ddp.sweep.calls import DYNAMIC_CODE, restore_file_names
+
+    script = tmp_path / "sweep_fn.py"
+    source = (
+        "class Scale:\n"
+        "    @staticmethod\n"
+        "    def of(x):\n"
+        "        raise ValueError(x)\n"
+        "def helper(x):\n"
+        "    return Scale.of(x)\n"
+        "def train(lr):\n"
+        "    return helper(lr)\n"
+    )
+    script.write_text(source)
+    namespace: dict[str, Any] = {"__name__": "__main__"}
+    exec(compile(source, DYNAMIC_CODE, "exec"), namespace)
+    restore_file_names(namespace["train"], str(script))
+    with pytest.raises(ValueError) as raised:
+        namespace["train"](0.1)
+    frames = traceback.extract_tb(raised.tb)[-3:]
+    assert [(frame.filename, frame.lineno, frame.name) for frame in frames] == [
+        (str(script), 8, "train"),
+        (str(script), 6, "helper"),
+        (str(script), 4, "of"),
+    ]
+    assert frames[-1].line == "raise ValueError(x)", "the source line is found again"

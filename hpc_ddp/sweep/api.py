@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,11 +12,15 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.sweep.spec import DEFAULT_MAX_TASKS
 
 
-@dataclass(frozen=True)
 class Sweep:
-    """A submitted sweep: its folder, and its tasks as `hpc-ddp sweep status` shows them."""
+    """A submitted sweep: its folder, and its tasks as `hpc-ddp sweep status` shows them
+    (``hpc_ddp.Sweep("runs/lr")`` picks up one submitted earlier)."""
 
-    directory: Path
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+
+    def __repr__(self) -> str:
+        return f"Sweep({str(self.directory)!r})"
 
     def status(self) -> list[Any]:
         """Every task (hpc_ddp.sweep.views.TaskRow), best first."""
@@ -32,7 +35,10 @@ class Sweep:
         from hpc_ddp.sweep.calls import read_result
 
         data = manifest.read_manifest(self.directory)
-        return [read_result(manifest.run_dir_of(data, task)) for task in data["tasks"]]
+        return [
+            read_result(manifest.run_dir_of(data, task)) if task["state"] == "finished" else None
+            for task in data["tasks"]
+        ]
 
     def wait(self, poll_s: float = 10.0, timeout_s: float | None = None) -> list[Any]:
         """Poll until no task is pending, running or requeued; returns the tasks."""
@@ -79,7 +85,7 @@ def submit_sweep(
     import shlex
 
     from hpc_ddp.launch.sbatch import RenderRequest
-    from hpc_ddp.sweep.calls import CallableProgram
+    from hpc_ddp.sweep.calls import CallableProgram, argument_text
     from hpc_ddp.sweep.programs import SweepProgram, sweep_program
     from hpc_ddp.sweep.spec import command_line_key, spec_from_dict
     from hpc_ddp.sweep.submit import submit_sweep as submit
@@ -95,14 +101,23 @@ def submit_sweep(
         words = shlex.split(program) if isinstance(program, str) else list(program)
         parsed = sweep_program(words)
 
-    def keyed(values: Mapping[str, Any]) -> dict[Any, Any]:
+    def texts(value: Any, many: bool) -> Any:
+        if many and isinstance(value, list | tuple):
+            return [argument_text(one) for one in value]
+        return argument_text(value)
+
+    def keyed(values: Mapping[str, Any], many: bool) -> dict[Any, Any]:
+        """Plain keys as the program's options; a callable's values as text that reads back
+        as the same value."""
+        if isinstance(parsed, CallableProgram):
+            values = {key: texts(value, many) for key, value in values.items()}
         return {command_line_key(k) if isinstance(k, str) else k: v for k, v in values.items()}
 
     raw: dict[str, Any] = {"name": name, "concurrency": concurrency, "metric": metric}
     raw.update(mode=mode, max_tasks=max_tasks)
-    raw.update(grid=grid and keyed(grid), zip=zip and keyed(zip))
+    raw.update(grid=grid and keyed(grid, True), zip=zip and keyed(zip, True))
     if tasks is not None:
-        raw["list"] = [keyed(task) for task in tasks]
+        raw["list"] = [keyed(task, False) for task in tasks]
     spec = spec_from_dict({key: value for key, value in raw.items() if value is not None}, name)
     request = RenderRequest(
         arguments=(),

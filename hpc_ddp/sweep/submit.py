@@ -235,13 +235,14 @@ def resume_sweep(
     if not chosen:
         say(f"every task of sweep {data['name']} finished: nothing to resume")
         return []
-    program = recorded_program(sweep_dir, data)
     pairs = [_override(text) for text in overrides]
-    check_settings([key for key, _ in pairs], program)
-    refuse_conflicts(program, {key for key, _ in pairs})
-    if isinstance(program, CallableProgram):
-        changed = [with_overrides(data["tasks"][index]["settings"], pairs) for index in chosen]
-        check_calls(program, changed)
+    if pairs:  # a callable is loaded (its module imported) only to check changed arguments
+        program = recorded_program(sweep_dir, data)
+        check_settings([key for key, _ in pairs], program)
+        refuse_conflicts(program, {key for key, _ in pairs})
+        if isinstance(program, CallableProgram):
+            changed = [with_overrides(data["tasks"][index]["settings"], pairs) for index in chosen]
+            check_calls(program, changed, overriding=True)
 
     def reset(record: dict[str, Any]) -> None:
         for index in chosen:

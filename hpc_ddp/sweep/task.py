@@ -92,6 +92,10 @@ def start_task(sweep_dir: Path, offset: int, environ: MutableMapping[str, str]) 
             tuple(task.get("overrides", ())),
         )
         write_membership(manifest.run_dir_of(data, task), membership)
+        if data["program"]["kind"] == "callable":
+            from hpc_ddp.sweep.calls import forget_result
+
+            forget_result(manifest.run_dir_of(data, task))
         job = f"{environ.get('SLURM_ARRAY_JOB_ID', '')}_{environ.get('SLURM_ARRAY_TASK_ID')}"
 
         def started(record: dict[str, Any]) -> None:
