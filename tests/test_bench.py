@@ -6,13 +6,16 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from bench.report import _gpu
 from tests.helpers import REPO, clean_environ
 
 
-def test_gpu_bench_without_a_gpu_says_so_and_exits_2() -> None:
+@pytest.mark.parametrize("bench", ["bench.gpu", "bench.gpu_sharded"])
+def test_gpu_bench_without_a_gpu_says_so_and_exits_2(bench: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "bench.gpu"],
+        [sys.executable, "-m", bench],
         cwd=REPO,
         env=clean_environ(CUDA_VISIBLE_DEVICES=""),
         capture_output=True,

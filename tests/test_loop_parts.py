@@ -191,7 +191,7 @@ def test_per_rank_states_of_another_world_size_are_not_forced_on_a_stream(
     counting = Counting()
     streams.take(BatchStream(counting, grad_accum_steps=1), resumed_from_step=9)
     assert counting.position == 0
-    assert streams.gathered(None) == [{"position": 0}]
+    assert streams.own_state() == {"position": 0}
 
 
 def test_labelled_lines_are_written_whole_in_one_call() -> None:
@@ -301,3 +301,6 @@ def test_a_dataclass_batch_is_cut_to_no_samples_and_its_samples_counted() -> Non
     assert filler.ids.shape == (0, 3) and filler.mask.shape == (0, 3)
     assert batch_length(filler) == 0
     assert batch_length(Tokens(ids=torch.ones(5, 2), mask=torch.ones(5, 2))) == 5
+    # A scalar in a batch (a loss weight) stays; a defaultdict comes back as a dict.
+    cut = no_samples({"w": torch.tensor(2.0), "d": collections.defaultdict(list, x=torch.ones(3))})
+    assert cut["w"].item() == 2.0 and cut["d"]["x"].shape == (0,)

@@ -336,3 +336,28 @@ def test_a_folders_metadata_is_unpickled_once_however_often_a_resume_reads_it(
     write_folder(folder_state({"model": {"w": torch.ones(2)}}, {"step": 2}, 0, {}), folder, None)
     assert read_blobs(folder, ["run"]) == {"run": {"step": 2}}
     assert len(unpickled) == 2
+
+
+def test_a_checkpoint_that_vanishes_while_listed_is_not_taken_for_a_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 removes a failed save's folder while another rank lists the checkpoints to
+    name the one kept: the folder, gone by the time it is looked at, is no checkpoint (it
+    was once counted as a single file, and named as the one kept)."""
+    from hpc_ddp.runtime.checkpoint import files
+
+    (tmp_path / "step-000000020").mkdir()
+    (tmp_path / "step-000000020" / METADATA).write_text("")
+    (tmp_path / "step-000000040").mkdir()  # being written, then removed
+    listed = Path.iterdir
+
+    def removed_as_listed(self: Path) -> Any:
+        entries = list(listed(self))
+        if self == tmp_path and (tmp_path / "step-000000040").exists():
+            (tmp_path / "step-000000040").rmdir()
+        return iter(entries)
+
+    monkeypatch.setattr(Path, "iterdir", removed_as_listed)
+    assert [path.name for path in files.list_checkpoints(tmp_path)] == ["step-000000020"]
+    (tmp_path / "step-000000050.pt").symlink_to(tmp_path / "nowhere")
+    assert [path.name for path in files.list_checkpoints(tmp_path)] == ["step-000000020"]

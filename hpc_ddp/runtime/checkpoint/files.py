@@ -78,10 +78,12 @@ def list_checkpoints(directory: Path) -> list[Path]:
     ``.metadata``) and single files; at one step the folder comes first."""
     if not directory.is_dir():
         return []
+    # is_file, not "not a folder": a folder another rank removes as this one lists (a save
+    # that failed) must not count as a single-file checkpoint once it is gone.
     found = [
         path
         for path in directory.iterdir()
-        if _NAME.match(path.name) and (is_complete(path) or not path.is_dir())
+        if _NAME.match(path.name) and (is_complete(path) or path.is_file())
     ]
     return sorted(found, key=lambda path: (checkpoint_step(path), path.is_dir()), reverse=True)
 

@@ -137,6 +137,12 @@ def read_metadata(folder: Path) -> Metadata:
     return _metadata_of(str(folder.resolve()), identity)
 
 
+def forget_metadata() -> None:
+    """Let go of the metadata :func:`read_metadata` keeps, once a resume has read it (for
+    a large model it holds a lot)."""
+    _metadata_of.cache_clear()
+
+
 @functools.lru_cache(maxsize=1)
 def _metadata_of(folder: str, _identity: tuple[int, int, int]) -> Metadata:
     from torch.distributed.checkpoint.filesystem import FileSystemReader

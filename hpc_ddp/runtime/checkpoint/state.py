@@ -15,7 +15,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.place.dist import gather_object_to_main
 
 
 @runtime_checkable
@@ -79,8 +78,10 @@ class Registry:
         return {name: value.state_dict() for name, value in self.objects.items()}
 
     def per_rank_states(self) -> dict[str, Any]:
-        """This rank's own state of each object registered per rank."""
-        return {name: value.state_dict() for name, value in self.per_rank.items()}
+        """This rank's own state of each object registered per rank, its tensors copied to
+        the CPU (they travel to rank 0, or into this rank's own blob)."""
+        states = {name: value.state_dict() for name, value in self.per_rank.items()}
+        return tree_map(lambda leaf: leaf.cpu() if isinstance(leaf, torch.Tensor) else leaf, states)  # type: ignore[no-any-return]
 
     def restore(self, saved: Mapping[str, Any], path: Path) -> None:
         """Load every registered object from ``saved``; the names must match exactly."""
@@ -108,9 +109,9 @@ class Registry:
             raise HpcDdpError(
                 f"cannot resume {', '.join(names)} from {path}: each rank saved its own, and "
                 f"the checkpoint holds {written_by} ranks' states, this run has {world_size}",
-                f"resume on {written_by} ranks; register them with run.register() instead "
-                "where one copy (rank 0's) serves every rank; or start a fresh run with "
-                "another run.id",
+                f"resume on {written_by} ranks, or start a fresh run with another run.id "
+                "(in which run.register() may take them where one copy, rank 0's, serves "
+                "every rank)",
             )
         own = saved["per_rank"][rank]
         for name, value in self.per_rank.items():
@@ -196,12 +197,6 @@ def rng_state(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
-
-
-def gathered_rng_states(device: torch.device, group: Any | None) -> list[dict[str, Any]]:
-    """Every rank's random streams, in rank order, on rank 0 ([] on the others; a
-    collective)."""
-    return gather_object_to_main(rng_state(device), group)
 
 
 def restore_rng(state: Mapping[str, Any], device: torch.device) -> None:

@@ -21,7 +21,6 @@ from hpc_ddp.runtime.checkpoint.objects import object_kinds, plain_states, tenso
 from hpc_ddp.runtime.checkpoint.sharded import FOLDER_FORMAT, folder_state
 from hpc_ddp.runtime.checkpoint.state import (
     check_loadable,
-    gathered_rng_states,
     restore_rng,
     rng_state,
 )
@@ -72,45 +71,29 @@ class Checkpointer:
         training ended with this checkpoint."""
         context = self.context
         check_loadable("run.state", context.values)
-        rng = gathered_rng_states(context.device, context.control_group)
-        streams = self.streams.gathered(context.control_group)
-        registry = context.registry
-        per_rank = None
-        if registry.per_rank:
-            per_rank = gather_object_to_main(registry.per_rank_states(), context.control_group)
+        every = gather_object_to_main(self._own_state(), context.control_group)
         metrics = self.metrics.saved()
         if not context.env.is_main:
             return {}
+        has_streams = any(own["streams"] is not None for own in every)
         return {
             "format": FORMAT_VERSION,
-            "objects": registry.state_dicts(),
-            "per_rank_names": sorted(registry.per_rank),
-            "per_rank": per_rank,
-            "values": dict(context.values),
-            "streams": streams,
-            **self.position.saved(),
-            "world_size": context.env.world_size,
-            "restart_count": context.env.restart_count,
-            "rng": rng,
-            "metrics": metrics,
-            "mlflow_run_id": context.tracker.run_id,
-            "fingerprint": context.fingerprint,
-            "finished": finished,
+            "objects": context.registry.state_dicts(),
+            "rng": [own["rng"] for own in every],
+            "streams": [own["streams"] for own in every] if has_streams else None,
+            "per_rank": [own["per_rank"] for own in every],
+            **self._run_state(metrics, finished),
         }
 
     def folder_contents(self, finished: bool = False) -> dict[str, Any]:
         """What this rank hands a folder save (see :mod:`hpc_ddp.runtime.checkpoint.sharded`):
-        the registered objects' tensors, its own random streams and batch state and, on rank
-        0, the run's state."""
+        the registered objects' tensors, its own random streams, batch state and objects
+        registered per rank and, on rank 0, the run's state."""
         context = self.context
         check_loadable("run.state", context.values)
         objects = context.registry.objects
         kinds = object_kinds(objects)
-        own = {
-            "rng": rng_state(context.device),
-            "streams": self.streams.own_state(),
-            "per_rank": context.registry.per_rank_states(),
-        }
+        own = self._own_state()
         metrics = self.metrics.saved()
         run = None
         if context.env.is_main:
@@ -118,18 +101,34 @@ class Checkpointer:
                 "format": FOLDER_FORMAT,
                 "kinds": kinds,
                 "plain": plain_states(objects, kinds),
-                "per_rank_names": sorted(context.registry.per_rank),
-                "values": dict(context.values),
                 "has_streams": own["streams"] is not None,
-                **self.position.saved(),
-                "world_size": context.env.world_size,
-                "restart_count": context.env.restart_count,
-                "metrics": metrics,
-                "mlflow_run_id": context.tracker.run_id,
-                "fingerprint": context.fingerprint,
-                "finished": finished,
+                **self._run_state(metrics, finished),
             }
         return folder_state(tensor_states(objects, kinds), run, context.env.rank, own)
+
+    def _own_state(self) -> dict[str, Any]:
+        """This rank's own part of a checkpoint: its random streams, its batch state and its
+        objects registered per rank."""
+        return {
+            "rng": rng_state(self.context.device),
+            "streams": self.streams.own_state(),
+            "per_rank": self.context.registry.per_rank_states(),
+        }
+
+    def _run_state(self, metrics: Any, finished: bool) -> dict[str, Any]:
+        """What both formats keep of the run itself (rank 0's)."""
+        context = self.context
+        return {
+            "per_rank_names": sorted(context.registry.per_rank),
+            "values": dict(context.values),
+            **self.position.saved(),
+            "world_size": context.env.world_size,
+            "restart_count": context.env.restart_count,
+            "metrics": metrics,
+            "mlflow_run_id": context.tracker.run_id,
+            "fingerprint": context.fingerprint,
+            "finished": finished,
+        }
 
     def save(self, reason: str) -> None:
         """A checkpoint at the current step, unless one was written at it (every rank calls
@@ -192,13 +191,7 @@ class Checkpointer:
             return
         self._budget_said = True
         if took > warning:
-            get_logger().warning(
-                f"a checkpoint took {took:.0f} s, longer than the {warning:.0f} s between the "
-                "stop signal and the kill (preempt.warning_s): a stop would be killed before "
-                "its checkpoint is on disk. HINT: warn earlier (#SBATCH --signal=USR1@300 and "
-                "preempt.warning_s=300), save less (fewer registered objects), or write to a "
-                "faster file system (run.output_dir)"
-            )
+            get_logger().warning(over_budget(took, warning))
 
     def restore(self, saved: dict[str, Any]) -> bool:
         """Continue where ``saved`` left off: position, metric sums, plain values, the
@@ -226,3 +219,15 @@ class Checkpointer:
             position.replicas_diverged_at = position.global_step
             if context.env.is_main:
                 get_logger().error(divergence_message(diverged, position.global_step))
+
+
+def over_budget(took_s: float, warning_s: float) -> str:
+    """What a save that took ``took_s`` seconds, longer than the ``warning_s`` between the
+    stop signal and the kill, means and what to do."""
+    return (
+        f"a checkpoint took {took_s:.0f} s, longer than the {warning_s:.0f} s between the "
+        "stop signal and the kill (preempt.warning_s): a stop would be killed before its "
+        "checkpoint is on disk. HINT: warn earlier (#SBATCH --signal=USR1@300 and "
+        "preempt.warning_s=300), save less (fewer registered objects), or write to a faster "
+        "file system (run.output_dir)"
+    )

@@ -27,7 +27,6 @@ import torch
 from hpc_ddp.runtime.checkpoint.state import check_loadable
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.place.dist import gather_object_to_main
 
 
 def is_stateful(value: object) -> bool:
@@ -64,7 +63,12 @@ def map_tensors(batch: Any, change: Callable[[torch.Tensor], torch.Tensor]) -> A
         return change(batch)
     if isinstance(batch, Mapping):
         changed = {key: map_tensors(value, change) for key, value in batch.items()}
-        return changed if type(batch) is dict else type(batch)(changed)  # type: ignore[call-arg]
+        if type(batch) is dict:
+            return changed
+        try:
+            return type(batch)(changed)  # type: ignore[call-arg]
+        except TypeError:  # a mapping not built from a dict (defaultdict): a plain one
+            return changed
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(map_tensors(value, change) for value in batch))
     if isinstance(batch, list | tuple):
@@ -84,7 +88,7 @@ def move_to(batch: Any, device: torch.device) -> Any:
 def no_samples(batch: Any) -> Any:
     """``batch`` (of any structure :func:`map_tensors` walks) with every tensor cut to 0
     samples."""
-    return map_tensors(batch, lambda tensor: tensor[:0])
+    return map_tensors(batch, lambda tensor: tensor[:0] if tensor.dim() else tensor)
 
 
 class BatchStream:
@@ -210,12 +214,6 @@ class StreamStates:
         if resumed_from_step and not self._said and self.rank == 0:
             self._said = True
             get_logger().info(f"resuming the batches at step {resumed_from_step}: {stream.kind}")
-
-    def gathered(self, group: Any | None) -> list[Any] | None:
-        """Every rank's state of a stateful stream, on rank 0 (a collective; None for a
-        stream without state)."""
-        mine = self.own_state()
-        return None if mine is None else gather_object_to_main(mine, group)
 
     def own_state(self) -> Any:
         """This rank's state of a stateful stream (None for a stream without state)."""

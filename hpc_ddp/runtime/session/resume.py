@@ -20,7 +20,7 @@ from hpc_ddp.runtime.checkpoint.files import (
     saved_world_size,
 )
 from hpc_ddp.runtime.checkpoint.objects import restore_objects
-from hpc_ddp.runtime.checkpoint.sharded import FolderObjects
+from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, forget_metadata
 from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
@@ -75,6 +75,7 @@ def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, 
     written_by = saved_world_size(saved)
     registry.restore_per_rank(saved, path, written_by, env.rank, env.world_size)
     restore_registered(registry, saved["objects"], path)
+    forget_metadata()
     streams_restored = loop.checkpointer.restore(saved)
     position = loop.position
     get_logger().info(
