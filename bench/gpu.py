@@ -118,14 +118,21 @@ def overhead(repeats: int) -> dict[str, Any]:
     return results
 
 
-def run(repeats: int = 5) -> dict[str, Any] | None:
+def gpu_or_refusal(program: str) -> dict[str, Any] | None:
+    """:func:`gpu_facts`; without a usable GPU, None after ``program`` says so."""
     facts = gpu_facts()
     if facts is None:
         print(
-            "bench.gpu: error: no CUDA GPU is visible (torch.cuda.is_available() is False)\n"
+            f"{program}: error: no CUDA GPU is visible (torch.cuda.is_available() is False)\n"
             "HINT: run it on a machine with a GPU and a CUDA build of torch",
             file=sys.stderr,
         )
+    return facts
+
+
+def run(repeats: int = 5) -> dict[str, Any] | None:
+    facts = gpu_or_refusal("bench.gpu")
+    if facts is None:
         return None
     with tempfile.TemporaryDirectory() as output_dir:
         single = nccl_single(output_dir)

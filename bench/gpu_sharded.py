@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.gpu import gpu_facts
+from bench.gpu import gpu_or_refusal
 from bench.harness import REPO, launch, write_result
 
 SIZES_MB = (256, 1024, 2048, 4096)
@@ -53,13 +53,8 @@ def lm_run(strategy: str, output_dir: Path) -> dict[str, Any]:
 
 
 def run(repeats: int = 3) -> dict[str, Any] | None:
-    facts = gpu_facts()
+    facts = gpu_or_refusal("bench.gpu_sharded")
     if facts is None:
-        print(
-            "bench.gpu_sharded: error: no CUDA GPU is visible (torch.cuda.is_available() is "
-            "False)\nHINT: run it on a machine with a GPU and a CUDA build of torch",
-            file=sys.stderr,
-        )
         return None
     sizes = ",".join(map(str, SIZES_MB))
     arguments = ["blocked", "--device", "cuda", "--sizes", sizes, "--repeats", str(repeats)]
