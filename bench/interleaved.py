@@ -129,9 +129,12 @@ def library_rounds(
     return seconds
 
 
-def control_rounds(hidden: list[int], samples: int, rounds: int) -> list[tuple[float, float]]:
+def control_rounds(
+    hidden: list[int], samples: int, rounds: int, shard: bool = False
+) -> list[tuple[float, float]]:
     """Epochs of the hand-written loop against its own copy, in hpc_ddp's place."""
-    raw, second = RawLoop(hidden, samples, BATCH), RawLoop(hidden, samples, BATCH)
+    raw = RawLoop(hidden, samples, BATCH, shard=shard)
+    second = RawLoop(hidden, samples, BATCH, shard=shard)
     between = StepsInBetween(second.loader, raw)
     seconds = []
     for epoch in range(rounds):
@@ -167,7 +170,7 @@ def rank_main() -> None:
     )
     # Round 0 warms both up and is not counted.
     if args.control:
-        seconds = control_rounds(hidden, samples, args.rounds + 1)[1:]
+        seconds = control_rounds(hidden, samples, args.rounds + 1, args.fsdp)[1:]
     else:
         seconds = library_rounds(run, hidden, samples, args.rounds + 1, args.accuracy, args.fsdp)[
             1:

@@ -11,7 +11,7 @@
    its peak resident set.
 4. Per-step cost of hpc_ddp's loop with dist.strategy=fsdp against a hand-written FSDP2 loop
    on the same model and batches, in turn inside one pair of ranks (bench.interleaved
-   --fsdp).
+   --fsdp), and the hand-written loop against its own copy (the method's control).
 
     python -m bench.sharded            # all four; figures in bench/results/sharded.json
 """
@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -38,7 +39,9 @@ from bench.interleaved import measure
 SIZES_MB = (64, 256, 1024, 2048)
 WRITE_MB = 256
 #: Paired rounds of the FSDP2 loops (an epoch of 32 steps each).
-OVERHEAD_ROUNDS = 40
+OVERHEAD_ROUNDS = 80
+#: Paired rounds of the hand-written FSDP2 loop against its own copy.
+CONTROL_ROUNDS = 40
 #: Linear(4096, 4096) blocks: 16 of them hold 268 M parameters, an AdamW state of 2.1 GB.
 MEMORY_WIDTH, MEMORY_BLOCKS = 4096, 16
 
@@ -66,10 +69,14 @@ def shared_dir(group: Any) -> Path:
 
 
 def blocked_times(sizes: list[int], repeats: int, device: str = "cpu") -> dict[str, Any]:
+    """Each size's state saved ``repeats`` times each way; the folders through the same
+    writer a run uses (it splits a replicated state over the ranks, see
+    hpc_ddp.runtime.checkpoint.spread)."""
     from hpc_ddp.runtime.checkpoint.files import FORMAT_VERSION, save_checkpoint
-    from hpc_ddp.runtime.checkpoint.sharded import new_stager, start_writing, write_folder
+    from hpc_ddp.runtime.checkpoint.writer import FolderSaves
 
     group = dist.new_group(backend="gloo")
+    is_main = dist.get_rank() == 0
     rows = []
     for megabytes in sizes:
         tensors = state_of(megabytes, device)
@@ -81,42 +88,33 @@ def blocked_times(sizes: list[int], repeats: int, device: str = "cpu") -> dict[s
             "async_first": [],
         }
         directory = shared_dir(group)
-        stager = new_stager()  # kept from save to save, as a run keeps it
+        # Kept from save to save, as a run keeps it (with the copy's buffers).
+        folders = FolderSaves(directory / "folders", 2, group, is_main)
         for repeat in range(repeats):
             dist.barrier()
             started = time.perf_counter()
-            if dist.get_rank() == 0:
+            if is_main:
                 state = {"format": FORMAT_VERSION, "objects": {"model": tensors}}
                 save_checkpoint(state, directory, repeat, keep_last=1)
             dist.barrier()
             times["single_file"].append(time.perf_counter() - started)
             started = time.perf_counter()
-            write_folder({"objects": {"model": tensors}}, directory / f"sync-{repeat}", group)
+            folders.write({"objects": {"model": tensors}}, 2 * repeat + 1, "sync", False)
             times["sync"].append(time.perf_counter() - started)
             dist.barrier()
             started = time.perf_counter()
-            future = start_writing(
-                {"objects": {"model": tensors}}, directory / f"async-{repeat}", group, stager
-            )
+            folders.write({"objects": {"model": tensors}}, 2 * repeat + 2, "async", True)
             # The first background save also allocates the copy's buffers, once per run.
             times["async" if repeat else "async_first"].append(time.perf_counter() - started)
-            future.result()
+            folders.wait()
             times["async_written"].append(time.perf_counter() - started)
-            dist.barrier()
-            if dist.get_rank() == 0:
-                for path in directory.iterdir():
-                    if path.is_dir():
-                        for part in path.iterdir():
-                            part.unlink()
-                        path.rmdir()
-        if dist.get_rank() == 0:
-            for path in directory.iterdir():
-                path.unlink()
-            directory.rmdir()
+        dist.barrier()
+        if is_main:
+            shutil.rmtree(directory)
         row = {"size_mb": megabytes, **{f"{key}_s": median(value) for key, value in times.items()}}
         row["async_blocked_share"] = row["async_s"] / row["sync_s"]
         rows.append(row)
-        del tensors
+        del tensors, folders
     return {"rows": rows}
 
 
@@ -235,7 +233,16 @@ def run() -> dict[str, Any]:
             memory.append(held)
             print(f"{strategy} W={world}: {held}", flush=True)
     overhead = measure("compute_bound", OVERHEAD_ROUNDS, fsdp=True)
-    result = {"blocked": blocked, "written": written, "memory": memory, "overhead": overhead}
+    # The hand-written FSDP2 loop against its own copy: what the method reads for no
+    # difference at all.
+    control = measure("compute_bound", CONTROL_ROUNDS, control=True, fsdp=True)
+    result = {
+        "blocked": blocked,
+        "written": written,
+        "memory": memory,
+        "overhead": overhead,
+        "overhead_control": control,
+    }
     write_result("sharded", result)
     return result
 

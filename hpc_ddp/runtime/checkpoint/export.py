@@ -24,11 +24,10 @@ from hpc_ddp.runtime.errors import HpcDdpError
 
 def choose_checkpoint(run_dir: Path, step: int | None = None) -> Path:
     """The run's newest checkpoint, or the one at ``step``."""
-    found = list_checkpoints(checkpoint_dir(run_dir))
-    if step is not None:
-        found = [path for path in found if checkpoint_step(path) == step]
+    listed = list_checkpoints(checkpoint_dir(run_dir))
+    found = [path for path in listed if step is None or checkpoint_step(path) == step]
     if not found:
-        steps = [checkpoint_step(path) for path in list_checkpoints(checkpoint_dir(run_dir))]
+        steps = [checkpoint_step(path) for path in listed]
         at = f" at step {step}" if step is not None else ""
         raise HpcDdpError(
             f"no checkpoint{at} in {checkpoint_dir(run_dir)}"

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
+
+from hpc_ddp.runtime.place.dist import several_ranks
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
@@ -74,15 +75,19 @@ def _writer(folder: Path) -> FileSystemWriter:
     return FileSystemWriter(folder, sync_files=True)
 
 
-def _alone() -> bool:
-    """One process, with or without a process group: DCP then works alone (a GPU's group of
-    one is NCCL's, on which a background save refuses to run), and would say so at every
-    save and load (from the writer's thread too, so a filter around the call is not
-    enough); each rank's own reads work alone as well."""
+def _quiet_alone() -> None:
+    """DCP working alone (see :func:`_alone`) says so at every save and load, from the
+    writer's thread too, so a filter around the call is not enough."""
     warnings.filterwarnings(
         "ignore", message=r".*assuming the intent is to (save|load) in a single process"
     )
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+
+
+def _alone() -> bool:
+    """One process, with or without a process group: DCP then works alone (a GPU's group of
+    one is NCCL's, on which a background save refuses to run)."""
+    _quiet_alone()
+    return not several_ranks()
 
 
 def write_folder(state: dict[str, Any], folder: Path, group: Any | None) -> None:
@@ -165,7 +170,7 @@ def _load(template: dict[str, Any], folder: Path) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     # Each process reads what it needs alone: no collective, so no peer can hang it.
-    _alone()
+    _quiet_alone()
     dcp_load(template, storage_reader=_reader(folder), no_dist=True)
 
 

@@ -19,9 +19,10 @@ from hpc_ddp.runtime.checkpoint.sharded import (
     start_writing,
     write_folder,
 )
+from hpc_ddp.runtime.checkpoint.spread import layout_of, own_share
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.place.dist import several_ranks
+from hpc_ddp.runtime.place.dist import all_gather_object, several_ranks
 from hpc_ddp.runtime.safefiles import make_dirs
 
 
@@ -65,8 +66,8 @@ class FolderSaves:
                 raise
             get_logger().error(f"{failed.message}. HINT: {failed.hint}")
         folder = self.directory / f"step-{step:09d}"
-        self._fresh_folder(folder)
         started = time.perf_counter()
+        state = self._fresh_folder(folder, state)
         try:
             if background:
                 self.stager = self.stager or new_stager()
@@ -96,19 +97,25 @@ class FolderSaves:
         done = pending.finished[0] if pending.finished else time.perf_counter()
         self._committed(pending.folder, pending.step, pending.reason, pending.started, done)
 
-    def _fresh_folder(self, folder: Path) -> None:
-        """An empty ``folder`` made by rank 0 before any rank writes into it. One left at
-        this step by an earlier attempt (checkpoint.resume=false) would mix its old
-        .metadata with the new files; a link there would be written through. The folder
-        is made without group or world write, whatever the umask."""
+    def _fresh_folder(self, folder: Path, state: dict[str, Any]) -> dict[str, Any]:
+        """An empty ``folder`` made by rank 0 before any rank writes into it, and what of
+        ``state`` this rank writes there (see :mod:`.spread`). A folder left at this step
+        by an earlier attempt (checkpoint.resume=false) would mix its old .metadata with
+        the new files; a link there would be written through. The folder is made without
+        group or world write, whatever the umask."""
         if self.is_main:
             if folder.is_symlink() or folder.is_file():
                 folder.unlink()
             elif folder.exists():
                 shutil.rmtree(folder, ignore_errors=True)
             make_dirs(folder)
-        if several_ranks():  # no rank may make or write into it before that
-            dist.barrier(group=self.group)
+        if not several_ranks():
+            return state
+        # Gathered after rank 0 made the folder: no rank writes into it before that.
+        layouts = all_gather_object(layout_of(state), self.group)
+        if len(set(layouts)) > 1:  # ranks hold different tensors: DCP picks the writers
+            return state
+        return own_share(state, dist.get_rank(), dist.get_world_size())
 
     def _committed(
         self, folder: Path, step: int, reason: str, started: float, done: float | None = None
