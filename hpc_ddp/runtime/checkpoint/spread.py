@@ -14,6 +14,7 @@ that (:func:`layout_of` on every rank) before it hands DCP a share.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -36,24 +37,25 @@ def replicated_tensors(state: Mapping[str, Any], at: Path = ()) -> Iterator[tupl
             yield path, value
 
 
-def layout_of(state: Mapping[str, Any]) -> str:
-    """A digest of the replicated tensors' paths, shapes and types: equal on every rank
-    exactly when the ranks can split them with :func:`writers`."""
+def layout_of(state: Mapping[str, Any]) -> int:
+    """A digest of the replicated tensors' paths, shapes and types (63 bits, so that ranks
+    compare it in one small all-reduce): equal on every rank exactly when the ranks can
+    split them with :func:`writers`."""
     digest = hashlib.sha256()
     for path, tensor in sorted(replicated_tensors(state), key=lambda item: item[0]):
         digest.update(repr((path, tuple(tensor.shape), str(tensor.dtype))).encode())
-    return digest.hexdigest()
+    return int.from_bytes(digest.digest()[:8], "big") >> 1
 
 
 def writers(sizes: Mapping[Path, int], world_size: int) -> dict[Path, int]:
     """The rank that writes each tensor (``sizes``: bytes by path): largest first, each to
     the rank with the fewest bytes so far (the lowest such rank)."""
-    loads = [0] * world_size
+    loads = [(0, rank) for rank in range(world_size)]  # a heap: (bytes so far, rank)
     chosen: dict[Path, int] = {}
     for path, size in sorted(sizes.items(), key=lambda item: (-item[1], item[0])):
-        rank = min(range(world_size), key=lambda index: loads[index])
+        load, rank = loads[0]
         chosen[path] = rank
-        loads[rank] += size
+        heapq.heapreplace(loads, (load + size, rank))
     return chosen
 
 

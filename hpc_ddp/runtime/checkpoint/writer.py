@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from hpc_ddp.runtime.checkpoint.files import prune_older, unwritable
@@ -22,7 +23,7 @@ from hpc_ddp.runtime.checkpoint.sharded import (
 from hpc_ddp.runtime.checkpoint.spread import layout_of, own_share
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.place.dist import all_gather_object, several_ranks
+from hpc_ddp.runtime.place.dist import several_ranks
 from hpc_ddp.runtime.safefiles import make_dirs
 
 
@@ -111,9 +112,11 @@ class FolderSaves:
             make_dirs(folder)
         if not several_ranks():
             return state
-        # Gathered after rank 0 made the folder: no rank writes into it before that.
-        layouts = all_gather_object(layout_of(state), self.group)
-        if len(set(layouts)) > 1:  # ranks hold different tensors: DCP picks the writers
+        # Reduced after rank 0 made the folder: no rank writes into it before that.
+        layout = layout_of(state)
+        extremes = torch.tensor([layout, -layout], dtype=torch.int64)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
+        if extremes[0] != -extremes[1]:  # ranks hold different tensors: DCP picks the writers
             return state
         return own_share(state, dist.get_rank(), dist.get_world_size())
 
