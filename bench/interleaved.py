@@ -111,11 +111,15 @@ def library_rounds(
     for _epoch in run.epochs(rounds):
         started, raw_before = time.perf_counter(), between.raw_seconds
         for features, labels in run.steps(between):
+            # The hand-written step's own order (RawLoop.step): gradients are let go of just
+            # before backward, not after the optimizer step. Under FSDP2 the other order
+            # alone reads about 1% slower here: its gradients' memory is freed a whole
+            # hand-written step before it is asked for again.
             logits = model(features)
             loss = nn.functional.cross_entropy(logits, labels)
+            optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             run.log("train_loss", loss.detach() * len(labels), len(labels))
             if accuracy:
                 run.log("train_accuracy", logits.argmax(dim=1).eq(labels).sum(), len(labels))

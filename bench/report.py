@@ -45,8 +45,9 @@ def _overhead_paired(data: dict[str, Any]) -> str:
         "",
         "`bench/interleaved.py`: both loops live in the same two ranks and alternate single "
         "steps; hpc_ddp's side is a user-style loop over `run.steps` on a loader that runs and "
-        "times one hand-written step before each of its batches. Machine noise slower than a step hits "
-        "both alike. Ratio = hand-written seconds / hpc_ddp seconds over all rounds (one "
+        "times one hand-written step before each of its batches. Both sides take the same "
+        "step, in the same order (forward, `zero_grad`, backward, optimizer step). Machine "
+        "noise slower than a step hits both alike. Ratio = hand-written seconds / hpc_ddp seconds over all rounds (one "
         "round = one epoch of each), with a bootstrap 95% interval over rounds. The control "
         "row runs the hand-written loop against a copy of itself in hpc_ddp's place: what the "
         "method reads for no difference at all.",
@@ -299,7 +300,7 @@ No GPU figures yet: the GPU machine is lent to some tasks only, and none was len
 figures were taken. The CUDA/NCCL path (set_device before init, device_ids, bf16 autocast,
 the gloo side-group for control messages) is exercised on CPU by construction and by the
 Slurm GRES tests. On a GPU, `python -m bench.gpu` takes the figures and this section shows
-them.
+them; `python -m bench.gpu_sharded` adds FSDP2 with bf16 and an async folder save.
 """
 
 

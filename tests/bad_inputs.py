@@ -417,6 +417,17 @@ CASES: list[Case] = [
         says="one rank cannot write a sharded model's state alone",
     ),
     script(
+        f"{RUN}\nfrom torch.distributed.fsdp import fully_shard\n"
+        "run.wrap(fully_shard(torch.nn.Linear(2, 1)))",
+        says="run.wrap(FSDPLinear): the model is sharded already",
+    ),
+    script(
+        "run = hpc_ddp.start(tracking={'enabled': False}, checkpoint={'save_mode': "
+        "'single_file'})\nfrom torch.distributed.fsdp import fully_shard\n"
+        "run.register(model=fully_shard(torch.nn.Linear(2, 1)))",
+        says="run.register(model=...) of sharded state with checkpoint.save_mode=single_file",
+    ),
+    script(
         f"{RUN}\nrun.train_loader(list(range(10)), batch_size=64)",
         says="fewer than one global batch",
     ),
@@ -537,6 +548,9 @@ FAULTS: list[tuple[str, str, str]] = [
      "test_fault_tolerance.py::test_ranks_end_when_their_local_launcher_is_killed"),
     ("a rank leaves the loop early (sys.exit(0/3/None), os._exit(0))", "named as the cause, "
      "not the rank that lost contact with it", "test_training.py::test_a_rank_that_leaves_the_loop_early_is_named_as_the_cause"),
+    ("a sweep's or job's function that only the submitting script's sys.path reaches",
+     "refused before anything is queued, naming the folder and the fix",
+     "test_importable.py::test_a_sweep_of_a_function_only_the_submitting_script_can_import_is_refused"),
     ("a process a rank started is left running when the ranks end", "ended with them: "
      "`hpc-ddp local ... | tee` returns", "test_fault_tolerance.py::test_processes_a_rank_started_end_with_the_ranks"),
 ]  # fmt: skip

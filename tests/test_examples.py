@@ -144,9 +144,10 @@ def test_the_digits_confusion_counts_every_held_out_image_once(tmp_path: Path) -
     assert "confusion (rows: true digit, columns: predicted):" in stdout
 
 
-#: What torch prints when a rank aborts in the interpreter's teardown, after the script's last
-#: line (a C++ thread still joinable while modules are cleared; seen about once in 10 runs of
-#: the plain script on 2 busy cores; not seen in hpc_ddp's own runs).
+#: What torch 2.13 prints when a gloo rank aborts in the interpreter's teardown, after the
+#: script's last line: a gloo worker thread drops the last backward's all-reduce, whose saved
+#: thread-local state holds a Python object, and its decref takes the GIL while the interpreter
+#: is finalizing (pytorch/pytorch#190489). Seen in about 1 of 20 runs of the plain script here.
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
@@ -159,20 +160,29 @@ def run_plain_tutorial(snapshot: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+def ended_by_the_teardown_abort_alone(result: subprocess.CompletedProcess[str]) -> bool:
+    """Whether torchrun's failure is torch's own exit-time abort (:data:`TEARDOWN_ABORT`) and
+    nothing else: one rank killed by SIGABRT, the abort's line, no Python traceback from a rank."""
+    rank_tracebacks = result.stderr.count("Traceback (most recent call last)") - 1
+    return (
+        TEARDOWN_ABORT in result.stderr
+        and "exitcode  : -6" in result.stderr
+        and rank_tracebacks == 0
+    )
+
+
 def test_the_plain_tutorial_script_runs_under_torchrun(tmp_path: Path) -> None:
-    """The "before" of the README's diff, as its users run it. torch itself sometimes aborts a
-    rank at interpreter exit (:data:`TEARDOWN_ABORT`) after training ended: that, and only
-    that, is run once more, in a fresh folder."""
+    """The "before" of the README's diff, as its users run it: it trains, and its snapshot is
+    the one its code promises. The exit status is 0, or torch's own exit-time abort after the
+    script's last line (:data:`TEARDOWN_ABORT`, a torch bug outside the script); any other
+    failure fails the test."""
     result = run_plain_tutorial(tmp_path / "snapshot.pt")
+    assert result.returncode == 0 or ended_by_the_teardown_abort_alone(result), result.stderr[
+        -3000:
+    ]
     pattern = r"\[rank 0\] epoch \d \| last batch loss (\d+\.\d{6})"
-    if result.returncode != 0 and TEARDOWN_ABORT in result.stderr:
-        assert len(re.findall(pattern, result.stdout)) == 4, result.stderr[-3000:]
-        (tmp_path / "again").mkdir()
-        result = run_plain_tutorial(tmp_path / "again" / "snapshot.pt")
-        tmp_path = tmp_path / "again"
-    assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(x) for x in re.findall(pattern, result.stdout)]
-    assert len(losses) == 4 and losses[-1] < 0.05
+    assert len(losses) == 4 and losses[-1] < 0.05, result.stdout
     snapshot = torch.load(tmp_path / "snapshot.pt", weights_only=True)
     assert snapshot["EPOCHS_RUN"] == 3, "saved after epochs 0 and 2 (every 2)"
 

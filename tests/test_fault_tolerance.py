@@ -270,6 +270,18 @@ def test_signals_held_during_startup_meet_the_configured_handling() -> None:
     assert not_a_stop_signal.stdout == ""
 
 
+def stopped_on_the_early_signal(process: subprocess.CompletedProcess[str], tmp_path: Path) -> str:
+    """Assert that the trainer (run.id=early) stopped on a SIGUSR1 of its start-up, with one
+    checkpoint at its stop; returns its stderr."""
+    err = process.stderr
+    assert process.returncode == EXIT_STOPPED, err[-3000:]
+    assert "SIGUSR1 arrived while this rank was starting; handling it now" in err
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", err).group(1))  # type: ignore[union-attr]
+    checkpoints = list_checkpoints(tmp_path / "synthetic-mlp" / "early" / "checkpoints")
+    assert [path.name for path in checkpoints] == [f"step-{stop_step:09d}"]
+    return err
+
+
 #: hpc_ddp/train.py's own start, with Slurm's warning signal sent between holding the stop
 #: signals and importing torch (where a busy node's seconds of import go).
 SIGNAL_DURING_IMPORT = """
@@ -303,13 +315,32 @@ def test_warning_signal_while_importing_torch_still_checkpoints(tmp_path: Path) 
         ],
         cwd=REPO, env=clean_environ(), capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
-    err = process.stderr
-    assert process.returncode == EXIT_STOPPED, err[-3000:]
-    assert "SIGUSR1 arrived while this rank was starting; handling it now" in err
-    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", err).group(1))  # type: ignore[union-attr]
-    checkpoints = list_checkpoints(tmp_path / "synthetic-mlp" / "early" / "checkpoints")
-    assert [path.name for path in checkpoints] == [f"step-{stop_step:09d}"]
+    err = stopped_on_the_early_signal(process, tmp_path)
     assert "to continue, run the same command with run.id=early" in err
+
+
+#: A rank started as the srun template starts it (job-body.sh's program, python behind
+#: ``blocked_until_held``), sent the job's warning signal before Python runs a line: the
+#: shell in between signals itself, then execs python (a blocked signal stays pending).
+SIGNAL_BEFORE_PYTHON = """
+source "$("$PYTHON" -m hpc_ddp.launch.templates)"
+exec "${blocked_until_held[@]}" bash -c 'kill -USR1 $$; exec "$@"' rank "$PYTHON" "${program[@]}"
+"""
+
+
+def test_a_warning_signal_sent_before_python_starts_waits_to_be_held(tmp_path: Path) -> None:
+    """A requeued attempt may meet a stop signal at once (Slurm 22.05's scancel retries one
+    sent while the job was requeued): before Python's first line it used to end the rank on
+    the spot. The rank now starts with the signal blocked; its first line holds and unblocks
+    it, and it stops at its first check with a checkpoint."""
+    process = subprocess.run(
+        ["bash", "-c", SIGNAL_BEFORE_PYTHON, "job", "configs/synthetic.yaml",
+         f"run.output_dir={tmp_path}", "run.id=early", "tracking.enabled=false",
+         "train.epochs=3"],
+        cwd=REPO, env=clean_environ(PYTHON=sys.executable), capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    stopped_on_the_early_signal(process, tmp_path)
 
 
 def test_torchrun_agent_that_would_die_of_the_warning_signal_is_named() -> None:

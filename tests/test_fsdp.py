@@ -101,6 +101,27 @@ def test_fsdp_stopped_mid_epoch_and_resumed_is_bitwise_the_uninterrupted_run(
     assert actual["val_mse"] == expected["val_mse"]
 
 
+def test_a_script_that_shards_its_model_itself_stops_and_resumes_as_run_wrap_s_does(
+    tmp_path: Path,
+) -> None:
+    """The script calls fully_shard on its layers and its model itself and registers the
+    model without run.wrap: no replica check of its shards at the end, accumulation without
+    the reduce-scatter and clipping over the whole gradient, as for the model run.wrap
+    shards, so it trains bitwise as run.wrap's sharded run; stopped mid-epoch and resumed,
+    bitwise again."""
+    trained(2, tmp_path, "wrapped", *FSDP)
+    stop_step = stopped(2, tmp_path, "by_hand", "--shard-by-hand")
+    trained(2, tmp_path, "by_hand", "--shard-by-hand")
+    expected, actual = facts(tmp_path, "wrapped"), facts(tmp_path, "by_hand")
+    assert actual["resumed_from_step"] == stop_step
+    assert actual["global_step"] == 40
+    assert actual["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
+    assert actual["val_mse"] == expected["val_mse"]
+    newest = list_checkpoints(tmp_path / "regression" / "by_hand" / "checkpoints")[0]
+    shards = read_metadata(newest).state_dict_metadata["objects.model.0.weight"]
+    assert len(shards.chunks) == 2, "each rank wrote its own shard"  # type: ignore[union-attr]
+
+
 @pytest.mark.slow
 def test_an_fsdp_checkpoint_of_4_ranks_goes_on_at_2_and_at_3(tmp_path: Path) -> None:
     """Model and optimizer reshard on load; the sample order goes on from the global

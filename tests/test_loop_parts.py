@@ -24,12 +24,12 @@ from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.loop.cadence import CHECK_EVERY_MAX, Cadence, steps_for
 from hpc_ddp.runtime.loop.checkpointer import Checkpointer
 from hpc_ddp.runtime.loop.context import RunContext
-from hpc_ddp.runtime.loop.data import eval_loader
 from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.stopper import Stopper
 from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates, batch_length, no_samples
 from hpc_ddp.runtime.preempt.signals import StopSignals
+from hpc_ddp.runtime.session.evaluation import EvalBatches, eval_loader
 from hpc_ddp.runtime.session.resume import restore_registered
 from hpc_ddp.runtime.session.start import resolve_launch
 from hpc_ddp.runtime.tracking.base import NullTracker
@@ -254,6 +254,25 @@ def test_evaluation_for_a_sharded_model_gives_every_rank_as_many_batches() -> No
     assert shares == [[[0.0, 2.0], [4.0]], [[1.0], [3.0]]]
     plain = eval_loader(data, rank=1, world_size=2, batch_size=2, num_workers=0, device=None)
     assert len(plain) == 1 and len(list(plain)) == 1, "a replicated model needs no filler"
+
+
+def test_an_evaluation_loader_is_laid_out_for_a_model_sharded_by_its_first_use() -> None:
+    """A script may shard its model itself and register it after making its loaders: the
+    layout is asked for again at the first iteration, then kept."""
+    data = TensorDataset(torch.arange(5.0))
+
+    def build(same_count: bool) -> Any:
+        return eval_loader(data, rank=1, world_size=2, batch_size=2, num_workers=0,
+                           device=None, same_count=same_count)  # fmt: skip
+
+    sharded = [False]
+    later = EvalBatches(build, lambda: sharded[0])
+    never = EvalBatches(build, lambda: False)
+    sharded[0] = True  # the model was sharded and registered after the loader was made
+    assert [batch[0].tolist() for batch in later] == [[1.0], [3.0]], "as many as rank 0"
+    assert len(later) == 2 and len(never) == 1
+    sharded[0] = False
+    assert len(later) == 2, "chosen at the first use, then kept"
 
 
 def test_a_rank_with_no_evaluation_samples_still_runs_as_many_passes() -> None:

@@ -150,8 +150,14 @@ def fake_slurm_bin(directory: Path) -> Path:
     return directory
 
 
+#: What srun starts python with (coreutils here is 8.31 or later): the stop signals blocked
+#: until the rank's first line holds them.
+BLOCKED_UNTIL_HELD = ["env", "--block-signal=USR1,USR2,TERM,HUP,ALRM"]
+
+
 def srun_argv(script: Path, workdir: Path, arguments: tuple[str, ...] = ()) -> list[str]:
-    """Run a rendered job script with a fake srun; return the argv srun was given."""
+    """Run a rendered job script with a fake srun; return the argv srun was given, without
+    the ``env --block-signal`` that starts python (checked here)."""
     bin_dir = workdir / "fakebin"
     if not bin_dir.is_dir():
         fake_slurm_bin(bin_dir)
@@ -169,7 +175,9 @@ def srun_argv(script: Path, workdir: Path, arguments: tuple[str, ...] = ()) -> l
         check=True,
         capture_output=True,
     )
-    return json.loads(argv_log.read_text())  # type: ignore[no-any-return]
+    argv: list[str] = json.loads(argv_log.read_text())
+    assert argv[1:3] == BLOCKED_UNTIL_HELD, argv
+    return [argv[0], *argv[3:]]
 
 
 def test_hostile_paths_reach_python_verbatim_and_run_nothing(workdir: Path) -> None:

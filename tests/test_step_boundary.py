@@ -17,8 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hpc_ddp.runtime.checkpoint.state import describe_load_error
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.loop.data import TrainLoader, eval_loader
+from hpc_ddp.runtime.loop.data import TrainLoader
 from hpc_ddp.runtime.loop.streams import BatchStream, batch_length
+from hpc_ddp.runtime.session.evaluation import eval_loader
 from hpc_ddp.runtime.session.start import refuse_nested_start
 from tests.helpers import run_python
 

@@ -22,8 +22,9 @@ from hpc_ddp.sweep import manifest
 from hpc_ddp.sweep.arrays import Array, array_spec, job_script, max_array_size, split_into_arrays
 from hpc_ddp.sweep.programs import check_settings
 from hpc_ddp.sweep.spec import expand, parse_values, spec_from_dict
-from hpc_ddp.sweep.task import ended_state, task_environ, task_program
+from hpc_ddp.sweep.task import attempt_run_state, ended_state, task_environ, task_program
 from hpc_ddp.sweep.views import format_rows, task_rows, task_state
+from hpc_ddp.view.runs import RunView
 
 
 def tasks_of(raw: dict[str, Any]) -> list[dict[str, str]]:
@@ -130,9 +131,8 @@ def test_the_array_job_script_runs_the_task_and_records_its_end(tmp_path: Path) 
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
     task = f"-m hpc_ddp.sweep.task '{tmp_path}/my sweep' --offset 8"
     assert f"program=({task})" in text
-    assert text.index('srun --kill-on-bad-exit=1 "$python" "${program[@]}"') < text.index(
-        f'"$python" {task} --ended "$status"'
-    )
+    srun = 'srun --kill-on-bad-exit=1 "${blocked_until_held[@]}" "$python" "${program[@]}"'
+    assert text.index(srun) < text.index(f'"$python" {task} --ended "$status"')
     assert text.rstrip().endswith('exit "$status"')
 
 
@@ -224,6 +224,20 @@ def test_a_tasks_state_joins_its_record_and_slurms_queue() -> None:
     assert ended_state(1, "failed") == "failed"
     assert ended_state(0, "requeued") == "requeued"
     assert ended_state(137, "running") == "failed"
+
+
+def test_an_attempt_that_ended_before_its_run_started_is_not_taken_for_an_earlier_one(
+    tmp_path: Path,
+) -> None:
+    """Attempt 1 stopped and was requeued (its run's record says so); attempt 2's ranks
+    died before Python's first line (srun: exit 143). Its record must say failed, not keep
+    the earlier "requeued", which left the task waiting in the sweep's record for ever."""
+    earlier = RunView(tmp_path, "lr", "task-001", "requeued", 28, 0, 1, updated=1000.0)
+    assert attempt_run_state(earlier, began=1005.5) is None
+    assert ended_state(143, attempt_run_state(earlier, began=1005.5)) == "failed"
+    assert attempt_run_state(earlier, began=999.0) == "requeued", "written by this attempt"
+    assert attempt_run_state(earlier, began=None) == "requeued", "start unknown: as before"
+    assert attempt_run_state(None, began=1005.5) is None
 
 
 def test_status_sorts_finished_tasks_best_first_and_names_the_failure(tmp_path: Path) -> None:

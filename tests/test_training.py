@@ -17,9 +17,9 @@ import torch
 
 from hpc_ddp.launch.local import PEER_GRACE_S, failure_to_report
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError, lost_peer
-from hpc_ddp.runtime.loop.data import ShardedEvalSampler
 from hpc_ddp.runtime.loop.metrics import PENDING_MAX, Sums
 from hpc_ddp.runtime.loop.replicas import replica_fingerprint
+from hpc_ddp.runtime.session.evaluation import ShardedEvalSampler
 from hpc_ddp.trainer.schedule import LrSchedule, lr_factor
 from tests.helpers import (
     REPO,
@@ -436,6 +436,22 @@ def test_sums_are_exact_bounded_and_shaped() -> None:
         many.add("loss", torch.tensor(0.25), 1)
     assert len(many._entries["loss"].pending) == 6, "folded once, then five more kept"
     assert many.reduce()["loss"].mean == pytest.approx(0.25)
+
+
+def test_folded_metric_totals_are_bitwise_each_converted_then_summed() -> None:
+    """Totals of mixed dtypes in runs (a folded float64 sum first, float32 losses, a bf16
+    one, int counts of correct answers) sum to exactly what converting each alone to float64
+    and summing in their order gives."""
+    generator = torch.Generator().manual_seed(0)
+    totals = [torch.rand((), dtype=torch.float64, generator=generator) * 1e6]
+    totals += [torch.rand((), generator=generator) * 3 for _ in range(500)]
+    totals += [torch.tensor(1.7, dtype=torch.bfloat16), torch.tensor(2**40 + 1)]
+    totals += [torch.rand((), generator=generator) for _ in range(300)]
+    expected = torch.stack([total.to(torch.float64) for total in totals]).sum(dim=0)
+    sums = Sums(torch.device("cpu"))
+    for total in totals:
+        sums.add("loss", total, 1)
+    assert sums.local()[0].item() == expected.item()
 
 
 def test_local_launcher_rejects_zero_ranks() -> None:

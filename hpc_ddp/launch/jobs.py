@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp.launch.importable import check_importable
 from hpc_ddp.launch.program import Program, program_from, run_program
 from hpc_ddp.runtime.errors import CONSEQUENTIAL_FAILURE_MARKERS, HpcDdpError, Stopped
 from hpc_ddp.runtime.place.slurm import time_to_minutes
@@ -161,6 +162,8 @@ def submit(
 
     task = _task(target, args, kwargs, overrides)
     _check_picklable(task)
+    if callable(target):
+        check_importable(target, "every task of the job", Path.cwd(), os.environ)
     tasks = tasks_per_node or gpus_per_node or 1
     if tasks_per_node and gpus_per_node and tasks_per_node != gpus_per_node:
         raise HpcDdpError(

@@ -19,7 +19,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 
 #: Slurm's default MaxArraySize (used when `scontrol show config` cannot be read).
 DEFAULT_MAX_ARRAY_SIZE = 1001
-_SRUN_LINE = 'srun --kill-on-bad-exit=1 "$python" "${program[@]}"\n'
+_SRUN_LINE = 'srun --kill-on-bad-exit=1 "${blocked_until_held[@]}" "$python" "${program[@]}"\n'
 
 
 @dataclass(frozen=True)
@@ -100,12 +100,14 @@ def job_script(request: RenderRequest, sweep_dir: Path, offset: int) -> str:
     task = ["-m", "hpc_ddp.sweep.task", str(sweep_dir), "--offset", str(offset)]
     quoted = " ".join(shlex.quote(word) for word in task)
     ending = f"""program=({quoted})
-# The task's end goes into the sweep's record (a requeue ends this script before it).
+# The task's end goes into the sweep's record (a requeue ends this script before it); when
+# the attempt began tells its run's record from an earlier attempt's.
 set +e
+began=$(date +%s.%N)
 {_SRUN_LINE.strip()}
 status=$?
 set -e
-"$python" {quoted} --ended "$status"
+"$python" {quoted} --ended "$status" --began "$began"
 exit "$status"
 """
     return text.replace(_SRUN_LINE, ending)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.launch.importable import check_importable
 from hpc_ddp.launch.program import Program
 from hpc_ddp.launch.sbatch import RenderRequest
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -72,6 +73,7 @@ def submit_sweep(
     if isinstance(program, CallableProgram):
         check_calls(program, tasks)
         code = pickled(program)
+        check_importable(program.function, "every task", Path.cwd(), environ)
     settings = runtime_settings(program, environ)
     output_dir = output_dir.resolve()
     sweep_dir = _sweep_dir(output_dir, spec.name)

@@ -16,7 +16,7 @@ import shlex
 import sys
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.launch.program import Program, run_program
 from hpc_ddp.runtime.config import OVERRIDES_VARIABLE, environment_overrides
@@ -27,6 +27,9 @@ from hpc_ddp.runtime.tracking.membership import SweepMembership, write_membershi
 from hpc_ddp.runtime.tracking.worker import discard_prestarted, prestart
 from hpc_ddp.sweep import manifest
 from hpc_ddp.sweep.spec import program_words, setting_words
+
+if TYPE_CHECKING:
+    from hpc_ddp.view.runs import RunView
 
 
 def task_index(offset: int, environ: Mapping[str, str]) -> int:
@@ -135,7 +138,19 @@ def ended_state(code: int, run_state: str | None) -> str:
     return "failed"
 
 
-def record_end(sweep_dir: Path, offset: int, code: int, environ: Mapping[str, str]) -> None:
+def attempt_run_state(run: RunView | None, began: float | None) -> str | None:
+    """The run's state as this attempt left it (``began``: when the attempt's job script
+    started srun). None where the run's record is older: this attempt ended before its run
+    started (a rank that died at once), and the record's state, say "requeued", is an
+    earlier attempt's."""
+    if run is None or (began is not None and run.updated < began):
+        return None
+    return run.state
+
+
+def record_end(
+    sweep_dir: Path, offset: int, code: int, environ: Mapping[str, str], began: float | None
+) -> None:
     """Put how this attempt ended into the sweep's record; end the parent run with the
     sweep's last task."""
     from hpc_ddp.view.runs import load_run
@@ -147,7 +162,7 @@ def record_end(sweep_dir: Path, offset: int, code: int, environ: Mapping[str, st
         run = load_run(run_dir)
     except HpcDdpError:
         run = None
-    state = ended_state(code, run.state if run else None)
+    state = ended_state(code, attempt_run_state(run, began))
     log = f"{data['name']}-{environ.get('SLURM_ARRAY_JOB_ID')}_{environ.get('SLURM_ARRAY_TASK_ID')}"
     error = None if state != "failed" else f"exit code {code}: see {sweep_dir}/logs/{log}.out"
 
@@ -178,16 +193,26 @@ def _end_parent(record: Mapping[str, Any]) -> None:
     set_parent_status(tracking["uri"], tracking["parent_run_id"], status)
 
 
+def _seconds(text: str) -> float | None:
+    """A Unix time; None for what a `date` without %N printed (the attempt's start is then
+    unknown, and the run's record is taken as this attempt's)."""
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpc_ddp.sweep.task")
     parser.add_argument("sweep_dir", type=Path)
     parser.add_argument("--offset", type=int, default=0)
     parser.add_argument("--ended", type=int, default=None, metavar="CODE")
+    parser.add_argument("--began", type=_seconds, default=None, metavar="UNIX_TIME")
     args = parser.parse_args(argv)
     try:
         if args.ended is None:
             return start_task(args.sweep_dir, args.offset, os.environ)
-        record_end(args.sweep_dir, args.offset, args.ended, os.environ)
+        record_end(args.sweep_dir, args.offset, args.ended, os.environ, args.began)
     except HpcDdpError as error:
         print(f"hpc_ddp.sweep.task: error: {error}", file=sys.stderr)
         return 2

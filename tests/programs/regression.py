@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--record-ids", default=None, help="folder: each rank's sample ids")
     parser.add_argument("--step-pause", type=float, default=0.0, help="seconds: a slower step")
     parser.add_argument("--clip", type=float, default=None, help="gradient norm clipped to")
+    parser.add_argument(
+        "--shard-by-hand", action="store_true", help="FSDP2 by the script's own fully_shard"
+    )
     args, overrides = parser.parse_known_args(argv)  # the rest: hpc_ddp's dotted overrides
 
     run = hpc_ddp.start(
@@ -92,7 +95,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fingerprint={"batch": args.batch, "lr": args.lr, "samples": args.samples},
         log_interval=args.log_interval,
     )
-    model = run.wrap(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2)))
+    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
+    if args.shard_by_hand:  # as a script written for FSDP2 without hpc_ddp does it
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (net[0], net[2]):
+            fully_shard(layer)
+        fully_shard(net)
+        model: nn.Module = net
+    else:
+        model = run.wrap(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loader = run.train_loader(Pairs(args.samples, seed=1), args.batch, grad_accum_steps=args.accum)
     val_loader = run.eval_loader(Pairs(1001, seed=2), batch_size=256)

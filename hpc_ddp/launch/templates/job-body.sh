@@ -1,7 +1,8 @@
 # The part every hpc_ddp job template shares, sourced by train.sh and train-torchrun.sh after
 # their settings (DEFAULT_ARGS, HPC_DDP_LOG_DIR) and the site file; `python -m
 # hpc_ddp.launch.templates` prints where the installed copy is. It sets `args` (the
-# program's arguments) and `program` (what follows python on every rank).
+# program's arguments), `program` (what follows python on every rank) and `blocked_until_held`
+# (what srun starts python with).
 
 # NCCL's flight recorder: the last collectives of every rank, dumped when a collective times
 # out, to $HPC_DDP_LOG_DIR/nccl-trace-<job id>-rank-<rank>; `torchfrtrace logs/` names the
@@ -26,4 +27,14 @@ if [[ ${args[0]} == *.yaml || ${args[0]} == *.yml ]]; then
     program=(-m hpc_ddp.train --config "${args[@]}")
 else
     program=(-m hpc_ddp run "${args[@]}")
+fi
+
+# A stop signal that reaches a rank before Python runs its first line (a requeued attempt
+# that scancel's retried signal meets at once) would end it on the spot: no checkpoint, no
+# requeue. So each rank starts with the stop signals blocked, pending rather than lost, and
+# its first line unblocks them once it holds them. `env --block-signal` is coreutils 8.31 or
+# later; where it is older, plain `env` starts python as before.
+blocked_until_held=(env)
+if env --block-signal=USR1 true 2>/dev/null; then
+    blocked_until_held=(env --block-signal=USR1,USR2,TERM,HUP,ALRM)
 fi

@@ -73,5 +73,6 @@ export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 
 echo "job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}: ${args[*]}"
 # --kill-on-bad-exit: one failed rank ends the whole step at once instead of leaving the
-# other ranks waiting in a collective until the time limit.
-srun --kill-on-bad-exit=1 "$python" "${program[@]}"
+# other ranks waiting in a collective until the time limit. Each rank starts with the stop
+# signals blocked until its first line holds them (job-body.sh).
+srun --kill-on-bad-exit=1 "${blocked_until_held[@]}" "$python" "${program[@]}"

@@ -21,6 +21,7 @@ from hpc_ddp.runtime.checkpoint.sharded import (
 )
 from hpc_ddp.runtime.checkpoint.state import guarded_restore
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.shards import holds_shards
 
 MODULE, OPTIMIZER, PLAIN = "module", "optimizer", "plain"
 
@@ -46,7 +47,7 @@ def object_kinds(objects: Mapping[str, Any]) -> dict[str, str]:
         elif isinstance(value, torch.optim.Optimizer) and value.state and _owner(value, objects):
             kinds[name] = OPTIMIZER
         else:
-            if isinstance(value, torch.optim.Optimizer) and value.state and _is_sharded(value):
+            if isinstance(value, torch.optim.Optimizer) and value.state and holds_shards(value):
                 raise HpcDdpError(
                     f"the registered optimizer {name!r} updates sharded parameters that no one "
                     "registered module holds all of: its state could be saved only as rank "
@@ -69,14 +70,6 @@ def _reshard(objects: Mapping[str, Any]) -> None:
             for module in value.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-
-
-def _is_sharded(optimizer: torch.optim.Optimizer) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(
-        isinstance(param, DTensor) for group in optimizer.param_groups for param in group["params"]
-    )
 
 
 def _tensor_state(name: str, value: Any, kind: str, objects: Mapping[str, Any]) -> Any:

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from hpc_ddp.runtime.checkpoint.files import prune_older, unwritable
@@ -23,7 +22,7 @@ from hpc_ddp.runtime.checkpoint.sharded import (
 from hpc_ddp.runtime.checkpoint.spread import layout_of, own_share
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.place.dist import several_ranks
+from hpc_ddp.runtime.place.dist import same_on_all_ranks, several_ranks
 from hpc_ddp.runtime.safefiles import make_dirs
 
 
@@ -113,11 +112,8 @@ class FolderSaves:
         if not several_ranks():
             return state
         # Reduced after rank 0 made the folder: no rank writes into it before that.
-        layout = layout_of(state)
-        extremes = torch.tensor([layout, -layout], dtype=torch.int64)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=self.group)
-        if extremes[0] != -extremes[1]:  # ranks hold different tensors: DCP picks the writers
-            return state
+        if not same_on_all_ranks(layout_of(state), self.group):
+            return state  # the ranks hold different tensors: DCP picks the writers
         return own_share(state, dist.get_rank(), dist.get_world_size())
 
     def _committed(

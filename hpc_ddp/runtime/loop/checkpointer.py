@@ -33,6 +33,7 @@ from hpc_ddp.runtime.loop.replicas import diverged_replicas, divergence_message
 from hpc_ddp.runtime.loop.streams import StreamStates
 from hpc_ddp.runtime.loop.timeline import durations
 from hpc_ddp.runtime.place.dist import gather_object_to_main, several_ranks
+from hpc_ddp.runtime.shards import holds_shards
 
 #: Saves that may be written in the background: training goes on after them.
 _BACKGROUND_REASONS = ("periodic", "requested")
@@ -211,7 +212,7 @@ class Checkpointer:
         """Compare every rank's weights with rank 0's; report the first divergence loudly."""
         context, position = self.context, self.position
         for model in context.models():
-            if context.is_sharded(model):
+            if holds_shards(model):
                 continue  # each rank holds its own shard: there are no replicas
             diverged = diverged_replicas(model, context.env.world_size, context.control_group)
             if diverged is None or position.replicas_diverged_at is not None:

@@ -43,8 +43,6 @@ class RunContext:
     values: dict[str, Any] = field(default_factory=dict)
     #: Models given to :meth:`hpc_ddp.Run.wrap` (their modules).
     wrapped: list[nn.Module] = field(default_factory=list)
-    #: Those of them sharded over the ranks (dist.strategy=fsdp): no replicas to compare.
-    sharded: list[nn.Module] = field(default_factory=list)
 
     @property
     def env(self) -> DistEnv:
@@ -63,9 +61,6 @@ class RunContext:
         if self.wrapped:
             return list(self.wrapped)
         return [value for value in self.registry.objects.values() if isinstance(value, nn.Module)]
-
-    def is_sharded(self, model: nn.Module) -> bool:
-        return any(model is sharded for sharded in self.sharded)
 
     def current_lr(self) -> float | None:
         """The first registered optimizer's first parameter group's learning rate."""

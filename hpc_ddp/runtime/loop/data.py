@@ -1,5 +1,6 @@
-"""Per-rank loaders over a user's Dataset: sharded, resumable training micro-batches and an
-exact evaluation split, with batches of any structure moved to the rank's device."""
+"""Per-rank loaders over a user's Dataset: sharded, resumable training micro-batches, with
+batches of any structure moved to the rank's device (the evaluation split is in
+:mod:`hpc_ddp.runtime.session.evaluation`)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.loop.streams import move_to, no_samples
+from hpc_ddp.runtime.loop.streams import move_to
 from hpc_ddp.runtime.place.plan import micro_batch_size
 
 
@@ -43,25 +44,6 @@ def mixed_seed(*parts: int) -> int:
     """A 63-bit seed from several integers, the same in every process."""
     text = "/".join(str(part) for part in parts).encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
-
-
-class ShardedEvalSampler(Sampler[int]):
-    """Rank r takes indices r, r+W, r+2W, ...: every sample exactly once over all ranks.
-
-    Unlike DistributedSampler it neither pads with duplicates nor drops a tail, so shards
-    may differ in length by one; evaluation sums and counts, so that is exact.
-    """
-
-    def __init__(self, dataset_size: int, rank: int, world_size: int) -> None:
-        self.dataset_size = dataset_size
-        self.rank = rank
-        self.world_size = world_size
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.rank, self.dataset_size, self.world_size))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.dataset_size, self.world_size))
 
 
 class ResumableDistributedSampler(DistributedSampler[Any]):
@@ -115,7 +97,7 @@ def loader_options(
     return options
 
 
-class _DeviceBatches:
+class DeviceBatches:
     """Iterates a DataLoader, moving each batch to ``device`` (not at all on the CPU, where
     the loader's tensors already are)."""
 
@@ -129,55 +111,14 @@ class _DeviceBatches:
     def __iter__(self) -> Iterator[Any]:
         if self.device is None:
             return iter(self.loader)
-        device = self.device
-        return (move_to(batch, device) for batch in self.loader)
+        return (self.placed(batch) for batch in self.loader)
+
+    def placed(self, batch: Any) -> Any:
+        """``batch`` on this rank's device."""
+        return batch if self.device is None else move_to(batch, self.device)
 
 
-def even_batches(indices: list[int], count: int) -> list[list[int]]:
-    """``indices`` in ``count`` consecutive batches whose sizes differ by one at most (empty
-    ones only where there are fewer indices than batches)."""
-    size, extra = divmod(len(indices), count)
-    batches, start = [], 0
-    for number in range(count):
-        end = start + size + (1 if number < extra else 0)
-        batches.append(indices[start:end])
-        start = end
-    return batches
-
-
-class _SameCountBatches(_DeviceBatches):
-    """As many batches on every rank, so that every rank runs as many forward passes (a
-    sharded model gathers its parameters in each: a rank that stopped early would leave the
-    others waiting). Each rank's share is split into that many batches of nearly equal
-    size; only a share smaller than the count (one sample a batch, or a dataset smaller
-    than the world) ends with empty batches (each tensor cut to 0 samples)."""
-
-    def __init__(self, loader: DataLoader[Any], device: torch.device | None, batches: int) -> None:
-        super().__init__(loader, device)
-        self.batches = batches
-
-    def __len__(self) -> int:
-        return self.batches
-
-    def __iter__(self) -> Iterator[Any]:
-        last, count = None, 0
-        for last in super().__iter__():
-            count += 1
-            yield last
-        if count < self.batches:
-            if last is None:  # this rank's share is empty: a batch of one sample, cut to none
-                dataset, collate = self.loader.dataset, self.loader.collate_fn
-                last = (
-                    move_to(collate([dataset[0]]), self.device)
-                    if self.device
-                    else collate([dataset[0]])
-                )
-            empty = no_samples(last)
-            for _ in range(self.batches - count):
-                yield empty
-
-
-class TrainLoader(_DeviceBatches):
+class TrainLoader(DeviceBatches):
     """This rank's shuffled share of ``dataset`` in micro-batches, for :meth:`Run.steps`.
 
     Only full global batches: every optimizer step holds exactly ``global_batch_size``
@@ -246,50 +187,3 @@ class TrainLoader(_DeviceBatches):
         # Worker seeds come from this generator: fixed by the position, never by the global
         # random streams, which a fresh iterator would otherwise draw from.
         self._generator.manual_seed(mixed_seed(self.seed, epoch, step, self.rank))
-
-
-def eval_loader(
-    dataset: Dataset[Any],
-    *,
-    rank: int,
-    world_size: int,
-    batch_size: int,
-    num_workers: int,
-    device: torch.device | None,
-    collate_fn: Callable[[list[Any]], Any] | None = None,
-    same_count: bool = False,
-    **dataloader_kwargs: Any,
-) -> _DeviceBatches:
-    """Every sample of ``dataset`` exactly once across ranks, ``batch_size`` per rank (see
-    ShardedEvalSampler): sum and count per batch, and the reduced result is exact.
-    ``same_count``: as many batches on every rank (see :class:`_SameCountBatches`)."""
-    if dataloader_kwargs.get("shuffle"):
-        raise HpcDdpError(
-            "run.eval_loader(..., shuffle=True): evaluation visits every sample once, in order",
-            "leave shuffle out; the sums are the same in any order",
-        )
-    dataloader_kwargs = {k: v for k, v in dataloader_kwargs.items() if k != "shuffle"}
-    options = loader_options(num_workers, device, dataloader_kwargs, "run.eval_loader")
-    options.setdefault("generator", torch.Generator().manual_seed(mixed_seed(rank)))
-    sampler = ShardedEvalSampler(len(dataset), rank, world_size)  # type: ignore[arg-type]
-    if same_count:
-        largest_share = -(-len(dataset) // world_size)  # type: ignore[arg-type]
-        count = -(-largest_share // batch_size)
-        batches = even_batches(list(sampler), count)
-        loader: DataLoader[Any] = DataLoader(
-            dataset,
-            batch_sampler=[batch for batch in batches if batch],
-            num_workers=num_workers,
-            collate_fn=collate_fn,
-            **options,
-        )
-        return _SameCountBatches(loader, device, count)
-    loader = DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        num_workers=num_workers,
-        collate_fn=collate_fn,
-        **options,
-    )
-    return _DeviceBatches(loader, device)

@@ -92,7 +92,20 @@ class _Entry:
 
     @staticmethod
     def _summed(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        return torch.stack([t.to(device, torch.float64) for t in tensors]).sum(dim=0)
+        """The sum of ``tensors`` in float64 on ``device``, in their order. Each run of
+        alike tensors (one dtype and device: all but an earlier sum, as a rule) is stacked as
+        it is and converted at once: the same values as each converted alone, without a
+        conversion call per tensor."""
+        runs, start = [], 0
+        for index in range(1, len(tensors) + 1):
+            if (
+                index == len(tensors)
+                or tensors[index].dtype != tensors[start].dtype
+                or tensors[index].device != tensors[start].device
+            ):
+                runs.append(torch.stack(tensors[start:index]).to(device, torch.float64))
+                start = index
+        return torch.cat(runs).sum(dim=0)
 
     def packed(self, device: torch.device) -> torch.Tensor:
         """[total..., count] as one float64 vector on ``device``."""

@@ -27,7 +27,7 @@ from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Limits, Position
 from hpc_ddp.runtime.loop.stopper import Stopper
 from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
-from hpc_ddp.runtime.place.dist import all_gather_object
+from hpc_ddp.runtime.place.dist import all_gather_object, same_on_all_ranks
 from hpc_ddp.runtime.preempt.liveness import Liveness
 from hpc_ddp.runtime.preempt.watchdog import StallWatchdog
 
@@ -36,9 +36,11 @@ _END = object()
 
 def check_same_steps(steps_per_epoch: int | None, group: Any | None) -> None:
     """Every rank must run the same steps per epoch: a rank that runs fewer leaves the others
-    waiting in a collective it never joins. One small exchange per epoch; refused on every
-    rank in one line naming each rank's count."""
-    if group is None:
+    waiting in a collective it never joins. One all-reduce of two numbers per epoch; refused
+    on every rank in one line naming each rank's count."""
+    if group is None or same_on_all_ranks(
+        -1 if steps_per_epoch is None else steps_per_epoch, group
+    ):
         return
     counts = all_gather_object(steps_per_epoch, group)
     if len(set(counts)) > 1:

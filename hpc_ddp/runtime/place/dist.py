@@ -196,6 +196,16 @@ def all_reduce_sum(values: torch.Tensor, group: Any | None = None) -> torch.Tens
     return values
 
 
+def same_on_all_ranks(value: int, group: Any | None = None) -> bool:
+    """Whether every rank holds the same 64-bit ``value``: one MAX all-reduce of the value and
+    its negation, two numbers whatever the world size (True without a group)."""
+    if not several_ranks():
+        return True
+    extremes = torch.tensor([value, -value], dtype=torch.int64)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    return bool(extremes[0] == -extremes[1])
+
+
 def broadcast_object(value: T, group: Any | None = None) -> T:
     """Rank 0's ``value`` on every rank (any picklable object)."""
     if not several_ranks():

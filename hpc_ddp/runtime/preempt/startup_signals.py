@@ -30,12 +30,15 @@ def _record(signum: int, _frame: FrameType | None) -> None:
 
 
 def hold_stop_signals() -> None:
-    """Record, instead of dying on, any of HELD_SIGNALS until :func:`release_stop_signals`.
+    """Record, instead of dying on, any of HELD_SIGNALS until :func:`release_stop_signals`;
+    then let them in: the job templates start each rank with them blocked, so one sent
+    before this line waits, and is recorded now.
 
     A signal the parent set to be ignored (nohup's SIGHUP) stays ignored."""
     for signum in HELD_SIGNALS:
         if signum not in _held and signal.getsignal(signum) is signal.SIG_DFL:
             _held[signum] = signal.signal(signum, _record)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD_SIGNALS)
 
 
 def release_stop_signals() -> list[int]:

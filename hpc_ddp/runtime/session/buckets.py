@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.shards import holds_shards
 
 
 def settle_buckets(model: DistributedDataParallel) -> bool:
@@ -74,6 +75,14 @@ def check_wrappable(model: object, wrapped: Sequence[nn.Module]) -> None:
             "wrap the model you train (with its parameters); a frozen or parameter-free "
             "module needs no wrapping: move it to run.device",
         )
+    if holds_shards(model):
+        raise HpcDdpError(
+            f"run.wrap({type(model).__name__}): the model is sharded already (its parameters "
+            "are DTensors, as fully_shard leaves them)",
+            "a model you shard yourself needs no wrapping: register it as it is "
+            "(run.register(model=model)); or pass the plain model to run.wrap with "
+            "dist.strategy=fsdp, which shards it",
+        )
     if any(parameter.is_meta for parameter in trainable):
         raise HpcDdpError(
             f"run.wrap({type(model).__name__}): its parameters are on the meta device (no data)",
@@ -91,10 +100,24 @@ def check_shardable(ddp_options: Mapping[str, Any], save_mode: str) -> None:
             "leave them out under fsdp (dist.shard_blocks and dist.mixed_precision shape the "
             "sharding), or use dist.strategy=ddp",
         )
+    check_not_single_file("dist.strategy=fsdp", save_mode)
+
+
+def check_registrable(objects: Mapping[str, Any], save_mode: str | None) -> None:
+    """Refuse registering sharded state (a model sharded with the user's own fully_shard,
+    its optimizer) where checkpoints are single files (``save_mode``; None: no checkpoints)."""
+    sharded = [name for name, value in objects.items() if holds_shards(value)]
+    if sharded and save_mode is not None:
+        check_not_single_file(f"run.register({sharded[0]}=...) of sharded state", save_mode)
+
+
+def check_not_single_file(what: str, save_mode: str) -> None:
+    """Refuse single-file checkpoints of sharded state (``what``): rank 0 holds only its
+    own shards, so the file would hold a part of the model."""
     if save_mode == "single_file":
         raise HpcDdpError(
-            "dist.strategy=fsdp with checkpoint.save_mode=single_file: one rank cannot write "
-            "a sharded model's state alone",
+            f"{what} with checkpoint.save_mode=single_file: one rank cannot write a sharded "
+            "model's state alone",
             "use checkpoint.save_mode=async (or sync): every rank writes its shards",
         )
 

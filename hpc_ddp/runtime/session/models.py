@@ -12,8 +12,19 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.session.buckets import check_shardable, check_wrappable, wrap_in_ddp
 from hpc_ddp.runtime.session.rank import RankView
+from hpc_ddp.runtime.shards import any_sharded, holds_shards, sharded_blocks
+
+
+def whole_weights(context: RunContext, model: nn.Module) -> dict[str, torch.Tensor]:
+    """See :meth:`ModelView.full_state_dict`."""
+    if not holds_shards(model):
+        return ModelView.unwrap(model).state_dict()
+    from hpc_ddp.runtime.session.sharding import full_weights
+
+    return full_weights(model)
 
 
 class ModelView(RankView):
@@ -46,7 +57,6 @@ class ModelView(RankView):
                 model, self.device, settings.shard_blocks, settings.mixed_precision
             )
             self._context.wrapped.append(sharded)
-            self._context.sharded.append(sharded)
             return sharded  # type: ignore[return-value]
         wrapped = wrap_in_ddp(model, self.device, ddp_options)
         self._context.wrapped.append(wrapped.module)
@@ -62,11 +72,7 @@ class ModelView(RankView):
         """The model's whole state dict, for a file of weights: of a replicated model, its
         own; of a sharded one, gathered on rank 0's CPU (a collective: call it on every
         rank; the others get {})."""
-        if not self._context.is_sharded(model):
-            return self.unwrap(model).state_dict()
-        from hpc_ddp.runtime.session.sharding import full_weights
-
-        return full_weights(model)
+        return whole_weights(self._context, model)
 
     def accumulate(self, model: nn.Module) -> AbstractContextManager[Any]:
         """Gradient accumulation in one context: while :attr:`accumulating` (a micro-batch
@@ -83,22 +89,28 @@ class ModelView(RankView):
         """
         if self.accumulating and isinstance(model, DistributedDataParallel):
             return model.no_sync()
-        if self.accumulating and self._context.is_sharded(model):
+        blocks = sharded_blocks(model) if self.accumulating else []
+        if blocks:
             from hpc_ddp.runtime.session.sharding import accumulating
 
-            return accumulating(model)
+            return accumulating(blocks)
         return contextlib.nullcontext()
 
     def clip_grad_norm_(
-        self, parameters: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0
+        self,
+        parameters: Iterable[torch.Tensor] | torch.Tensor,
+        max_norm: float,
+        norm_type: float = 2.0,
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` that is also right for a sharded model
-        (``dist.strategy=fsdp``): the norm is over the whole gradient, not this rank's
-        shard; returns it, the same on every rank."""
-        if not self._context.sharded:  # no DTensor gradients: torch's own, no FSDP import
-            return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
+        (``dist.strategy=fsdp``, or one sharded with your own ``fully_shard`` calls): the
+        norm is over the whole gradient, not this rank's shard; returns it, the same on every
+        rank."""
+        kept = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not any_sharded(kept):  # no DTensor gradients: torch's own, no FSDP import
+            return torch.nn.utils.clip_grad_norm_(kept, max_norm, norm_type)
         from hpc_ddp.runtime.session.sharding import clip_grad_norm_
 
-        return clip_grad_norm_(parameters, max_norm, norm_type)
+        return clip_grad_norm_(kept, max_norm, norm_type)
 
     no_sync = accumulate

@@ -14,9 +14,11 @@ from hpc_ddp.runtime.arguments import sized_dataset, whole_number
 from hpc_ddp.runtime.config import RuntimeConfig
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.loop.context import RunContext
-from hpc_ddp.runtime.loop.data import TrainLoader, eval_loader
+from hpc_ddp.runtime.loop.data import TrainLoader
 from hpc_ddp.runtime.place.env import DistEnv, available_cpus
 from hpc_ddp.runtime.place.plan import micro_batch_size, resolve_num_workers
+from hpc_ddp.runtime.session.evaluation import EvalBatches, eval_loader
+from hpc_ddp.runtime.shards import holds_shards
 
 
 class RankView:
@@ -130,21 +132,34 @@ class RankView:
     ) -> Any:
         """Every sample of ``dataset`` exactly once over all ranks (no padding, nothing
         dropped), in batches of about ``batch_size / world_size`` per rank. Sum with
-        :meth:`sums` for exact results. After :meth:`wrap` with ``dist.strategy=fsdp``
-        every rank gets as many batches (a shorter share ends with an empty batch: 0
-        samples), since each forward pass of a sharded model needs every rank."""
+        :meth:`sums` for exact results. With a sharded model (``dist.strategy=fsdp``, or
+        one you shard yourself and register before the first evaluation) every rank gets as
+        many batches (a shorter share ends with an empty batch: 0 samples), since each
+        forward pass of a sharded model needs every rank."""
         sized_dataset(dataset, "run.eval_loader")
         batch_size = whole_number(batch_size, "run.eval_loader(batch_size)")
-        return eval_loader(
-            dataset,
-            rank=self.rank,
-            world_size=self.world_size,
-            batch_size=max(1, batch_size // self.world_size),
-            num_workers=self.loader_workers(num_workers),
-            device=self.device,
-            collate_fn=collate_fn,
-            same_count=self._context.config.dist.strategy == "fsdp",
-            **dataloader_options,
+        workers = self.loader_workers(num_workers)
+
+        def build(same_count: bool) -> Any:
+            return eval_loader(
+                dataset,
+                rank=self.rank,
+                world_size=self.world_size,
+                batch_size=max(1, batch_size // self.world_size),
+                num_workers=workers,
+                device=self.device,
+                collate_fn=collate_fn,
+                same_count=same_count,
+                **dataloader_options,
+            )
+
+        return EvalBatches(build, self._holds_shards)
+
+    def _holds_shards(self) -> bool:
+        """The run trains a sharded model: run.wrap shards, or a registered one is."""
+        context = self._context
+        return context.config.dist.strategy == "fsdp" or any(
+            holds_shards(value) for value in [*context.wrapped, *context.registry.objects.values()]
         )
 
     def loader_workers(self, setting: int | Literal["auto"] = "auto") -> int:

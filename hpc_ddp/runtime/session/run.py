@@ -20,6 +20,7 @@ from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import Ticks, step_source
 from hpc_ddp.runtime.loop.timeline import mark
 from hpc_ddp.runtime.names import check_name
+from hpc_ddp.runtime.session.buckets import check_registrable
 from hpc_ddp.runtime.session.ending import Ending
 from hpc_ddp.runtime.session.finishing import end_already_finished, finish_run
 from hpc_ddp.runtime.session.models import ModelView
@@ -103,12 +104,15 @@ class Run(ModelView):
     def register(self, **objects: Any) -> None:
         """Save these objects in every checkpoint and restore them on resume: anything with
         ``state_dict()`` and ``load_state_dict()`` (models, optimizers, schedulers, your
-        own). Register before :meth:`resume` (or the first :meth:`epochs`)."""
+        own). Register before :meth:`resume` (or the first :meth:`epochs`). A model you shard
+        with your own ``fully_shard`` calls is registered as it is, without :meth:`wrap`."""
         if self._resume_done:
             raise HpcDdpError(
                 f"register({', '.join(objects)}) after the run resumed or started training",
                 "register every object before run.resume() and run.epochs()",
             )
+        checkpoints = self._context.config.checkpoint
+        check_registrable(objects, checkpoints.save_mode if checkpoints.enabled else None)
         self._context.registry.add(objects)
 
     def register_per_rank(self, **objects: Any) -> None:

@@ -79,17 +79,20 @@ def shard_model(
 
 
 @contextlib.contextmanager
-def accumulating(model: nn.Module) -> Iterator[None]:
+def accumulating(blocks: Sequence[nn.Module]) -> Iterator[None]:
     """A micro-step of gradient accumulation: no reduce-scatter and no resharding after
-    backward (the gathered parameters are used again at once)."""
-    assert isinstance(model, FSDPModule), "only a model run.wrap sharded"
-    model.set_requires_gradient_sync(False)
-    model.set_reshard_after_backward(False)
+    backward (the gathered parameters are used again at once), in each of a model's sharded
+    ``blocks`` (:func:`hpc_ddp.runtime.shards.sharded_blocks`: its root need not be one)."""
+    sharded = [block for block in blocks if isinstance(block, FSDPModule)]
+    for block in sharded:
+        block.set_requires_gradient_sync(False, recurse=False)
+        block.set_reshard_after_backward(False, recurse=False)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
-        model.set_reshard_after_backward(True)
+        for block in sharded:
+            block.set_requires_gradient_sync(True, recurse=False)
+            block.set_reshard_after_backward(True, recurse=False)
 
 
 def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -100,7 +103,7 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for replicated and sharded parameters alike: the
     norm of a sharded gradient is over all its shards (a collective), the same number on

@@ -15,6 +15,8 @@ from hpc_ddp.runtime.checkpoint.files import write_atomically
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.replicas import weights_sha256
 from hpc_ddp.runtime.loop.steps import StepLoop
+from hpc_ddp.runtime.session.models import whole_weights
+from hpc_ddp.runtime.shards import holds_shards
 
 
 def run_facts(
@@ -68,12 +70,10 @@ def _weights_sha256(context: RunContext, models: list[nn.Module]) -> str | None:
     whole weights gathered on rank 0 (a collective; None on the other ranks)."""
     if len(models) != 1:
         return None
-    if not context.is_sharded(models[0]):
-        return weights_sha256(models[0].state_dict())
-    from hpc_ddp.runtime.session.sharding import full_weights
-
-    whole = full_weights(models[0])
-    return weights_sha256(whole) if context.env.is_main else None
+    whole = whole_weights(context, models[0])
+    if holds_shards(models[0]) and not context.env.is_main:
+        return None  # gathered on rank 0 only
+    return weights_sha256(whole)
 
 
 def strict_json(value: Any) -> Any:
