@@ -19,12 +19,17 @@ from tests.helpers import REPO, clean_environ
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
 
 
+#: tqdm redraws at most once per TQDM_MININTERVAL seconds (0.1 by default): at 0 it draws at
+#: every move, so what is drawn depends on the steps alone, not on how fast they run.
+EVERY_MOVE = {"TQDM_MININTERVAL": "0"}
+
+
 def run_on_a_terminal(args: list[str]) -> str:
     main, secondary = pty.openpty()
     # A terminal 120 columns wide, as a user's would be (a new pty reports 0 x 0).
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
     process = subprocess.Popen(
-        [sys.executable, PROGRAM, *args], cwd=REPO, env=clean_environ(),
+        [sys.executable, PROGRAM, *args], cwd=REPO, env=clean_environ(**EVERY_MOVE),
         stdin=subprocess.DEVNULL, stdout=secondary, stderr=secondary,
     )  # fmt: skip
     os.close(secondary)
@@ -51,12 +56,14 @@ def read_terminal(main: int) -> str:
 
 def test_the_bar_redraws_with_rate_and_eta_and_log_lines_stay_off_it(tmp_path: Path) -> None:
     output = run_on_a_terminal(
-        ["--epochs", "2", "--samples", "9600", "--log-interval", "5", f"run.output_dir={tmp_path}",
-         "tracking.enabled=false"],
+        ["--epochs", "2", "--samples", "9600", "--log-interval", "5",
+         "preempt.check_every_steps=5", f"run.output_dir={tmp_path}", "tracking.enabled=false"],
     )  # fmt: skip
-    drawn = [int(n) for n in re.findall(r"\| *(\d+)/200 \[\d\d:\d\d<\d\d:\d\d", output)]
-    assert len(set(drawn)) >= 4, output[-2000:]  # at most 10 draws a second, ~1 s of steps
+    drawn = [int(n) for n in re.findall(r"\| *(\d+)/200 \[", output)]
+    assert sorted(set(drawn)) == list(range(5, 201, 5)), output[-2000:]  # every interval
     assert drawn == sorted(drawn) and drawn[-1] == 200, "the bar moves forward to the end"
+    timed = [int(n) for n in re.findall(r"\| *(\d+)/200 \[\d\d:\d\d<\d\d:\d\d", output)]
+    assert set(timed) == set(range(10, 201, 5)), "an ETA from the second draw on"
     assert re.search(r"epoch 1: .*mse \d\.\d{4} .*samples/s", output), "metrics on the bar"
     assert re.search(r"\d+\.\d+ ?steps?/s|s/steps?", output), "tqdm's rate"
     lines = [line.split("\r")[-1] for line in output.replace("\r\n", "\n").split("\n")]
@@ -80,14 +87,15 @@ def test_batch_logs_get_one_line_per_interval(tmp_path: Path) -> None:
 
 def test_the_bar_moves_between_intervals_and_ends_at_the_last_step(tmp_path: Path) -> None:
     """Metrics every 60 steps, stop checks every 10: the bar moves at the checks (no work per
-    step) and shows 200/200 at the end, though no interval ends there."""
+    step) and shows 200/200 at the end, though no interval ends there. The bar appears with
+    the first interval's metrics (step 60, published at the end of epoch 0)."""
     output = run_on_a_terminal(
         ["--epochs", "2", "--samples", "9600", "--log-interval", "60",
          "preempt.check_every_steps=10", f"run.output_dir={tmp_path}", "tracking.enabled=false"],
     )  # fmt: skip
     drawn = [int(n) for n in re.findall(r"\| *(\d+)/200 \[", output)]
     assert drawn[-1] == 200, output[-2000:]
-    assert {n for n in drawn if n % 60} - {100, 200}, f"only the intervals were drawn: {drawn}"
+    assert set(drawn) == {60, *range(110, 201, 10)}, f"each check after the bar appeared: {drawn}"
 
 
 def test_log_lines_written_around_the_bar_stay_on_stderr(tmp_path: Path) -> None:
@@ -98,7 +106,7 @@ def test_log_lines_written_around_the_bar_stay_on_stderr(tmp_path: Path) -> None
     process = subprocess.Popen(
         [sys.executable, PROGRAM, "--epochs", "2", "--samples", "9600", "--log-interval", "5",
          f"run.output_dir={tmp_path}", "tracking.enabled=false"],
-        cwd=REPO, env=clean_environ(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        cwd=REPO, env=clean_environ(**EVERY_MOVE), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=secondary, text=True,
     )  # fmt: skip
     os.close(secondary)

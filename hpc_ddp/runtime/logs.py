@@ -77,7 +77,8 @@ class Progress:
                 unit="step",
                 file=self.stream,
                 dynamic_ncols=True,
-                mininterval=0.1,  # reach() may come every step with check_every_steps=1
+                # At most one redraw per tqdm's mininterval (0.1 s; TQDM_MININTERVAL sets it,
+                # 0 draws at every move), since reach() may come at every step.
                 miniters=1,  # the time alone decides (tqdm's own adaptive count skips draws)
                 smoothing=0.1,
             )
