@@ -23,7 +23,7 @@ from mlflow import MlflowClient
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
-from tests.helpers import REPO, clean_environ
+from tests.helpers import REPO, clean_environ, run_local_program
 
 LM = str(REPO / "tests" / "programs" / "lm_loop.py")
 
@@ -161,3 +161,20 @@ def test_the_ranks_printed_lines_reach_the_terminal_whole_and_labelled(tmp_path:
     pattern = re.compile(r"\[rank (\d)\] PLAIN rank=\1 line \d+ x{40}")
     assert [line for line in lines if not pattern.fullmatch(line)] == []
     assert len(lines) == 600
+
+
+def test_long_lines_from_four_ranks_at_once_arrive_whole_through_a_pipe(tmp_path: Path) -> None:
+    """100 KB lines, printed by 4 ranks at the same moment into one pipe: a pipe takes a write
+    whole only up to 4 KB (and holds 64 KB), so the ranks take turns (a lock file the
+    launcher makes)."""
+    (tmp_path / "barrier").mkdir()
+    program = [str(REPO / "tests" / "programs" / "long_lines.py"), str(tmp_path / "barrier")]
+    result = run_local_program(4, [*program, "10", "100000"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    pattern = re.compile(r"R(\d)-(\d+):(\d)+:END\1-\2")
+    lines = result.stdout.splitlines()
+    cut = [line[:80] for line in lines if not pattern.fullmatch(line)]
+    assert cut == [] and len(lines) == 40, f"{len(cut)} lines cut into others: {cut[:4]}"
+    for rank in range(4):
+        own = [line for line in lines if line.startswith(f"R{rank}-")]
+        assert own == [f"R{rank}-{i}:{str(rank) * 100000}:END{rank}-{i}" for i in range(10)]

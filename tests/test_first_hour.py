@@ -39,10 +39,14 @@ def hpc_ddp_cli(*arguments: str, cwd: Path = REPO) -> subprocess.CompletedProces
     )
 
 
-def test_doctor_checks_a_users_script_with_its_own_arguments_and_settings() -> None:
-    result = hpc_ddp_cli("doctor", LM, "--max-iters", "5", "dist.timeout_s=60", "run.name=lm")
+def test_doctor_checks_a_users_script_with_its_own_arguments_and_settings(tmp_path: Path) -> None:
+    result = hpc_ddp_cli(
+        "doctor", "--json-dir", str(tmp_path), LM, "--max-iters", "5", "dist.timeout_s=60",
+        "run.name=lm",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(result.stdout.split("doctor-json: ")[1])
+    assert f"[doctor rank 0/1] report: {tmp_path / 'doctor-rank-0.json'}" in result.stdout
+    report = json.loads((tmp_path / "doctor-rank-0.json").read_text())
     assert report["ok"] and report["launcher"] == "single" and report["world_size"] == 1
     assert "/lm/" in report["plan"], "the script's run.name setting reached the plan"
     assert not [check for check in report["checks"] if "global batch" in check[1]]

@@ -157,7 +157,7 @@ BLOCKED_UNTIL_HELD = ["env", "--block-signal=USR1,USR2,TERM,HUP,ALRM"]
 
 def srun_argv(script: Path, workdir: Path, arguments: tuple[str, ...] = ()) -> list[str]:
     """Run a rendered job script with a fake srun; return the argv srun was given, without
-    the ``env --block-signal`` that starts python (checked here)."""
+    ``--label`` and the ``env --block-signal`` that starts python (both checked here)."""
     bin_dir = workdir / "fakebin"
     if not bin_dir.is_dir():
         fake_slurm_bin(bin_dir)
@@ -176,8 +176,9 @@ def srun_argv(script: Path, workdir: Path, arguments: tuple[str, ...] = ()) -> l
         capture_output=True,
     )
     argv: list[str] = json.loads(argv_log.read_text())
-    assert argv[1:3] == BLOCKED_UNTIL_HELD, argv
-    return [argv[0], *argv[3:]]
+    assert argv[:2] == ["--kill-on-bad-exit=1", "--label"], argv
+    assert argv[2:4] == BLOCKED_UNTIL_HELD, argv
+    return [argv[0], *argv[4:]]
 
 
 def test_hostile_paths_reach_python_verbatim_and_run_nothing(workdir: Path) -> None:

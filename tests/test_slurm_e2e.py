@@ -32,12 +32,9 @@ TORCHRUN = str(REPO / "slurm" / "train-torchrun.sh")
 SMALL = ["data.num_samples=3072", "data.batch_size=96", "train.epochs=2", "train.log_interval=4"]
 
 
-def doctor_reports(output: str) -> list[dict[str, Any]]:
-    reports = [
-        json.loads(line.split(" ", 1)[1])
-        for line in output.splitlines()
-        if line.startswith("doctor-json: ")
-    ]
+def doctor_reports(json_dir: Path) -> list[dict[str, Any]]:
+    """The reports ``hpc-ddp doctor --json-dir`` wrote, in rank order."""
+    reports = [json.loads(path.read_text()) for path in json_dir.glob("doctor-rank-*.json")]
     return sorted(reports, key=lambda report: report.get("rank", -1))
 
 
@@ -45,10 +42,11 @@ def doctor_in_allocation(
     slurm: SlurmCluster, work: Path, allocation: list[str], settings: Sequence[str] = ()
 ) -> subprocess.CompletedProcess[str]:
     """``hpc-ddp doctor`` for the digits config on CUDA, in every task of an allocation that
-    salloc makes with the options ``allocation``."""
+    salloc makes with the options ``allocation``; the reports go to ``work/doctor``."""
     return slurm.run(
         ["salloc", *allocation, "srun", "python", "-m", "hpc_ddp", "doctor",
-         "--config", "configs/digits.yaml", "dist.device=cuda", *settings],
+         "--json-dir", str(work / "doctor"), "--config", "configs/digits.yaml",
+         "dist.device=cuda", *settings],
         work,
         timeout=120,
     )  # fmt: skip
@@ -198,7 +196,7 @@ def test_doctor_shows_each_rank_and_its_gpu_per_task(slurm: SlurmCluster, tmp_pa
     result = doctor_in_allocation(
         slurm, work, ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-task=1"]
     )
-    reports = doctor_reports(result.stdout)
+    reports = doctor_reports(work / "doctor")
     assert result.returncode == 0, result.stdout + result.stderr
     assert [r["rank"] for r in reports] == [0, 1, 2, 3]
     assert [r["node_rank"] for r in reports] == [0, 0, 1, 1]
@@ -214,6 +212,65 @@ def test_doctor_shows_each_rank_and_its_gpu_per_task(slurm: SlurmCluster, tmp_pa
     assert len(warnings) == 4 and "sees only its own GPU" in warnings[0], warnings
 
 
+#: A run directory 5 KB long: each rank's plan, and its report, pass 4 KB.
+LONG_PATH = "x/" * 2500
+
+
+def test_doctor_reports_of_four_tasks_arrive_whole_however_long(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """srun passes a task's output on in pieces of 1 KB: doctor prints lines of at most 1 KB,
+    each labelled with its rank, and the whole report goes to a file per rank."""
+    work = prepare_workdir(tmp_path)
+    result = doctor_in_allocation(
+        slurm,
+        work,
+        ["--nodes=2", "--ntasks-per-node=2", "--gpus-per-node=2"],
+        [f"run.output_dir={work / LONG_PATH}"],
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    reports = doctor_reports(work / "doctor")
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3]
+    assert all(LONG_PATH in r["plan"] for r in reports), "each report whole in its file"
+    lines = result.stdout.splitlines()
+    assert max(len(line.encode()) for line in lines) <= 1000
+    for rank in range(4):
+        label = f"[doctor rank {rank}/4] "
+        own = [line.removeprefix(label) for line in lines if line.startswith(label)]
+        plan = own[0] + "".join(piece.removeprefix("... ") for piece in own[1:6])
+        assert LONG_PATH in plan and own[6].startswith("ok "), own[:8]
+    assert all(line.count("[doctor rank ") == 1 for line in lines), "no line holds two ranks'"
+
+
+def test_long_lines_from_four_tasks_arrive_labelled_never_cut_into_each_other(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """A script's 5 KB lines, printed by 4 tasks at once under the sbatch template: srun
+    labels each piece with its task, so each task's lines read back whole, in order."""
+    work = prepare_workdir(tmp_path)
+    (work / "barrier").mkdir()
+    program = [
+        str(REPO / "tests" / "programs" / "long_lines.py"),
+        str(work / "barrier"),
+        "5",
+        "5000",
+    ]
+    job = slurm.sbatch(["--nodes=2", "--ntasks-per-node=2", TRAIN, *program], work)
+    state = slurm.wait(job)
+    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    pieces: dict[int, list[str]] = {rank: [] for rank in range(4)}
+    for line in log.splitlines():
+        labelled = re.fullmatch(r" *(\d+): (.*)", line)
+        if labelled:
+            pieces[int(labelled[1])].append(labelled[2])
+    for rank, own in pieces.items():
+        expected = "".join(f"R{rank}-{i}:{str(rank) * 5000}:END{rank}-{i}" for i in range(5))
+        assert expected in "".join(own), f"rank {rank}'s lines, from {len(own)} pieces"
+        others = [f"R{other}-" for other in range(4) if other != rank]
+        assert not [piece for piece in own if any(mark in piece for mark in others)]
+
+
 def test_the_template_gives_each_task_its_nodes_gpus(slurm: SlurmCluster, tmp_path: Path) -> None:
     """`sbatch slurm/train.sh` on 2 nodes with GPU GRES: every task sees both GPUs of its node
     and drives cuda:LOCAL_RANK, so NCCL could use CUDA IPC between them.
@@ -226,7 +283,7 @@ def test_the_template_gives_each_task_its_nodes_gpus(slurm: SlurmCluster, tmp_pa
     stand_in.write_text(  # the templates' shared body is found with the real python
         f'#!/bin/bash\n[[ $2 == hpc_ddp.launch.templates ]] && exec {sys.executable} "$@"\n'
         f"[[ $1 == -m && $2 == hpc_ddp.train ]] || exit 9\nshift 2\n"
-        f'exec {sys.executable} -m hpc_ddp doctor "$@"\n'
+        f'exec {sys.executable} -m hpc_ddp doctor --json-dir {work / "doctor"} "$@"\n'
     )
     stand_in.chmod(0o755)
     result = slurm.run(
@@ -239,7 +296,7 @@ def test_the_template_gives_each_task_its_nodes_gpus(slurm: SlurmCluster, tmp_pa
     state = slurm.wait(job)
     log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
-    reports = doctor_reports(log)
+    reports = doctor_reports(work / "doctor")
     assert [r["rank"] for r in reports] == [0, 1, 2, 3], log[-3000:]
     assert [r["cuda_visible_devices"] for r in reports] == ["0,1"] * 4
     assert [r["device"] for r in reports] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
@@ -251,7 +308,7 @@ def test_the_template_gives_each_task_its_nodes_gpus(slurm: SlurmCluster, tmp_pa
 def test_doctor_with_gres_uses_local_rank(slurm: SlurmCluster, tmp_path: Path) -> None:
     work = prepare_workdir(tmp_path)
     result = doctor_in_allocation(slurm, work, ["--nodes=1", "--ntasks-per-node=2", "--gres=gpu:2"])
-    reports = doctor_reports(result.stdout)
+    reports = doctor_reports(work / "doctor")
     assert result.returncode == 0, result.stdout + result.stderr
     assert [r["cuda_visible_devices"] for r in reports] == ["0,1", "0,1"]
     assert [r["device"] for r in reports] == ["cuda:0", "cuda:1"]
@@ -268,7 +325,7 @@ def test_a_rank_over_two_gpus_gets_both_in_either_layout(
     """dist.gpus_per_rank=2 on 2 nodes of 2 GRES GPUs: one rank per node drives both."""
     work = prepare_workdir(tmp_path)
     result = doctor_in_allocation(slurm, work, ["--nodes=2", *layout], ["dist.gpus_per_rank=2"])
-    reports = doctor_reports(result.stdout)
+    reports = doctor_reports(work / "doctor")
     assert result.returncode == 0, result.stdout + result.stderr
     assert [r["rank"] for r in reports] == [0, 1]
     assert [r["cuda_visible_devices"] for r in reports] == ["0,1", "0,1"]

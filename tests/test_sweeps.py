@@ -131,7 +131,7 @@ def test_the_array_job_script_runs_the_task_and_records_its_end(tmp_path: Path) 
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
     task = f"-m hpc_ddp.sweep.task '{tmp_path}/my sweep' --offset 8"
     assert f"program=({task})" in text
-    srun = 'srun --kill-on-bad-exit=1 "${blocked_until_held[@]}" "$python" "${program[@]}"'
+    srun = 'srun --kill-on-bad-exit=1 --label "${blocked_until_held[@]}" "$python" "${program[@]}"'
     assert text.index(srun) < text.index(f'"$python" {task} --ended "$status"')
     assert text.rstrip().endswith('exit "$status"')
 

@@ -197,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = _command(commands, "doctor", cmd.doctor, "print each rank's plan and checks")
     doctor.add_argument("--config", help="YAML config file")
     doctor.add_argument(
+        "--json-dir",
+        default=None,
+        help="also write each rank's whole report as JSON to DIR/doctor-rank-<rank>.json",
+    )
+    doctor.add_argument(
         "overrides",
         nargs=argparse.REMAINDER,
         help="your script and its arguments (train.py --lr 3e-4 dist.timeout_s=60), or the "

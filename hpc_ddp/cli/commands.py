@@ -277,6 +277,7 @@ RUNTIME_SECTIONS = ("run.", "dist.", "checkpoint.", "preempt.", "tracking.")
 def doctor(args: argparse.Namespace) -> int:
     from hpc_ddp.launch.doctor import diagnose, print_report
 
+    json_dir = Path(args.json_dir) if args.json_dir else None
     first = args.overrides[0] if args.overrides else ""
     if first and "=" not in first and args.config is None:  # a script, not the built-in trainer
         from hpc_ddp.runtime.config import resolve_config
@@ -284,10 +285,11 @@ def doctor(args: argparse.Namespace) -> int:
         Program("script", first).check()
         settings = [a for a in args.overrides[1:] if "=" in a and a.startswith(RUNTIME_SECTIONS)]
         runtime = resolve_config(None, settings, {}, os.environ)
-        return print_report(diagnose(runtime, os.environ, Path(first).stem))
+        return print_report(diagnose(runtime, os.environ, Path(first).stem), json_dir, os.environ)
     from hpc_ddp.trainer.config import load_config
 
-    return print_report(diagnose(load_config(args.config, args.overrides), os.environ))
+    report = diagnose(load_config(args.config, args.overrides), os.environ)
+    return print_report(report, json_dir, os.environ)
 
 
 def data_make(args: argparse.Namespace) -> int:

@@ -1,13 +1,20 @@
 """`hpc-ddp doctor`: each rank prints its resolved plan and the launch checks, without any
 process group. Run it exactly like training: `srun hpc-ddp doctor --config ...`.
+
+Each rank writes its lines to the same merged output as the others, so a line goes out in
+one write (srun keeps a task's line whole up to 1 KB and cuts longer ones into pieces that
+other tasks' pieces may land between): the whole report, for scripts, goes to a file of its
+own per rank (``--json-dir``), whole at any size whatever merges the ranks' output.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.config import RuntimeConfig
@@ -18,6 +25,7 @@ from hpc_ddp.runtime.place.plan import (
     gpu_binding_warning,
     micro_batch_size,
 )
+from hpc_ddp.runtime.safefiles import make_dirs, replace_bytes
 from hpc_ddp.trainer.config import Config
 
 
@@ -109,13 +117,53 @@ def diagnose(
     }
 
 
-def print_report(report: dict[str, Any]) -> int:
-    """Human lines plus one `doctor-json:` line for scripts; exit code 0 only if all pass."""
+def report_path(json_dir: Path, report: Mapping[str, Any], environ: Mapping[str, str]) -> Path:
+    """Where a rank's report goes in ``json_dir``: ``doctor-rank-<rank>.json``; a rank whose
+    plan failed (no rank known) is named by the launcher's task id, or else host and pid."""
+    rank = report.get("rank")
+    if rank is None:
+        task = environ.get("SLURM_PROCID") or environ.get("RANK")
+        rank = task if task is not None else f"unknown-{socket.gethostname()}-{os.getpid()}"
+    return json_dir / f"doctor-rank-{rank}.json"
+
+
+#: The longest line doctor prints: srun keeps lines of up to 1 KB whole.
+LINE_BYTES = 1000
+
+
+def labelled_pieces(label: str, text: str, most: int = LINE_BYTES) -> list[str]:
+    """``text`` after ``label`` in lines of at most ``most`` bytes (UTF-8), each labelled;
+    a piece that goes on from the one before starts with "...". Pure."""
+    pieces: list[str] = []
+    room = most - len(label.encode()) - 5
+    while True:
+        piece = text.encode()[:room].decode(errors="ignore")  # never half a character
+        pieces.append(f"{label} {'... ' if pieces else ''}{piece}")
+        text = text[len(piece) :]
+        if not text:
+            return pieces
+
+
+def print_report(report: dict[str, Any], json_dir: Path | None, environ: Mapping[str, str]) -> int:
+    """Human lines on stdout, each in one write, and (``json_dir``) the whole report as JSON in
+    a file of this rank's own; exit code 0 only if all pass."""
     label = f"[doctor rank {report.get('rank', '?')}/{report.get('world_size', '?')}]"
-    if "plan" in report:
-        print(f"{label} {report['plan']}")
-    for status, text in report["checks"]:
-        print(f"{label} {status:4} {text}")
-    print("doctor-json: " + json.dumps(report, sort_keys=True))
-    sys.stdout.flush()
+    texts = [report["plan"]] if "plan" in report else []
+    texts += [f"{status:4} {text}" for status, text in report["checks"]]
+    lines = [line for text in texts for line in labelled_pieces(label, text)]
+    if json_dir is not None:
+        path = report_path(json_dir, report, environ)
+        try:
+            make_dirs(json_dir)
+            replace_bytes(path, (json.dumps(report, sort_keys=True) + "\n").encode())
+        except OSError as error:
+            raise HpcDdpError(
+                f"hpc-ddp doctor --json-dir {json_dir}: cannot write {path.name} there "
+                f"({error.strerror or error})",
+                "pass a folder this user can write, on a file system every node sees",
+            ) from None
+        lines.append(f"{label} report: {path}")
+    for line in lines:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
     return 0 if report["ok"] else 2

@@ -13,12 +13,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
-from hpc_ddp.launch.output import PREFIX_VAR
+from hpc_ddp.launch.output import LOCK_VAR, PREFIX_VAR
 from hpc_ddp.launch.program import Program
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.place.env import LOCAL_RUN_ID_VAR, available_cpus
@@ -38,9 +39,15 @@ def free_loopback_port() -> int:
 
 
 def rank_environments(
-    nproc: int, base: Mapping[str, str], port: int, run_id: str, cpu_count: int
+    nproc: int,
+    base: Mapping[str, str],
+    port: int,
+    run_id: str,
+    cpu_count: int,
+    output_lock: str | None = None,
 ) -> list[dict[str, str]]:
-    """The environment of each local rank (pure: ``base`` is copied, never changed)."""
+    """The environment of each local rank (pure: ``base`` is copied, never changed);
+    ``output_lock``: the file through which several ranks take turns to print a line."""
     threads = str(threads_per_rank(cpu_count, nproc))
     environments = []
     for rank in range(nproc):
@@ -61,6 +68,8 @@ def rank_environments(
         environment.setdefault("OMP_NUM_THREADS", threads)
         if nproc > 1:  # whole, labelled lines from each (see hpc_ddp.launch.output)
             environment[PREFIX_VAR] = f"[rank {rank}] "
+            if output_lock is not None:
+                environment[LOCK_VAR] = output_lock
         environments.append(environment)
     return environments
 
@@ -221,8 +230,15 @@ def launch_local(nproc: int, program: Program, environ: Mapping[str, str] | None
         print(f"hpc-ddp local: warning: {warning}", file=sys.stderr)
     base = dict(os.environ if environ is None else environ)
     run_id = time.strftime("local-%Y%m%d-%H%M%S-") + str(os.getpid())
-    environments = rank_environments(nproc, base, free_loopback_port(), run_id, available_cpus())
-    command = [sys.executable, *program.python_args()]
+    with tempfile.NamedTemporaryFile(prefix="hpc-ddp-output-", suffix=".lock") as lock:
+        environments = rank_environments(
+            nproc, base, free_loopback_port(), run_id, available_cpus(), lock.name
+        )
+        return _run_ranks([sys.executable, *program.python_args()], environments)
+
+
+def _run_ranks(command: list[str], environments: list[dict[str, str]]) -> int:
+    """Start one rank per environment, pass the launcher's signals on, supervise them."""
     # The ranks in a process group of their own: a terminal's Ctrl-C reaches this launcher
     # only, which passes each one on exactly once (see interrupt).
     processes = [

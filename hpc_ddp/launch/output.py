@@ -6,16 +6,26 @@ separately, so two ranks' lines can end up glued into one. :class:`LabelledLines
 rank's standard output until a line is whole and writes it in one call, on a terminal after
 the rank's label, as torchrun's own prefixing does. The toolkit's log lines carry the rank
 already.
+
+One call is not enough for a long line: a pipe takes a write whole only up to 4 KB
+(PIPE_BUF), and a longer one that meets a full pipe goes in pieces between which another
+rank's line can land. So the ranks take turns through a lock file the launcher makes: each
+line goes out whole, at any length.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
 from typing import TextIO
 
 #: Set by ``hpc-ddp local`` in each rank's environment when it starts several ranks.
 PREFIX_VAR = "HPC_DDP_OUTPUT_PREFIX"
+#: The lock file through which those ranks take turns to write a line (see above).
+LOCK_VAR = "HPC_DDP_OUTPUT_LOCK"
 
 
 class LabelledLines(io.TextIOBase):
@@ -23,12 +33,31 @@ class LabelledLines(io.TextIOBase):
     is written when flushed (``print(..., end="", flush=True)``), the label once; another
     rank's line may then go on after it."""
 
-    def __init__(self, stream: TextIO, label: str) -> None:
+    def __init__(self, stream: TextIO, label: str, lock: int | None = None) -> None:
         super().__init__()
         self.stream = stream
         self.label = label
+        #: An open descriptor of the ranks' shared lock file (None: no other writer).
+        self.lock = lock
         self._pending = ""
         self._mid_line = False  # a flushed partial line is out: no label before the rest
+
+    @contextlib.contextmanager
+    def _turn(self) -> Iterator[None]:
+        """This rank's turn to write: no other rank's line goes out meanwhile."""
+        if self.lock is None:
+            yield
+            return
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+
+    def _out(self, text: str) -> None:
+        with self._turn():
+            self.stream.write(text)
+            self.stream.flush()
 
     def write(self, text: str) -> int:
         self._pending += text
@@ -37,17 +66,17 @@ class LabelledLines(io.TextIOBase):
             lines = whole.split("\n")
             first = lines[0] if self._mid_line else self.label + lines[0]
             rest = "".join(f"\n{self.label}{line}" for line in lines[1:])
-            self.stream.write(first + rest + "\n")
+            self._out(first + rest + "\n")
             self._mid_line = False
-            self.stream.flush()
         return len(text)
 
     def flush(self) -> None:
         if self._pending:
             label = "" if self._mid_line else self.label
-            self.stream.write(label + self._pending)
+            self._out(label + self._pending)
             self._pending, self._mid_line = "", True
-        self.stream.flush()
+        else:
+            self.stream.flush()
 
     def writable(self) -> bool:
         return True
@@ -63,11 +92,24 @@ class LabelledLines(io.TextIOBase):
         return self.stream.encoding
 
 
+def open_lock(environ: Mapping[str, str]) -> int | None:
+    """The ranks' shared lock file (:data:`LOCK_VAR`), opened; None when unset or gone (the
+    lines are then written as they come)."""
+    path = environ.get(LOCK_VAR)
+    if not path:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+
+
 def labelled_stdout(stdout: TextIO, environ: Mapping[str, str]) -> TextIO:
     """``stdout`` in whole lines when :data:`PREFIX_VAR` is set, labelled on a terminal
-    (a pipe or a file gets the lines as printed, for the programs that read them); as it is
-    when unset."""
+    (a pipe or a file gets the lines as printed, for the programs that read them), one rank
+    at a time (:data:`LOCK_VAR`); as it is when unset."""
     label = environ.get(PREFIX_VAR)
     if label is None:
         return stdout
-    return LabelledLines(stdout, label if stdout.isatty() else "")  # type: ignore[return-value]
+    lines = LabelledLines(stdout, label if stdout.isatty() else "", open_lock(environ))
+    return lines  # type: ignore[return-value]

@@ -19,7 +19,9 @@ from hpc_ddp.runtime.errors import HpcDdpError
 
 #: Slurm's default MaxArraySize (used when `scontrol show config` cannot be read).
 DEFAULT_MAX_ARRAY_SIZE = 1001
-_SRUN_LINE = 'srun --kill-on-bad-exit=1 "${blocked_until_held[@]}" "$python" "${program[@]}"\n'
+_SRUN_LINE = (
+    'srun --kill-on-bad-exit=1 --label "${blocked_until_held[@]}" "$python" "${program[@]}"\n'
+)
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,8 @@ export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 
 echo "job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}: ${args[*]}"
 # --kill-on-bad-exit: one failed rank ends the whole step at once instead of leaving the
-# other ranks waiting in a collective until the time limit. Each rank starts with the stop
-# signals blocked until its first line holds them (job-body.sh).
-srun --kill-on-bad-exit=1 "${blocked_until_held[@]}" "$python" "${program[@]}"
+# other ranks waiting in a collective until the time limit. --label: each line of the log
+# starts with its task's rank ("3: "); srun passes a task's output on in pieces of 1 KB, and
+# a longer line from one rank would otherwise be cut into another's. Each rank starts with
+# the stop signals blocked until its first line holds them (job-body.sh).
+srun --kill-on-bad-exit=1 --label "${blocked_until_held[@]}" "$python" "${program[@]}"
