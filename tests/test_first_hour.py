@@ -306,7 +306,7 @@ def test_init_writes_nothing_where_a_file_it_would_write_exists(tmp_path: Path) 
 
 
 OWN_PARSER = """
-import argparse, os, signal
+import argparse, os, signal, sys, time
 import torch
 import hpc_ddp
 
@@ -314,6 +314,12 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, required=True)
 args = parser.parse_args()  # strict: any setting meant for hpc_ddp here would be refused
 run = hpc_ddp.start(run={"name": "own"}, preempt={"check_every_steps": 1})
+received = []
+handler = signal.getsignal(signal.SIGTERM)  # hpc_ddp's: kept, and told of it first
+def seen(number, frame):
+    received.append(number)
+    handler(number, frame)
+signal.signal(signal.SIGTERM, seen)
 model = run.wrap(torch.nn.Linear(4, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 run.register(model=model, optimizer=optimizer)
@@ -322,8 +328,14 @@ for step in run.iterations(args.steps):
     loss.backward()
     optimizer.step()
     optimizer.zero_grad()
-    if step == 3 and run.rank == 0 and run.resumed is None:
-        os.kill(os.getppid(), signal.SIGTERM)  # hpc-ddp local passes it to every rank
+    if step == 3 and run.resumed is None:
+        if run.rank == 0:
+            os.kill(os.getppid(), signal.SIGTERM)  # hpc-ddp local passes it to every rank
+        deadline = time.monotonic() + 120
+        while not received:  # each rank holds its step until the signal reached it
+            if time.monotonic() > deadline:
+                sys.exit("SIGTERM did not come back from hpc-ddp local within 120 s")
+            time.sleep(0.01)
 print("DONE", run.global_step)
 run.finish()
 """

@@ -92,21 +92,21 @@ def test_every_rank_writes_its_part_and_the_metadata_commits_it(tmp_path: Path) 
 
 
 def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
-    """SIGKILL to both ranks right after the save of step 21 began (256 MiB to write): the
-    unfinished folder is no checkpoint, the rerun resumes from step 11 and ends bitwise
-    equal to an uninterrupted run."""
-    common = ("--steps=30", "--ballast-mb=256")
+    """SIGKILL to both ranks while the background save of step 21 has written its parts but
+    not its .metadata (held there: --hold-commit-at): the unfinished folder is no
+    checkpoint, the rerun resumes from step 11 and ends bitwise equal to an uninterrupted
+    run."""
+    common = ("--steps=30", "--ballast-mb=16")
     reference = run_local_program(2, [*ballast(tmp_path / "ref", *common)])
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     output = tmp_path / "killed"
-    process = start_program(2, ballast(output, *common))
-    log, _pids = kill_after(process, r"STEP 22 ")
+    process = start_program(2, ballast(output, *common, "--hold-commit-at=21"))
+    log, _pids = kill_after(process, r"HOLDING the commit of step 21")
     checkpoints = checkpoints_of(output)
     unfinished = checkpoints / "step-000000021"
-    assert unfinished.is_dir() and not (unfinished / METADATA).exists(), (
-        f"the kill came after the save finished: {log[-2000:]}"
-    )
+    assert unfinished.is_dir() and not (unfinished / METADATA).exists(), log[-2000:]
+    assert len(list(unfinished.glob("*.distcp"))) == 2, "every rank's part was written"
     complete = [path.name for path in list_checkpoints(checkpoints)]
     assert complete == ["step-000000011", "step-000000001"]
 
@@ -119,26 +119,18 @@ def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path
 
 
 def test_a_stop_during_a_background_save_waits_for_it_then_saves(tmp_path: Path) -> None:
-    """SIGUSR1 right after the background save of step 11 began: that save finishes, the
-    stop's own save follows, and both are whole checkpoints; a save slower than the
-    warning the job's signal gives is named at the first save."""
-    process = start_program(
-        2, ballast(tmp_path, "--steps=200", "--ballast-mb=128", "preempt.warning_s=0.001")
-    )
-    assert process.stdout is not None
-    for line in process.stdout:
-        if line.startswith("STEP 12 "):
-            process.send_signal(signal.SIGUSR1)
-            break
-    _out, err = process.communicate(timeout=240)
-    assert process.returncode == EXIT_STOPPED, err[-3000:]
+    """The warning signal one step after the background save of step 11 began (rehearsed
+    at step 12: preempt.stop_at_step): that save finishes, the stop's own save follows,
+    and both are whole checkpoints; a save slower than the warning the job's signal gives
+    is named at the first save."""
+    settings = ("preempt.warning_s=0.001", "preempt.stop_at_step=12")
+    result = run_local_program(2, ballast(tmp_path, "--steps=200", "--ballast-mb=128", *settings))
+    err = result.stderr
+    assert result.returncode == EXIT_STOPPED, err[-3000:]
     periodic = err.index("checkpoint (requested) step 11:")
-    stop = re.search(r"checkpoint \(stop signal\) step (\d+):", err)
-    assert stop is not None and stop.start() > periodic, err[-3000:]
-    stop_step = int(stop.group(1))
-    assert stop_step < 200
+    assert err.index("checkpoint (stop signal) step 12:") > periodic, err[-3000:]
     steps = [int(path.name[5:]) for path in list_checkpoints(checkpoints_of(tmp_path))]
-    assert steps[:2] == [stop_step, 11]
+    assert steps == [12, 11, 1]
     assert err.count("longer than the 0 s between the stop signal and the kill") == 1
     assert "HINT: warn earlier (#SBATCH --signal=USR1@300" in err
 

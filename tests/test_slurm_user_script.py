@@ -37,9 +37,9 @@ PREEMPTED = [PROGRAM, "--epochs", "2", "--samples", "19200", "--log-interval", "
 SETTINGS = ["preempt.check_every_steps=1", "tracking.enabled=false"]
 
 
-def sbatch_two_nodes(slurm: SlurmCluster, work: Path) -> str:
+def sbatch_two_nodes(slurm: SlurmCluster, work: Path, *extra: str) -> str:
     """The script on 2 nodes x 2 tasks through slurm/train.sh, as a user submits it."""
-    program = [*PREEMPTED, f"run.output_dir={work / 'runs'}", *SETTINGS]
+    program = [*PREEMPTED, f"run.output_dir={work / 'runs'}", *SETTINGS, *extra]
     return slurm.sbatch(["--nodes=2", "--ntasks-per-node=2", TRAIN, *program], work)
 
 
@@ -47,14 +47,11 @@ def test_sbatch_two_nodes_preempted_requeues_and_resumes_to_the_same_weights(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     work = prepare_workdir(tmp_path / "preempted")
-    job = sbatch_two_nodes(slurm, work)
+    job = sbatch_two_nodes(slurm, work, "--hold-at-step", "60")
     log, stop_step = slurm.requeue_by_signal(
-        job,
-        work,
-        work / "logs" / f"hpc-ddp-{job}.out",
-        r"\[rank 0/4\] INFO epoch 0 step (4\d|[5-9]\d|1[0-6]\d)/400",
+        job, work, work / "logs" / f"hpc-ddp-{job}.out", r"HOLDING at step 60 \(rank 0\)"
     )
-    assert stop_step % 200, "stopped mid-epoch"
+    assert stop_step == 61, "agreed at the check after scancel's signal reached every rank"
     assert f"at step {stop_step} (epoch 0, step {stop_step} of the epoch)" in log
 
     facts = summary_of(work / "runs")

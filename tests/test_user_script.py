@@ -118,11 +118,11 @@ def test_stopped_mid_epoch_and_rerun_equals_uninterrupted_in_one_mlflow_run(
     reference = run_local_program(2, [*program, "run.id=reference"])
     assert reference.returncode == 0, reference.stderr[-2000:]
 
-    process = start_program(2, [*program, "run.id=interrupted"])
-    log = signal_after(process, r"epoch 1 step 1[3-7]\d/300", signal.SIGUSR1)
+    process = start_program(2, [*program, "run.id=interrupted", "--hold-at-step", "130"])
+    log = signal_after(process, r"HOLDING at step 130", signal.SIGUSR1)
     assert process.returncode == EXIT_STOPPED, log[-3000:]
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
-    assert stop_step % 100, f"stopped at step {stop_step}, not mid-epoch"
+    assert stop_step == 131, "agreed at the check after the signal reached every rank"
     assert "to continue, run the same command with run.id=interrupted" in log
     stopped = load_run(tmp_path / "regression" / "interrupted")
     assert stopped is not None and (stopped.state, stopped.attempts) == ("stopped", 1)
@@ -468,11 +468,14 @@ def test_a_run_stopped_on_4_ranks_resumes_on_2_and_on_3_with_the_same_global_ord
     )  # fmt: skip
     assert reference.returncode == 0, reference.stderr[-2000:]
 
-    process = start_program(4, [*program, "run.id=to2", "--record-ids", str(tmp_path / "ids-to2")])
-    log = signal_after(process, r"epoch 0 step (3\d|4\d|5\d)/200", signal.SIGUSR1)
+    process = start_program(
+        4, [*program, "run.id=to2", "--record-ids", str(tmp_path / "ids-to2"),
+            "--hold-at-step", "40"],
+    )  # fmt: skip
+    log = signal_after(process, r"HOLDING at step 40", signal.SIGUSR1)
     assert process.returncode == EXIT_STOPPED, log[-3000:]
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
-    assert 0 < stop_step < 100, stop_step
+    assert stop_step == 41, stop_step
     shutil.copytree(tmp_path / "regression" / "to2", tmp_path / "regression" / "to3")
     for path in (tmp_path / "ids-to2").iterdir():
         shutil.copy(path, tmp_path / "ids-to3")

@@ -4,6 +4,7 @@ same script as an hpc_ddp run; README.md shows the change and how to run each.
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -112,6 +113,12 @@ def main(save_every, total_epochs, batch_size, snapshot_path):
     train_data = prepare_dataloader(dataset, batch_size)
     trainer = Trainer(model, train_data, optimizer, save_every, snapshot_path)
     trainer.train(total_epochs)
+    # The DDP model goes before its process group: DDP sits in a reference cycle that only the
+    # garbage collector breaks, and a process group still held at exit keeps gloo's worker
+    # threads going while Python shuts down, which can abort the process after the last line
+    # ("terminate called without an active exception", pytorch/pytorch#190489).
+    del trainer
+    gc.collect()
     destroy_process_group()
 
 

@@ -208,8 +208,18 @@ class PreemptConfig:
         "(every step until then).",
     )
 
+    stop_at_step: int | None = setting(
+        None,
+        "Rehearse a preemption: after this optimizer step, checkpoint and stop as the warning "
+        "signal does (requeue under Slurm where allowed, else exit 3 with the command that "
+        "continues the run), at exactly this step on every rank. An attempt that resumes at "
+        "or after it trains on. null: never.",
+    )
+
     def __post_init__(self) -> None:
         require(self.max_requeues >= 0, "preempt.max_requeues", self.max_requeues, ">= 0")
+        if self.stop_at_step is not None:
+            require(self.stop_at_step >= 1, "preempt.stop_at_step", self.stop_at_step, ">= 1")
         if self.check_every_steps is not None:
             require(
                 self.check_every_steps >= 1,

@@ -3,13 +3,20 @@ that training never changes), so that writing a checkpoint takes long enough to 
 in the middle. Each rank prints ``STEP <n> <pid>`` after every optimizer step.
 
     hpc-ddp local --nproc 2 tests/programs/ballast.py --steps 40 --ballast-mb 256
+
+``--hold-commit-at N``: the save of step N writes every rank's part, then holds before its
+``.metadata`` commits it (``HOLDING the commit of step N`` on stdout), until the process is
+killed: a node lost in the middle of a save, at a moment known whatever the machine's pace.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,13 +33,32 @@ class Ballast(nn.Module):
             self.register_buffer(f"part{index}", torch.full((megabytes * 2**14,), float(index)))
 
 
+def hold_the_commit(step: int) -> None:
+    """The save of ``step`` holds before torch's writer commits it (see the docstring)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    commit = FileSystemWriter.finish
+
+    def holding(writer: Any, metadata: Any, results: Any) -> None:
+        if Path(str(writer.path)).name == f"step-{step:09d}":
+            print(f"HOLDING the commit of step {step}", flush=True)
+            time.sleep(600)  # until the kill the caller sends on the line above
+            sys.exit(f"the commit of step {step} was held for 600 s and no kill came")
+        commit(writer, metadata, results)
+
+    FileSystemWriter.finish = holding  # type: ignore[method-assign,assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--ballast-mb", type=int, default=256)
     parser.add_argument("--save-every", type=int, default=10)
     parser.add_argument("--step-pause", type=float, default=0.0, help="seconds: a slower step")
+    parser.add_argument("--hold-commit-at", type=int, default=None, help="a step (see above)")
     args, settings = parser.parse_known_args()
+    if args.hold_commit_at is not None:
+        hold_the_commit(args.hold_commit_at)
     run = hpc_ddp.start(overrides=settings, tracking={"enabled": False})
     model = run.wrap(nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)

@@ -202,7 +202,7 @@ class StepLoop:
         if position.global_step % cadence.check_every == 0:
             stop, save_now = self.stopper.decide()
             self.metrics.progress.reach(position.global_step)
-        if stop:
+        if stop or self.stopper.rehearsal_due():
             self.stopper.stop()
         every_steps = self.context.config.checkpoint.every_steps
         requested, self._save_requested = self._save_requested, False

@@ -54,6 +54,20 @@ class Stopper:
             return False, False
         return self._agreement.exchange(self.context.signals.requested, self._save_due())
 
+    def rehearsal_due(self) -> bool:
+        """Whether this step is ``preempt.stop_at_step``: every rank knows so at the same step,
+        with no exchange; the warning signal is then recorded as if it had arrived."""
+        at = self.context.config.preempt.stop_at_step
+        if at is None or self.position.global_step != at:
+            return False
+        if self.context.env.is_main:
+            get_logger().info(
+                f"preempt.stop_at_step={at}: stopping as on the warning signal "
+                f"(SIG{self.context.config.preempt.signal})"
+            )
+        self.context.signals.rehearse()
+        return True
+
     def _save_due(self) -> bool:
         minutes = self.context.config.checkpoint.every_minutes
         if minutes is None or not self.context.env.is_main:

@@ -88,6 +88,10 @@ class StopSignals:
             signal.signal(signum, handler)
         self._previous.clear()
 
+    def rehearse(self) -> None:
+        """Record the warning signal as if it had arrived (``preempt.stop_at_step``)."""
+        self.received.add(self.warning)
+
     @property
     def requested(self) -> bool:
         return bool(self.received)
