@@ -27,35 +27,53 @@ class RecordingStore:
     run_id = "recorded"
     status = "ok"
 
-    def __init__(self, go: threading.Event) -> None:
+    def __init__(self, go: threading.Event, answer: threading.Event | None = None) -> None:
         self.go = go
+        #: finish() and suspend() answer once this is set (by default at once).
+        self.answer = answer or threading.Event()
+        if answer is None:
+            self.answer.set()
         self.calls: list[tuple[str, Any]] = []
         self.times: list[int] = []
         self.ended_ms: int | None = None
+        self._recorded = threading.Condition()
+
+    def record(self, call: tuple[str, Any]) -> None:
+        with self._recorded:
+            self.calls.append(call)
+            self._recorded.notify_all()
+
+    def wait_for_calls(self, count: int) -> None:
+        """Until ``count`` calls reached the store (bounded: 30 s, then the test fails)."""
+        with self._recorded:
+            made = self._recorded.wait_for(lambda: len(self.calls) >= count, timeout=30)
+        assert made, f"{len(self.calls)} call(s) reached the store in 30 s, not {count}"
 
     def started(self) -> RecordingStore:
         self.go.wait(30)
         return self
 
     def log_metrics(self, metrics: Any, step: int) -> None:
-        self.calls.append(("log_metrics", (metrics, step)))
+        self.record(("log_metrics", (metrics, step)))
 
     def log_metric_steps(self, logged: Sequence[LoggedMetrics]) -> None:
-        self.calls.append(("log_metric_steps", [(dict(p.metrics), p.step) for p in logged]))
         self.times += [p.time_ms for p in logged]
+        self.record(("log_metric_steps", [(dict(p.metrics), p.step) for p in logged]))
 
     def log_json_artifact(self, name: str, data: Any) -> None:
-        self.calls.append(("log_json_artifact", name))
+        self.record(("log_json_artifact", name))
 
     def log_text_artifact(self, name: str, text: str) -> None:
-        self.calls.append(("log_text_artifact", name))
+        self.record(("log_text_artifact", name))
 
     def finish(self, status: str, end_time_ms: int | None = None) -> None:
-        self.calls.append(("finish", status))
+        self.answer.wait(30)
         self.ended_ms = end_time_ms
+        self.record(("finish", status))
 
     def suspend(self) -> None:
-        self.calls.append(("suspend", None))
+        self.answer.wait(30)
+        self.record(("suspend", None))
 
 
 def test_metrics_logged_together_go_in_one_call_and_keep_their_order() -> None:
@@ -69,8 +87,8 @@ def test_metrics_logged_together_go_in_one_call_and_keep_their_order() -> None:
     tracker.log_json_artifact("config.json", {})
     tracker.log_metrics({"loss": 1.0}, 3)
     after_ms = time.time() * 1000
-    time.sleep(0.1)  # MLflow still starting
-    go.set()
+    go.set()  # MLflow started: the calls that piled up behind it go
+
     finishing_ms = time.time() * 1000
     tracker.finish("FINISHED")
     assert store.ended_ms is not None and store.ended_ms >= finishing_ms - 1, (
@@ -94,7 +112,7 @@ def test_metrics_logged_a_window_apart_go_in_calls_of_their_own() -> None:
     store = RecordingStore(go)
     tracker = GuardedTracker(store.started, "stand-in", wait_limit_s=20, gather_s=0.2)
     tracker.log_metrics({"loss": 2.0}, 1)
-    time.sleep(1.0)  # the window closed meanwhile
+    store.wait_for_calls(1)  # its window closed with nothing more: it went alone
     tracker.log_metrics({"loss": 1.0}, 2)
     tracker.finish("FINISHED")
     assert store.calls == [
@@ -102,6 +120,64 @@ def test_metrics_logged_a_window_apart_go_in_calls_of_their_own() -> None:
         ("log_metric_steps", [({"loss": 1.0}, 2)]),
         ("finish", "FINISHED"),
     ]
+
+
+class WorkingProcess:
+    """The tracking process's CPU time as the guard reads it: more at each look, so it is
+    working; at look ``answer_at`` the store is let answer."""
+
+    def __init__(self, answer: threading.Event, answer_at: int, grows: bool = True) -> None:
+        self.answer, self.answer_at, self.grows = answer, answer_at, grows
+        self.looks = 0
+
+    def __call__(self) -> float:
+        self.looks += 1
+        if self.looks == self.answer_at:
+            self.answer.set()
+        return float(self.looks) if self.grows else 1.0
+
+
+def test_the_end_waits_past_the_limit_while_the_tracking_process_works() -> None:
+    """A busy machine slows the tracking process: the run's end waits for it for as long as
+    its CPU time grows, however long each window is."""
+    go, answer = threading.Event(), threading.Event()
+    go.set()
+    store = RecordingStore(go, answer)
+    working = WorkingProcess(answer, answer_at=4)
+    tracker = GuardedTracker(store.started, "stand-in", wait_limit_s=0.01, cpu_seconds=working)
+    tracker.finish("FINISHED")
+    assert tracker.status == "ok" and store.calls == [("finish", "FINISHED")]
+    assert working.looks >= 4, "it waited three windows past the limit"
+
+
+def test_the_end_gives_up_on_a_tracking_process_that_does_no_work() -> None:
+    """A process stuck on a server that does not answer uses no CPU: the end gives it one
+    window, then goes on without it, saying why."""
+    go, answer = threading.Event(), threading.Event()
+    go.set()
+    idle = WorkingProcess(answer, answer_at=0, grows=False)
+    tracker = GuardedTracker(
+        RecordingStore(go, answer).started, "stand-in", wait_limit_s=0.01, cpu_seconds=idle
+    )
+    tracker.finish("FINISHED")
+    assert tracker.status.startswith("failed: ending the run: TimeoutError: no answer within")
+    assert tracker.status.endswith("(the tracking process did no work meanwhile)")
+    assert idle.looks == 2, "the look before the wait and one after its window"
+    answer.set()
+
+
+def test_a_suspend_before_a_requeue_never_waits_past_the_limit() -> None:
+    """Before a requeue the job's warning time runs: a working but slow process is not
+    waited for past the limit."""
+    go, answer = threading.Event(), threading.Event()
+    go.set()
+    working = WorkingProcess(answer, answer_at=0)
+    tracker = GuardedTracker(
+        RecordingStore(go, answer).started, "stand-in", wait_limit_s=0.01, cpu_seconds=working
+    )
+    tracker.suspend()
+    assert tracker.status == "failed: suspending the run: TimeoutError: no answer within 0 s"
+    answer.set()
 
 
 def test_a_call_mlflow_refuses_is_dropped_and_tracking_goes_on(tmp_path: Path) -> None:

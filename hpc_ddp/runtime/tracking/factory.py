@@ -19,7 +19,12 @@ from hpc_ddp.runtime.tracking.base import (
 from hpc_ddp.runtime.tracking.guard import GuardedTracker
 from hpc_ddp.runtime.tracking.mlflow_tracker import MlflowTracker
 from hpc_ddp.runtime.tracking.sync import sync_run
-from hpc_ddp.runtime.tracking.worker import WorkerTracker, spawn_worker, take_prestarted
+from hpc_ddp.runtime.tracking.worker import (
+    WorkerTracker,
+    cpu_seconds,
+    spawn_worker,
+    take_prestarted,
+)
 
 
 def start_tracker(
@@ -54,4 +59,5 @@ def start_tracker(
         uri,
         recover=recover if run_dir is not None else None,
         retry_s=config.retry_s,
+        cpu_seconds=lambda: cpu_seconds(worker.process.pid),
     )

@@ -20,6 +20,11 @@ from hpc_ddp.runtime.tracking.worker import mlflow_http_settings
 #: The longest the training thread waits for MLflow at any one point (the run's id for a
 #: checkpoint, the run's end); past it, the run goes on without.
 WAIT_LIMIT_S = 30.0
+#: At the run's end, the wait goes on past WAIT_LIMIT_S for as long as the tracking process
+#: keeps working (a busy machine slows it; one stuck on a server that does not answer uses
+#: no CPU): at least this much CPU time in each WAIT_LIMIT_S, and PATIENT_LIMIT_S in all.
+WORKING_CPU_S = 0.05
+PATIENT_LIMIT_S = 600.0
 #: How often a tracker that failed is tried again (in the background, never in the way).
 RETRY_S = 60.0
 #: How long the background thread holds logged metrics for more to send with them: one MLflow
@@ -65,7 +70,8 @@ class GuardedTracker:
     """Starts the tracker (creating or reopening the run) on a background thread when first
     used, then makes every call to it on that thread, in order; metrics logged within
     ``gather_s`` of each other go in one call. Nothing here raises into training, and only
-    :meth:`finish` and :meth:`suspend` wait, for at most ``wait_limit_s``."""
+    :meth:`finish` and :meth:`suspend` wait: ``wait_limit_s``, and at the end longer while
+    ``cpu_seconds`` (the tracking process's CPU time) shows it working."""
 
     def __init__(
         self,
@@ -75,8 +81,10 @@ class GuardedTracker:
         recover: Callable[[], tuple[StoreTracker, set[tuple[str, int]]]] | None = None,
         retry_s: float = RETRY_S,
         gather_s: float = GATHER_S,
+        cpu_seconds: Callable[[], float | None] = lambda: None,
     ) -> None:
         self._start = start
+        self._cpu_seconds = cpu_seconds
         self._recover = recover
         self._retry_s = retry_s
         self._failed_at: float | None = None
@@ -209,14 +217,23 @@ class GuardedTracker:
         self._ensure_started()
         self._calls.put((doing, method, args))
 
-    def _wait(self, what: str) -> bool:
-        """Wait (bounded) until every call handed over so far is done."""
+    def _wait(self, what: str, patient: bool = False) -> bool:
+        """Wait (bounded) until every call handed over so far is done: ``wait_limit_s``, or
+        where ``patient`` as long as the tracking process keeps working (WORKING_CPU_S in
+        each ``wait_limit_s``, PATIENT_LIMIT_S in all)."""
         done = threading.Event()
         self._submit("", "_done", done)
-        if done.wait(self._wait_limit_s):
-            return True
-        self._fail(what, TimeoutError(f"no answer within {self._wait_limit_s:.0f} s"))
-        return False
+        waited, used = 0.0, self._cpu_seconds()
+        while not done.wait(self._wait_limit_s):
+            waited += self._wait_limit_s
+            now = self._cpu_seconds()
+            working = used is not None and now is not None and now - used >= WORKING_CPU_S
+            if not (patient and working) or waited >= PATIENT_LIMIT_S:
+                idle = " (the tracking process did no work meanwhile)" if patient else ""
+                self._fail(what, TimeoutError(f"no answer within {waited:.0f} s{idle}"))
+                return False
+            used = now
+        return True
 
     @property
     def run_id(self) -> str | None:
@@ -238,8 +255,9 @@ class GuardedTracker:
     def finish(self, status: str) -> None:
         # The run ends now, not when the background thread and MLflow get to it.
         self._submit("ending the run", "finish", status, int(time.time() * 1000))
-        self._wait("ending the run")
+        self._wait("ending the run", patient=True)
 
     def suspend(self) -> None:
+        # Before a requeue, within the job's warning time: never past wait_limit_s.
         self._submit("suspending the run", "suspend")
         self._wait("suspending the run")

@@ -1,10 +1,13 @@
 """Rank 0's MLflow client in a process of its own.
 
 mlflow's import (about 2 s of CPU), the store's schema check and every call after them run in
-a child process at a lower CPU priority, so none of it holds the training process's GIL: in
-a thread of rank 0 they stalled rank 0's steps, and every other rank waited for rank 0 in the
-next all-reduce. The parent side (:class:`WorkerTracker`) is a Tracker whose calls block
-until the child answered; GuardedTracker makes them on its background thread.
+a child process, so none of it holds the training process's GIL: in a thread of rank 0 they
+stalled rank 0's steps, and every other rank waited for rank 0 in the next all-reduce. It runs
+at the rank's own CPU priority: at nice 10 it took no measurable time from training (a
+2-rank CPU run: 4.3-4.6 s either way), but on cores busy with other work it got so little
+that a short run ended before its MLflow run existed (45 s against 13 s at nice 0). The
+parent side (:class:`WorkerTracker`) is a Tracker whose calls block until the child answered;
+GuardedTracker makes them on its background thread.
 
 The child ignores the job's signals (Slurm signals every process of a step): it ends when
 the parent says so, or when the parent is gone (without ending the MLflow run, as a rank
@@ -31,9 +34,6 @@ from hpc_ddp.runtime.tracking.mlflow_import import import_mlflow, let_in
 if TYPE_CHECKING:
     from hpc_ddp.runtime.tracking.base import LoggedMetrics, RunRecord
 
-#: The child's nice value: it gets the CPU that training leaves, and an equal share only
-#: when it is alone (at a run's end, training no longer competes).
-NICENESS = 10
 #: Stop and warning signals a job step receives; the parent handles them, the child must not
 #: die of them.
 JOB_SIGNALS = tuple(
@@ -61,6 +61,15 @@ class Worker:
 
     process: subprocess.Popen[bytes]
     connection: Connection
+
+
+def cpu_seconds(pid: int, proc: Path = Path("/proc")) -> float | None:
+    """The CPU time process ``pid`` has used (Linux's /proc); None where it cannot be read."""
+    try:
+        fields = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def spawn_worker(environ: Mapping[str, str] | None = None) -> Worker:
@@ -264,7 +273,6 @@ def main(argv: list[str]) -> int:
     for number in JOB_SIGNALS:
         signal.signal(number, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, JOB_SIGNALS)
-    os.nice(NICENESS)
     connection = Connection(int(argv[0]))
     import_mlflow()  # the slow part of starting, done while the parent starts its run
     return serve(connection)
