@@ -7,21 +7,26 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from hpc_ddp.runtime.errors import EXIT_STALLED
-from hpc_ddp.runtime.preempt.watchdog import where_stuck
+from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STALLED
+from hpc_ddp.runtime.preempt.watchdog import (
+    INSIDE_TORCH,
+    StallWatchdog,
+    stall_exit_code,
+    where_stuck,
+)
 from tests.helpers import REPO, run_local_program
 
 FAULTS = str(REPO / "tests" / "programs" / "faults.py")
 STALL_S = 4
 
 
-def run_stalling(fault: str, tmp_path: Path) -> tuple[str, float]:
-    started = time.monotonic()
+def run_stalling(fault: str, tmp_path: Path) -> str:
+    """The fault's run, which dist.timeout_s=600 would let hang for 10 minutes: it must end
+    well before the 120 s this waits."""
     result = run_local_program(
         2,
         [
@@ -34,19 +39,25 @@ def run_stalling(fault: str, tmp_path: Path) -> tuple[str, float]:
         ],
         timeout=120,
     )
-    elapsed = time.monotonic() - started
     assert result.returncode == EXIT_STALLED, result.stderr[-3000:]
-    return result.stderr, elapsed
+    return result.stderr
+
+
+def stalled_for(line: str) -> float:
+    """The seconds without a step a stall report gives."""
+    found = re.search(r"no training step finished for (\d+) s", line)
+    assert found is not None, line
+    return float(found.group(1))
 
 
 def test_a_rank_sleeping_in_the_users_code_ends_the_job_and_shows_the_frame(
     tmp_path: Path,
 ) -> None:
-    log, elapsed = run_stalling("sleep", tmp_path)
-    # Start-up and three steps take a few seconds; the stall is seen within STALL_S + 0.5 s.
-    assert elapsed < STALL_S + 25, elapsed
+    log = run_stalling("sleep", tmp_path)
+    # Rank 0, waiting for it inside torch, stalls at the same moment: a consequence (exit 4).
     assert "rank 1 exited with code 5" in log, log[-3000:]
     line = next(line for line in log.splitlines() if "rank 1 stalled" in line)
+    assert stalled_for(line) >= STALL_S, line
     assert "step 4 of the run" in line and "epoch 0" in line, line
     assert "faults.py" in line and "wait_for_a_lock_that_never_comes()" in line, line
     # faulthandler's dump of every thread names the sleeping function
@@ -56,22 +67,17 @@ def test_a_rank_sleeping_in_the_users_code_ends_the_job_and_shows_the_frame(
 
 
 def test_a_hung_dataloader_worker_is_named(tmp_path: Path) -> None:
-    log, elapsed = run_stalling("stuck-worker", tmp_path)
-    assert elapsed < STALL_S + 25, elapsed
-    stalled = [line for line in log.splitlines() if " stalled: " in line]
-    assert stalled, log[-3000:]
-    rank_1 = [line for line in stalled if "rank 1 stalled" in line]
-    if rank_1:  # rank 0 may end the job first, waiting for rank 1 inside torch
-        assert "waiting for a DataLoader worker" in rank_1[0], rank_1[0]
-        assert "step 3 of the run" in rank_1[0], rank_1[0]
-    else:
-        assert "rank 0 stalled" in stalled[0] and "inside torch" in stalled[0], stalled
+    log = run_stalling("stuck-worker", tmp_path)
+    assert "rank 1 exited with code 5" in log, log[-3000:]
+    line = next(line for line in log.splitlines() if "rank 1 stalled" in line)
+    assert "waiting for a DataLoader worker" in line and "step 3 of the run" in line, line
 
 
 def test_where_stuck_names_the_users_frame_of_a_thread() -> None:
-    release = threading.Event()
+    inside, release = threading.Event(), threading.Event()
 
     def users_slow_function() -> None:
+        inside.set()
         release.wait(30)
 
     thread = threading.Thread(target=users_slow_function)
@@ -79,15 +85,65 @@ def test_where_stuck_names_the_users_frame_of_a_thread() -> None:
     try:
         import sys
 
-        time.sleep(0.2)
-        frame = sys._current_frames()[thread.ident or -1]
-        text = where_stuck(frame)
+        assert inside.wait(30), "the thread never started"
+        # Wherever it is now (setting one event, waiting on the other), the frame it is in
+        # called from the user's function.
+        text = where_stuck(sys._current_frames()[thread.ident or -1])
     finally:
         release.set()
         thread.join()
     assert text.startswith("in ") and "test_watchdog.py" in text, text
     assert "users_slow_function()" in text, text
     assert where_stuck(None) == "no Python frame"
+
+
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_watchdog_is_overdue_only_past_the_allowed_time_since_a_beat() -> None:
+    """Its verdict on a clock moved by hand: the first step is allowed the longer time, then
+    each beat restarts the count, and a watch at rest or disarmed is never overdue."""
+    clock = Clock()
+    watchdog = StallWatchdog(
+        timeout_s=4, first_timeout_s=60, rank=0, where=str, end_run=lambda: None, clock=clock
+    )
+    try:
+        assert watchdog.overdue() is None, "not armed yet"
+        watchdog.arm()
+        clock.now += 59
+        assert watchdog.overdue() is None, "the first step may take first_timeout_s"
+        clock.now += 2
+        assert watchdog.overdue() == 61
+        watchdog.beat()
+        clock.now += 4
+        assert watchdog.overdue() is None, "exactly the timeout is not past it"
+        clock.now += 0.5
+        assert watchdog.overdue() == 4.5
+        watchdog.rest()
+        clock.now += 100
+        assert watchdog.overdue() is None, "the user's code between steps is not watched"
+        watchdog.beat()
+        with watchdog.paused():
+            clock.now += 100
+            assert watchdog.overdue() is None, "a checkpoint write is not watched"
+        assert watchdog.overdue() is None, "the watch starts again after it"
+        clock.now += 5
+        assert watchdog.overdue() == 5
+    finally:
+        watchdog.close()
+
+
+def test_a_rank_that_only_waits_inside_torch_exits_as_a_consequence() -> None:
+    assert stall_exit_code(f"{INSIDE_TORCH} (called from train.py:9 in step())") == 4
+    assert stall_exit_code("waiting for a DataLoader worker (called from x)") == EXIT_STALLED
+    assert stall_exit_code("in train.py:9 in step()") == EXIT_STALLED
 
 
 @pytest.mark.parametrize("value", ["0", "-1"])
@@ -107,7 +163,8 @@ def test_a_stall_report_names_the_rank_that_stopped_answering(stopped: int) -> N
     result = run_local_program(
         2, [str(REPO / "tests/programs/stops_itself.py"), str(stopped)], timeout=120
     )
-    assert result.returncode == EXIT_STALLED, result.stderr[-3000:]
+    # The waiting rank waits inside torch: a consequence of the other's silence (exit 4).
+    assert result.returncode == EXIT_PEER_LOST, result.stderr[-3000:]
     waiting = 1 - stopped
     report = next(line for line in result.stderr.splitlines() if f"rank {waiting} stalled" in line)
     if stopped == 1:

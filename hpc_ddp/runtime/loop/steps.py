@@ -82,7 +82,7 @@ def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | N
         where,
         lambda: context.tracker.finish("FAILED"),
         liveness,
-    )
+    ).start()
 
 
 class StepLoop:

@@ -34,6 +34,9 @@ class Liveness:
         self._client: Any = None
         self._first: float | None = None
         self._closed = threading.Event()
+        # The first write before training starts, not whenever the thread gets to it: a rank
+        # that stops at its first steps has written once, and is named with its time.
+        self._alive = self._write()
         self._thread = threading.Thread(target=self._publish, name="hpc_ddp-alive", daemon=True)
         self._thread.start()
 
@@ -53,18 +56,22 @@ class Liveness:
             )
         return self._client
 
+    def _write(self) -> bool:
+        """Write this rank's "alive" time once; False when the store is away (silent_ranks
+        says so when it matters)."""
+        try:
+            now = time.time()
+            self._store().set(f"{self._prefix}{self.rank}", repr(now))
+        except Exception:
+            return False
+        if self._first is None:
+            self._first = now
+        return True
+
     def _publish(self) -> None:
         """Write this rank's "alive" time every period until closed (or the store fails)."""
-        try:
-            while True:
-                now = time.time()
-                self._store().set(f"{self._prefix}{self.rank}", repr(now))
-                if self._first is None:
-                    self._first = now
-                if self._closed.wait(self.period_s):
-                    return
-        except Exception:
-            return  # the store is away: silent_ranks says so when it matters
+        while self._alive and not self._closed.wait(self.period_s):
+            self._alive = self._write()
 
     def silent_ranks(self) -> str:
         """The other ranks that stopped answering, in words ("" when all answer); waits at

@@ -6,7 +6,10 @@ none comes for ``dist.stall_timeout_s`` (the first one after start is allowed
 ``dist.timeout_s``: it includes compilation and warm-up), the rank writes every thread's
 Python stack to its log (faulthandler), one line naming the rank, the step and what its main
 thread is doing, ends its run (MLflow FAILED) and exits with :data:`EXIT_STALLED`; the
-launcher then ends the other ranks. Evaluation between epochs and checkpoint writes are not
+launcher then ends the other ranks. A rank whose main thread only waits inside torch (for the
+other ranks, or its device) exits with :data:`EXIT_PEER_LOST` instead, a consequence: the
+ranks stall at the same moment, and the launcher names the one stuck in the user's code or a
+DataLoader worker, whichever exits first. Evaluation between epochs and checkpoint writes are not
 watched: they are bounded by ``dist.timeout_s``.
 """
 
@@ -25,7 +28,7 @@ from types import FrameType
 
 import torch
 
-from hpc_ddp.runtime.errors import EXIT_STALLED
+from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STALLED
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.preempt.liveness import Liveness
 
@@ -33,6 +36,8 @@ from hpc_ddp.runtime.preempt.liveness import Liveness
 CHECK_PERIOD_S = 0.5
 #: Seconds the run's end (MLflow FAILED, status.json) may take before the rank exits anyway.
 ENDING_GRACE_S = 15.0
+#: How :func:`where_stuck` says that a thread waits inside torch.
+INSIDE_TORCH = "inside torch, waiting for other ranks or the device"
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TORCH_DATA = os.path.join(_TORCH, "utils", "data") + os.sep
@@ -66,14 +71,14 @@ def where_stuck(frame: FrameType | None) -> str:
     if any(f.f_code.co_filename.startswith(_TORCH_DATA) for f in below_user):
         return f"waiting for a DataLoader worker (called from {called_from})"
     if any(f.f_code.co_filename.startswith(_TORCH) for f in below_user):
-        return f"inside torch, waiting for other ranks or the device (called from {called_from})"
+        return f"{INSIDE_TORCH} (called from {called_from})"
     return f"in {called_from}"
 
 
 class StallWatchdog:
     """Ends this rank when :meth:`beat` is not called for ``timeout_s`` while armed (see the
     module docstring). ``where``: the run's position in words; ``end_run``: ends the run
-    (MLflow FAILED) before the rank exits."""
+    (MLflow FAILED) before the rank exits. :meth:`start` begins the watch."""
 
     def __init__(
         self,
@@ -83,30 +88,36 @@ class StallWatchdog:
         where: Callable[[], str],
         end_run: Callable[[], None],
         liveness: Liveness | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.timeout_s = timeout_s
         self._liveness = liveness
+        self._clock = clock
         self.first_timeout_s = max(timeout_s, first_timeout_s)
         self.rank = rank
         self._where = where
         self._end_run = end_run
         self._main = threading.main_thread()
-        self._last = time.monotonic()
+        self._last = clock()
         self._allowed = self.first_timeout_s
         self.armed = False
         self._resting = False
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hpc_ddp-watchdog", daemon=True)
+
+    def start(self) -> StallWatchdog:
+        """Look at the heartbeat every CHECK_PERIOD_S from now on, on a thread of its own."""
         self._thread.start()
+        return self
 
     def arm(self) -> None:
         """Watch from now on (a training loop begins or goes on)."""
-        self._last = time.monotonic()
+        self._last = self._clock()
         self.armed = True
 
     def beat(self) -> None:
         """A micro-batch finished: training makes progress (a watch at rest goes on)."""
-        self._last = time.monotonic()
+        self._last = self._clock()
         self._allowed = self.timeout_s
         if self._resting:
             self._resting = False
@@ -142,10 +153,15 @@ class StallWatchdog:
         if self._liveness is not None:
             self._liveness.close()
 
+    def overdue(self) -> float | None:
+        """Seconds without a heartbeat, once past what is allowed while armed; else None."""
+        waited = self._clock() - self._last
+        return waited if self.armed and waited > self._allowed else None
+
     def _watch(self) -> None:
         while not self._closed.wait(CHECK_PERIOD_S):
-            waited = time.monotonic() - self._last
-            if self.armed and waited > self._allowed:
+            waited = self.overdue()
+            if waited is not None:
                 self._fire(waited)
                 return
 
@@ -180,4 +196,10 @@ class StallWatchdog:
             child.kill()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_STALLED)
+        os._exit(stall_exit_code(stuck))
+
+
+def stall_exit_code(stuck: str) -> int:
+    """:data:`EXIT_PEER_LOST` for a rank that only waits inside torch (:func:`where_stuck`),
+    a consequence of another rank's stall; :data:`EXIT_STALLED` for one stuck itself."""
+    return EXIT_PEER_LOST if stuck.startswith(INSIDE_TORCH) else EXIT_STALLED
