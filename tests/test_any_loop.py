@@ -86,12 +86,15 @@ def test_one_and_two_ranks_train_to_the_same_weights(shape: str, tmp_path: Path)
         torch.testing.assert_close(two_model[key], value, rtol=1e-4, atol=1e-5)
 
 
+#: Each shape's arguments, how its first attempt is stopped and where, and its steps. The
+#: spawn script's ranks get SIGUSR1 through hpc_ddp.spawn, held at step 40 until it reached
+#: them; the others stop at a step as on the warning signal (preempt.stop_at_step).
 RESUMED = {
     # nanoGPT's sampling from each rank's own random stream, and dropout: the restored
     # streams carry both on.
-    "lm": (LM, ["--max-iters", "160", "--step-pause", "0.01"], r"step (6\d|7\d)/160", 160),
-    "spawn": (SPAWN, ["--epochs", "3", "--step-pause", "0.01"], r"epoch 1 step 4\d/96", 96),
-    "sampler": (SAMPLER, ["--epochs", "2", "--step-pause", "0.01"], r"epoch 0 step 2\d/100", 100),
+    "lm": (LM, ["--max-iters", "160"], ["preempt.stop_at_step=70"], 70, 160),
+    "spawn": (SPAWN, ["--epochs", "3"], ["--hold-at-step", "40"], 41, 96),
+    "sampler": (SAMPLER, ["--epochs", "2"], ["preempt.stop_at_step=25"], 25, 100),
 }
 
 
@@ -99,23 +102,25 @@ RESUMED = {
 def test_stopped_mid_run_and_rerun_equals_uninterrupted_in_one_mlflow_run(
     shape: str, tmp_path: Path
 ) -> None:
-    program, arguments, when, steps = RESUMED[shape]
+    program, arguments, stopping, stop_step, steps = RESUMED[shape]
     common = [*arguments, f"run.output_dir={tmp_path}", "preempt.check_every_steps=1"]
     reference = run_program(program, 2, [*common, "run.id=reference"])
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     process = subprocess.Popen(
-        launch(program, 2, [*common, "run.id=stopped"]),
+        launch(program, 2, [*common, "run.id=stopped", *stopping]),
         cwd=REPO,
         env=clean_environ(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
-    log = signal_after(process, when, signal.SIGUSR1)
+    if program == SPAWN:
+        log = signal_after(process, r"HOLDING at step 40 \(rank 0\)", signal.SIGUSR1)
+    else:
+        _out, log = process.communicate(timeout=240)
     assert process.returncode == EXIT_STOPPED, log[-3000:]
-    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
-    assert 0 < stop_step < steps
+    assert f"checkpoint (stop signal) step {stop_step}:" in log, log[-3000:]
 
     rerun = run_program(program, 2, [*common, "run.id=stopped"])
     assert rerun.returncode == 0, rerun.stderr[-3000:]

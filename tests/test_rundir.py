@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.place.rundir import check_plain_name
 from tests.helpers import REPO, clean_environ, run_local_program, start_program
 
@@ -60,16 +61,20 @@ def test_an_output_dir_that_cannot_be_created_stops_before_the_process_group(
 
 
 def test_a_second_live_run_with_the_same_id_is_refused_naming_the_first(tmp_path: Path) -> None:
+    """The first run holds at step 5 (alive, whatever the machine's pace) while the second
+    starts; then a stop signal lets it go on to a stop."""
     program = [PROGRAM, "--epochs", "3", "--samples", "19200", "--log-interval", "5",
-               f"run.output_dir={tmp_path}", "run.id=same", "tracking.enabled=false"]  # fmt: skip
-    first = start_program(2, program)
+               f"run.output_dir={tmp_path}", "run.id=same", "tracking.enabled=false",
+               "preempt.check_every_steps=1"]  # fmt: skip
+    first = start_program(2, [*program, "--hold-at-step", "5"])
     assert first.stderr is not None
     for line in first.stderr:
-        if re.search(r"epoch 0 step \d+/", line):
+        if "HOLDING at step 5 (rank 0)" in line:
             break
     second = run_local_program(2, program)
+    first.send_signal(signal.SIGUSR1)
     _out, rest = first.communicate(timeout=240)
-    assert first.returncode == 0, rest[-3000:]
+    assert first.returncode == EXIT_STOPPED, rest[-3000:]
     assert second.returncode == 2, second.stderr[-3000:]
     line = one_line_error(second.stderr)
     run_dir = tmp_path / "regression" / "same"
@@ -79,9 +84,9 @@ def test_a_second_live_run_with_the_same_id_is_refused_naming_the_first(tmp_path
     holder = int(re.search(r"pid (\d+)\)", line).group(1))  # type: ignore[union-attr]
     assert holder > 0
     assert "HINT: wait for it to end, or give this run another run.id" in second.stderr
-    again = run_local_program(2, [*program[:2], "4", *program[3:]])  # one epoch more
+    again = run_local_program(2, program)
     assert again.returncode == 0, again.stderr[-3000:]  # the lock went with the first run
-    assert "resuming" in again.stderr.lower() or "at step 600" in again.stderr
+    assert "at step 6 (epoch 0, step 6 of the epoch)" in again.stderr, again.stderr[-3000:]
 
 
 def contents(run_dir: Path) -> dict[Path, bytes]:

@@ -166,12 +166,13 @@ def test_a_single_file_checkpoint_goes_on_as_a_folder_run(tmp_path: Path) -> Non
 
 
 def test_a_background_save_is_timed_to_its_commit_not_to_the_next_save(tmp_path: Path) -> None:
-    """Saves 1.5 s apart that take a fraction of a second, against a warning of 1 s: no
-    warning (the time until the next save is not the save's)."""
-    result = run_local_program(2, ballast(tmp_path, "--steps=32", "--ballast-mb=1",
-                                          "--step-pause=0.15", "preempt.warning_s=1"))  # fmt: skip
+    """Saves of 1 MB at least 6 s apart (a paused step each second), against a warning of 3 s:
+    no warning (timed to the next save, each would read 6 s)."""
+    result = run_local_program(2, ballast(tmp_path, "--steps=13", "--save-every=6",
+                                          "--ballast-mb=1", "--step-pause=1",
+                                          "preempt.warning_s=3"))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stderr.count("checkpoint (requested) step") >= 3
+    assert result.stderr.count("checkpoint (requested) step") == 3
     assert "longer than the" not in result.stderr
 
 

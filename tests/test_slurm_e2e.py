@@ -13,7 +13,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -181,14 +180,12 @@ def test_python_without_srun_in_a_two_task_job_fails_within_seconds(
         "#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output=logs/wrong-%j.out\n"
         "python -m hpc_ddp.train --config configs/synthetic.yaml\n"
     )
-    started = time.monotonic()
     job = slurm.sbatch([str(script)], work)
     state = slurm.wait(job, timeout=60)
-    elapsed = time.monotonic() - started
     log = (work / "logs" / f"wrong-{job}.out").read_text()
     assert state == "FAILED"
     assert "not started by srun" in log and "HINT: start training with `srun" in log
-    assert elapsed < 45
+    assert "rendezvous" not in log, "refused before any rank waited for the others"
 
 
 def test_doctor_shows_each_rank_and_its_gpu_per_task(slurm: SlurmCluster, tmp_path: Path) -> None:

@@ -7,19 +7,15 @@ with the rest. Runs under every launcher:
     hpc-ddp local --nproc 2 tests/programs/regression.py --epochs 2
     sbatch slurm/train.sh tests/programs/regression.py --epochs 2
 
-``--hold-at-step N``: on its first attempt, each rank holds after step N (saying
-``HOLDING at step N`` on stderr) until a stop signal reached it, so a signal sent on that line
-lands at a known step however fast the machine trains.
+``--hold-at-step N``: on its first attempt, each rank holds after step N until a stop signal
+reached it, or (``--hold-until FILE``) until the file exists (tests/programs/holding.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import signal
-import sys
 import time
-from types import FrameType
 from typing import Any
 
 import torch
@@ -27,6 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import hpc_ddp
+from tests.programs.holding import FileAppears, StopSignalSeen
 
 
 class Pairs(Dataset[dict[str, torch.Tensor]]):
@@ -80,34 +77,6 @@ def record_ids(folder: str, run: hpc_ddp.Run, ids: torch.Tensor) -> None:
         record.write(json.dumps({"step": run.global_step, "ids": ids.tolist()}) + "\n")
 
 
-class StopSignalSeen:
-    """Whether a stop signal reached this process; hpc_ddp's own handlers still get it."""
-
-    SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.seen: list[int] = []
-        for number in self.SIGNALS:
-            handler = signal.getsignal(number)
-            if callable(handler):
-                signal.signal(number, self._passing_to(handler))
-
-    def _passing_to(self, handler: Any) -> Any:
-        def seen(number: int, frame: FrameType | None) -> None:
-            self.seen.append(number)
-            handler(number, frame)
-
-        return seen
-
-    def hold(self, run: hpc_ddp.Run, step: int) -> None:
-        print(f"HOLDING at step {step} (rank {run.rank})", file=sys.stderr, flush=True)
-        deadline = time.monotonic() + 300
-        while not self.seen:
-            if time.monotonic() > deadline:
-                sys.exit(f"rank {run.rank} held at step {step} for 300 s: no stop signal came")
-            time.sleep(0.01)
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
@@ -119,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--record-ids", default=None, help="folder: each rank's sample ids")
     parser.add_argument("--step-pause", type=float, default=0.0, help="seconds: a slower step")
     parser.add_argument("--hold-at-step", type=int, default=None, help="see the docstring")
+    parser.add_argument("--hold-until", default=None, help="held until this file exists")
     parser.add_argument("--clip", type=float, default=None, help="gradient norm clipped to")
     parser.add_argument(
         "--shard-by-hand", action="store_true", help="FSDP2 by the script's own fully_shard"
@@ -131,7 +101,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fingerprint={"batch": args.batch, "lr": args.lr, "samples": args.samples},
         log_interval=args.log_interval,
     )
-    signals = StopSignalSeen() if args.hold_at_step is not None else None
+    holding = None
+    if args.hold_at_step is not None:
+        holding = FileAppears(args.hold_until) if args.hold_until else StopSignalSeen()
     net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
     if args.shard_by_hand:  # as a script written for FSDP2 without hpc_ddp does it
         from torch.distributed.fsdp import fully_shard
@@ -169,8 +141,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 scheduler.step()
                 optimizer.zero_grad()
                 time.sleep(args.step_pause)
-                if signals and run.global_step + 1 == args.hold_at_step and not run.resumed:
-                    signals.hold(run, args.hold_at_step)
+                if holding and run.global_step + 1 == args.hold_at_step and not run.resumed:
+                    holding.hold(run.rank, args.hold_at_step)
         val = evaluate(run, run.unwrap(model), val_loader)
         best.value = min(best.value, float(val.mean))
         run.log_metrics({"val_mse": val.mean})

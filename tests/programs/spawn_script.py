@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import hpc_ddp
+from tests.programs.holding import StopSignalSeen
 
 
 def make_dataset(size: int) -> TensorDataset:
@@ -31,6 +32,7 @@ def make_dataset(size: int) -> TensorDataset:
 def main(rank: int, world_size: int, args: argparse.Namespace, overrides: list[str]) -> None:
     run = hpc_ddp.start(overrides=overrides, params=vars(args), log_interval=5)
     assert run.rank == rank, (run.rank, rank)
+    signals = StopSignalSeen() if args.hold_at_step is not None else None
     dataset = make_dataset(args.samples)
     sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
         dataset, seed=args.seed
@@ -50,6 +52,8 @@ def main(rank: int, world_size: int, args: argparse.Namespace, overrides: list[s
             optimizer.step()
             run.log("loss", loss.detach() * len(source), len(source))
             time.sleep(args.step_pause)
+            if signals and run.global_step + 1 == args.hold_at_step and not run.resumed:
+                signals.hold(run.rank, args.hold_at_step)
 
     summary = run.finish()
     if run.is_main:
@@ -66,5 +70,6 @@ if __name__ == "__main__":
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-pause", type=float, default=0.0)
+    parser.add_argument("--hold-at-step", type=int, default=None, help="tests/programs/holding.py")
     arguments, rest = parser.parse_known_args()
     hpc_ddp.spawn(main, args=(arguments.world_size, arguments, rest), nprocs=arguments.world_size)

@@ -34,17 +34,17 @@ def _first_line(text: str) -> str:
 
 
 def _wait_for_listener(host: str, port: int, deadline: float) -> None:
-    """Return once something accepts connections at host:port; TimeoutError at ``deadline``."""
-    last = "nothing listening"
+    """Return once something accepts connections at host:port; TimeoutError at ``deadline``,
+    saying what the last attempt met (one attempt is made however close the deadline)."""
     while True:
         left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"no answer at {host}:{port} ({last})")
         try:
-            socket.create_connection((host, port), timeout=min(left, 5.0)).close()
+            socket.create_connection((host, port), timeout=min(max(left, 0.1), 5.0)).close()
             return
         except OSError as error:
             last = error.strerror or str(error)
+        if deadline - time.monotonic() <= 0:
+            raise TimeoutError(f"no answer at {host}:{port} ({last})")
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 

@@ -88,6 +88,11 @@ class StopSignals:
             signal.signal(signum, handler)
         self._previous.clear()
 
+    def ignore_from_now_on(self) -> None:
+        """The warning signal and SIGTERM do nothing from now on (a process about to exit)."""
+        for signum in {self.warning, signal.SIGTERM}:
+            signal.signal(signum, ignored_after_the_run)
+
     def rehearse(self) -> None:
         """Record the warning signal as if it had arrived (``preempt.stop_at_step``)."""
         self.received.add(self.warning)

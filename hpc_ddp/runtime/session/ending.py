@@ -72,9 +72,13 @@ os.register_at_fork(after_in_child=_ACTIVE.clear)
 
 def end_active_run(error: BaseException) -> None:
     """End the run this process holds, if any, after ``error`` ended the script: MLflow
-    FAILED (KILLED for Ctrl-C), signal handlers restored."""
+    FAILED (KILLED for Ctrl-C), signal handlers restored but for the job's stop signals,
+    ignored from now on: the process is leaving, and a stop sent to the job meanwhile (the
+    launcher ending the other ranks) must not cut its report and exit handlers short."""
     if _ACTIVE:
-        _ACTIVE[-1]("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+        ending = _ACTIVE[-1]
+        ending("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+        ending.signals.ignore_from_now_on()
 
 
 def _excepthook(
