@@ -1,7 +1,9 @@
 # hpc_ddp developer interface; CI (.ci/run) calls these same targets.
 #
 #   make local-test            train the default config on NPROC local CPU ranks (gloo)
-#   make test                  the test suite (Slurm tests skip unless a cluster is up)
+#   make test                  the test suite: both tiers (Slurm tests skip unless a cluster is up)
+#   make test-fast             the fast tier: the tests that start no process (a minute or so)
+#   make test-e2e              the end-to-end tier: real ranks, real Slurm, real servers
 #   make test-all              the test suite and the tests marked slow
 #   make cluster-up            start the test Slurm cluster (root; installs Debian packages);
 #                              NODES=16 starts 16 nodes of 2 CPUs (default 3)
@@ -25,7 +27,7 @@ PYTEST_ARGS ?=
 
 STAMP := $(VENV)/.installed
 
-.PHONY: install local-test test test-all test-slurm lint format clean cluster-up cluster-down parquet-data bench
+.PHONY: install local-test test test-fast test-e2e test-all test-slurm lint format clean cluster-up cluster-down parquet-data bench
 
 # torch first and pinned, so the package's unpinned `torch` requirement is already met and pip
 # never fetches the multi-GB CUDA wheels on a CPU machine.
@@ -45,6 +47,12 @@ local-test: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not e2e and not slurm" $(PYTEST_ARGS)
+
+test-e2e: $(STAMP)
+	$(BIN)/python -m pytest -m "e2e or slurm" $(PYTEST_ARGS)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest --slow $(PYTEST_ARGS)

@@ -1,10 +1,20 @@
-"""Fixtures shared by the suite."""
+"""Fixtures shared by the suite, and its two tiers.
+
+The fast tier is every test not marked ``e2e`` (nor ``slurm``): it starts no process, so
+it runs in the inner loop in minutes (``make test-fast``). A test of that tier that starts
+one fails, saying to mark it. The end-to-end tier (``e2e``, ``slurm``) runs real ranks, real
+Slurm and real servers; ``make test`` runs both.
+"""
 
 from __future__ import annotations
 
+import _posixsubprocess
+import contextlib
 import os
-from collections.abc import Iterator
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +28,76 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--slow", action="store_true", help=f"also run the tests marked slow (or {RUN_SLOW}=1)"
     )
+
+
+#: Every way a test could start a process: subprocess (its own reference to
+#: _posixsubprocess.fork_exec, or posix_spawn), multiprocessing's spawn (fork_exec), fork
+#: (multiprocessing's fork, DataLoader workers), pty's fork and os.system.
+PROCESS_STARTERS: tuple[tuple[Any, str], ...] = (
+    (subprocess, "_fork_exec"),
+    (_posixsubprocess, "fork_exec"),
+    (os, "fork"),
+    (os, "forkpty"),
+    (os, "posix_spawn"),
+    (os, "posix_spawnp"),
+    (os, "system"),
+)
+
+
+def end_to_end(item: pytest.Item) -> bool:
+    return item.get_closest_marker("e2e") is not None or "slurm" in item.keywords
+
+
+@contextlib.contextmanager
+def no_process_started(item: pytest.Item) -> Iterator[None]:
+    """Around a fast test's setup (its module's fixtures too), call and teardown: starting a
+    process fails the test with what to do about it (also where the code caught the error)."""
+    if end_to_end(item):
+        yield
+        return
+    started: list[str] = []
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def refused(*_args: Any, **_kwargs: Any) -> Any:
+            started.append(name)
+            raise RuntimeError(f"{name}: {NOT_FAST}")
+
+        return refused
+
+    saved = [(owner, name, getattr(owner, name)) for owner, name in PROCESS_STARTERS]
+    for owner, name, _original in saved:
+        setattr(owner, name, refuse(f"{owner.__name__}.{name}"))
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+    if started:
+        pytest.fail(f"this test started a process ({started[0]}): {NOT_FAST}", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with no_process_started(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with no_process_started(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    with no_process_started(item):
+        return (yield)
+
+
+NOT_FAST = (
+    "a test that starts a process belongs to the end-to-end tier: mark it @pytest.mark.e2e "
+    "(the fast tier starts none)"
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

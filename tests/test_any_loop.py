@@ -25,6 +25,8 @@ from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, clean_environ, run_local_program, signal_after
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 LM = str(REPO / "tests" / "programs" / "lm_loop.py")
 SPAWN = str(REPO / "tests" / "programs" / "spawn_script.py")
 SAMPLER = str(REPO / "tests" / "programs" / "own_sampler.py")

@@ -53,7 +53,12 @@ def test_there_are_at_least_120_bad_inputs() -> None:
     ), "each case is tried once"
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{n}" for n in range(1, len(CASES) + 1)])
+@pytest.mark.parametrize(
+    "case",
+    # A script case runs the user's script in a process of its own: end to end.
+    [pytest.param(case, marks=pytest.mark.e2e if case.kind == "script" else ()) for case in CASES],
+    ids=[f"{n}" for n in range(1, len(CASES) + 1)],
+)
 def test_a_bad_input_gets_its_one_line_answer(
     case: Case, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,6 +13,7 @@ from tests.helpers import REPO, clean_environ
 
 
 @pytest.mark.parametrize("bench", ["bench.gpu", "bench.gpu_sharded"])
+@pytest.mark.e2e
 def test_gpu_bench_without_a_gpu_says_so_and_exits_2(bench: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", bench],

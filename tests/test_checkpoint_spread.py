@@ -8,6 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -68,6 +69,7 @@ def _rank(rank: int, port: int, directory: str, results: Any) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_each_rank_copies_only_its_share_of_a_replicated_state(tmp_path: Path) -> None:
     results = mp.get_context("spawn").SimpleQueue()
     spawn(_rank, args=(free_loopback_port(), str(tmp_path), results), nprocs=WORLD)

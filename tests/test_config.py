@@ -187,6 +187,7 @@ def test_a_config_file_yaml_cannot_read_as_settings_is_one_line_with_a_hint(
     assert expected in str(caught.value) and "\nHINT: " in str(caught.value)
 
 
+@pytest.mark.e2e
 def test_hpc_ddp_local_without_a_config_trains_the_readmes_default(tmp_path: Path) -> None:
     def dry_run(*config: str) -> str:
         result = subprocess.run(

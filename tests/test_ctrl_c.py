@@ -19,11 +19,14 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, clean_environ, run_local_program
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 LM = str(REPO / "tests" / "programs" / "lm_loop.py")
 

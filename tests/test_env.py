@@ -305,6 +305,7 @@ def test_launcher_variables_that_describe_no_job_are_refused(
     assert expected in message and "HINT: check RANK, WORLD_SIZE" in message
 
 
+@pytest.mark.e2e
 def test_master_port_from_the_environment_is_range_checked_everywhere() -> None:
     import subprocess
     import sys

@@ -79,6 +79,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return Runs(request.param, tmp_path_factory.mktemp(request.param.name))
 
 
+@pytest.mark.e2e
 def test_two_ranks_train_to_the_stated_threshold(runs: Runs) -> None:
     example, output = runs.example, runs.output
     metric, bound = example.target
@@ -92,6 +93,7 @@ def test_two_ranks_train_to_the_stated_threshold(runs: Runs) -> None:
     assert value > bound if metric.endswith("accuracy") else value < bound, (metric, value)
 
 
+@pytest.mark.e2e
 def test_one_and_two_ranks_reach_the_same_weights(runs: Runs) -> None:
     one = final_model(runs.output, runs.example, "w1")
     two = final_model(runs.output, runs.example, "w2")
@@ -109,6 +111,7 @@ def test_one_and_two_ranks_reach_the_same_weights(runs: Runs) -> None:
         assert w1[count] == w2[count], "every held-out item counted once at any world size"
 
 
+@pytest.mark.e2e
 def test_a_stop_mid_epoch_and_a_rerun_give_bitwise_the_uninterrupted_weights(runs: Runs) -> None:
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", runs.stop_log).group(1))  # type: ignore[union-attr]
     reference = summary(runs.output, runs.example, "w2")
@@ -128,6 +131,7 @@ def test_a_stop_mid_epoch_and_a_rerun_give_bitwise_the_uninterrupted_weights(run
     assert record is not None and (record.state, record.attempts) == ("finished", 2)
 
 
+@pytest.mark.e2e
 def test_the_digits_confusion_counts_every_held_out_image_once(tmp_path: Path) -> None:
     stdout = run_example(CNN, 2, tmp_path, "c")
     confusion = torch.tensor(summary(tmp_path, CNN, "c")["confusion"])
@@ -153,6 +157,7 @@ def run_plain_tutorial(snapshot: Path) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_the_plain_tutorial_script_runs_under_torchrun(tmp_path: Path) -> None:
     """The "before" of the README's diff, as its users run it: it trains, its snapshot is the
     one its code promises, and it ends cleanly (exit 0, no abort at the interpreter's exit)."""
@@ -177,6 +182,7 @@ def test_the_tutorial_diff_is_as_small_as_the_readme_says() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e
 def test_the_language_model_compiled_trains_like_the_eager_one(tmp_path: Path) -> None:
     """--compile: torch.compile over the DDP-wrapped model (inductor, C++ on the CPU). Slow:
     inductor compiles C++ for 40 s; the eager run's exactness is pinned by the tests above."""

@@ -125,6 +125,7 @@ def test_pruning_never_removes_the_checkpoint_just_written(tmp_path: Path) -> No
     assert load_checkpoint(tmp_path / "step-000000020.pt")["global_step"] == 20
 
 
+@pytest.mark.e2e
 def test_a_checkpoints_path_that_cannot_hold_them_is_refused_at_the_start(
     tmp_path: Path,
 ) -> None:
@@ -145,6 +146,7 @@ def test_a_checkpoints_path_that_cannot_hold_them_is_refused_at_the_start(
         assert "HINT: remove" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_an_unreadable_checkpoint_stops_every_rank_and_a_fresh_start_keeps_it(
     tmp_path: Path,
 ) -> None:
@@ -250,6 +252,7 @@ print(getattr(after[0], "__name__", "") == "ignored_after_the_run", after[1] == 
 """
 
 
+@pytest.mark.e2e
 def test_signals_held_during_startup_meet_the_configured_handling() -> None:
     """Each signal held during start-up is handled once the handlers are installed: a
     stop signal is recorded (or ignored, SIGTERM under submitit), any other dies as it would
@@ -296,6 +299,7 @@ exit_process(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.e2e
 def test_warning_signal_while_importing_torch_still_checkpoints(tmp_path: Path) -> None:
     """Slurm's warning signal can come while a rank still imports torch (a short --time, a
     busy node). The rank must not die of it: it stops at its first check with a checkpoint.
@@ -328,6 +332,7 @@ exec "${blocked_until_held[@]}" bash -c 'kill -USR1 $$; exec "$@"' rank "$PYTHON
 """
 
 
+@pytest.mark.e2e
 def test_a_warning_signal_sent_before_python_starts_waits_to_be_held(tmp_path: Path) -> None:
     """A requeued attempt may meet a stop signal at once (Slurm 22.05's scancel retries one
     sent while the job was requeued): before Python's first line it used to end the rank on
@@ -411,6 +416,7 @@ def summary_of(output: Path, run_id: str) -> dict[str, object]:
     return json.loads((output / "synthetic-mlp" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
+@pytest.mark.e2e
 def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(tmp_path: Path) -> None:
     reference = run_local(2, tmp_path, [*RESUMABLE, "run.id=reference"])
     assert reference.returncode == 0, reference.stderr[-2000:]
@@ -453,6 +459,7 @@ def final_model(output: Path, run_id: str) -> dict[str, torch.Tensor]:
     return model_weights(newest, "model")[1]
 
 
+@pytest.mark.e2e
 def test_the_trainer_stopped_on_4_ranks_resumes_on_2_as_an_uninterrupted_2_rank_run(
     tmp_path: Path,
 ) -> None:
@@ -481,6 +488,7 @@ def test_the_trainer_stopped_on_4_ranks_resumes_on_2_as_an_uninterrupted_2_rank_
     assert abs(float(facts["val_loss"]) - float(expected["val_loss"])) < 1e-4  # type: ignore[arg-type]
 
 
+@pytest.mark.e2e
 def test_the_trainer_refuses_a_new_world_size_when_dropout_draws_per_rank(tmp_path: Path) -> None:
     """Each rank's dropout stream cannot be split or merged into another number of ranks:
     the resume stops before training, names both world sizes and the fix."""
@@ -496,6 +504,7 @@ def test_the_trainer_refuses_a_new_world_size_when_dropout_draws_per_rank(tmp_pa
     assert "Traceback" not in refused.stderr
 
 
+@pytest.mark.e2e
 def test_resume_with_a_changed_model_is_refused(tmp_path: Path) -> None:
     first = run_local(
         1,
@@ -521,6 +530,7 @@ def test_resume_with_a_changed_model_is_refused(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.e2e
 def test_sigterm_stops_cleanly_without_requeue_and_marks_the_run_killed(tmp_path: Path) -> None:
     process = start_local(2, tmp_path, [*RESUMABLE, "run.id=term"])
     log = signal_after(process, r"step (2[4-9]|3[0-9])/600", signal.SIGTERM)
@@ -530,6 +540,7 @@ def test_sigterm_stops_cleanly_without_requeue_and_marks_the_run_killed(tmp_path
     assert [r.info.status for r in runs] == ["KILLED"]
 
 
+@pytest.mark.e2e
 def test_hung_rank_is_caught_by_the_collective_timeout(tmp_path: Path) -> None:
     """Rank 1 hangs for an hour in its forward pass: rank 0's collective gives up after
     dist.timeout_s and the job ends (well inside run_local's 240 s)."""
@@ -548,6 +559,7 @@ def test_hung_rank_is_caught_by_the_collective_timeout(tmp_path: Path) -> None:
     assert "Timed out waiting 5000ms" in result.stderr, "gloo's own timeout ended it"
 
 
+@pytest.mark.e2e
 def test_ranks_end_when_their_local_launcher_is_killed(tmp_path: Path) -> None:
     """kill -9 of `hpc-ddp local` leaves no rank training unsupervised: each gets SIGTERM
     from the kernel (a stop it handles) and ends."""
@@ -574,6 +586,7 @@ def test_ranks_end_when_their_local_launcher_is_killed(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("save_mode", ["async", "single_file"])
+@pytest.mark.e2e
 def test_a_full_disk_keeps_the_previous_checkpoint_and_names_the_path(
     tmp_path: Path, save_mode: str
 ) -> None:
@@ -622,6 +635,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_and_names_the_path(
     assert "HINT: free space" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_a_summary_that_cannot_be_written_leaves_the_run_finished(tmp_path: Path) -> None:
     """The file system refuses summary.json at the very end (here a folder of that name
     stands where the file goes; a full disk refuses it the same way, with an OSError): one
@@ -660,6 +674,7 @@ else:
 """
 
 
+@pytest.mark.e2e
 def test_processes_a_rank_started_end_with_the_ranks(tmp_path: Path) -> None:
     """`hpc-ddp local ... | tee log`: a process a rank started and left running kept the
     output pipe open, so the pipeline never returned; it ends with the ranks now. (The helper

@@ -39,6 +39,7 @@ def hpc_ddp_cli(*arguments: str, cwd: Path = REPO) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.e2e
 def test_doctor_checks_a_users_script_with_its_own_arguments_and_settings(tmp_path: Path) -> None:
     result = hpc_ddp_cli(
         "doctor", "--json-dir", str(tmp_path), LM, "--max-iters", "5", "dist.timeout_s=60",
@@ -52,6 +53,7 @@ def test_doctor_checks_a_users_script_with_its_own_arguments_and_settings(tmp_pa
     assert not [check for check in report["checks"] if "global batch" in check[1]]
 
 
+@pytest.mark.e2e
 def test_doctor_of_a_script_that_is_not_there_is_one_line(tmp_path: Path) -> None:
     result = hpc_ddp_cli("doctor", "nothere.py", cwd=tmp_path)
     assert result.returncode == 2
@@ -60,6 +62,7 @@ def test_doctor_of_a_script_that_is_not_there_is_one_line(tmp_path: Path) -> Non
 
 
 @pytest.mark.parametrize("command", [["config"], ["render", "--nodes", "2", LM]])
+@pytest.mark.e2e
 def test_a_tool_piped_into_head_ends_quietly(command: list[str]) -> None:
     """`hpc-ddp config | head -1`: the reader closes the pipe after its first line."""
     process = subprocess.Popen(
@@ -92,6 +95,7 @@ def test_an_evaluations_sums_are_logged_as_their_means() -> None:
         scalar_metrics({"name": "x"})
 
 
+@pytest.mark.e2e
 def test_the_help_writes_the_output_file_before_the_script() -> None:
     result = hpc_ddp_cli("--help")
     assert "render --nodes 2 --gpus-per-node 4 --time 02:00:00 -o job.sh train.py" in (
@@ -99,6 +103,7 @@ def test_the_help_writes_the_output_file_before_the_script() -> None:
     )
 
 
+@pytest.mark.e2e
 def test_a_rerun_without_a_checkpoint_says_so_and_stays_one_mlflow_run(tmp_path: Path) -> None:
     """The second attempt starts from step 0 and trains 10 steps: the run's record (what
     `hpc-ddp plot` and `runs` draw) keeps its points only, not the first attempt's 20."""
@@ -158,6 +163,7 @@ def readme_script() -> str:
     return readme.split("```python\n# train.py\n", 1)[1].split("```", 1)[0]
 
 
+@pytest.mark.e2e
 def test_the_readmes_script_trains_from_a_project_outside_the_checkout(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(readme_script())
     settings = ["--set", f"run.output_dir={tmp_path / 'runs'}", "--set", "run.id=readme"]
@@ -183,6 +189,7 @@ def test_the_readmes_script_trains_from_a_project_outside_the_checkout(tmp_path:
     assert last > 0.9, f"the README's model learns its task: {last}"
 
 
+@pytest.mark.e2e
 def test_a_newcomer_installs_from_a_clone_and_runs_the_readme_outside_it(tmp_path: Path) -> None:
     """The first hour, scripted: a clone in a folder named hpc_ddp, installed (not editable)
     into a fresh virtualenv outside it, then `hpc-ddp init` and the README's script in a
@@ -270,6 +277,7 @@ run.finish()
 """
 
 
+@pytest.mark.e2e
 def test_a_forgotten_run_steps_and_optimizer_are_named_with_a_hint(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(SILENT_MISTAKES)
     settings = ["--set", f"run.output_dir={tmp_path / 'runs'}", "--set", "tracking.enabled=false"]
@@ -296,6 +304,7 @@ def test_shipped_configs_are_found_by_name_and_a_projects_own_file_wins(tmp_path
         find_config("nope.yaml", tmp_path)
 
 
+@pytest.mark.e2e
 def test_init_writes_nothing_where_a_file_it_would_write_exists(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text("print('mine')\n")
     result = hpc_ddp_cli("init", "--example", "lm", cwd=tmp_path)
@@ -341,6 +350,7 @@ run.finish()
 """
 
 
+@pytest.mark.e2e
 def test_a_stopped_runs_hint_is_the_exact_command_that_continues_it(tmp_path: Path) -> None:
     """A script with its own strict argument parser and no run.id: the stop message names
     an `hpc-ddp local` command that, typed as printed, resumes the run where it stopped."""
@@ -361,6 +371,7 @@ def test_a_stopped_runs_hint_is_the_exact_command_that_continues_it(tmp_path: Pa
     assert summary["global_step"] == 40 and summary["resumed_from_step"] > 3, summary
 
 
+@pytest.mark.e2e
 def test_settings_from_the_environment_reach_the_built_in_trainer(tmp_path: Path) -> None:
     """`hpc-ddp local --set` carries settings in $HPC_DDP_OVERRIDES: the built-in trainer's
     own sections were refused there ("unknown section 'train'") and a dry run ignored them."""
@@ -389,6 +400,7 @@ def test_settings_from_the_environment_reach_the_built_in_trainer(tmp_path: Path
         (["argv.py", "--lr", "3", "--", "x"], ["argv.py", "--lr", "3", "--", "x"]),
     ],
 )
+@pytest.mark.e2e
 def test_a_double_dash_after_the_script_reaches_it(
     tmp_path: Path, command: list[str], argv: list[str]
 ) -> None:

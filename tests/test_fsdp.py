@@ -20,6 +20,8 @@ from hpc_ddp.runtime.checkpoint.sharded import read_metadata
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from tests.helpers import REPO, run_local_program, run_python, signal_after, start_program
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
 FSDP = ["dist.strategy=fsdp", "dist.shard_blocks=[0,2]"]
 #: 96 samples a step divide over 2, 3 and 4 ranks; 20 steps an epoch.

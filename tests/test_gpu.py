@@ -19,9 +19,13 @@ from tests.helpers import REPO, run_local, signal_after, start_program
 from tests.test_fault_tolerance import RESUMABLE as MID_EPOCH_STOPPABLE
 from tests.test_fault_tolerance import summary_of
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
-)
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU (torch.cuda.is_available() is False)",
+    ),
+]
 
 SMALL = ["data.num_samples=8192", "data.batch_size=128", "train.epochs=2", "tracking.enabled=false"]
 #: tests/test_fault_tolerance.py's run that is stopped mid-epoch, with dropout so that the

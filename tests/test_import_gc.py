@@ -12,6 +12,8 @@ import pytest
 
 from tests.helpers import REPO, clean_environ
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 ENTRY_POINT = """
 import gc, runpy, sys
 sys.argv = ["hpc_ddp.train", "--config", "configs/synthetic.yaml", "--dry-run"]

@@ -17,6 +17,8 @@ import hpc_ddp
 from hpc_ddp.launch.importable import check_importable
 from hpc_ddp.runtime.errors import HpcDdpError
 
+pytestmark = pytest.mark.e2e  # every test here starts processes
+
 TRAIN = "def train(lr=0.1):\n    return lr\n"
 
 

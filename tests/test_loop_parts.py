@@ -220,6 +220,7 @@ def test_labelled_lines_are_written_whole_in_one_call() -> None:
     assert recorder.writes[3:] == ["[rank 1] partial", " ends\n"]
 
 
+@pytest.mark.e2e
 def test_a_forked_child_does_not_hold_the_parents_run() -> None:
     """A process the user's code forks (os.fork, then its own exit) would run the exit
     handlers and end the parent's run (MLflow FAILED through the shared tracking pipe); in

@@ -6,10 +6,13 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import read_summary, run_local
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 
 def test_two_rank_run_is_tracked_once_with_params_metrics_tags_artifacts(tmp_path: Path) -> None:

@@ -66,7 +66,7 @@ def loaders(
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.e2e)])  # 2: processes
 def test_every_row_once_per_epoch_across_ranks_and_workers(
     id_dataset: Path, world_size: int, workers: int
 ) -> None:
@@ -91,6 +91,7 @@ def test_every_row_once_per_epoch_across_ranks_and_workers(
     assert sorted(evaluation) == list(range(TOTAL)), "validation: every row exactly once"
 
 
+@pytest.mark.e2e
 def test_workers_do_not_change_the_order_and_epochs_reshuffle(id_dataset: Path) -> None:
     without, with_workers = (
         loaders(id_dataset, 2, 0, True, batch=8)[1],
@@ -172,6 +173,7 @@ def made_set(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.e2e
 def test_data_make_writes_row_groups(made_set: Path) -> None:
     files = sorted((made_set / "train").glob("*.parquet"))
     assert len(files) == 3
@@ -190,6 +192,7 @@ def test_digits_set_is_made_from_the_bundled_data(tmp_path: Path) -> None:
     assert set(table.column("label").to_pylist()) == set(range(10))
 
 
+@pytest.mark.e2e
 def test_parquet_training_two_ranks_exact_validation(made_set: Path, tmp_path: Path) -> None:
     result = run_local(
         2,
@@ -210,6 +213,7 @@ def test_parquet_training_two_ranks_exact_validation(made_set: Path, tmp_path: P
     assert summary["val_accuracy"] > 0.5
 
 
+@pytest.mark.e2e
 def test_parquet_mid_epoch_resume_is_exact(made_set: Path, tmp_path: Path) -> None:
     common = [
         "data.kind=parquet",

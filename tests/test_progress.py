@@ -14,7 +14,11 @@ import sys
 import termios
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO, clean_environ
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
 

@@ -107,6 +107,7 @@ def render(workdir: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize("golden", sorted(CASES))
+@pytest.mark.e2e
 def test_render_matches_golden_file(golden: str, workdir: Path) -> None:
     result = render(workdir, CASES[golden])
     assert result.returncode == 0, result.stderr
@@ -129,6 +130,7 @@ def test_render_matches_golden_file(golden: str, workdir: Path) -> None:
         )
 
 
+@pytest.mark.e2e
 def test_rendered_scripts_are_valid_bash() -> None:
     for path in [
         *GOLDEN.glob("*.sh"),
@@ -181,6 +183,7 @@ def srun_argv(script: Path, workdir: Path, arguments: tuple[str, ...] = ()) -> l
     return [argv[0], *argv[4:]]
 
 
+@pytest.mark.e2e
 def test_hostile_paths_reach_python_verbatim_and_run_nothing(workdir: Path) -> None:
     script = workdir / "job.sh"
     result = render(workdir, [*CASES["cpu-hostile.sh"], "--output", str(script)])
@@ -192,6 +195,7 @@ def test_hostile_paths_reach_python_verbatim_and_run_nothing(workdir: Path) -> N
     assert not list(workdir.glob("*PWNED*"))
 
 
+@pytest.mark.e2e
 def test_a_users_script_and_its_arguments_reach_every_rank_verbatim(workdir: Path) -> None:
     """`hpc-ddp render ... train.py args`: srun starts `python -m hpc_ddp run` with the script
     and its arguments exactly as given (spaces, quotes and `$(...)` stay inert)."""
@@ -221,6 +225,7 @@ def test_a_users_script_and_its_arguments_reach_every_rank_verbatim(workdir: Pat
     ]
 
 
+@pytest.mark.e2e
 def test_render_refuses_a_script_that_does_not_exist(workdir: Path) -> None:
     result = render(workdir, ["--nodes", "2", "missing.py", "--lr", "1"])
     assert result.returncode == 2
@@ -237,6 +242,7 @@ def test_the_templates_ship_with_the_package_and_slurm_links_to_them() -> None:
         assert (REPO / "slurm" / name).resolve() == installed.resolve()
 
 
+@pytest.mark.e2e
 def test_command_line_arguments_replace_the_rendered_defaults(workdir: Path) -> None:
     script = workdir / "job.sh"
     assert render(workdir, [*CASES["gpu-2nodes.sh"], "-o", str(script)]).returncode == 0
@@ -362,6 +368,7 @@ def test_the_cli_says_its_version_and_names_no_internals(
     assert "Print this job's rendezvous port." in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_data_make_under_a_file_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     result = subprocess.run(
@@ -374,6 +381,7 @@ def test_data_make_under_a_file_is_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_the_warning_signal_is_rendered_from_the_config(workdir: Path) -> None:
     result = render(workdir, ["--config", "configs/digits.yaml", "preempt.signal=USR2"])
     assert result.returncode == 0, result.stderr
@@ -387,6 +395,7 @@ def test_the_warning_signal_is_rendered_from_the_config(workdir: Path) -> None:
     assert "#SBATCH --signal=USR1@120\n" in default.stdout, default.stderr
 
 
+@pytest.mark.e2e
 def test_a_signal_the_config_does_not_handle_is_refused(workdir: Path) -> None:
     arguments = ["--signal", "USR1", "--config", "configs/digits.yaml", "preempt.signal=USR2"]
     result = render(workdir, arguments)
@@ -407,6 +416,7 @@ TRAINER = ["-m", "hpc_ddp.train", "--config"]
         (["-m", "pkg.train"], ["-m", "hpc_ddp", "run", "-m", "pkg.train"]),
     ],
 )
+@pytest.mark.e2e
 def test_the_body_both_templates_share_picks_the_program(
     arguments: list[str], program: list[str], tmp_path: Path
 ) -> None:
@@ -440,6 +450,7 @@ def test_the_body_both_templates_share_picks_the_program(
         ("data.batch_size=64", False),
     ],
 )
+@pytest.mark.e2e
 def test_one_rule_tells_a_program_from_a_setting_in_every_launcher(
     first: str, is_program: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -29,6 +29,7 @@ def one_line_error(stderr: str) -> str:
 
 
 @pytest.mark.parametrize("run_id", ["../../escaped", "a/b", "..", ".hidden", "x" * 201])
+@pytest.mark.e2e
 def test_a_run_id_that_is_not_a_plain_name_is_refused(tmp_path: Path, run_id: str) -> None:
     output = tmp_path / "deep" / "runs"
     result = subprocess.run(
@@ -47,6 +48,7 @@ def test_plain_names_pass_as_they_are() -> None:
         check_plain_name("a b", "run.name")
 
 
+@pytest.mark.e2e
 def test_an_output_dir_that_cannot_be_created_stops_before_the_process_group(
     tmp_path: Path,
 ) -> None:
@@ -60,6 +62,7 @@ def test_an_output_dir_that_cannot_be_created_stops_before_the_process_group(
     assert "process group" not in result.stderr and "rendezvous" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_a_second_live_run_with_the_same_id_is_refused_naming_the_first(tmp_path: Path) -> None:
     """The first run holds at step 5 (alive, whatever the machine's pace) while the second
     starts; then a stop signal lets it go on to a stop."""
@@ -95,6 +98,7 @@ def contents(run_dir: Path) -> dict[Path, bytes]:
             if path.is_file() and path.name != ".lock"}  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_a_finished_run_started_again_is_left_as_it_was_and_more_epochs_continue_it(
     tmp_path: Path,
 ) -> None:
@@ -171,6 +175,7 @@ def run_as_user_would(
     )  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_links_planted_in_a_run_directory_are_never_written_through(tmp_path: Path) -> None:
     """Run ids are predictable and project folders shared: links planted at the names the
     run writes (the old fixed temporary names included) must not lead its writes to the
@@ -197,6 +202,7 @@ def test_links_planted_in_a_run_directory_are_never_written_through(tmp_path: Pa
     assert victim.read_text() == "precious\n"
 
 
+@pytest.mark.e2e
 def test_a_run_directory_of_another_user_is_refused(tmp_path: Path) -> None:
     """Changing a folder's owner needs root (CI runs as root)."""
     if os.geteuid() != 0:

@@ -58,6 +58,7 @@ def _rank(rank: int, port: int, results: Any) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.e2e
 def test_replica_check_rng_gather_and_spread_on_three_ranks() -> None:
     results = mp.get_context("spawn").SimpleQueue()
     spawn(_rank, args=(free_loopback_port(), results), nprocs=WORLD)
@@ -112,6 +113,7 @@ def _with_limits(soft: int, hard: int, code: str) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.e2e
 def test_the_open_file_limit_is_raised_for_the_world_size() -> None:
     # Rank 0 of 4,096 ranks: the store's 4,096 clients and a peer per gloo group.
     assert open_files_needed(4096, is_main=True) == 3 * 4096 + 256
@@ -126,6 +128,7 @@ def test_the_open_file_limit_is_raised_for_the_world_size() -> None:
     assert result.stdout.split() == ["(2048,", "2048,", "False)", "(2048,", "2048)"], result.stderr
 
 
+@pytest.mark.e2e
 def test_a_hard_limit_below_the_need_is_a_warning_with_a_hint(tmp_path: Path) -> None:
     code = (
         "import sys; from hpc_ddp.cli import main; sys.argv = ['hpc-ddp', 'local', '--nproc', "

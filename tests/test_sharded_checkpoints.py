@@ -62,6 +62,7 @@ def kill_after(process: subprocess.Popen[str], pattern: str) -> tuple[str, list[
     return "".join(seen) + out + err, sorted(pids)
 
 
+@pytest.mark.e2e
 def test_every_rank_writes_its_part_and_the_metadata_commits_it(tmp_path: Path) -> None:
     """Two ranks, one replicated state of 32 MiB: each writes about half of it, and the
     folder holds one .metadata; the model's weights come out as one plain file that loads
@@ -91,6 +92,7 @@ def test_every_rank_writes_its_part_and_the_metadata_commits_it(tmp_path: Path) 
     assert "HINT: name it with --object NAME" in which.stderr
 
 
+@pytest.mark.e2e
 def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     """SIGKILL to both ranks while the background save of step 21 has written its parts but
     not its .metadata (held there: --hold-commit-at): the unfinished folder is no
@@ -118,6 +120,7 @@ def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path
     )
 
 
+@pytest.mark.e2e
 def test_a_stop_during_a_background_save_waits_for_it_then_saves(tmp_path: Path) -> None:
     """The warning signal one step after the background save of step 11 began (rehearsed
     at step 12: preempt.stop_at_step): that save finishes, the stop's own save follows,
@@ -135,6 +138,7 @@ def test_a_stop_during_a_background_save_waits_for_it_then_saves(tmp_path: Path)
     assert "HINT: warn earlier (#SBATCH --signal=USR1@300" in err
 
 
+@pytest.mark.e2e
 def test_a_single_file_checkpoint_goes_on_as_a_folder_run(tmp_path: Path) -> None:
     """A run stopped mid-epoch with the single-file format of earlier versions resumes
     under folder checkpoints, and ends bitwise as the uninterrupted run does."""
@@ -165,6 +169,7 @@ def test_a_single_file_checkpoint_goes_on_as_a_folder_run(tmp_path: Path) -> Non
     assert actual["val_loss"] == expected["val_loss"]
 
 
+@pytest.mark.e2e
 def test_a_background_save_is_timed_to_its_commit_not_to_the_next_save(tmp_path: Path) -> None:
     """Saves of 1 MB at least 6 s apart (a paused step each second), against a warning of 3 s:
     no warning (timed to the next save, each would read 6 s)."""
@@ -176,6 +181,7 @@ def test_a_background_save_is_timed_to_its_commit_not_to_the_next_save(tmp_path:
     assert "longer than the" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_a_folder_left_at_a_step_by_an_earlier_run_is_replaced_whole(tmp_path: Path) -> None:
     """checkpoint.resume=false in a run directory that holds step-5/: the new save at step 5
     does not write into the old folder (whose .metadata would commit a mix of both)."""
@@ -251,6 +257,7 @@ def tallies(output: str) -> dict[int, tuple[int, int, int]]:
 
 
 @pytest.mark.parametrize("save_mode", ["single_file", "sync"])
+@pytest.mark.e2e
 def test_state_registered_per_rank_comes_back_to_its_own_rank(
     tmp_path: Path, save_mode: str
 ) -> None:

@@ -85,6 +85,7 @@ def mark_worker(worker_id: int) -> None:
     torch.manual_seed(worker_id)
 
 
+@pytest.mark.e2e
 def test_dataloader_options_a_tutorial_passes_are_accepted() -> None:
     dataset = TensorDataset(torch.arange(64.0))
     generator = torch.Generator()
@@ -188,6 +189,7 @@ def run_script(source: str, *arguments: str) -> subprocess.CompletedProcess[str]
     return run_python(["-c", source, *arguments])
 
 
+@pytest.mark.e2e
 def test_every_fires_once_per_step_and_save_and_state_resume(tmp_path: Path) -> None:
     first = run_script(STEPS, str(tmp_path), "7")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -236,6 +238,7 @@ run = hpc_ddp.start(tracking={"enabled": False}, run={"output_dir": OUTPUT})
 
 
 @pytest.mark.parametrize("case", sorted(REFUSALS))
+@pytest.mark.e2e
 def test_a_mistake_in_a_converted_script_is_one_line_and_exit_2(case: str, tmp_path: Path) -> None:
     code, message = REFUSALS[case]
     script = tmp_path / "script.py"
@@ -246,6 +249,7 @@ def test_a_mistake_in_a_converted_script_is_one_line_and_exit_2(case: str, tmp_p
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_start_inside_a_plain_mp_spawn_child_is_refused_with_the_drop_in(tmp_path: Path) -> None:
     script = tmp_path / "article.py"
     script.write_text(
@@ -279,6 +283,7 @@ run.finish()
 """
 
 
+@pytest.mark.e2e
 def test_the_stall_watchdog_rests_while_every_runs_and_watches_the_steps() -> None:
     evaluated = run_script(WATCHED, "evaluation")
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]

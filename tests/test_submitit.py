@@ -36,6 +36,7 @@ def test_local_executor_tasks_resolve_as_local_ranks() -> None:
     assert under_slurm.launcher == "slurm", "a Slurm job wins over the local executor's ids"
 
 
+@pytest.mark.e2e
 def test_local_executor_two_tasks_return_every_rank(tmp_path: Path) -> None:
     job = submit(
         CONFIG,
@@ -59,6 +60,7 @@ def test_local_executor_two_tasks_return_every_rank(tmp_path: Path) -> None:
     assert results[0]["val_samples"] == 1001
 
 
+@pytest.mark.e2e
 def test_local_failure_names_the_rank_and_carries_its_traceback(tmp_path: Path) -> None:
     job = submit(
         CONFIG,
@@ -137,6 +139,7 @@ def test_slurm_cancelled_job_is_reported_as_cancelled(
         wait(job)
 
 
+@pytest.mark.e2e
 def test_package_level_api_is_cheap_and_delegates(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -195,6 +195,7 @@ def _mark_running(sweep_dir: str, index: int) -> None:
         manifest.update_manifest(Path(sweep_dir), running)
 
 
+@pytest.mark.e2e
 def test_the_record_loses_no_change_when_tasks_write_it_at_once(tmp_path: Path) -> None:
     """Four processes change the record 20 times each, at once: every change is kept (the
     lock), and every read in between sees a whole file (the rename)."""
@@ -357,6 +358,7 @@ def test_the_python_form_takes_plain_keys_as_options_and_refuses_kwargs_for_a_sc
         hpc_ddp.submit_sweep(train, name="s", grid={"lr": [1], "--depth": [2]})
 
 
+@pytest.mark.e2e
 def test_a_sweeps_results_are_what_rank_0_of_each_task_returned(tmp_path: Path) -> None:
     import cloudpickle
 

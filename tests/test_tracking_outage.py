@@ -16,10 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from mlflow import MlflowClient
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from tests.helpers import REPO, clean_environ, run_local_program, signal_after, start_program
+
+pytestmark = pytest.mark.e2e  # every test here starts processes
 
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
 

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from mlflow import MlflowClient
 
 from hpc_ddp.runtime.exits import rank_label
@@ -39,6 +40,7 @@ def _start(tmp_path: Path) -> WorkerTracker:
     )
 
 
+@pytest.mark.e2e
 def test_the_worker_ignores_job_signals_and_ends_with_the_run(tmp_path: Path) -> None:
     tracker = _start(tmp_path)
     child = tracker._process
@@ -56,6 +58,7 @@ def test_the_worker_ignores_job_signals_and_ends_with_the_run(tmp_path: Path) ->
     assert [item.path for item in client.list_artifacts(run.info.run_id)] == ["summary.json"]
 
 
+@pytest.mark.e2e
 def test_metrics_of_many_steps_reach_mlflow_in_one_call_with_their_times(tmp_path: Path) -> None:
     """More metrics than MLflow takes in one call: all of them are stored, each at its step
     and the time it was logged."""
@@ -79,6 +82,7 @@ def test_metrics_of_many_steps_reach_mlflow_in_one_call_with_their_times(tmp_pat
     ]
 
 
+@pytest.mark.e2e
 def test_a_parent_that_goes_away_leaves_the_run_running(tmp_path: Path) -> None:
     """As a rank killed outright would: the next attempt reopens the same MLflow run."""
     tracker = _start(tmp_path)
@@ -93,6 +97,7 @@ def test_a_parent_that_goes_away_leaves_the_run_running(tmp_path: Path) -> None:
     assert run.data.metrics == {"loss": 0.25}
 
 
+@pytest.mark.e2e
 def test_a_suspended_run_can_still_be_ended(tmp_path: Path) -> None:
     """A stop that asked for a requeue suspends the run first; when the requeue is not
     possible, the run is ended KILLED after all."""
@@ -115,6 +120,7 @@ def test_only_rank_0_prestarts_a_worker_and_only_while_tracking_is_on() -> None:
     assert take_prestarted() is None
 
 
+@pytest.mark.e2e
 def test_a_prestarted_worker_is_handed_over_once_and_drives_the_run(tmp_path: Path) -> None:
     assert prestart({**clean_environ(), "SLURM_PROCID": "0"}, ["--lr", "1"])
     worker = take_prestarted()
@@ -130,6 +136,7 @@ def test_a_prestarted_worker_is_handed_over_once_and_drives_the_run(tmp_path: Pa
     assert (run.info.status, run.data.metrics) == ("FINISHED", {"loss": 0.25})
 
 
+@pytest.mark.e2e
 def test_a_prestarted_worker_that_no_run_uses_is_ended_untouched(tmp_path: Path) -> None:
     assert prestart({**clean_environ(), "RANK": "0"}, [])
     process = _prestarted[-1].process
@@ -137,6 +144,7 @@ def test_a_prestarted_worker_that_no_run_uses_is_ended_untouched(tmp_path: Path)
     assert process.returncode == -signal.SIGKILL and take_prestarted() is None
 
 
+@pytest.mark.e2e
 def test_the_worker_gets_short_http_retries_unless_the_user_set_them() -> None:
     """MLflow reads its HTTP retry settings from its environment only: a prestarted worker
     and one started later must both get them, and the user's own values must win."""
@@ -164,6 +172,7 @@ def test_the_rank_is_read_as_torchrun_numbers_it_inside_a_slurm_job() -> None:
     assert probably_rank_0({})
 
 
+@pytest.mark.e2e
 def test_the_tracking_process_leaves_the_data_science_stack_out(tmp_path: Path) -> None:
     """mlflow's full install imports pandas, numpy, scipy and pyarrow (0.4 s of CPU) that
     logging a run never uses: the worker runs a whole run without loading any of them."""
@@ -178,6 +187,7 @@ def test_the_tracking_process_leaves_the_data_science_stack_out(tmp_path: Path) 
     assert (run.info.status, run.data.metrics) == ("FINISHED", {"loss": 0.5})
 
 
+@pytest.mark.e2e
 def test_a_call_that_wants_a_left_out_package_gets_it() -> None:
     """Should an mlflow version need numpy for a call after all, the call is made again
     with the packages let in, and it answers."""

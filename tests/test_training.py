@@ -64,6 +64,7 @@ def weights(output: Path) -> dict[str, torch.Tensor]:
     return torch.load(summary_path(output).parent / "model.pt", weights_only=True)  # type: ignore[no-any-return]
 
 
+@pytest.mark.e2e
 def test_every_world_size_sees_each_validation_sample_exactly_once(equivalence_runs) -> None:
     summaries = {name: read_summary(path) for name, path in equivalence_runs.items()}
     for name, summary in summaries.items():
@@ -79,6 +80,7 @@ def test_every_world_size_sees_each_validation_sample_exactly_once(equivalence_r
         )
 
 
+@pytest.mark.e2e
 def test_w1_and_w2_give_the_same_final_weights(equivalence_runs) -> None:
     reference = weights(equivalence_runs["w1"])
     for name in ("w2", "w3", "w1_accum2"):
@@ -92,6 +94,7 @@ def test_w1_and_w2_give_the_same_final_weights(equivalence_runs) -> None:
     assert not torch.allclose(reference["layers.0.weight"][:, :64], initial.weight), "weights moved"
 
 
+@pytest.mark.e2e
 def test_train_accuracy_is_counted_only_when_asked_and_changes_no_weight(
     equivalence_runs,
 ) -> None:
@@ -106,6 +109,7 @@ def test_train_accuracy_is_counted_only_when_asked_and_changes_no_weight(
         assert torch.equal(plain[key], with_accuracy[key]), key
 
 
+@pytest.mark.e2e
 def test_digits_learns_on_two_ranks_and_reports_progress(tmp_path: Path) -> None:
     result = run_local(
         2, tmp_path, ["train.epochs=6", "tracking.enabled=false"], config="configs/digits.yaml"
@@ -132,6 +136,7 @@ def test_digits_learns_on_two_ranks_and_reports_progress(tmp_path: Path) -> None
     assert period and 1 <= int(period.group(1)) <= 1000
 
 
+@pytest.mark.e2e
 def test_bf16_and_three_ranks_with_workers(tmp_path: Path) -> None:
     result = run_local(
         3,
@@ -152,6 +157,7 @@ def test_bf16_and_three_ranks_with_workers(tmp_path: Path) -> None:
     assert math.isfinite(summary["val_loss"]) and summary["global_step"] == 12
 
 
+@pytest.mark.e2e
 def test_failed_rank_ends_the_job_fast_naming_it(tmp_path: Path) -> None:
     """Rank 0 would wait dist.timeout_s (600 s) for the rank that raised: the job ends at
     once instead (well inside run_local's 240 s), naming the rank."""
@@ -202,6 +208,7 @@ def test_lost_peer_reads_gloo_and_nccl_messages_through_the_exception_chain() ->
     assert not lost_peer(RuntimeError("injected failure on rank 1"))
 
 
+@pytest.mark.e2e
 def test_rendezvous_timeout_is_an_error_not_a_hang(tmp_path: Path) -> None:
     """Rank 0 of 2 is started alone: it must give up after dist.init_timeout_s."""
     with socket.socket() as probe:
@@ -230,6 +237,7 @@ def test_rendezvous_timeout_is_an_error_not_a_hang(tmp_path: Path) -> None:
     assert "HINT:" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_a_rank_without_rank_0_gives_up_in_one_line(tmp_path: Path) -> None:
     """Rank 1 of 2 alone, with a tiny dist.init_timeout_s: one line, none of torch's C++
     frames (which its own connect timeout logs)."""
@@ -251,6 +259,7 @@ def test_a_rank_without_rank_0_gives_up_in_one_line(tmp_path: Path) -> None:
     assert "frame #" not in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_rendezvous_port_in_use_is_reported(tmp_path: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
@@ -266,6 +275,7 @@ def test_rendezvous_port_in_use_is_reported(tmp_path: Path) -> None:
     assert "HINT: another job on this node holds the port" in result.stderr
 
 
+@pytest.mark.e2e
 def test_user_errors_exit_2_with_a_hint_and_no_traceback(tmp_path: Path) -> None:
     result = run_train(["--config", "configs/digits.yaml", "train.epochz=3"], clean_environ())
     assert result.returncode == 2
@@ -277,6 +287,7 @@ def test_user_errors_exit_2_with_a_hint_and_no_traceback(tmp_path: Path) -> None
     assert "world sizes that work with this batch: 1, 2, 4, 8, 16, 32, 64" in result.stderr
 
 
+@pytest.mark.e2e
 def test_python_without_srun_in_a_two_task_allocation_fails_in_seconds(tmp_path: Path) -> None:
     environment = clean_environ(
         SLURM_JOB_ID="99",
@@ -293,6 +304,7 @@ def test_python_without_srun_in_a_two_task_allocation_fails_in_seconds(tmp_path:
     )
 
 
+@pytest.mark.e2e
 def test_custom_dataset_and_model_by_import_path(tmp_path: Path) -> None:
     result = run_local(
         1,
@@ -312,6 +324,7 @@ def test_custom_dataset_and_model_by_import_path(tmp_path: Path) -> None:
     assert summary["val_samples"] == 44 and summary["global_step"] == 16
 
 
+@pytest.mark.e2e
 def test_replicas_that_drift_apart_are_named_at_the_next_check(tmp_path: Path) -> None:
     """Rank 1's model edits its own bias outside the optimizer (a user error DDP does not
     catch): the end-of-training check names the rank, the tensor and the step."""
@@ -350,6 +363,7 @@ def test_replica_fingerprint_is_exact_per_tensor() -> None:
     assert (after != before).tolist() == [True, False, False, False]
 
 
+@pytest.mark.e2e
 def test_bad_model_factory_is_a_clear_error(tmp_path: Path) -> None:
     result = run_train(
         [
@@ -448,6 +462,7 @@ def test_folded_metric_totals_are_bitwise_each_converted_then_summed() -> None:
     assert sums.local()[0].item() == expected.item()
 
 
+@pytest.mark.e2e
 def test_local_launcher_rejects_zero_ranks() -> None:
     result = subprocess.run(
         ["python", "-m", "hpc_ddp", "local", "--nproc", "0"],
@@ -493,6 +508,7 @@ def train_with_factories(tmp_path: Path, data: str, model: str) -> subprocess.Co
          "returns (1, 5) for one sample; the trainer expects logits of shape (batch, num_classes)"),
     ],
 )  # fmt: skip
+@pytest.mark.e2e
 def test_a_factory_that_breaks_the_contract_is_one_line(
     data: str, model: str, message: str, tmp_path: Path
 ) -> None:
@@ -502,6 +518,7 @@ def test_a_factory_that_breaks_the_contract_is_one_line(
     assert "HINT:" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_an_error_inside_a_factory_shows_the_users_frames_with_the_rank(tmp_path: Path) -> None:
     result = train_with_factories(tmp_path, "read_the_labels_file", "linear_model")
     assert result.returncode == 1, result.stderr[-2000:]
@@ -513,6 +530,7 @@ def test_an_error_inside_a_factory_shows_the_users_frames_with_the_rank(tmp_path
     assert "FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/" in failure
 
 
+@pytest.mark.e2e
 def test_a_model_split_in_two_stages_trains_to_the_unsplit_weights(tmp_path: Path) -> None:
     """model.stages=2 on 2 ranks, dist.gpus_per_rank=2: the built-in MLP in two stages, each
     on its own device of the rank. Here both devices are the CPU (a second GPU cannot exist
@@ -548,6 +566,7 @@ run.finish()
 """
 
 
+@pytest.mark.e2e
 def test_a_local_runs_store_listens_on_loopback_only(tmp_path: Path) -> None:
     """torch's rendezvous store takes any client without credentials: a local run's store
     listens on the announced 127.0.0.1 only. A second process on this host reaches it there
@@ -561,6 +580,7 @@ def test_a_local_runs_store_listens_on_loopback_only(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["0", "3", "none", "os"])
+@pytest.mark.e2e
 def test_a_rank_that_leaves_the_loop_early_is_named_as_the_cause(how: str) -> None:
     """The survivor exits 4 (lost contact); the launcher used to blame it and never named
     the rank that left."""

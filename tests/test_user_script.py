@@ -69,6 +69,7 @@ def world_sizes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     return outputs
 
 
+@pytest.mark.e2e
 def test_a_users_script_trains_to_the_same_weights_at_every_world_size(world_sizes) -> None:
     reference = final_weights(world_sizes["w1"][0], "x")
     for name in ("w2", "w3", "w2_accum2"):
@@ -80,6 +81,7 @@ def test_a_users_script_trains_to_the_same_weights_at_every_world_size(world_siz
     assert [summary(world_sizes[n][0], "x")["world_size"] for n in ("w1", "w2", "w3")] == [1, 2, 3]
 
 
+@pytest.mark.e2e
 def test_its_evaluation_counts_every_sample_once_and_is_exact(world_sizes) -> None:
     results = {name: result for name, (_output, result) in world_sizes.items()}
     initial = {results[name]["initial_val_mse"] for name in ("w1", "w2", "w3", "w2_accum2")}
@@ -92,6 +94,7 @@ def test_its_evaluation_counts_every_sample_once_and_is_exact(world_sizes) -> No
         assert results[name]["val_mse"] == pytest.approx(trained, rel=1e-5)
 
 
+@pytest.mark.e2e
 def test_the_summary_holds_the_runs_facts_and_the_scripts_own(world_sizes) -> None:
     facts = summary(world_sizes["w3"][0], "x")
     assert facts["launcher"] == "local" and facts["world_size"] == 3
@@ -101,6 +104,7 @@ def test_the_summary_holds_the_runs_facts_and_the_scripts_own(world_sizes) -> No
     assert facts["best_val_mse"] <= facts["val_mse"]
 
 
+@pytest.mark.e2e
 def test_stopped_mid_epoch_and_rerun_equals_uninterrupted_in_one_mlflow_run(
     tmp_path: Path,
 ) -> None:
@@ -170,6 +174,7 @@ def test_stopped_mid_epoch_and_rerun_equals_uninterrupted_in_one_mlflow_run(
     assert train["mse"][1] == [m.value for m in history]
 
 
+@pytest.mark.e2e
 def test_a_module_runs_with_dash_m_and_a_script_runs_with_plain_python(tmp_path: Path) -> None:
     as_module = run_local_program(
         2,
@@ -183,6 +188,7 @@ def test_a_module_runs_with_dash_m_and_a_script_runs_with_plain_python(tmp_path:
     assert facts["world_size"] == 1 and facts["launcher"] == "single"
 
 
+@pytest.mark.e2e
 def test_an_error_in_the_users_code_shows_their_frames_and_the_rank(tmp_path: Path) -> None:
     result = run_local_program(2, [FAULTS, "raise", f"run.output_dir={tmp_path}"])
     assert result.returncode == 1, result.stderr[-3000:]
@@ -226,6 +232,7 @@ def run_faults(arguments: list[str], tmp_path: Path) -> subprocess.CompletedProc
         ([FAULTS, "rank-metric"], "the ranks logged different metrics"),
     ],
 )
+@pytest.mark.e2e
 def test_bad_input_is_one_line_and_exit_2(program: list[str], message: str, tmp_path: Path) -> None:
     result = run_local_program(2, [*program, f"run.output_dir={tmp_path}"])
     assert result.returncode == 2, result.stderr[-2000:]
@@ -233,6 +240,7 @@ def test_bad_input_is_one_line_and_exit_2(program: list[str], message: str, tmp_
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_plain_python_gets_the_same_one_line_errors(tmp_path: Path) -> None:
     result = run_faults(["stateless"], tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
@@ -240,6 +248,7 @@ def test_plain_python_gets_the_same_one_line_errors(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.e2e
 def test_a_failed_rank_leaves_without_the_interpreters_teardown(tmp_path: Path) -> None:
     """After a failed run the process group is still up, and torch can abort a rank while the
     interpreter tears its modules down (SIGABRT: the launcher saw 134 in place of the
@@ -261,6 +270,7 @@ def test_a_failed_rank_leaves_without_the_interpreters_teardown(tmp_path: Path) 
     assert finished.stderr.count("module teardown ran") == 2, "the marker shows the teardown"
 
 
+@pytest.mark.e2e
 def test_resuming_with_other_registered_objects_is_refused(tmp_path: Path) -> None:
     first = run_faults(["none", "run.id=x"], tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]
@@ -272,6 +282,7 @@ def test_resuming_with_other_registered_objects_is_refused(tmp_path: Path) -> No
     assert "(not in the checkpoint: ema)" in second.stderr and "Traceback" not in second.stderr
 
 
+@pytest.mark.e2e
 def test_submitit_runs_a_callable_and_a_script_on_every_rank(tmp_path: Path) -> None:
     """submitit's local executor (no Slurm): the callable's return value from every rank."""
     arguments = ["--epochs", "1", f"run.output_dir={tmp_path / 'call'}", "tracking.enabled=false"]
@@ -331,6 +342,7 @@ run.finish()
 """
 
 
+@pytest.mark.e2e
 def test_ddp_buckets_are_laid_out_before_the_first_step(tmp_path: Path) -> None:
     """DDP rebuilds its buckets after its first backward; a resumed run's first step would
     then sum gradients in another order than the uninterrupted run's same step (bitwise
@@ -411,6 +423,7 @@ run.finish()
 """
 
 
+@pytest.mark.e2e
 def test_without_epochs_every_steps_call_is_an_epoch(tmp_path: Path) -> None:
     result = run_python(["-c", EPOCHS_BY_HAND], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -418,6 +431,7 @@ def test_without_epochs_every_steps_call_is_an_epoch(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("declared", ["USR1", "B:USR1@90", "SIGUSR1"])
+@pytest.mark.e2e
 def test_a_job_whose_warning_signal_the_ranks_do_not_handle_is_refused(
     declared: str, tmp_path: Path
 ) -> None:
@@ -451,6 +465,7 @@ def steps_seen(folder: Path) -> dict[int, list[int]]:
     return {step: sorted(ids) for step, ids in sorted(seen.items())}
 
 
+@pytest.mark.e2e
 def test_a_run_stopped_on_4_ranks_resumes_on_2_and_on_3_with_the_same_global_order(
     tmp_path: Path,
 ) -> None:

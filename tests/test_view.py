@@ -43,6 +43,7 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return output
 
 
+@pytest.mark.e2e
 def test_runs_lists_a_finished_run_with_its_step_and_newest_metrics(finished_run: Path) -> None:
     summary = json.loads((finished_run / "regression" / "first" / "summary.json").read_text())
     [run] = find_runs(finished_run)
@@ -68,6 +69,7 @@ def test_runs_lists_a_finished_run_with_its_step_and_newest_metrics(finished_run
     assert f"val_mse={summary['val_mse']:.4g}" in row
 
 
+@pytest.mark.e2e
 def test_plot_writes_a_png_with_the_training_and_validation_curves(
     finished_run: Path, tmp_path: Path
 ) -> None:
@@ -92,6 +94,7 @@ def test_plot_writes_a_png_with_the_training_and_validation_curves(
     assert pixels[..., :3].std() > 0.05, "something is drawn"
 
 
+@pytest.mark.e2e
 def test_plot_without_matplotlib_says_how_to_install_it(finished_run: Path) -> None:
     """matplotlib is installed here: the import is made to fail, as on a machine without it."""
     result = hpc_ddp_command(
@@ -106,6 +109,7 @@ def test_plot_without_matplotlib_says_how_to_install_it(finished_run: Path) -> N
     )
 
 
+@pytest.mark.e2e
 def test_a_missing_run_or_directory_is_one_line(tmp_path: Path) -> None:
     missing = hpc_ddp_command("runs", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and "no such directory" in missing.stderr
@@ -139,6 +143,7 @@ def test_the_record_follows_every_way_a_run_ends(tmp_path: Path) -> None:
     assert load_run(run_dir).attempts == 4  # type: ignore[union-attr]
 
 
+@pytest.mark.e2e
 def test_a_run_whose_process_is_gone_is_listed_as_lost(tmp_path: Path) -> None:
     """A rank killed with SIGKILL cannot write its end: the record's pid tells."""
     run_dir = tmp_path / "name" / "id"
@@ -216,6 +221,7 @@ def test_plot_puts_scores_on_their_own_axis_and_keeps_each_metrics_colour(tmp_pa
     ],
     ids=["step-text", "attempts-null", "epoch-negative", "pid-text", "updated-text"],
 )
+@pytest.mark.e2e
 def test_a_damaged_record_is_one_line_and_every_other_run_still_lists(
     tmp_path: Path, damage: dict[str, object]
 ) -> None:
@@ -234,6 +240,7 @@ def test_a_damaged_record_is_one_line_and_every_other_run_still_lists(
         assert len(skipped) == 1 and str(status_file) in skipped[0], result.stderr
 
 
+@pytest.mark.e2e
 def test_damaged_lines_of_metrics_jsonl_are_left_out_of_runs_plot_and_sync(tmp_path: Path) -> None:
     run_dir = tmp_path / "name" / "id"
     journal = JournalTracker(NullTracker(), run_dir, lambda: (3, 0), "7", 1)

@@ -50,6 +50,7 @@ def stalled_for(line: str) -> float:
     return float(found.group(1))
 
 
+@pytest.mark.e2e
 def test_a_rank_sleeping_in_the_users_code_ends_the_job_and_shows_the_frame(
     tmp_path: Path,
 ) -> None:
@@ -66,6 +67,7 @@ def test_a_rank_sleeping_in_the_users_code_ends_the_job_and_shows_the_frame(
     assert status["state"] == "failed"
 
 
+@pytest.mark.e2e
 def test_a_hung_dataloader_worker_is_named(tmp_path: Path) -> None:
     log = run_stalling("stuck-worker", tmp_path)
     assert "rank 1 exited with code 5" in log, log[-3000:]
@@ -147,6 +149,7 @@ def test_a_rank_that_only_waits_inside_torch_exits_as_a_consequence() -> None:
 
 
 @pytest.mark.parametrize("value", ["0", "-1"])
+@pytest.mark.e2e
 def test_a_stall_timeout_that_is_not_positive_is_refused(value: str, tmp_path: Path) -> None:
     result = run_local_program(
         1, [FAULTS, "none", f"run.output_dir={tmp_path}", f"dist.stall_timeout_s={value}"]
@@ -156,6 +159,7 @@ def test_a_stall_timeout_that_is_not_positive_is_refused(value: str, tmp_path: P
 
 
 @pytest.mark.parametrize("stopped", [1, 0], ids=["rank-1", "rank-0-holding-the-store"])
+@pytest.mark.e2e
 def test_a_stall_report_names_the_rank_that_stopped_answering(stopped: int) -> None:
     """A rank stopped with SIGSTOP makes no report of its own: the rank waiting for it in a
     collective fires, and its report names the stopped rank (or, when that rank holds the

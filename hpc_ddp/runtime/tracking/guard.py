@@ -41,6 +41,25 @@ def export_mlflow_http_settings(environ: Any = os.environ) -> dict[str, str]:
     return written
 
 
+def wait_for(
+    done: threading.Event, window_s: float, cpu_seconds: Callable[[], float | None] | None
+) -> str:
+    """Wait for ``done``: one ``window_s``, or with ``cpu_seconds`` (the tracking process's
+    CPU time; None: unknown) window after window while it grows by WORKING_CPU_S, up to
+    PATIENT_LIMIT_S. "" once done, else why the wait ended."""
+    waited, used = 0.0, cpu_seconds() if cpu_seconds else None
+    while not done.wait(window_s):
+        waited, before = waited + window_s, used
+        used = cpu_seconds() if cpu_seconds else None
+        working = before is not None and used is not None and used - before >= WORKING_CPU_S
+        if not working or waited >= PATIENT_LIMIT_S:
+            idle = cpu_seconds is not None and not working
+            return f"no answer within {waited:.0f} s" + (
+                " (the tracking process did no work meanwhile)" if idle else ""
+            )
+    return ""
+
+
 #: MLflow's answer to a request it refuses for its content (a name, a value), not because
 #: the server failed.
 REFUSED_CODES = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST"})
@@ -223,17 +242,10 @@ class GuardedTracker:
         each ``wait_limit_s``, PATIENT_LIMIT_S in all)."""
         done = threading.Event()
         self._submit("", "_done", done)
-        waited, used = 0.0, self._cpu_seconds()
-        while not done.wait(self._wait_limit_s):
-            waited += self._wait_limit_s
-            now = self._cpu_seconds()
-            working = used is not None and now is not None and now - used >= WORKING_CPU_S
-            if not (patient and working) or waited >= PATIENT_LIMIT_S:
-                idle = " (the tracking process did no work meanwhile)" if patient else ""
-                self._fail(what, TimeoutError(f"no answer within {waited:.0f} s{idle}"))
-                return False
-            used = now
-        return True
+        unanswered = wait_for(done, self._wait_limit_s, self._cpu_seconds if patient else None)
+        if unanswered:
+            self._fail(what, TimeoutError(unanswered))
+        return not unanswered
 
     @property
     def run_id(self) -> str | None:
