@@ -3,16 +3,10 @@ where each one's run directory and results are."""
 
 from __future__ import annotations
 
-import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
-
-from hpc_ddp.runtime.checkpoint.export import model_weights
-from hpc_ddp.runtime.checkpoint.files import list_checkpoints
 from tests.helpers import REPO
 
 
@@ -70,13 +64,3 @@ def settings(output_dir: Path, run_id: str, *extra: str) -> dict[str, str]:
 
 def run_dir(output_dir: Path, example: Example, run_id: str) -> Path:
     return output_dir / example.name / run_id
-
-
-def summary(output_dir: Path, example: Example, run_id: str) -> dict[str, Any]:
-    path = run_dir(output_dir, example, run_id) / "summary.json"
-    return json.loads(path.read_text())  # type: ignore[no-any-return]
-
-
-def final_model(output_dir: Path, example: Example, run_id: str) -> dict[str, torch.Tensor]:
-    checkpoints = run_dir(output_dir, example, run_id) / "checkpoints"
-    return model_weights(list_checkpoints(checkpoints)[0], "model")[1]

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,17 +92,23 @@ def run_train(
     return run_python(["-m", "hpc_ddp.train", *args], environment=environment, timeout=timeout)
 
 
-def read_summary(output_dir: Path) -> dict[str, Any]:
-    """The one summary.json a run wrote under ``output_dir``."""
-    paths = sorted(output_dir.glob("*/*/summary.json"))
-    assert len(paths) == 1, f"expected one summary.json under {output_dir}, found {paths}"
-    return json.loads(paths[0].read_text())  # type: ignore[no-any-return]
-
-
-def summary_path(output_dir: Path) -> Path:
-    paths = sorted(output_dir.glob("*/*/summary.json"))
-    assert len(paths) == 1, paths
+def summary_path(output_dir: Path, name: str = "*", run_id: str = "*") -> Path:
+    """The one ``<output_dir>/<name>/<run_id>/summary.json`` (either may be a glob pattern:
+    by default, the one run under ``output_dir``)."""
+    paths = sorted(output_dir.glob(f"{name}/{run_id}/summary.json"))
+    assert len(paths) == 1, f"expected one summary.json under {output_dir}/{name}/{run_id}: {paths}"
     return paths[0]
+
+
+def read_summary(output_dir: Path, name: str = "*", run_id: str = "*") -> dict[str, Any]:
+    """The summary.json of :func:`summary_path`, as the run wrote it."""
+    return json.loads(summary_path(output_dir, name, run_id).read_text())  # type: ignore[no-any-return]
+
+
+def start_local(nproc: int, output_dir: Path, overrides: list[str]) -> subprocess.Popen[str]:
+    """The built-in trainer on configs/synthetic.yaml under `hpc-ddp local`, started."""
+    config = ["--config", str(REPO / "configs" / "synthetic.yaml"), f"run.output_dir={output_dir}"]
+    return start_program(nproc, [*config, *overrides])
 
 
 def start_program(
@@ -118,14 +125,21 @@ def start_program(
     )
 
 
-def signal_after(process: subprocess.Popen[str], pattern: str, signum: int) -> str:
-    """Send ``signum`` once a line of stderr matches ``pattern``; the whole stderr."""
+def signal_after(
+    process: subprocess.Popen[str], pattern: str, signum: int, timeout: float = 240
+) -> str:
+    """Send ``signum`` once a line of stderr matches ``pattern`` (within ``timeout``, or
+    fail with what was read); the whole stderr once the process ended."""
     assert process.stderr is not None
     seen = []
+    deadline = time.monotonic() + timeout
     for line in process.stderr:
         seen.append(line)
         if re.search(pattern, line):
             process.send_signal(signum)
             break
-    _out, err = process.communicate(timeout=240)
+        assert time.monotonic() < deadline, f"{pattern!r} not seen in {timeout:.0f} s:\n" + "".join(
+            seen[-40:]
+        )
+    _out, err = process.communicate(timeout=timeout)
     return "".join(seen) + err

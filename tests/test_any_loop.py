@@ -19,11 +19,11 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from hpc_ddp.runtime.checkpoint.export import model_weights
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, clean_environ, run_local_program, signal_after
+from tests.records import final_weights
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -58,11 +58,6 @@ def result_of(output: str) -> dict[str, Any]:
     return json.loads(lines[0].removeprefix("RESULT "))  # type: ignore[no-any-return]
 
 
-def final_model(output_dir: Path) -> dict[str, torch.Tensor]:
-    (checkpoints,) = output_dir.glob("*/*/checkpoints")
-    return model_weights(list_checkpoints(checkpoints)[0], "model")[1]
-
-
 DETERMINISTIC = {
     "lm": (LM, ["--max-iters", "60", "--sampling", "global", "--dropout", "0"]),
     "spawn": (SPAWN, ["--epochs", "2"]),
@@ -81,7 +76,7 @@ def test_one_and_two_ranks_train_to_the_same_weights(shape: str, tmp_path: Path)
         assert result.returncode == 0, result.stderr[-3000:]
         facts = result_of(result.stdout)
         assert json.loads(next(output.glob("*/*/summary.json")).read_text())["world_size"] == nproc
-        finals[nproc] = (facts, final_model(output))
+        finals[nproc] = (facts, final_weights(output))
     (one, one_model), (two, two_model) = finals[1], finals[2]
     assert one["global_step"] == two["global_step"] > 0
     for key, value in one_model.items():

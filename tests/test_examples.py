@@ -19,8 +19,9 @@ import torch
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.runtime.tracking.journal import read_metrics
 from hpc_ddp.view.runs import load_run
-from tests.examples import CNN, LM, TUTORIAL, Example, final_model, run_dir, settings, summary
-from tests.helpers import REPO, clean_environ, run_local_program
+from tests.examples import CNN, LM, TUTORIAL, Example, run_dir, settings
+from tests.helpers import REPO, clean_environ, read_summary, run_local_program
+from tests.records import final_weights
 
 QUIET = ("tracking.enabled=false", "preempt.check_every_steps=1")
 
@@ -89,14 +90,14 @@ def test_two_ranks_train_to_the_stated_threshold(runs: Runs) -> None:
         assert len(per_epoch) == 4 and per_epoch[-1] < per_epoch[0] / 20, per_epoch
         value = per_epoch[-1]
     else:
-        value = summary(output, example, "w2")[metric]
+        value = read_summary(output, example.name, "w2")[metric]
     assert value > bound if metric.endswith("accuracy") else value < bound, (metric, value)
 
 
 @pytest.mark.e2e
 def test_one_and_two_ranks_reach_the_same_weights(runs: Runs) -> None:
-    one = final_model(runs.output, runs.example, "w1")
-    two = final_model(runs.output, runs.example, "w2")
+    one = final_weights(runs.output, runs.example.name, "w1")
+    two = final_weights(runs.output, runs.example.name, "w2")
     assert one.keys() == two.keys()
     # Summing a batch in one piece or in two differs in float32's last bits; training grows
     # that: AdamW (which divides each step by the gradient's running scale) to about 1e-3 in
@@ -114,8 +115,8 @@ def test_one_and_two_ranks_reach_the_same_weights(runs: Runs) -> None:
 @pytest.mark.e2e
 def test_a_stop_mid_epoch_and_a_rerun_give_bitwise_the_uninterrupted_weights(runs: Runs) -> None:
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", runs.stop_log).group(1))  # type: ignore[union-attr]
-    reference = summary(runs.output, runs.example, "w2")
-    resumed = summary(runs.output, runs.example, "stopped")
+    reference = read_summary(runs.output, runs.example.name, "w2")
+    resumed = read_summary(runs.output, runs.example.name, "stopped")
     assert stop_step == STOP_AT[runs.example.name] < reference["global_step"]
     assert resumed["resumed_from_step"] == stop_step
     assert resumed["weights_sha256"] == reference["weights_sha256"], "bitwise equal"
@@ -134,7 +135,7 @@ def test_a_stop_mid_epoch_and_a_rerun_give_bitwise_the_uninterrupted_weights(run
 @pytest.mark.e2e
 def test_the_digits_confusion_counts_every_held_out_image_once(tmp_path: Path) -> None:
     stdout = run_example(CNN, 2, tmp_path, "c")
-    confusion = torch.tensor(summary(tmp_path, CNN, "c")["confusion"])
+    confusion = torch.tensor(read_summary(tmp_path, CNN.name, "c")["confusion"])
     assert confusion.shape == (10, 10) and int(confusion.sum()) == 300
     accuracy = result_line(stdout)["val_accuracy"]
     assert int(confusion.trace()) == round(accuracy * 300), "the diagonal is the accuracy"

@@ -18,7 +18,6 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from hpc_ddp.runtime.checkpoint.export import model_weights
 from hpc_ddp.runtime.checkpoint.files import (
     FORMAT_VERSION,
     list_checkpoints,
@@ -34,7 +33,15 @@ from hpc_ddp.runtime.preempt.requeue import agent_signal_gap, requeue_target
 from hpc_ddp.runtime.preempt.signals import StepAgreement, StopSignals
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from hpc_ddp.trainer.config import load_config, resume_fingerprint
-from tests.helpers import REPO, clean_environ, run_local, start_program
+from tests.helpers import (
+    REPO,
+    clean_environ,
+    read_summary,
+    run_local,
+    signal_after,
+    start_program,
+)
+from tests.records import final_weights
 
 RESUMABLE = [
     "data.num_samples=12800",
@@ -373,66 +380,27 @@ def test_requeue_target_is_array_aware() -> None:
     assert requeue_target({}) is None
 
 
-def start_local(nproc: int, output: Path, overrides: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hpc_ddp",
-            "local",
-            "--nproc",
-            str(nproc),
-            "--config",
-            str(REPO / "configs/synthetic.yaml"),
-            f"run.output_dir={output}",
-            *overrides,
-        ],
-        cwd=REPO,
-        env=clean_environ(),
-        stderr=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-
-def signal_after(
-    process: subprocess.Popen[str], pattern: str, signum: int, timeout: float = 120
-) -> str:
-    """Read the ranks' log until ``pattern`` shows, then send ``signum`` to the launcher."""
-    assert process.stderr is not None
-    seen = []
-    deadline = time.monotonic() + timeout
-    for line in process.stderr:
-        seen.append(line)
-        if re.search(pattern, line):
-            process.send_signal(signum)
-            break
-        assert time.monotonic() < deadline, "".join(seen)
-    _out, err = process.communicate(timeout=timeout)
-    return "".join(seen) + err
-
-
-def summary_of(output: Path, run_id: str) -> dict[str, object]:
-    return json.loads((output / "synthetic-mlp" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
-
-
 @pytest.mark.e2e
 def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(tmp_path: Path) -> None:
     reference = run_local(2, tmp_path, [*RESUMABLE, "run.id=reference"])
     assert reference.returncode == 0, reference.stderr[-2000:]
 
-    process = start_local(2, tmp_path, [*RESUMABLE, "run.id=interrupted"])
-    log = signal_after(process, r"step (4[0-9]|5[0-9]|6[0-9])/600", signal.SIGUSR1)
-    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    # Stopped as on the warning signal at step 50, mid-epoch, whatever the machine's pace.
+    stopping = run_local(2, tmp_path, [*RESUMABLE, "run.id=interrupted", "preempt.stop_at_step=50"])
+    log = stopping.stderr
+    assert stopping.returncode == EXIT_STOPPED, log[-3000:]
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
-    assert stop_step % 200 > 0, f"stopped at step {stop_step}, not mid-epoch"
+    assert stop_step == 50
     assert "to continue, run the same command with run.id=interrupted" in log
 
     resumed = run_local(2, tmp_path, [*RESUMABLE, "run.id=interrupted"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     position = f"(epoch {stop_step // 200}, step {stop_step % 200} of the epoch)"
     assert "resumed from" in resumed.stderr and f"at step {stop_step} {position}" in resumed.stderr
-    expected, actual = summary_of(tmp_path, "reference"), summary_of(tmp_path, "interrupted")
+    expected, actual = (
+        read_summary(tmp_path, "synthetic-mlp", "reference"),
+        read_summary(tmp_path, "synthetic-mlp", "interrupted"),
+    )
     assert actual["weights_sha256"] == expected["weights_sha256"]
     assert actual["global_step"] == expected["global_step"] == 600
     assert (
@@ -454,11 +422,6 @@ def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(tmp_path: Path) -> N
     assert val_steps == [200, 400, 600], "one step axis: each epoch's end"
 
 
-def final_model(output: Path, run_id: str) -> dict[str, torch.Tensor]:
-    newest = list_checkpoints(output / "synthetic-mlp" / run_id / "checkpoints")[0]
-    return model_weights(newest, "model")[1]
-
-
 @pytest.mark.e2e
 def test_the_trainer_stopped_on_4_ranks_resumes_on_2_as_an_uninterrupted_2_rank_run(
     tmp_path: Path,
@@ -469,23 +432,25 @@ def test_the_trainer_stopped_on_4_ranks_resumes_on_2_as_an_uninterrupted_2_rank_
     reference = run_local(2, tmp_path, [*RESUMABLE, "run.id=reference", "tracking.enabled=false"])
     assert reference.returncode == 0, reference.stderr[-2000:]
 
-    process = start_local(4, tmp_path, [*RESUMABLE, "run.id=moved", "tracking.enabled=false"])
-    log = signal_after(process, r"step (4[0-9]|5[0-9]|6[0-9])/600", signal.SIGUSR1)
-    assert process.returncode == EXIT_STOPPED, log[-3000:]
-    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
-    assert stop_step % 200 > 0, f"stopped at step {stop_step}, not mid-epoch"
+    moved = [*RESUMABLE, "run.id=moved", "tracking.enabled=false"]
+    stopping = run_local(4, tmp_path, [*moved, "preempt.stop_at_step=50"])
+    assert stopping.returncode == EXIT_STOPPED, stopping.stderr[-3000:]
+    stop_step = 50
 
     resumed = run_local(2, tmp_path, [*RESUMABLE, "run.id=moved", "tracking.enabled=false"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "checkpoint was written by 4 ranks, this run has 2" in resumed.stderr
-    facts, expected = summary_of(tmp_path, "moved"), summary_of(tmp_path, "reference")
+    facts, expected = (
+        read_summary(tmp_path, "synthetic-mlp", "moved"),
+        read_summary(tmp_path, "synthetic-mlp", "reference"),
+    )
     assert (facts["world_size"], facts["resumed_from_world_size"]) == (2, 4)
     assert (facts["resumed_from_step"], facts["global_step"]) == (stop_step, 600)
-    for name, tensor in final_model(tmp_path, "reference").items():
+    for name, tensor in final_weights(tmp_path, "synthetic-mlp", "reference").items():
         torch.testing.assert_close(
-            final_model(tmp_path, "moved")[name], tensor, rtol=1e-4, atol=1e-5
+            final_weights(tmp_path, "synthetic-mlp", "moved")[name], tensor, rtol=1e-4, atol=1e-5
         )
-    assert abs(float(facts["val_loss"]) - float(expected["val_loss"])) < 1e-4  # type: ignore[arg-type]
+    assert abs(float(facts["val_loss"]) - float(expected["val_loss"])) < 1e-4
 
 
 @pytest.mark.e2e
@@ -493,9 +458,8 @@ def test_the_trainer_refuses_a_new_world_size_when_dropout_draws_per_rank(tmp_pa
     """Each rank's dropout stream cannot be split or merged into another number of ranks:
     the resume stops before training, names both world sizes and the fix."""
     dropout = [*RESUMABLE, "model.dropout=0.1", "run.id=dropout", "tracking.enabled=false"]
-    process = start_local(4, tmp_path, dropout)
-    log = signal_after(process, r"step ([5-9]|1[0-9])/600", signal.SIGUSR1)
-    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    stopping = run_local(4, tmp_path, [*dropout, "preempt.stop_at_step=10"])
+    assert stopping.returncode == EXIT_STOPPED, stopping.stderr[-3000:]
 
     refused = run_local(2, tmp_path, dropout)
     assert refused.returncode != 0
@@ -532,12 +496,19 @@ def test_resume_with_a_changed_model_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 def test_sigterm_stops_cleanly_without_requeue_and_marks_the_run_killed(tmp_path: Path) -> None:
-    process = start_local(2, tmp_path, [*RESUMABLE, "run.id=term"])
-    log = signal_after(process, r"step (2[4-9]|3[0-9])/600", signal.SIGTERM)
-    assert process.returncode == EXIT_STOPPED, log[-3000:]
-    assert "checkpoint (stop signal)" in log
+    """scancel's SIGTERM, passed on by the launcher: the ranks hold after step 30 until it
+    reached them, then stop together at step 31."""
+    program = [str(REPO / "tests" / "programs" / "regression.py"), "--epochs", "3",
+               "--hold-at-step", "30", f"run.output_dir={tmp_path}", "run.id=term",
+               "preempt.check_every_steps=1"]  # fmt: skip
+    log = signal_after(start_program(2, program), r"HOLDING at step 30 \(rank 0\)", signal.SIGTERM)
+    assert "checkpoint (stop signal) step 31:" in log, log[-3000:]
+    assert "not requeueing" not in log, "SIGTERM asks for no requeue"
     runs = MlflowClient(tracking_uri=default_tracking_uri(tmp_path)).search_runs(["1"])
     assert [r.info.status for r in runs] == ["KILLED"]
+    assert json.loads((tmp_path / "regression" / "term" / "status.json").read_text())["state"] == (
+        "stopped"
+    )
 
 
 @pytest.mark.e2e

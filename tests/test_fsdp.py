@@ -9,16 +9,22 @@ import json
 import re
 import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from hpc_ddp.runtime.checkpoint.export import model_weights
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints
 from hpc_ddp.runtime.checkpoint.sharded import read_metadata
 from hpc_ddp.runtime.errors import EXIT_STOPPED
-from tests.helpers import REPO, run_local_program, run_python, signal_after, start_program
+from tests.helpers import (
+    REPO,
+    read_summary,
+    run_local_program,
+    run_python,
+    signal_after,
+    start_program,
+)
+from tests.records import final_weights
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -28,20 +34,12 @@ FSDP = ["dist.strategy=fsdp", "dist.shard_blocks=[0,2]"]
 COMMON = ["--epochs", "2", "--samples", "1920", "--accum", "2", "--clip", "0.5",
           "--log-interval", "1", "preempt.check_every_steps=1",
           "tracking.enabled=false"]  # fmt: skip
-IN_EPOCH_0, IN_EPOCH_1 = r"epoch 0 step ([5-9]|1[0-4])/40", r"epoch 1 step (2[5-9]|3[0-4])/40"
+#: Steps the ranks hold after until the stop signal reached them (the stop comes one later).
+IN_EPOCH_0, IN_EPOCH_1 = 8, 28
 
 
 def program(output: Path, run_id: str, *extra: str) -> list[str]:
     return [PROGRAM, *COMMON, f"run.output_dir={output}", f"run.id={run_id}", *extra]
-
-
-def facts(output: Path, run_id: str) -> dict[str, Any]:
-    return json.loads((output / "regression" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
-
-
-def weights(output: Path, run_id: str) -> dict[str, torch.Tensor]:
-    newest = list_checkpoints(output / "regression" / run_id / "checkpoints")[0]
-    return model_weights(newest, "model")[1]
 
 
 def trained(nproc: int, output: Path, run_id: str, *extra: str) -> None:
@@ -49,14 +47,14 @@ def trained(nproc: int, output: Path, run_id: str, *extra: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def stopped(nproc: int, output: Path, run_id: str, *extra: str, when: str = IN_EPOCH_1) -> int:
-    """Started, stopped by SIGUSR1 once a progress line matches ``when`` (mid-epoch); the
-    step of the stop's checkpoint."""
-    process = start_program(nproc, program(output, run_id, "--step-pause", "0.2", *extra))
-    log = signal_after(process, when, signal.SIGUSR1)
+def stopped(nproc: int, output: Path, run_id: str, *extra: str, hold: int = IN_EPOCH_1) -> int:
+    """Started, held after step ``hold`` (mid-epoch) until SIGUSR1 reached every rank, so
+    stopped one step later; the step of the stop's checkpoint."""
+    process = start_program(nproc, program(output, run_id, "--hold-at-step", str(hold), *extra))
+    log = signal_after(process, rf"HOLDING at step {hold} \(rank 0\)", signal.SIGUSR1)
     assert process.returncode == EXIT_STOPPED, log[-3000:]
     step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
-    assert step % 20, f"stopped at step {step}, not mid-epoch"
+    assert step == hold + 1, f"stopped at step {step}"
     return step
 
 
@@ -74,21 +72,24 @@ def test_fsdp_trains_as_ddp_does_at_2_and_3_ranks(tmp_path: Path) -> None:
     trained(2, tmp_path, "ddp")
     trained(2, tmp_path, "fsdp2", *FSDP)
     trained(3, tmp_path, "fsdp3", *FSDP)
-    expected = weights(tmp_path, "ddp")
-    assert_close_weights(weights(tmp_path, "fsdp2"), expected)
-    assert_close_weights(weights(tmp_path, "fsdp3"), expected)
+    expected = final_weights(tmp_path, "regression", "ddp")
+    assert_close_weights(final_weights(tmp_path, "regression", "fsdp2"), expected)
+    assert_close_weights(final_weights(tmp_path, "regression", "fsdp3"), expected)
     for run_id in ("fsdp2", "fsdp3"):
         assert (
             abs(
-                float(facts(tmp_path, run_id)["val_mse"]) - float(facts(tmp_path, "ddp")["val_mse"])
+                float(read_summary(tmp_path, "regression", run_id)["val_mse"])
+                - float(read_summary(tmp_path, "regression", "ddp")["val_mse"])
             )
             < 1e-5
         )
-    assert facts(tmp_path, "fsdp2")["global_step"] == 40
+    assert read_summary(tmp_path, "regression", "fsdp2")["global_step"] == 40
     newest = list_checkpoints(tmp_path / "regression" / "fsdp3" / "checkpoints")[0]
     shards = read_metadata(newest).state_dict_metadata["objects.model.0.weight"]
     assert len(shards.chunks) == 3, "each of 3 ranks wrote its own shard"  # type: ignore[union-attr]
-    assert facts(tmp_path, "fsdp2")["weights_sha256"] is not None, "whole weights, on rank 0"
+    assert read_summary(tmp_path, "regression", "fsdp2")["weights_sha256"] is not None, (
+        "whole weights, on rank 0"
+    )
 
 
 def test_fsdp_stopped_mid_epoch_and_resumed_is_bitwise_the_uninterrupted_run(
@@ -97,7 +98,10 @@ def test_fsdp_stopped_mid_epoch_and_resumed_is_bitwise_the_uninterrupted_run(
     trained(2, tmp_path, "reference", *FSDP)
     stop_step = stopped(2, tmp_path, "interrupted", *FSDP)
     trained(2, tmp_path, "interrupted", *FSDP)
-    expected, actual = facts(tmp_path, "reference"), facts(tmp_path, "interrupted")
+    expected, actual = (
+        read_summary(tmp_path, "regression", "reference"),
+        read_summary(tmp_path, "regression", "interrupted"),
+    )
     assert actual["resumed_from_step"] == stop_step
     assert actual["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
     assert actual["val_mse"] == expected["val_mse"]
@@ -114,7 +118,10 @@ def test_a_script_that_shards_its_model_itself_stops_and_resumes_as_run_wrap_s_d
     trained(2, tmp_path, "wrapped", *FSDP)
     stop_step = stopped(2, tmp_path, "by_hand", "--shard-by-hand")
     trained(2, tmp_path, "by_hand", "--shard-by-hand")
-    expected, actual = facts(tmp_path, "wrapped"), facts(tmp_path, "by_hand")
+    expected, actual = (
+        read_summary(tmp_path, "regression", "wrapped"),
+        read_summary(tmp_path, "regression", "by_hand"),
+    )
     assert actual["resumed_from_step"] == stop_step
     assert actual["global_step"] == 40
     assert actual["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
@@ -133,18 +140,24 @@ def test_an_fsdp_checkpoint_of_4_ranks_goes_on_at_2_and_at_3(tmp_path: Path) -> 
         run_id = f"from4to{nproc}"
         stop_step = stopped(4, tmp_path, run_id, *FSDP)
         trained(nproc, tmp_path, run_id, *FSDP)
-        moved = facts(tmp_path, run_id)
+        moved = read_summary(tmp_path, "regression", run_id)
         assert (moved["resumed_from_step"], moved["resumed_from_world_size"]) == (stop_step, 4)
-        assert_close_weights(weights(tmp_path, run_id), weights(tmp_path, "reference"))
+        assert_close_weights(
+            final_weights(tmp_path, "regression", run_id),
+            final_weights(tmp_path, "regression", "reference"),
+        )
 
 
 def test_a_ddp_checkpoint_goes_on_under_fsdp_and_back(tmp_path: Path) -> None:
     trained(2, tmp_path, "reference")
-    stopped(2, tmp_path, "mixed", when=IN_EPOCH_0)
+    stopped(2, tmp_path, "mixed", hold=IN_EPOCH_0)
     first = stopped(2, tmp_path, "mixed", *FSDP)  # resumed from DDP's, stopped again
     trained(2, tmp_path, "mixed")  # and on under DDP from FSDP2's
-    assert facts(tmp_path, "mixed")["resumed_from_step"] == first
-    assert_close_weights(weights(tmp_path, "mixed"), weights(tmp_path, "reference"))
+    assert read_summary(tmp_path, "regression", "mixed")["resumed_from_step"] == first
+    assert_close_weights(
+        final_weights(tmp_path, "regression", "mixed"),
+        final_weights(tmp_path, "regression", "reference"),
+    )
 
 
 def test_blocks_not_in_the_model_and_single_file_saves_are_refused(tmp_path: Path) -> None:

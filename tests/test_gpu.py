@@ -6,8 +6,6 @@ Skipped where torch sees no CUDA device (CI has none); on a GPU machine run
 
 from __future__ import annotations
 
-import re
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +13,8 @@ import pytest
 import torch
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
-from tests.helpers import REPO, run_local, signal_after, start_program
+from tests.helpers import read_summary, run_local
 from tests.test_fault_tolerance import RESUMABLE as MID_EPOCH_STOPPABLE
-from tests.test_fault_tolerance import summary_of
 
 pytestmark = [
     pytest.mark.e2e,
@@ -36,7 +33,7 @@ RESUMABLE = [*MID_EPOCH_STOPPABLE, "model.dropout=0.1", "tracking.enabled=false"
 def test_one_rank_trains_on_the_gpu_over_nccl_in_bf16(tmp_path: Path) -> None:
     result = run_local(1, tmp_path, [*SMALL, "train.precision=bf16", "run.id=bf16"])
     assert result.returncode == 0, result.stderr[-3000:]
-    facts = summary_of(tmp_path, "bf16")
+    facts = read_summary(tmp_path, "synthetic-mlp", "bf16")
     assert facts["backend"] == "nccl" and facts["device"] == "cuda:0", facts
     assert facts["global_step"] == 128 and facts["replicas_in_sync"] is True
     assert isinstance(facts["val_loss"], float) and facts["val_loss"] < 1.0, facts["val_loss"]
@@ -49,14 +46,16 @@ def stopped_and_rerun(
     step, the uninterrupted run's summary and the rerun's."""
     reference = run_local(1, tmp_path, [*settings, "run.id=reference"])
     assert reference.returncode == 0, reference.stderr[-3000:]
-    config = ["--config", str(REPO / "configs/synthetic.yaml"), f"run.output_dir={tmp_path}"]
-    process = start_program(1, [*config, *settings, "run.id=interrupted"])
-    log = signal_after(process, r"step (8[0-9]|9[0-9]|1[0-4][0-9])/600", signal.SIGUSR1)
-    assert process.returncode == EXIT_STOPPED, log[-3000:]
-    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    stopping = run_local(1, tmp_path, [*settings, "run.id=interrupted", "preempt.stop_at_step=100"])
+    assert stopping.returncode == EXIT_STOPPED, stopping.stderr[-3000:]
+    stop_step = 100
     resumed = run_local(1, tmp_path, [*settings, "run.id=interrupted"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return stop_step, summary_of(tmp_path, "reference"), summary_of(tmp_path, "interrupted")
+    return (
+        stop_step,
+        read_summary(tmp_path, "synthetic-mlp", "reference"),
+        read_summary(tmp_path, "synthetic-mlp", "interrupted"),
+    )
 
 
 def test_a_gpu_run_stopped_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:

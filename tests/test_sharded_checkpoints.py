@@ -30,7 +30,7 @@ from tests.helpers import (
     run_python,
     start_program,
 )
-from tests.test_fault_tolerance import RESUMABLE, signal_after, start_local, summary_of
+from tests.test_fault_tolerance import RESUMABLE
 
 BALLAST = str(REPO / "tests" / "programs" / "ballast.py")
 
@@ -146,9 +146,10 @@ def test_a_single_file_checkpoint_goes_on_as_a_folder_run(tmp_path: Path) -> Non
     reference = run_local(2, tmp_path, [*common, "run.id=reference"])
     assert reference.returncode == 0, reference.stderr[-2000:]
     old = [*common, "run.id=old", "checkpoint.save_mode=single_file"]
-    log = signal_after(start_local(2, tmp_path, old), r"step (4[0-9]|5[0-9])/600", signal.SIGUSR1)
+    stopping = run_local(2, tmp_path, [*old, "preempt.stop_at_step=50"])
+    assert stopping.returncode == EXIT_STOPPED, stopping.stderr[-3000:]
     checkpoints = tmp_path / "synthetic-mlp" / "old" / "checkpoints"
-    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    stop_step = 50
     assert list_checkpoints(checkpoints)[0].name == f"step-{stop_step:09d}.pt"
     exported = tmp_path / "old.pt"
     shown = run_python(["-m", "hpc_ddp", "export", str(checkpoints.parent), "--step",
@@ -164,7 +165,10 @@ def test_a_single_file_checkpoint_goes_on_as_a_folder_run(tmp_path: Path) -> Non
     assert f"at step {stop_step} " in resumed.stderr
     newest = list_checkpoints(checkpoints)[0]
     assert newest.is_dir() and load_checkpoint(newest)["global_step"] == 600
-    expected, actual = summary_of(tmp_path, "reference"), summary_of(tmp_path, "old")
+    expected, actual = (
+        read_summary(tmp_path, "synthetic-mlp", "reference"),
+        read_summary(tmp_path, "synthetic-mlp", "old"),
+    )
     assert actual["weights_sha256"] == expected["weights_sha256"]
     assert actual["val_loss"] == expected["val_loss"]
 
@@ -266,9 +270,8 @@ def test_state_registered_per_rank_comes_back_to_its_own_rank(
     program = [PER_RANK, "--steps", "40", "--pause", "0.05", f"run.output_dir={tmp_path}",
                "run.id=p", f"checkpoint.save_mode={save_mode}",
                "preempt.check_every_steps=1"]  # fmt: skip
-    stopped = start_program(2, program)
-    log = signal_after(stopped, r"INFO epoch 0 step (1\d|2\d)/40", signal.SIGUSR1)
-    assert stopped.returncode == EXIT_STOPPED, log[-3000:]
+    stopped = run_local_program(2, [*program, "preempt.stop_at_step=20"])
+    assert stopped.returncode == EXIT_STOPPED, stopped.stderr[-3000:]
     again = run_local_program(2, program)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stderr

@@ -6,14 +6,12 @@ devices: a second physical host and a GPU cannot exist here, so the ranks train 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from tests.examples import CNN, LM, TUTORIAL, Example, settings
-from tests.helpers import REPO
+from tests.helpers import REPO, read_summary
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
 
 pytestmark = pytest.mark.slurm
@@ -45,10 +43,6 @@ def submit(slurm: SlurmCluster, example: Example, work: Path, *extra: str) -> st
     return slurm.sbatch([*LAYOUT, export, TRAIN, *args], work)
 
 
-def summary_of(work: Path, example: Example) -> dict[str, Any]:
-    return json.loads((work / "runs" / example.name / "job" / "summary.json").read_text())  # type: ignore[no-any-return]
-
-
 # One example in the default suite; the others repeat its requeue path (pytest --slow), the
 # language model sharded with FSDP2 (--fsdp) among them.
 @pytest.mark.parametrize(
@@ -74,7 +68,10 @@ def test_an_example_on_two_nodes_requeues_once_and_ends_with_the_uninterrupted_w
     )
     assert slurm.wait(reference_job, timeout=300) == "COMPLETED"
 
-    facts, expected = summary_of(interrupted, example), summary_of(reference, example)
+    facts, expected = (
+        read_summary(interrupted / "runs", example.name, "job"),
+        read_summary(reference / "runs", example.name, "job"),
+    )
     assert (facts["world_size"], facts["num_nodes"], facts["launcher"]) == (2, 2, "slurm")
     assert facts["restart_count"] == 1 and facts["resumed_from_step"] == stop_step
     assert 0 < stop_step < expected["global_step"] == facts["global_step"]

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from tests.helpers import REPO
+from tests.helpers import REPO, read_summary
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
 
 pytestmark = pytest.mark.slurm
@@ -82,7 +82,8 @@ def wait_for_sweep(sweep_dir: Path, timeout: float = 300) -> dict[str, Any]:
 
 
 def summary(sweep_dir: Path, task: int) -> dict[str, Any]:
-    return json.loads((sweep_dir / f"task-{task:03d}" / "summary.json").read_text())  # type: ignore[no-any-return]
+    """Task ``task``'s summary: each task is a run of its own, <sweep dir>/task-NNN."""
+    return read_summary(sweep_dir.parent, sweep_dir.name, f"task-{task:03d}")
 
 
 def test_a_sweep_runs_two_at_a_time_survives_a_preemption_and_resumes_its_failed_task(

@@ -10,14 +10,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 from mlflow import MlflowClient
 
 from hpc_ddp.launch.jobs import submit, wait
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
-from tests.helpers import REPO, clean_environ
+from tests.helpers import REPO, clean_environ, read_summary
 from tests.programs import regression
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
 
@@ -25,12 +24,6 @@ pytestmark = pytest.mark.slurm
 TRAIN = str(REPO / "slurm" / "train.sh")
 TORCHRUN = str(REPO / "slurm" / "train-torchrun.sh")
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
-
-
-def summary_of(output_dir: Path) -> dict[str, Any]:
-    paths = list(output_dir.glob("regression/*/summary.json"))
-    assert len(paths) == 1, paths
-    return json.loads(paths[0].read_text())  # type: ignore[no-any-return]
 
 
 PREEMPTED = [PROGRAM, "--epochs", "2", "--samples", "19200", "--log-interval", "5"]
@@ -54,14 +47,14 @@ def test_sbatch_two_nodes_preempted_requeues_and_resumes_to_the_same_weights(
     assert stop_step == 61, "agreed at the check after scancel's signal reached every rank"
     assert f"at step {stop_step} (epoch 0, step {stop_step} of the epoch)" in log
 
-    facts = summary_of(work / "runs")
+    facts = read_summary(work / "runs", "regression")
     assert (facts["world_size"], facts["num_nodes"], facts["launcher"]) == (4, 2, "slurm")
     assert facts["restart_count"] == 1 and facts["resumed_from_step"] == stop_step
     assert facts["global_step"] == 400 and facts["job_id"] == job
 
     reference = prepare_workdir(tmp_path / "uninterrupted")
     assert slurm.wait(sbatch_two_nodes(slurm, reference), timeout=300) == "COMPLETED"
-    expected = summary_of(reference / "runs")
+    expected = read_summary(reference / "runs", "regression")
     assert expected["restart_count"] == 0 and expected["resumed_from_step"] is None
     assert facts["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
     assert facts["val_mse"] == expected["val_mse"]
@@ -84,7 +77,7 @@ def test_the_torchrun_template_runs_a_users_script(slurm: SlurmCluster, tmp_path
     state = slurm.wait(job, timeout=240)
     log = (work / "logs" / f"hpc-ddp-torchrun-{job}.out").read_text()
     assert state == "COMPLETED", log[-4000:]
-    facts = summary_of(work / "runs")
+    facts = read_summary(work / "runs", "regression")
     assert (facts["world_size"], facts["num_nodes"], facts["launcher"]) == (4, 2, "torchelastic")
     assert '"val_count": 1001.0' in log, "rank 0's RESULT line"
 

@@ -14,13 +14,19 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 from mlflow import MlflowClient
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
-from tests.helpers import REPO, clean_environ, run_local_program, signal_after, start_program
+from tests.helpers import (
+    REPO,
+    clean_environ,
+    read_summary,
+    run_local_program,
+    signal_after,
+    start_program,
+)
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -69,10 +75,6 @@ def sync(run_dir: Path, *extra: str) -> str:
     return result.stdout
 
 
-def summary(output: Path, run_id: str) -> dict[str, Any]:
-    return json.loads((output / "regression" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
-
-
 def test_a_tracking_server_that_is_down_costs_one_warning_and_nothing_else(tmp_path: Path) -> None:
     uri = f"http://127.0.0.1:{closed_port()}"
     program = [PROGRAM, "--epochs", "2", "--log-interval", "5", f"run.output_dir={tmp_path}"]
@@ -88,7 +90,10 @@ def test_a_tracking_server_that_is_down_costs_one_warning_and_nothing_else(tmp_p
 
     off = run_local_program(2, [*program, "run.id=off", "tracking.enabled=false"])
     assert off.returncode == 0, off.stderr[-3000:]
-    facts, reference = summary(tmp_path, "down"), summary(tmp_path, "off")
+    facts, reference = (
+        read_summary(tmp_path, "regression", "down"),
+        read_summary(tmp_path, "regression", "off"),
+    )
     assert facts["weights_sha256"] == reference["weights_sha256"], "training untouched"
     assert facts["tracking"].startswith("failed: could not start: ")
     assert reference["tracking"] == "off" and facts["mlflow_run_id"] is None
@@ -169,7 +174,7 @@ def test_an_mlflow_server_killed_mid_run_leaves_training_and_its_record_whole(
     finally:
         stop_mlflow_server(server)
     assert process.returncode == 0, log[-3000:]
-    facts = summary(tmp_path, "killed")
+    facts = read_summary(tmp_path, "regression", "killed")
     assert facts["tracking"].startswith("failed: "), facts["tracking"]
     assert facts["mlflow_run_id"], "the run had been created before the server died"
     assert "Traceback" not in log
@@ -283,7 +288,7 @@ def test_runs_that_open_a_new_sqlite_store_at_once_all_get_their_mlflow_run(
         _out, err = process.communicate(timeout=240)
         assert process.returncode == 0, err[-3000:]
         assert "MLflow at" not in err, err[-3000:]
-    facts = [summary(tmp_path, f"r{index}") for index in range(4)]
+    facts = [read_summary(tmp_path, "regression", f"r{index}") for index in range(4)]
     assert [fact["tracking"] for fact in facts] == ["ok"] * 4
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     found = {run.info.run_id for run in client.search_runs(experiment_ids=["1"])}
@@ -300,4 +305,6 @@ def test_a_sqlite_uri_in_a_missing_folder_creates_no_folders(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (tmp_path / "missing").exists(), "no folders made for a tracking URI"
     assert f"MLflow at {uri} failed could not start" in result.stderr
-    assert summary(tmp_path / "runs", "a")["tracking"].startswith("failed: could not start")
+    assert read_summary(tmp_path / "runs", "regression", "a")["tracking"].startswith(
+        "failed: could not start"
+    )

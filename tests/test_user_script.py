@@ -10,7 +10,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,7 +27,15 @@ from hpc_ddp.runtime.loop.streams import move_to
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from hpc_ddp.view.plot import curves
 from hpc_ddp.view.runs import load_run
-from tests.helpers import REPO, clean_environ, run_local_program, signal_after, start_program
+from tests.helpers import (
+    REPO,
+    clean_environ,
+    read_summary,
+    run_local_program,
+    run_python,
+    signal_after,
+    start_program,
+)
 from tests.programs import regression
 
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
@@ -41,10 +48,6 @@ def result_of(output: str) -> dict[str, Any]:
     lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     assert len(lines) == 1, output[-2000:]
     return json.loads(lines[0].removeprefix("RESULT "))  # type: ignore[no-any-return]
-
-
-def summary(output_dir: Path, run_id: str) -> dict[str, Any]:
-    return json.loads((output_dir / "regression" / run_id / "summary.json").read_text())  # type: ignore[no-any-return]
 
 
 def final_weights(output_dir: Path, run_id: str) -> dict[str, torch.Tensor]:
@@ -78,7 +81,9 @@ def test_a_users_script_trains_to_the_same_weights_at_every_world_size(world_siz
             torch.testing.assert_close(other[key], reference[key], rtol=1e-5, atol=1e-6)
     untrained = torch.nn.Linear(8, 32)
     assert reference["0.weight"].shape == untrained.weight.shape
-    assert [summary(world_sizes[n][0], "x")["world_size"] for n in ("w1", "w2", "w3")] == [1, 2, 3]
+    assert [
+        read_summary(world_sizes[n][0], "regression", "x")["world_size"] for n in ("w1", "w2", "w3")
+    ] == [1, 2, 3]
 
 
 @pytest.mark.e2e
@@ -96,7 +101,7 @@ def test_its_evaluation_counts_every_sample_once_and_is_exact(world_sizes) -> No
 
 @pytest.mark.e2e
 def test_the_summary_holds_the_runs_facts_and_the_scripts_own(world_sizes) -> None:
-    facts = summary(world_sizes["w3"][0], "x")
+    facts = read_summary(world_sizes["w3"][0], "regression", "x")
     assert facts["launcher"] == "local" and facts["world_size"] == 3
     assert facts["global_step"] == 100 and facts["samples_seen"] == 100 * 96
     assert facts["replicas_in_sync"] is True and len(facts["weights_sha256"]) == 64
@@ -135,7 +140,10 @@ def test_stopped_mid_epoch_and_rerun_equals_uninterrupted_in_one_mlflow_run(
     resumed = run_local_program(2, [*program, "run.id=interrupted"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {stop_step} (epoch 1, step {stop_step - 100} of the epoch)" in resumed.stderr
-    expected, actual = summary(tmp_path, "reference"), summary(tmp_path, "interrupted")
+    expected, actual = (
+        read_summary(tmp_path, "regression", "reference"),
+        read_summary(tmp_path, "regression", "interrupted"),
+    )
     assert actual["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
     assert actual["val_mse"] == expected["val_mse"] and actual["global_step"] == 300
     assert actual["resumed_from_step"] == stop_step
@@ -203,18 +211,6 @@ def test_an_error_in_the_users_code_shows_their_frames_and_the_rank(tmp_path: Pa
     experiment = client.get_experiment_by_name("hpc_ddp")
     assert experiment is not None
     assert [run.info.status for run in client.search_runs([experiment.experiment_id])] == ["FAILED"]
-
-
-def run_python(arguments: list[str], cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
-    """Plain `python <arguments>`: one process, no launcher."""
-    return subprocess.run(
-        [sys.executable, *arguments],
-        cwd=cwd,
-        env=clean_environ(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def run_faults(arguments: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
@@ -503,7 +499,7 @@ def test_a_run_stopped_on_4_ranks_resumes_on_2_and_on_3_with_the_same_global_ord
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert f"checkpoint was written by 4 ranks, this run has {ranks}" in resumed.stderr
         assert steps_seen(tmp_path / f"ids-to{ranks}") == steps_seen(tmp_path / "ids-reference")
-        facts = summary(tmp_path, f"to{ranks}")
+        facts = read_summary(tmp_path, "regression", f"to{ranks}")
         assert (facts["world_size"], facts["resumed_from_world_size"]) == (ranks, 4)
         assert (facts["resumed_from_step"], facts["global_step"]) == (stop_step, 200)
         expected = final_weights(tmp_path, "reference")
@@ -514,7 +510,7 @@ def test_a_run_stopped_on_4_ranks_resumes_on_2_and_on_3_with_the_same_global_ord
     assert all(len(ids) == 96 for ids in steps_seen(tmp_path / "ids-reference").values())
 
     client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
-    run = client.get_run(str(summary(tmp_path, "to2")["mlflow_run_id"]))
+    run = client.get_run(str(read_summary(tmp_path, "regression", "to2")["mlflow_run_id"]))
     tags = run.data.tags
     assert tags["hpc_ddp.world_size_change"] == "4 -> 2"
     attempts = (tags["hpc_ddp.attempt.0.world_size"], tags["hpc_ddp.attempt.1.world_size"])

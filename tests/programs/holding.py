@@ -1,4 +1,4 @@
-"""Holds for the test programs: after a given step of their first attempt, each rank says
+"""Holds for the test programs: after a given step, each rank says
 ``HOLDING at step N (rank r)`` on stderr and waits until a stop signal reached it (so a
 signal sent on that line lands at a known step however fast the machine trains; hpc_ddp's
 own handlers still get every signal, first), or until the test made a file."""

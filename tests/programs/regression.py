@@ -7,7 +7,7 @@ with the rest. Runs under every launcher:
     hpc-ddp local --nproc 2 tests/programs/regression.py --epochs 2
     sbatch slurm/train.sh tests/programs/regression.py --epochs 2
 
-``--hold-at-step N``: on its first attempt, each rank holds after step N until a stop signal
+``--hold-at-step N``: each rank holds after step N (where its attempt takes it) until a signal
 reached it, or (``--hold-until FILE``) until the file exists (tests/programs/holding.py).
 """
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 scheduler.step()
                 optimizer.zero_grad()
                 time.sleep(args.step_pause)
-                if holding and run.global_step + 1 == args.hold_at_step and not run.resumed:
+                if holding and run.global_step + 1 == args.hold_at_step:
                     holding.hold(run.rank, args.hold_at_step)
         val = evaluate(run, run.unwrap(model), val_loader)
         best.value = min(best.value, float(val.mean))

@@ -52,7 +52,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace, overrides: list[s
             optimizer.step()
             run.log("loss", loss.detach() * len(source), len(source))
             time.sleep(args.step_pause)
-            if signals and run.global_step + 1 == args.hold_at_step and not run.resumed:
+            if signals and run.global_step + 1 == args.hold_at_step:
                 signals.hold(run.rank, args.hold_at_step)
 
     summary = run.finish()
