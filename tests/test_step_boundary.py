@@ -277,7 +277,7 @@ for iter_num in run.iterations(max_steps=6):
         if where == "evaluation" and iter_num == 3:
             time.sleep(4)  # a long evaluation: no stall
     if where == "step" and iter_num == 4:
-        time.sleep(4)  # a step that hangs: a stall
+        time.sleep(600)  # a step that hangs: the watchdog ends the rank long before
 print("RESULT", run.global_step)
 run.finish()
 """
