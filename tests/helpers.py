@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -125,21 +127,59 @@ def start_program(
     )
 
 
+class Lines:
+    """One output stream of a started process, read line by line on a thread of its own: a
+    wait for a line gives up at its deadline even when the process falls silent."""
+
+    def __init__(self, process: subprocess.Popen[str], stream: str = "stderr") -> None:
+        self.process = process
+        self.seen: list[str] = []
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        source = getattr(process, stream)
+        assert source is not None, f"start the process with {stream}=subprocess.PIPE"
+        self._reader = threading.Thread(target=self._read, args=(source,), daemon=True)
+        self._reader.start()
+
+    def _read(self, source: Any) -> None:
+        for line in source:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def wait_for(self, pattern: str, timeout: float = 240) -> str:
+        """The first new line that matches ``pattern``; fails, with the lines read so far, if
+        the stream ends or ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = ""
+            if not line:
+                ended = "the stream ended" if line is None else f"{timeout:.0f} s passed"
+                raise AssertionError(
+                    f"{pattern!r} was not seen ({ended}):\n" + "".join(self.seen[-40:])
+                )
+            self.seen.append(line)
+            if re.search(pattern, line):
+                return line
+
+    def all(self, timeout: float = 240) -> str:
+        """Everything the stream held, once the process ended (within ``timeout``)."""
+        self.process.wait(timeout=timeout)
+        self._reader.join(timeout=timeout)
+        while not self._lines.empty():
+            line = self._lines.get_nowait()
+            if line is not None:
+                self.seen.append(line)
+        return "".join(self.seen)
+
+
 def signal_after(
     process: subprocess.Popen[str], pattern: str, signum: int, timeout: float = 240
 ) -> str:
     """Send ``signum`` once a line of stderr matches ``pattern`` (within ``timeout``, or
     fail with what was read); the whole stderr once the process ended."""
-    assert process.stderr is not None
-    seen = []
-    deadline = time.monotonic() + timeout
-    for line in process.stderr:
-        seen.append(line)
-        if re.search(pattern, line):
-            process.send_signal(signum)
-            break
-        assert time.monotonic() < deadline, f"{pattern!r} not seen in {timeout:.0f} s:\n" + "".join(
-            seen[-40:]
-        )
-    _out, err = process.communicate(timeout=timeout)
-    return "".join(seen) + err
+    lines = Lines(process)
+    lines.wait_for(pattern, timeout)
+    process.send_signal(signum)
+    return lines.all(timeout)

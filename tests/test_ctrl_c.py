@@ -92,14 +92,16 @@ def local(nproc: int, *arguments: str) -> list[str]:
 def test_ctrl_c_stops_with_a_checkpoint_and_a_rerun_continues_in_the_same_mlflow_run(
     tmp_path: Path,
 ) -> None:
-    program = [LM, "--max-iters", "300", "--step-pause", "0.02", f"run.output_dir={tmp_path}"]
-    terminal = Terminal(local(2, *program, "run.id=ctrl-c", "preempt.check_every_steps=1"))
-    terminal.wait_for(r"\b[4-9]\d/300\b")  # the progress bar on a terminal
+    program = [LM, "--max-iters", "300", f"run.output_dir={tmp_path}"]
+    held = ["--hold-at-step", "60", "run.id=ctrl-c", "preempt.check_every_steps=1"]
+    terminal = Terminal(local(2, *program, *held))
+    # The ranks hold after step 60 until the Ctrl-C reached them: it lands at step 61.
+    terminal.wait_for(r"HOLDING at step 60 \(rank 0\)")
     terminal.ctrl_c()
     assert terminal.finish() == EXIT_STOPPED, terminal.text[-3000:]
     text = terminal.text
     stop = int(re.search(r"checkpoint \(stop signal\) step (\d+)", text).group(1))  # type: ignore[union-attr]
-    assert 40 <= stop < 300
+    assert stop == 61
     assert "Ctrl-C: stopping after the current step with a checkpoint" in text
     assert "to continue, run the same command with run.id=ctrl-c" in text
     assert "Traceback" not in text and "interrupted" not in text

@@ -35,6 +35,7 @@ from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from hpc_ddp.trainer.config import load_config, resume_fingerprint
 from tests.helpers import (
     REPO,
+    Lines,
     clean_environ,
     read_summary,
     run_local,
@@ -538,10 +539,7 @@ def test_ranks_end_when_their_local_launcher_is_killed(tmp_path: Path) -> None:
                "--log-interval", "5", f"run.output_dir={tmp_path}", "run.id=orphans",
                "tracking.enabled=false", "preempt.check_every_steps=1"]  # fmt: skip
     launcher = start_program(2, program)
-    assert launcher.stderr is not None
-    for line in launcher.stderr:
-        if "INFO epoch 0 step" in line:
-            break
+    Lines(launcher).wait_for("INFO epoch 0 step")
     children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
     assert len(children) == 2, children
     launcher.kill()

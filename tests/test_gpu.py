@@ -6,6 +6,7 @@ Skipped where torch sees no CUDA device (CI has none); on a GPU machine run
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +43,14 @@ def test_one_rank_trains_on_the_gpu_over_nccl_in_bf16(tmp_path: Path) -> None:
 def stopped_and_rerun(
     tmp_path: Path, settings: list[str]
 ) -> tuple[int, dict[str, Any], dict[str, Any]]:
-    """An uninterrupted run, and one stopped by SIGUSR1 mid-epoch and run again: the stop's
-    step, the uninterrupted run's summary and the rerun's."""
+    """An uninterrupted run, and one stopped as on the warning signal mid-epoch (step 100 of
+    200: preempt.stop_at_step) and run again: the stop's step, the uninterrupted run's
+    summary and the rerun's."""
     reference = run_local(1, tmp_path, [*settings, "run.id=reference"])
     assert reference.returncode == 0, reference.stderr[-3000:]
     stopping = run_local(1, tmp_path, [*settings, "run.id=interrupted", "preempt.stop_at_step=100"])
     assert stopping.returncode == EXIT_STOPPED, stopping.stderr[-3000:]
-    stop_step = 100
+    stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", stopping.stderr).group(1))  # type: ignore[union-attr]
     resumed = run_local(1, tmp_path, [*settings, "run.id=interrupted"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return (
@@ -60,7 +62,7 @@ def stopped_and_rerun(
 
 def test_a_gpu_run_stopped_mid_epoch_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
     stop_step, expected, actual = stopped_and_rerun(tmp_path, RESUMABLE)
-    assert stop_step % 200 > 0, f"stopped at step {stop_step}, not mid-epoch"
+    assert stop_step == 100, "at the rehearsed step, mid-epoch"
     assert actual["device"] == "cuda:0" and actual["resumed_from_step"] == stop_step
     assert actual["weights_sha256"] == expected["weights_sha256"]
     assert actual["val_loss"] == expected["val_loss"]

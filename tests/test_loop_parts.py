@@ -220,6 +220,78 @@ def test_labelled_lines_are_written_whole_in_one_call() -> None:
     assert recorder.writes[3:] == ["[rank 1] partial", " ends\n"]
 
 
+def test_ranks_take_turns_through_the_lock_file_to_write_a_line(tmp_path: Path) -> None:
+    """While a rank writes a line it holds the launcher's lock file: another rank (its own
+    descriptor of the file) cannot take it then, and can between lines."""
+    import fcntl
+    import os
+
+    from hpc_ddp.launch.output import LabelledLines
+
+    lock_path = tmp_path / "output.lock"
+    lock_path.touch()
+    other_rank = os.open(lock_path, os.O_RDONLY)
+    held_while_writing: list[bool] = []
+
+    class Stream:
+        def write(self, text: str) -> int:
+            try:
+                fcntl.flock(other_rank, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held_while_writing.append(True)
+            else:
+                fcntl.flock(other_rank, fcntl.LOCK_UN)
+                held_while_writing.append(False)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    stream = LabelledLines(Stream(), "", str(lock_path))  # type: ignore[arg-type]
+    stream.write("a long line\nanother\n")
+    stream.write("partial")
+    stream.flush()
+    fcntl.flock(other_rank, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free between lines
+    os.close(other_rank)
+    assert held_while_writing == [True, True]
+
+
+def test_doctor_lines_stay_under_a_kilobyte_each_labelled() -> None:
+    from hpc_ddp.launch.doctor import labelled_pieces, report_path
+
+    text = "é" * 300 + "\nHINT: " + "x" * 2500
+    pieces = labelled_pieces("[doctor rank 3/4]", text)
+    assert all(len(piece.encode()) <= 1000 for piece in pieces)
+    assert all(piece.startswith("[doctor rank 3/4] ") for piece in pieces), "the HINT too"
+    shown = [piece.removeprefix("[doctor rank 3/4] ") for piece in pieces]
+    assert shown[0] == "é" * 300 and shown[1].startswith("HINT: ")
+    assert "".join(piece.removeprefix("... ") for piece in shown[1:]) == "HINT: " + "x" * 2500
+    folder = Path("reports")
+    assert report_path(folder, {"rank": 5}, {}) == folder / "doctor-rank-5.json"
+    # A plan that failed names no rank: torchrun's RANK, not SLURM_PROCID (a node's task).
+    unplanned = report_path(folder, {}, {"RANK": "3", "SLURM_PROCID": "1"})
+    assert unplanned == folder / "doctor-rank-3.json"
+    assert report_path(folder, {}, {"SLURM_PROCID": "1"}) == folder / "doctor-rank-1.json"
+
+
+def test_a_rehearsed_stop_is_the_warning_signal_and_a_leaving_rank_ignores_stops() -> None:
+    import signal
+
+    from hpc_ddp.runtime.preempt.signals import StopSignals, ignored_after_the_run
+
+    rehearsed = StopSignals("USR1")
+    rehearsed.rehearse()
+    assert rehearsed.requested and rehearsed.wants_requeue, "a requeue, as the signal asks"
+    before = {number: signal.getsignal(number) for number in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        StopSignals("USR1").ignore_from_now_on()
+        assert signal.getsignal(signal.SIGUSR1) is ignored_after_the_run
+        assert signal.getsignal(signal.SIGTERM) is ignored_after_the_run
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
 @pytest.mark.e2e
 def test_a_forked_child_does_not_hold_the_parents_run() -> None:
     """A process the user's code forks (os.fork, then its own exit) would run the exit

@@ -17,7 +17,7 @@ import pytest
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.place.rundir import check_plain_name
-from tests.helpers import REPO, clean_environ, run_local_program, start_program
+from tests.helpers import REPO, Lines, clean_environ, run_local_program, start_program
 
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
 
@@ -70,13 +70,11 @@ def test_a_second_live_run_with_the_same_id_is_refused_naming_the_first(tmp_path
                f"run.output_dir={tmp_path}", "run.id=same", "tracking.enabled=false",
                "preempt.check_every_steps=1"]  # fmt: skip
     first = start_program(2, [*program, "--hold-at-step", "5"])
-    assert first.stderr is not None
-    for line in first.stderr:
-        if "HOLDING at step 5 (rank 0)" in line:
-            break
+    held = Lines(first)
+    held.wait_for(r"HOLDING at step 5 \(rank 0\)")
     second = run_local_program(2, program)
     first.send_signal(signal.SIGUSR1)
-    _out, rest = first.communicate(timeout=240)
+    rest = held.all()
     assert first.returncode == EXIT_STOPPED, rest[-3000:]
     assert second.returncode == 2, second.stderr[-3000:]
     line = one_line_error(second.stderr)

@@ -24,6 +24,7 @@ from hpc_ddp.runtime.checkpoint.writer import FolderSaves, Pending
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from tests.helpers import (
     REPO,
+    Lines,
     read_summary,
     run_local,
     run_local_program,
@@ -47,19 +48,13 @@ def ballast(output: Path, *extra: str) -> list[str]:
 def kill_after(process: subprocess.Popen[str], pattern: str) -> tuple[str, list[int]]:
     """Once a line of stdout matches ``pattern``: SIGKILL to every rank that printed its pid
     (a node lost mid-save: no handler runs). The output seen, and the pids."""
-    assert process.stdout is not None
-    seen, pids = [], set()
-    for line in process.stdout:
-        seen.append(line)
-        matched = re.search(r"STEP \d+ (\d+)", line)
-        if matched:
-            pids.add(int(matched.group(1)))
-        if re.search(pattern, line) and len(pids) == 2:
-            for pid in pids:
-                os.kill(pid, signal.SIGKILL)
-            break
-    out, err = process.communicate(timeout=120)
-    return "".join(seen) + out + err, sorted(pids)
+    lines = Lines(process, "stdout")
+    lines.wait_for(pattern)
+    pids = sorted({int(pid) for pid in re.findall(r"STEP \d+ (\d+)", "".join(lines.seen))})
+    assert len(pids) == 2, lines.seen[-20:]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return lines.all(timeout=120), pids
 
 
 @pytest.mark.e2e

@@ -122,6 +122,17 @@ def test_metrics_logged_a_window_apart_go_in_calls_of_their_own() -> None:
     ]
 
 
+def test_a_process_cpu_time_is_read_from_proc_and_none_for_one_that_is_gone() -> None:
+    import os
+
+    from hpc_ddp.runtime.tracking.worker import cpu_seconds
+
+    used = cpu_seconds(os.getpid())
+    assert used is not None and used > 0
+    assert sum(range(3_000_000)) and (cpu_seconds(os.getpid()) or 0) > used, "it grows"
+    assert cpu_seconds(2**22 + 7) is None  # above Linux's largest pid
+
+
 class WorkingProcess:
     """The tracking process's CPU time as the guard reads it: more at each look, so it is
     working; at look ``answer_at`` the store is let answer."""
@@ -166,17 +177,24 @@ def test_the_end_gives_up_on_a_tracking_process_that_does_no_work() -> None:
     answer.set()
 
 
-def test_a_suspend_before_a_requeue_never_waits_past_the_limit() -> None:
-    """Before a requeue the job's warning time runs: a working but slow process is not
-    waited for past the limit."""
+@pytest.mark.parametrize(
+    ("ending", "doing"),
+    [("suspend", "suspending the run"), ("KILLED", "ending the run"), ("FAILED", "ending the run")],
+)
+def test_a_stop_or_a_failure_never_waits_past_the_limit(ending: str, doing: str) -> None:
+    """Before a requeue or at a stop the job's warning time runs, and a failure's report and
+    the other ranks wait: a working but slow process is not waited for past the limit."""
     go, answer = threading.Event(), threading.Event()
     go.set()
     working = WorkingProcess(answer, answer_at=0)
     tracker = GuardedTracker(
         RecordingStore(go, answer).started, "stand-in", wait_limit_s=0.01, cpu_seconds=working
     )
-    tracker.suspend()
-    assert tracker.status == "failed: suspending the run: TimeoutError: no answer within 0 s"
+    if ending == "suspend":
+        tracker.suspend()
+    else:
+        tracker.finish(ending)
+    assert tracker.status == f"failed: {doing}: TimeoutError: no answer within 0 s"
     answer.set()
 
 

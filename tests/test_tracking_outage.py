@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from tests.helpers import (
     REPO,
+    Lines,
     clean_environ,
     read_summary,
     run_local_program,
@@ -217,27 +218,16 @@ def test_a_server_that_comes_back_mid_run_gets_the_whole_run_in_the_background(
         "preempt.check_every_steps=1",
     ]  # fmt: skip
     process = start_program(2, program)
-    assert process.stderr is not None
-    seen: list[str] = []
-
-    def read_until(text: str) -> None:
-        assert process.stderr is not None
-        for line in process.stderr:
-            seen.append(line)
-            if text in line:
-                return
-        raise AssertionError(f"{text!r} never came:\n{''.join(seen)[-3000:]}")
-
+    output = Lines(process)
     server = None
     try:
-        read_until(f"MLflow at {uri} failed")
+        output.wait_for(re.escape(f"MLflow at {uri} failed"))
         server = start_mlflow_server(tmp_path, port)
-        read_until(f"MLflow at {uri} answers again")
+        output.wait_for(re.escape(f"MLflow at {uri} answers again"))
         for _ in range(3):
-            read_until("INFO epoch")  # a few intervals logged the usual way
+            output.wait_for("INFO epoch")  # a few intervals logged the usual way
         process.send_signal(signal.SIGUSR1)
-        _out, rest = process.communicate(timeout=120)
-        log = "".join(seen) + rest
+        log = output.all(timeout=120)
         assert process.returncode == EXIT_STOPPED, log[-3000:]
         status = json.loads((tmp_path / "regression" / "back" / "status.json").read_text())
         run_id = json.loads((tmp_path / "regression" / "back" / "tracking.json").read_text())

@@ -143,9 +143,11 @@ def test_the_watchdog_is_overdue_only_past_the_allowed_time_since_a_beat() -> No
 
 
 def test_a_rank_that_only_waits_inside_torch_exits_as_a_consequence() -> None:
-    assert stall_exit_code(f"{INSIDE_TORCH} (called from train.py:9 in step())") == 4
-    assert stall_exit_code("waiting for a DataLoader worker (called from x)") == EXIT_STALLED
-    assert stall_exit_code("in train.py:9 in step()") == EXIT_STALLED
+    inside_torch = f"{INSIDE_TORCH} (called from train.py:9 in step())"
+    assert stall_exit_code(inside_torch, other_ranks=True) == EXIT_PEER_LOST
+    assert stall_exit_code(inside_torch, other_ranks=False) == EXIT_STALLED, "alone: its own"
+    assert stall_exit_code("waiting for a DataLoader worker (called from x)", True) == 5
+    assert stall_exit_code("in train.py:9 in step()", True) == EXIT_STALLED
 
 
 @pytest.mark.parametrize("value", ["0", "-1"])

@@ -121,8 +121,8 @@ def report_path(json_dir: Path, report: Mapping[str, Any], environ: Mapping[str,
     """Where a rank's report goes in ``json_dir``: ``doctor-rank-<rank>.json``; a rank whose
     plan failed (no rank known) is named by the launcher's task id, or else host and pid."""
     rank = report.get("rank")
-    if rank is None:
-        task = environ.get("SLURM_PROCID") or environ.get("RANK")
+    if rank is None:  # torchrun's RANK first: under it, SLURM_PROCID numbers the nodes
+        task = environ.get("RANK") or environ.get("SLURM_PROCID")
         rank = task if task is not None else f"unknown-{socket.gethostname()}-{os.getpid()}"
     return json_dir / f"doctor-rank-{rank}.json"
 
@@ -132,8 +132,11 @@ LINE_BYTES = 1000
 
 
 def labelled_pieces(label: str, text: str, most: int = LINE_BYTES) -> list[str]:
-    """``text`` after ``label`` in lines of at most ``most`` bytes (UTF-8), each labelled;
-    a piece that goes on from the one before starts with "...". Pure."""
+    """``text`` after ``label`` in lines of at most ``most`` bytes (UTF-8), each labelled (a
+    line of ``text`` too: an error's HINT); a piece that goes on from the one before starts
+    with "...". Pure."""
+    if "\n" in text:
+        return [piece for line in text.split("\n") for piece in labelled_pieces(label, line, most)]
     pieces: list[str] = []
     room = most - len(label.encode()) - 5
     while True:

@@ -33,29 +33,45 @@ class LabelledLines(io.TextIOBase):
     is written when flushed (``print(..., end="", flush=True)``), the label once; another
     rank's line may then go on after it."""
 
-    def __init__(self, stream: TextIO, label: str, lock: int | None = None) -> None:
+    def __init__(self, stream: TextIO, label: str, lock_path: str | None = None) -> None:
         super().__init__()
         self.stream = stream
         self.label = label
-        #: An open descriptor of the ranks' shared lock file (None: no other writer).
-        self.lock = lock
+        #: The ranks' shared lock file (None: no other writer to take turns with).
+        self.lock_path = lock_path
+        self._lock: tuple[int, int] | None = None  # (pid, descriptor) of this process's
         self._pending = ""
         self._mid_line = False  # a flushed partial line is out: no label before the rest
 
+    def _lock_descriptor(self) -> int | None:
+        """This process's own descriptor of the lock file: a forked child (a DataLoader
+        worker that prints) opens its own, as locks taken through one shared descriptor do
+        not exclude each other. None when there is no lock file to open."""
+        if self.lock_path is None:
+            return None
+        if self._lock is None or self._lock[0] != os.getpid():
+            try:
+                self._lock = (os.getpid(), os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                self.lock_path = None  # gone (the launcher ended): lines go out as they come
+                return None
+        return self._lock[1]
+
     @contextlib.contextmanager
-    def _turn(self) -> Iterator[None]:
-        """This rank's turn to write: no other rank's line goes out meanwhile."""
-        if self.lock is None:
+    def _turn_to_write(self) -> Iterator[None]:
+        """No other rank's line goes out meanwhile."""
+        lock = self._lock_descriptor()
+        if lock is None:
             yield
             return
-        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def _out(self, text: str) -> None:
-        with self._turn():
+    def _write_whole(self, text: str) -> None:
+        with self._turn_to_write():
             self.stream.write(text)
             self.stream.flush()
 
@@ -66,14 +82,14 @@ class LabelledLines(io.TextIOBase):
             lines = whole.split("\n")
             first = lines[0] if self._mid_line else self.label + lines[0]
             rest = "".join(f"\n{self.label}{line}" for line in lines[1:])
-            self._out(first + rest + "\n")
+            self._write_whole(first + rest + "\n")
             self._mid_line = False
         return len(text)
 
     def flush(self) -> None:
         if self._pending:
             label = "" if self._mid_line else self.label
-            self._out(label + self._pending)
+            self._write_whole(label + self._pending)
             self._pending, self._mid_line = "", True
         else:
             self.stream.flush()
@@ -92,18 +108,6 @@ class LabelledLines(io.TextIOBase):
         return self.stream.encoding
 
 
-def open_lock(environ: Mapping[str, str]) -> int | None:
-    """The ranks' shared lock file (:data:`LOCK_VAR`), opened; None when unset or gone (the
-    lines are then written as they come)."""
-    path = environ.get(LOCK_VAR)
-    if not path:
-        return None
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-
-
 def labelled_stdout(stdout: TextIO, environ: Mapping[str, str]) -> TextIO:
     """``stdout`` in whole lines when :data:`PREFIX_VAR` is set, labelled on a terminal
     (a pipe or a file gets the lines as printed, for the programs that read them), one rank
@@ -111,5 +115,5 @@ def labelled_stdout(stdout: TextIO, environ: Mapping[str, str]) -> TextIO:
     label = environ.get(PREFIX_VAR)
     if label is None:
         return stdout
-    lines = LabelledLines(stdout, label if stdout.isatty() else "", open_lock(environ))
+    lines = LabelledLines(stdout, label if stdout.isatty() else "", environ.get(LOCK_VAR) or None)
     return lines  # type: ignore[return-value]

@@ -85,7 +85,8 @@ class DistConfig:
     stall_timeout_s: float | None = setting(
         180.0,
         "Seconds without a finished training micro-batch after which a rank writes every "
-        "thread's stack to its log and ends the job (exit 5), naming where it is stuck; the "
+        "thread's stack to its log and ends the job (exit 5; 4 for a rank that only waits "
+        "inside torch for another), naming where it is stuck; the "
         "first batch after start is allowed timeout_s (compilation, warm-up). Evaluation and "
         "checkpoint writes are not watched. null: no watchdog.",
     )
@@ -263,6 +264,14 @@ class RuntimeConfig:
     tracking: TrackingConfig = section(TrackingConfig, "MLflow tracking.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
     preempt: PreemptConfig = section(PreemptConfig, "Preemption and requeue.")
+
+    def __post_init__(self) -> None:
+        if self.preempt.stop_at_step is not None and not self.checkpoint.enabled:
+            raise HpcDdpError(
+                f"preempt.stop_at_step={self.preempt.stop_at_step} with "
+                "checkpoint.enabled=false: the rehearsed stop would save nothing to resume from",
+                "turn checkpoints on, or leave preempt.stop_at_step out",
+            )
 
 
 Section = (

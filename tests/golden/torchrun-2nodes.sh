@@ -80,7 +80,8 @@ max_restarts=${TORCHRUN_MAX_RESTARTS:-3}
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
 echo "job ${SLURM_JOB_ID}: torchrun on ${SLURM_JOB_NUM_NODES} node(s) x ${ranks_per_node} ranks, rendezvous ${head_node}:${rendezvous_port}"
-srun --kill-on-bad-exit=1 "$python" -m torch.distributed.run \
+# --label: each line of the log starts with its node's task number (see train.sh).
+srun --kill-on-bad-exit=1 --label "$python" -m torch.distributed.run \
     --nnodes="$SLURM_JOB_NUM_NODES" \
     --nproc-per-node="$ranks_per_node" \
     --max-restarts="$max_restarts" \

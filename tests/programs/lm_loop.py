@@ -8,7 +8,8 @@ save every N iterations, and a learning rate computed from ``iter_num``.
 
 ``--sampling rank`` (nanoGPT's way) draws each rank's batch from its own torch random stream,
 which a resume restores; ``--sampling global`` draws the global batch from the iteration's
-number, so it is the same at any world size.
+number, so it is the same at any world size. ``--hold-at-step N``: each rank holds after
+iteration N until a stop signal reached it (tests/programs/holding.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import hpc_ddp
+from tests.programs.holding import StopSignalSeen
 
 VOCAB = 32
 
@@ -66,11 +68,13 @@ def main() -> None:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--sampling", choices=["rank", "global"], default="rank")
     parser.add_argument("--step-pause", type=float, default=0.0)
+    parser.add_argument("--hold-at-step", type=int, default=None, help="see the docstring")
     parser.add_argument("--log-interval", type=int, default=10)
     parser.add_argument("--best", default="", help="where rank 0 saves the best model")
     args, overrides = parser.parse_known_args()
 
     run = hpc_ddp.start(overrides=overrides, params=vars(args), log_interval=args.log_interval)
+    signals = StopSignalSeen() if args.hold_at_step is not None else None
     data = corpus(20_000)
     train_data, val_data = data[:18_000], data[18_000:]
     model = run.wrap(TinyLM(args.context, args.dropout))
@@ -128,6 +132,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         time.sleep(args.step_pause)
+        if signals and iter_num + 1 == args.hold_at_step:
+            signals.hold(run.rank, args.hold_at_step)
 
     val_loss = estimate_val_loss()
     summary = run.finish({"val_loss": val_loss, "best_val_loss": run.state["best_val_loss"]})

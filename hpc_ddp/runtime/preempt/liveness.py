@@ -23,8 +23,9 @@ def publish_period_s(world_size: int) -> float:
 
 class Liveness:
     """This rank's "alive" writes, and the others' as read at a stall (see the module
-    docstring). Best effort, on threads of its own: a store call may block for good (a
-    stopped store host leaves the connection open), so none is made where waiting matters."""
+    docstring). Best effort: a store call may block until its STORE_TIMEOUT_S (a stopped
+    store host leaves the connection open), so after the first write, made as training starts,
+    every call runs on a thread of its own."""
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, attempt: int) -> None:
         self.host, self.port = host, port

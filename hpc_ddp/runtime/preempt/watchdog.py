@@ -196,10 +196,11 @@ class StallWatchdog:
             child.kill()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(stall_exit_code(stuck))
+        os._exit(stall_exit_code(stuck, self._liveness is not None))
 
 
-def stall_exit_code(stuck: str) -> int:
-    """:data:`EXIT_PEER_LOST` for a rank that only waits inside torch (:func:`where_stuck`),
-    a consequence of another rank's stall; :data:`EXIT_STALLED` for one stuck itself."""
-    return EXIT_PEER_LOST if stuck.startswith(INSIDE_TORCH) else EXIT_STALLED
+def stall_exit_code(stuck: str, other_ranks: bool) -> int:
+    """:data:`EXIT_PEER_LOST` for a rank of several that only waits inside torch
+    (:func:`where_stuck`), a consequence of another rank's stall; :data:`EXIT_STALLED` for one
+    stuck itself, or alone."""
+    return EXIT_PEER_LOST if other_ranks and stuck.startswith(INSIDE_TORCH) else EXIT_STALLED

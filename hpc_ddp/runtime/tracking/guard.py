@@ -41,7 +41,7 @@ def export_mlflow_http_settings(environ: Any = os.environ) -> dict[str, str]:
     return written
 
 
-def wait_for(
+def wait_for_answer(
     done: threading.Event, window_s: float, cpu_seconds: Callable[[], float | None] | None
 ) -> str:
     """Wait for ``done``: one ``window_s``, or with ``cpu_seconds`` (the tracking process's
@@ -53,7 +53,7 @@ def wait_for(
         used = cpu_seconds() if cpu_seconds else None
         working = before is not None and used is not None and used - before >= WORKING_CPU_S
         if not working or waited >= PATIENT_LIMIT_S:
-            idle = cpu_seconds is not None and not working
+            idle = cpu_seconds is not None and used is not None and not working
             return f"no answer within {waited:.0f} s" + (
                 " (the tracking process did no work meanwhile)" if idle else ""
             )
@@ -242,7 +242,9 @@ class GuardedTracker:
         each ``wait_limit_s``, PATIENT_LIMIT_S in all)."""
         done = threading.Event()
         self._submit("", "_done", done)
-        unanswered = wait_for(done, self._wait_limit_s, self._cpu_seconds if patient else None)
+        unanswered = wait_for_answer(
+            done, self._wait_limit_s, self._cpu_seconds if patient else None
+        )
         if unanswered:
             self._fail(what, TimeoutError(unanswered))
         return not unanswered
@@ -267,7 +269,9 @@ class GuardedTracker:
     def finish(self, status: str) -> None:
         # The run ends now, not when the background thread and MLflow get to it.
         self._submit("ending the run", "finish", status, int(time.time() * 1000))
-        self._wait("ending the run", patient=True)
+        # A finished run has no deadline to keep: a stop has the job's warning time, and a
+        # failure's report and the other ranks are waiting.
+        self._wait("ending the run", patient=status == "FINISHED")
 
     def suspend(self) -> None:
         # Before a requeue, within the job's warning time: never past wait_limit_s.
