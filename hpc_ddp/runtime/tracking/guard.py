@@ -85,6 +85,24 @@ def unreplayed(logged: list[LoggedMetrics], replayed: set[tuple[str, int]]) -> l
 Call = tuple[str, str, tuple[Any, ...]]
 
 
+def gather_metrics(
+    calls: queue.SimpleQueue[Call], first: LoggedMetrics, gather_s: float
+) -> tuple[list[LoggedMetrics], Call | None]:
+    """``first`` and the metrics logged after it, until ``gather_s`` passed or another call
+    came: returns the metrics and that call (to make next), or None."""
+    logged = [first]
+    deadline = time.monotonic() + gather_s
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            call = calls.get(timeout=remaining)
+        except queue.Empty:
+            break
+        if call[1] != "log_metrics":
+            return logged, call
+        logged.append(call[2][0])
+    return logged, None
+
+
 class GuardedTracker:
     """Starts the tracker (creating or reopening the run) on a background thread when first
     used, then makes every call to it on that thread, in order; metrics logged within
@@ -150,10 +168,8 @@ class GuardedTracker:
             if tracker is None or method == "_idle":
                 continue
             if method == "log_metrics":
-                method, args = (
-                    "log_metric_steps",
-                    (unreplayed(self._gather(args[0]), self._replayed),),
-                )
+                logged, self._taken = gather_metrics(self._calls, args[0], self._gather_s)
+                method, args = "log_metric_steps", (unreplayed(logged, self._replayed),)
                 if not args[0]:
                     continue
             try:
@@ -173,22 +189,6 @@ class GuardedTracker:
             return self._calls.get(timeout=self._retry_s)
         except queue.Empty:
             return "", "_idle", ()
-
-    def _gather(self, first: LoggedMetrics) -> list[LoggedMetrics]:
-        """``first`` and the metrics logged after it, until ``gather_s`` passed or another
-        call comes (then made next)."""
-        logged = [first]
-        deadline = time.monotonic() + self._gather_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                call = self._calls.get(timeout=remaining)
-            except queue.Empty:
-                break
-            if call[1] != "log_metrics":
-                self._taken = call
-                return logged
-            logged.append(call[2][0])
-        return logged
 
     def _retry(self) -> StoreTracker | None:
         """The tracker again, after replaying the run's record, once RETRY_S passed since
