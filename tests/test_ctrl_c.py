@@ -24,7 +24,7 @@ from mlflow import MlflowClient
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
-from tests.helpers import REPO, clean_environ, run_local_program
+from tests.helpers import REPO, clean_environ, run_local_program, signal_after
 
 pytestmark = pytest.mark.e2e  # every test here starts processes
 
@@ -143,6 +143,34 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path: Path) -> None:
     assert code == 130, terminal.text[-3000:]
     assert "interrupted" in terminal.text
     assert not list(tmp_path.glob("lm_loop/*/checkpoints/step-*")), "aborted: no checkpoint"
+
+
+def ignore_ctrl_c() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_a_launcher_started_with_ctrl_c_ignored_still_passes_it_on_as_a_stop(
+    tmp_path: Path,
+) -> None:
+    """A script's background job (`hpc-ddp local ... &`) starts with SIGINT ignored, and so
+    did every rank once: `kill -INT` on the launcher, which takes it as a stop, then reached
+    ranks that ignored it, and the run trained on (and a test runner started that way failed
+    every Ctrl-C test). The ranks now start with Ctrl-C at its default."""
+    program = [LM, "--max-iters", "300", f"run.output_dir={tmp_path}", "tracking.enabled=false"]
+    held = ["--hold-at-step", "30", "run.id=background", "preempt.check_every_steps=1"]
+    process = subprocess.Popen(
+        local(2, *program, *held),
+        cwd=REPO,
+        env=clean_environ(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=ignore_ctrl_c,
+    )
+    log = signal_after(process, r"HOLDING at step 30 \(rank 0\)", signal.SIGINT)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    assert "checkpoint (stop signal) step 31:" in log, log[-3000:]
+    assert "to continue, run the same command with run.id=background" in log
 
 
 TWO_RANKS_PRINTING = """

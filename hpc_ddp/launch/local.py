@@ -174,10 +174,16 @@ def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
         time.sleep(POLL_INTERVAL_S)
 
 
-def _end_with_launcher() -> None:
-    """In each rank, before it runs: the kernel sends it SIGTERM (a stop signal it handles
-    like a preemption) when the launcher dies, even by SIGKILL, so no rank trains on
-    unsupervised. Linux only; elsewhere the ranks outlive a killed launcher."""
+def _prepare_rank() -> None:
+    """In each rank, before it runs: Ctrl-C (SIGINT) at its default action, so that Python
+    turns it into the rank's stop. This launcher handles it and passes it on, also when it
+    was itself started with SIGINT ignored (a script's background job is): the ranks would
+    otherwise inherit that and ignore every Ctrl-C passed on to them.
+
+    And the kernel sends the rank SIGTERM (a stop signal it handles like a preemption) when
+    the launcher dies, even by SIGKILL, so no rank trains on unsupervised. Linux only;
+    elsewhere the ranks outlive a killed launcher."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if sys.platform != "linux":
         return
     import ctypes
@@ -242,7 +248,7 @@ def _run_ranks(command: list[str], environments: list[dict[str, str]]) -> int:
     # The ranks in a process group of their own: a terminal's Ctrl-C reaches this launcher
     # only, which passes each one on exactly once (see interrupt).
     processes = [
-        subprocess.Popen(command, env=environment, preexec_fn=_end_with_launcher, process_group=0)
+        subprocess.Popen(command, env=environment, preexec_fn=_prepare_rank, process_group=0)
         for environment in environments
     ]
 
