@@ -149,8 +149,13 @@ def test_the_worker_gets_short_http_retries_unless_the_user_set_them() -> None:
     """MLflow reads its HTTP retry settings from its environment only: a prestarted worker
     and one started later must both get them, and the user's own values must win."""
     assert prestart({**clean_environ(), "RANK": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "99"}, [])
-    process = _prestarted[-1].process
+    process, connection = _prestarted[-1].process, _prestarted[-1].connection
     try:
+        # Popen returns once the exec closed its pipe, before the kernel has laid out the new
+        # program's environment (/proc then shows none): an answered call (an error, no
+        # run was started) says the child runs Python, its environment in place.
+        connection.send(("run_id", ()))
+        assert connection.recv()[0] == "error"
         lines = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
         seen = dict(line.decode().split("=", 1) for line in lines if b"=" in line)
     finally:

@@ -142,6 +142,65 @@ def test_the_watchdog_is_overdue_only_past_the_allowed_time_since_a_beat() -> No
         watchdog.close()
 
 
+def test_a_stall_report_goes_out_whole_in_one_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks stall together and faulthandler writes a stack in many small pieces: every
+    piece of a rank's report (its lines and every thread's stack) is written while it holds
+    the ranks' lock file, so no other rank's report lands inside it."""
+    import fcntl
+    import os
+
+    from hpc_ddp.runtime.logs import get_logger, setup_logging
+    from hpc_ddp.runtime.turns import OutputTurns
+
+    lock_path = tmp_path / "output.lock"
+    lock_path.touch()
+    other_rank = os.open(lock_path, os.O_RDONLY)
+    written: list[tuple[bool, str]] = []
+
+    class Stream:
+        """stderr, recording whether another rank could have taken the turn at each write."""
+
+        def write(self, text: str) -> int:
+            try:
+                fcntl.flock(other_rank, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                written.append((True, text))
+            else:
+                fcntl.flock(other_rank, fcntl.LOCK_UN)
+                written.append((False, text))
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+        def isatty(self) -> bool:
+            return False
+
+    monkeypatch.setattr("sys.stderr", Stream())
+    monkeypatch.setattr(get_logger(), "handlers", [])  # the test's own, put back after
+    setup_logging(rank=1, world_size=2)
+    watchdog = StallWatchdog(
+        timeout_s=4,
+        first_timeout_s=4,
+        rank=1,
+        where=lambda: "epoch 0, step 5",
+        end_run=lambda: None,
+        output=OutputTurns(str(lock_path)),
+    )
+    try:
+        watchdog.report_stall(7.0)
+    finally:
+        watchdog.close()
+        os.close(other_rank)
+    text = "".join(piece for _, piece in written)
+    assert [held for held, _ in written] == [True] * len(written), written
+    assert "rank 1 stalled: no training step finished for 7 s" in text, text
+    assert re.search(r'test_watchdog\.py", line \d+ in test_a_stall_report_goes_out', text)
+    assert "rank 1 ends the job" in text.splitlines()[-1], text
+
+
 def test_a_rank_that_only_waits_inside_torch_exits_as_a_consequence() -> None:
     inside_torch = f"{INSIDE_TORCH} (called from train.py:9 in step())"
     assert stall_exit_code(inside_torch, other_ranks=True) == EXIT_PEER_LOST

@@ -7,25 +7,21 @@ rank's standard output until a line is whole and writes it in one call, on a ter
 the rank's label, as torchrun's own prefixing does. The toolkit's log lines carry the rank
 already.
 
-One call is not enough for a long line: a pipe takes a write whole only up to 4 KB
-(PIPE_BUF), and a longer one that meets a full pipe goes in pieces between which another
-rank's line can land. So the ranks take turns through a lock file the launcher makes: each
-line goes out whole, at any length.
+One call is not enough for a long line (see :mod:`hpc_ddp.runtime.turns`): the ranks take
+turns through a lock file the launcher makes, so each line goes out whole, at any length.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import io
-import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TextIO
+
+from hpc_ddp.runtime.turns import LOCK_VAR, OutputTurns
 
 #: Set by ``hpc-ddp local`` in each rank's environment when it starts several ranks.
 PREFIX_VAR = "HPC_DDP_OUTPUT_PREFIX"
-#: The lock file through which those ranks take turns to write a line (see above).
-LOCK_VAR = "HPC_DDP_OUTPUT_LOCK"
+__all__ = ["LOCK_VAR", "PREFIX_VAR", "LabelledLines", "labelled_stdout"]
 
 
 class LabelledLines(io.TextIOBase):
@@ -37,41 +33,13 @@ class LabelledLines(io.TextIOBase):
         super().__init__()
         self.stream = stream
         self.label = label
-        #: The ranks' shared lock file (None: no other writer to take turns with).
-        self.lock_path = lock_path
-        self._lock: tuple[int, int] | None = None  # (pid, descriptor) of this process's
+        #: Turns on the ranks' shared lock file (None: no other writer to take turns with).
+        self.turns = OutputTurns(lock_path)
         self._pending = ""
         self._mid_line = False  # a flushed partial line is out: no label before the rest
 
-    def _lock_descriptor(self) -> int | None:
-        """This process's own descriptor of the lock file: a forked child (a DataLoader
-        worker that prints) opens its own, as locks taken through one shared descriptor do
-        not exclude each other. None when there is no lock file to open."""
-        if self.lock_path is None:
-            return None
-        if self._lock is None or self._lock[0] != os.getpid():
-            try:
-                self._lock = (os.getpid(), os.open(self.lock_path, os.O_RDONLY | os.O_CLOEXEC))
-            except OSError:
-                self.lock_path = None  # gone (the launcher ended): lines go out as they come
-                return None
-        return self._lock[1]
-
-    @contextlib.contextmanager
-    def _turn_to_write(self) -> Iterator[None]:
-        """No other rank's line goes out meanwhile."""
-        lock = self._lock_descriptor()
-        if lock is None:
-            yield
-            return
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
     def _write_whole(self, text: str) -> None:
-        with self._turn_to_write():
+        with self.turns.turn():
             self.stream.write(text)
             self.stream.flush()
 

@@ -30,6 +30,7 @@ from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
 from hpc_ddp.runtime.place.dist import all_gather_object, same_on_all_ranks
 from hpc_ddp.runtime.preempt.liveness import Liveness
 from hpc_ddp.runtime.preempt.watchdog import StallWatchdog
+from hpc_ddp.runtime.turns import LOCK_VAR, OutputTurns
 
 _END = object()
 
@@ -82,6 +83,7 @@ def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | N
         where,
         lambda: context.tracker.finish("FAILED"),
         liveness,
+        output=OutputTurns(context.environ.get(LOCK_VAR)),
     ).start()
 
 

@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import sys
 import sysconfig
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,11 +32,14 @@ import torch
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STALLED
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.preempt.liveness import Liveness
+from hpc_ddp.runtime.turns import OutputTurns
 
 #: Seconds between the watchdog's looks at the heartbeat.
 CHECK_PERIOD_S = 0.5
 #: Seconds the run's end (MLflow FAILED, status.json) may take before the rank exits anyway.
 ENDING_GRACE_S = 15.0
+#: Seconds a stalled rank waits for its turn to write its stacks before it writes anyway.
+OUTPUT_TURN_WAIT_S = 5.0
 #: How :func:`where_stuck` says that a thread waits inside torch.
 INSIDE_TORCH = "inside torch, waiting for other ranks or the device"
 
@@ -78,7 +82,8 @@ def where_stuck(frame: FrameType | None) -> str:
 class StallWatchdog:
     """Ends this rank when :meth:`beat` is not called for ``timeout_s`` while armed (see the
     module docstring). ``where``: the run's position in words; ``end_run``: ends the run
-    (MLflow FAILED) before the rank exits. :meth:`start` begins the watch."""
+    (MLflow FAILED) before the rank exits; ``output``: the turns this rank takes with others
+    to write (its stacks go out whole). :meth:`start` begins the watch."""
 
     def __init__(
         self,
@@ -89,8 +94,10 @@ class StallWatchdog:
         end_run: Callable[[], None],
         liveness: Liveness | None = None,
         clock: Callable[[], float] = time.monotonic,
+        output: OutputTurns | None = None,
     ) -> None:
         self.timeout_s = timeout_s
+        self._output = output or OutputTurns(None)
         self._liveness = liveness
         self._clock = clock
         self.first_timeout_s = max(timeout_s, first_timeout_s)
@@ -166,28 +173,7 @@ class StallWatchdog:
                 return
 
     def _fire(self, waited: float) -> None:
-        frame = sys._current_frames().get(self._main.ident or -1)
-        stuck = where_stuck(frame)
-        others = self._liveness.silent_ranks() if self._liveness is not None else ""
-        log = get_logger()
-        log.error(
-            f"rank {self.rank} stalled: no training step finished for {waited:.0f} s "
-            f"(dist.stall_timeout_s={self.timeout_s:g}) at {self._where()}; its main thread is "
-            f"{stuck}" + (f"; {others}" if others else "") + ". Every thread's stack follows."
-        )
-        for handler in log.handlers:
-            handler.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        log.error(
-            f"rank {self.rank} ends the job: stalled {stuck}"
-            + (f"; {others}" if others else "")
-            + ". HINT: the stack above shows "
-            "where; a rank inside torch waits for another one (look for the rank stalled in "
-            "its own code or in a DataLoader worker); raise dist.stall_timeout_s if a step "
-            "legitimately takes this long"
-        )
+        stuck = self.report_stall(waited)
         ending = threading.Thread(target=self._end_run, daemon=True)
         ending.start()
         ending.join(ENDING_GRACE_S)
@@ -197,6 +183,46 @@ class StallWatchdog:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(stall_exit_code(stuck, self._liveness is not None))
+
+    def report_stall(self, waited: float) -> str:
+        """Write the stall's report (the line naming the rank, every thread's stack, the
+        line ending the job) in one turn; return where the main thread is stuck, in words."""
+        frame = sys._current_frames().get(self._main.ident or -1)
+        stuck = where_stuck(frame)
+        others = self._liveness.silent_ranks() if self._liveness is not None else ""
+        log = get_logger()
+        stacks = thread_stacks()
+        sys.stdout.flush()  # before the turn: a rank's labelled stdout takes turns itself
+        # The ranks stall together: each one's stacks go out whole, not woven into another's.
+        with self._output.turn(OUTPUT_TURN_WAIT_S):
+            log.error(
+                f"rank {self.rank} stalled: no training step finished for {waited:.0f} s "
+                f"(dist.stall_timeout_s={self.timeout_s:g}) at {self._where()}; its main "
+                f"thread is {stuck}" + (f"; {others}" if others else "") + ". Every thread's "
+                "stack follows."
+            )
+            for handler in log.handlers:
+                handler.flush()
+            sys.stderr.write(stacks)
+            sys.stderr.flush()
+            log.error(
+                f"rank {self.rank} ends the job: stalled {stuck}"
+                + (f"; {others}" if others else "")
+                + ". HINT: the stack above shows "
+                "where; a rank inside torch waits for another one (look for the rank stalled "
+                "in its own code or in a DataLoader worker); raise dist.stall_timeout_s if a "
+                "step legitimately takes this long"
+            )
+        return stuck
+
+
+def thread_stacks() -> str:
+    """Every thread's Python stack as faulthandler writes it (it writes only to a file
+    descriptor, in many small pieces: gathered here to go out in one turn)."""
+    with tempfile.TemporaryFile("w+") as dump:
+        faulthandler.dump_traceback(file=dump, all_threads=True)
+        dump.seek(0)
+        return dump.read()
 
 
 def stall_exit_code(stuck: str, other_ranks: bool) -> int:
