@@ -363,6 +363,19 @@ def test_replica_fingerprint_is_exact_per_tensor() -> None:
     assert (after != before).tolist() == [True, False, False, False]
 
 
+def test_the_weights_fingerprint_takes_a_batchnorm_model() -> None:
+    """BatchNorm keeps its count of batches in a 0-dim integer tensor: the fingerprint a run's
+    summary records must read it (it stopped every BatchNorm model's run at its end)."""
+    from hpc_ddp.runtime.loop.replicas import weights_sha256
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    state = model.state_dict()
+    before = weights_sha256(state)
+    assert len(before) == 64 and before == weights_sha256(model.state_dict())
+    state["1.num_batches_tracked"] += 1
+    assert weights_sha256(state) != before, "the count is in it"
+
+
 @pytest.mark.e2e
 def test_bad_model_factory_is_a_clear_error(tmp_path: Path) -> None:
     result = run_train(

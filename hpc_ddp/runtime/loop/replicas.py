@@ -24,7 +24,9 @@ def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
     for name, tensor in sorted(state.items()):
         value = tensor.detach().cpu().contiguous()
         digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}".encode())
-        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        # reshape: a 0-dim tensor (BatchNorm's num_batches_tracked) has no bytes to view.
+        raw = value.reshape(-1).view(torch.uint8) if value.numel() else None
+        digest.update(raw.numpy().tobytes() if raw is not None else b"")
     return digest.hexdigest()
 
 
