@@ -193,3 +193,42 @@ def test_ranks_with_datasets_of_different_lengths_are_refused_not_left_waiting(
     assert result.returncode == 2, result.stderr[-3000:]
     assert "different numbers of steps per epoch (rank 0: 8, rank 1: 12)" in result.stderr
     assert "HINT: give every rank the same dataset" in result.stderr
+
+
+def test_spawn_under_a_launcher_names_a_world_size_the_script_computed_apart(
+    tmp_path: Path,
+) -> None:
+    """The classic script passes the number it computed (`--world-size`) to main; under a
+    launcher the launcher's ranks run, and rank 0 says so once, with run.world_size."""
+    common = [SPAWN, "--epochs", "1", "tracking.enabled=false", f"run.output_dir={tmp_path}"]
+    runs = {
+        asked: subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "hpc_ddp",
+                "local",
+                "--nproc",
+                "2",
+                common[0],
+                "--world-size",
+                str(asked),
+                *common[1:],
+                f"run.id=asked-{asked}",
+            ],
+            cwd=REPO,
+            env=clean_environ(),
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+        for asked in (3, 2)
+    }
+    for result in runs.values():
+        assert result.returncode == 0, result.stderr[-3000:]
+    warning = "hpc_ddp.spawn(..., nprocs=3) under a launcher that started 2 ranks"
+    lines = [line for line in runs[3].stderr.splitlines() if warning in line]
+    assert len(lines) == 1 and "[rank 0/2] WARNING" in lines[0], runs[3].stderr[-3000:]
+    assert "HINT: inside main use run.world_size (here 2)" in lines[0]
+    assert "nprocs=" not in runs[2].stderr, "no warning where they agree"

@@ -102,7 +102,7 @@ def test_ctrl_c_stops_with_a_checkpoint_and_a_rerun_continues_in_the_same_mlflow
     text = terminal.text
     stop = int(re.search(r"checkpoint \(stop signal\) step (\d+)", text).group(1))  # type: ignore[union-attr]
     assert stop == 61
-    assert "Ctrl-C: stopping after the current step with a checkpoint" in text
+    assert "Ctrl-C: stopping with a checkpoint at the ranks' next agreed check" in text
     assert "to continue, run the same command with run.id=ctrl-c" in text
     assert "Traceback" not in text and "interrupted" not in text
 
@@ -137,7 +137,7 @@ def test_a_second_ctrl_c_aborts_at_once(tmp_path: Path) -> None:
     terminal.wait_for(r"stop signals are checked every")
     terminal.ctrl_c()
     # Rank 0 says so once the launcher passed the first on: the second is not merged into it.
-    terminal.wait_for(r"Ctrl-C: stopping after the current step with a checkpoint")
+    terminal.wait_for(r"Ctrl-C: stopping with a checkpoint at the ranks' next agreed check")
     terminal.ctrl_c()
     code = terminal.finish(timeout=60)
     assert code == 130, terminal.text[-3000:]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import os
 import signal
 from collections.abc import Iterator
@@ -27,7 +28,13 @@ from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.stopper import Stopper
-from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates, batch_length, no_samples
+from hpc_ddp.runtime.loop.streams import (
+    BatchStream,
+    StreamStates,
+    Ticks,
+    batch_length,
+    no_samples,
+)
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.evaluation import EvalBatches, eval_loader
 from hpc_ddp.runtime.session.resume import restore_registered
@@ -187,11 +194,32 @@ def test_per_rank_states_of_another_world_size_are_not_forced_on_a_stream(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     streams = StreamStates(rank=0, world_size=2)
-    streams.restore([{"position": 5}, {"position": 6}, {"position": 7}])
+    streams.restore([{"position": 5}, {"position": 6}, {"position": 7}], saved_world_size=3)
     counting = Counting()
-    streams.take(BatchStream(counting, grad_accum_steps=1), resumed_from_step=9)
+    with caplog.at_level(logging.INFO, logger="hpc_ddp"):
+        streams.take(BatchStream(counting, grad_accum_steps=1), resumed_from_step=9)
     assert counting.position == 0
     assert streams.own_state() == {"position": 0}
+    said = [record.getMessage() for record in caplog.records]
+    assert len(said) == 1 and "starts from its own beginning" in said[0]
+    assert not any("resuming the batches" in line for line in said), "no line saying otherwise"
+
+
+def test_the_random_streams_are_said_restored_only_when_they_were(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """At another world size each rank's streams are seeded anew (the resume warns so):
+    no line may then say they were restored."""
+    lines = []
+    for saved_world_size in (2, 3):
+        streams = StreamStates(rank=0, world_size=2)
+        streams.restore(None, saved_world_size=saved_world_size)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hpc_ddp"):
+            streams.take(BatchStream(Ticks(), grad_accum_steps=1), resumed_from_step=9)
+        lines.append([record.getMessage() for record in caplog.records])
+    assert len(lines[0]) == 1 and "random streams" in lines[0][0] and "restored" in lines[0][0]
+    assert lines[1] == []
 
 
 def test_labelled_lines_are_written_whole_in_one_call() -> None:

@@ -12,11 +12,13 @@ from hpc_ddp.runtime.config import DistConfig, RunConfig
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.place.env import DistEnv
 from hpc_ddp.runtime.place.plan import (
+    SPAWN_NPROCS_VAR,
     gpu_binding_warning,
     make_launch_plan,
     micro_batch_size,
     plan_device,
     resolve_num_workers,
+    stale_spawn_world,
 )
 
 
@@ -166,3 +168,12 @@ def test_layouts_that_do_not_give_every_rank_k_gpus_are_refused() -> None:
     assert "--ntasks-per-node=4 with --gpus-per-node=8" in str(idle.value)
     with pytest.raises(HpcDdpError, match=r"dist\.gpus_per_rank=0 is invalid"):
         DistConfig(gpus_per_rank=0)
+
+
+def test_a_spawn_asking_for_another_world_size_than_the_launchers_is_named() -> None:
+    asked_three = {SPAWN_NPROCS_VAR: "3"}
+    warning = stale_spawn_world(asked_three, 2)
+    assert warning is not None and "nprocs=3) under a launcher that started 2 ranks" in warning
+    assert "HINT: inside main use run.world_size (here 2)" in warning
+    assert stale_spawn_world(asked_three, 3) is None
+    assert stale_spawn_world({}, 2) is None, "no spawn, nothing to compare"

@@ -218,7 +218,7 @@ def test_an_optimizer_state_without_some_parameters_resumes_exactly(tmp_path: Pa
     kinds = object_kinds(objects)
     assert kinds == {"model": "module", "optimizer": "optimizer"}
     folder = tmp_path / "step-000000001"
-    write_folder(folder_state(tensor_states(objects, kinds), {}, 0, {}), folder, None)
+    write_folder(folder_state(tensor_states(objects, kinds, {}), {}, 0, {}), folder, None)
     again = Net()
     again_optimizer = torch.optim.AdamW(again.parameters(), lr=0.1)
     restored = {"model": again, "optimizer": again_optimizer}

@@ -17,7 +17,7 @@ import torch
 from hpc_ddp.launch.local import PEER_GRACE_S, failure_to_report
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError, lost_peer
 from hpc_ddp.runtime.loop.metrics import PENDING_MAX, Sums
-from hpc_ddp.runtime.loop.replicas import replica_fingerprint
+from hpc_ddp.runtime.loop.replicas import replica_entries, replica_fingerprint
 from hpc_ddp.runtime.session.evaluation import ShardedEvalSampler
 from hpc_ddp.trainer.schedule import LrSchedule, lr_factor
 from tests.helpers import (
@@ -374,6 +374,25 @@ def test_the_weights_fingerprint_takes_a_batchnorm_model() -> None:
     assert len(before) == 64 and before == weights_sha256(model.state_dict())
     state["1.num_batches_tracked"] += 1
     assert weights_sha256(state) != before, "the count is in it"
+
+
+def test_running_statistics_are_no_replicas_and_every_other_entry_is() -> None:
+    """Each rank's BatchNorm statistics follow its own batches between steps (DDP gives
+    every rank rank 0's at the next forward): comparing them would be a false alarm."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Sequential(torch.nn.LayerNorm(3))
+    )
+    model.register_buffer("mask", torch.ones(3))
+    assert list(replica_entries(model)) == [
+        "mask",
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+        "2.0.weight",
+        "2.0.bias",
+    ]
+    assert replica_fingerprint(model).shape == (7,)
 
 
 @pytest.mark.e2e

@@ -325,7 +325,8 @@ import json, torch
 from torch import nn
 import hpc_ddp
 run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False})
-model = run.wrap(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+model = WRAPPED
 untouched = [p.grad is None for p in model.parameters()]
 model(torch.randn(3, 4)).sum().backward()
 first = model._get_ddp_logging_data()
@@ -339,11 +340,21 @@ run.finish()
 
 
 @pytest.mark.e2e
-def test_ddp_buckets_are_laid_out_before_the_first_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "wrapped",
+    [
+        "run.wrap(net)",
+        "nn.parallel.DistributedDataParallel(net)\nrun.register(model=model)",
+    ],
+    ids=["run.wrap", "own-ddp-registered"],
+)
+def test_ddp_buckets_are_laid_out_before_the_first_step(wrapped: str, tmp_path: Path) -> None:
     """DDP rebuilds its buckets after its first backward; a resumed run's first step would
     then sum gradients in another order than the uninterrupted run's same step (bitwise
-    different at 3+ ranks). wrap() lays them out at once, as DDP would have rebuilt them."""
-    result = run_python(["-c", BUCKETS], cwd=tmp_path)
+    different at 3+ ranks). wrap() lays them out at once, as DDP would have rebuilt them,
+    and so does registering a DDP the script built itself."""
+    script = BUCKETS.replace("WRAPPED", wrapped)
+    result = run_python(["-c", script], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     untouched, rebuilt, order, order_later = json.loads(result.stdout.splitlines()[-1])
     assert untouched == [True] * 4, "the layout pass leaves no gradient behind"

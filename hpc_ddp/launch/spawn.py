@@ -24,6 +24,7 @@ from hpc_ddp.launch.program import Program
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.exits import rank_label
 from hpc_ddp.runtime.place.env import detect_launcher
+from hpc_ddp.runtime.place.plan import SPAWN_NPROCS_VAR
 
 __all__ = ["spawn"]
 
@@ -53,7 +54,12 @@ def spawn(
     exit code (SystemExit), the others stopped."""
     environment = os.environ if environ is None else environ
     if detect_launcher(environment) != "single":
-        fn(int(rank_label(environment)), *args)
+        if environ is None:  # for start() to compare with the launcher's world
+            os.environ[SPAWN_NPROCS_VAR] = str(nprocs)
+        try:
+            fn(int(rank_label(environment)), *args)
+        finally:
+            os.environ.pop(SPAWN_NPROCS_VAR, None)
         if environment.get(SPAWNED_VAR):
             sys.exit(0)
         return

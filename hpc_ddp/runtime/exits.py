@@ -7,6 +7,7 @@ Standard library only, like :mod:`hpc_ddp.runtime.errors`.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 import traceback
@@ -118,3 +119,17 @@ def exit_process(code: int) -> NoReturn:
     if process_group_alive():
         leave(code)
     sys.exit(code)
+
+
+def tell_elastic_agent(message: str, environ: Mapping[str, str], now: float) -> None:
+    """Under torchrun, leave ``message`` where its agent reads why a rank ended (the error
+    file it names in TORCHELASTIC_ERROR_FILE): its failure summary then shows it in place of
+    a link about enabling tracebacks. Nothing elsewhere, or where the file cannot be written."""
+    path = environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as record:
+            json.dump({"message": message, "timestamp": int(now)}, record)
+    except OSError:
+        pass

@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--shard-by-hand", action="store_true", help="FSDP2 by the script's own fully_shard"
     )
+    parser.add_argument("--batchnorm", action="store_true", help="a BatchNorm layer in the net")
+    parser.add_argument(
+        "--own-ddp", action="store_true", help="the script's own DistributedDataParallel"
+    )
     args, overrides = parser.parse_known_args(argv)  # the rest: hpc_ddp's dotted overrides
 
     run = hpc_ddp.start(
@@ -104,14 +108,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     holding = None
     if args.hold_at_step is not None:
         holding = FileAppears(args.hold_until) if args.hold_until else StopSignalSeen()
-    net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 2))
+    norm = [nn.BatchNorm1d(32)] if args.batchnorm else []
+    net = nn.Sequential(nn.Linear(8, 32), *norm, nn.Tanh(), nn.Linear(32, 2))
     if args.shard_by_hand:  # as a script written for FSDP2 without hpc_ddp does it
         from torch.distributed.fsdp import fully_shard
 
-        for layer in (net[0], net[2]):
+        for layer in (net[0], net[-1]):
             fully_shard(layer)
         fully_shard(net)
         model: nn.Module = net
+    elif args.own_ddp:  # as a script converted from the DDP tutorial keeps it
+        model = nn.parallel.DistributedDataParallel(net)
     else:
         model = run.wrap(net)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from hpc_ddp.runtime.checkpoint.buffers import with_rank_zero_buffers
 from hpc_ddp.runtime.checkpoint.sharded import (
     OBJECTS_KEY,
     FolderObjects,
@@ -91,13 +93,21 @@ def _tensor_state(name: str, value: Any, kind: str, objects: Mapping[str, Any]) 
     return get_optimizer_state_dict(objects[owner], value)
 
 
-def tensor_states(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str, Any]:
-    """The module and optimizer states DCP writes, by registered name."""
-    return {
-        name: _tensor_state(name, value, kinds[name], objects)
-        for name, value in objects.items()
-        if kinds[name] != PLAIN
-    }
+def tensor_states(
+    objects: Mapping[str, Any],
+    kinds: Mapping[str, str],
+    wrappers: Mapping[str, DistributedDataParallel],
+) -> dict[str, Any]:
+    """The module and optimizer states DCP writes, by registered name (a collective: the
+    buffers of a module that ``wrappers`` holds a DDP of are rank 0's, see :mod:`.buffers`)."""
+    states = {}
+    for name, value in objects.items():
+        if kinds[name] == MODULE:
+            state = _tensor_state(name, value, MODULE, objects)
+            states[name] = with_rank_zero_buffers(wrappers.get(name), state)
+        elif kinds[name] != PLAIN:
+            states[name] = _tensor_state(name, value, kinds[name], objects)
+    return states
 
 
 def plain_states(objects: Mapping[str, Any], kinds: Mapping[str, str]) -> dict[str, Any]:

@@ -267,4 +267,5 @@ def load_run(folder: Path, rank: int) -> dict[str, Any]:
         "rng": OwnRankOnly(world_size, rank, own["rng"]),
         "streams": OwnRankOnly(world_size, rank, own["streams"]) if run["has_streams"] else None,
         "per_rank": OwnRankOnly(world_size, rank, own.get("per_rank")),
+        "buffers": OwnRankOnly(world_size, rank, own.get("buffers")),
     }

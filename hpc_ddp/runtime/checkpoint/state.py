@@ -39,6 +39,9 @@ class Registry:
         self.objects: dict[str, Any] = {}
         #: Objects of which each rank saves and restores its own copy.
         self.per_rank: dict[str, Any] = {}
+        #: The DDP wrappers of registered modules, by name (their buffers are each rank's
+        #: own between steps, see :mod:`.buffers`).
+        self.wrappers: dict[str, DistributedDataParallel] = {}
 
     def add(self, objects: Mapping[str, object], per_rank: bool = False) -> None:
         """Register each object under its name (``per_rank``: each rank's own copy); a DDP
@@ -52,8 +55,9 @@ class Registry:
                     "register objects that follow torch's Stateful convention (modules, "
                     "optimizers, schedulers, ...), or give your own object these two methods",
                 )
-            if isinstance(value, DistributedDataParallel):
-                value = value.module
+            wrapper = value if isinstance(value, DistributedDataParallel) else None
+            if wrapper is not None:
+                value = wrapper.module
             if name in target and target[name] is not value:
                 raise HpcDdpError(
                     f"the name {name!r} is already registered for another object",
@@ -67,6 +71,8 @@ class Registry:
                     "(run.register_per_rank)",
                 )
             target[name] = value
+            if wrapper is not None and not per_rank:
+                self.wrappers[name] = wrapper
 
     def check_loadable(self) -> None:
         """Refuse an object whose state a resume could not load back (see

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hpc_ddp.runtime.checkpoint.buffers import own_buffers, restore_own_buffers
 from hpc_ddp.runtime.checkpoint.files import (
     FORMAT_VERSION,
     checkpoint_dir,
@@ -80,9 +81,8 @@ class Checkpointer:
         return {
             "format": FORMAT_VERSION,
             "objects": context.registry.state_dicts(),
-            "rng": [own["rng"] for own in every],
+            **{key: [own[key] for own in every] for key in ("rng", "per_rank", "buffers")},
             "streams": [own["streams"] for own in every] if has_streams else None,
-            "per_rank": [own["per_rank"] for own in every],
             **self._run_state(metrics, finished),
         }
 
@@ -92,8 +92,8 @@ class Checkpointer:
         registered per rank and, on rank 0, the run's state."""
         context = self.context
         check_loadable("run.state", context.values)
-        objects = context.registry.objects
-        kinds = object_kinds(objects)
+        registry = context.registry
+        kinds = object_kinds(registry.objects)
         own = self._own_state()
         metrics = self.metrics.saved()
         run = None
@@ -101,11 +101,12 @@ class Checkpointer:
             run = {
                 "format": FOLDER_FORMAT,
                 "kinds": kinds,
-                "plain": plain_states(objects, kinds),
+                "plain": plain_states(registry.objects, kinds),
                 "has_streams": own["streams"] is not None,
                 **self._run_state(metrics, finished),
             }
-        return folder_state(tensor_states(objects, kinds), run, context.env.rank, own)
+        tensors = tensor_states(registry.objects, kinds, registry.wrappers)
+        return folder_state(tensors, run, context.env.rank, own)
 
     def _own_state(self) -> dict[str, Any]:
         """This rank's own part of a checkpoint: its random streams, its batch state and its
@@ -114,6 +115,7 @@ class Checkpointer:
             "rng": rng_state(self.context.device),
             "streams": self.streams.own_state(),
             "per_rank": self.context.registry.per_rank_states(),
+            "buffers": own_buffers(self.context.registry.wrappers),
         }
 
     def _run_state(self, metrics: Any, finished: bool) -> dict[str, Any]:
@@ -197,29 +199,34 @@ class Checkpointer:
     def restore(self, saved: dict[str, Any]) -> bool:
         """Continue where ``saved`` left off: position, metric sums, plain values, the
         batches' states and, when it was written by as many ranks, every rank's random
-        streams (returns whether it did)."""
+        streams and its own DDP buffers (returns whether it did)."""
         env = self.context.env
         self.position.restore(saved, saved_world_size(saved))
         self.metrics.restore(saved["metrics"])
         self.context.values.update(saved.get("values") or {})
-        self.streams.restore(saved.get("streams"))
+        self.streams.restore(saved.get("streams"), saved_world_size(saved))
         if len(saved["rng"]) != env.world_size:
             return False
         restore_rng(saved["rng"][env.rank], self.context.device)
+        restore_own_buffers(self.context.registry.wrappers, saved.get("buffers"), env.rank)
         return True
 
     def check_replicas(self) -> None:
         """Compare every rank's weights with rank 0's; report the first divergence loudly."""
-        context, position = self.context, self.position
-        for model in context.models():
-            if holds_shards(model):
-                continue  # each rank holds its own shard: there are no replicas
-            diverged = diverged_replicas(model, context.env.world_size, context.control_group)
-            if diverged is None or position.replicas_diverged_at is not None:
-                continue
-            position.replicas_diverged_at = position.global_step
-            if context.env.is_main:
-                get_logger().error(divergence_message(diverged, position.global_step))
+        check_replicas(self.context, self.position)
+
+
+def check_replicas(context: RunContext, position: Position) -> None:
+    """See :meth:`Checkpointer.check_replicas`."""
+    for model in context.models():
+        if holds_shards(model):
+            continue  # each rank holds its own shard: there are no replicas
+        diverged = diverged_replicas(model, context.env.world_size, context.control_group)
+        if diverged is None or position.replicas_diverged_at is not None:
+            continue
+        position.replicas_diverged_at = position.global_step
+        if context.env.is_main:
+            get_logger().error(divergence_message(diverged, position.global_step))
 
 
 def over_budget(took_s: float, warning_s: float) -> str:

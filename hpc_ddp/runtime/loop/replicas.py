@@ -30,13 +30,33 @@ def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def running_statistics(model: nn.Module) -> set[str]:
+    """The state_dict names of normalisation layers' running statistics (BatchNorm's): each
+    rank updates them from its own batches, so between steps they differ from rank to rank
+    by design (DDP gives every rank rank 0's at its next forward)."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return {
+        f"{module_name}.{name}".removeprefix(".")
+        for module_name, module in model.named_modules()
+        if isinstance(module, _NormBase)
+        for name, _buffer in module.named_buffers(recurse=False)
+    }
+
+
+def replica_entries(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What must be equal on every rank: the state_dict less :func:`running_statistics`."""
+    skipped = running_statistics(model)
+    return {name: value for name, value in model.state_dict().items() if name not in skipped}
+
+
 def replica_fingerprint(model: nn.Module) -> torch.Tensor:
-    """One exact integer per state_dict entry: the sum of its bits, on the CPU.
+    """One exact integer per :func:`replica_entries` entry: the sum of its bits, on the CPU.
 
     Integer sums are order-independent, so equal tensors give equal numbers whatever the
     device or thread count, and a change of one bit in one element changes its number."""
     sums = []
-    for tensor in model.state_dict().values():
+    for tensor in replica_entries(model).values():
         flat = tensor.detach().contiguous().view(-1)
         if flat.numel() == 0:
             sums.append(torch.zeros((), dtype=torch.int64, device=flat.device))
@@ -71,7 +91,7 @@ def diverged_replicas(model: nn.Module, world_size: int, group: Any | None) -> D
     mine = replica_fingerprint(model)
     reference = mine.clone()
     dist.broadcast(reference, src=0, group=group)
-    names = list(model.state_dict())
+    names = list(replica_entries(model))
     differs = (mine != reference).nonzero()
     rank = dist.get_rank(group)
     # rank * (entries + 1) + entry orders by rank first; a rank in sync sends the largest value.

@@ -10,6 +10,7 @@ from typing import NoReturn
 
 from hpc_ddp.runtime.config import LOCAL_COMMAND_VARIABLE, OVERRIDES_VARIABLE
 from hpc_ddp.runtime.errors import Stopped
+from hpc_ddp.runtime.exits import tell_elastic_agent
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.checkpointer import Checkpointer
 from hpc_ddp.runtime.loop.context import RunContext
@@ -92,16 +93,20 @@ class Stopper:
         # Every rank learns the outcome before exiting, so none exits early and takes the
         # step down while rank 0 is still requeueing.
         requeued = bool(broadcast_object(requeued, context.control_group))
-        if context.env.is_main:
-            if requeued:
+        if requeued:
+            if context.env.is_main:
                 get_logger().info(f"stopped at step {position.global_step}; the job was requeued")
-            else:
-                hint = continue_hint(
-                    context.run_dir.name, context.config.run.id is not None, context.environ
-                )
-                get_logger().warning(
-                    f"stopped at step {position.global_step} after a checkpoint; {hint}"
-                )
+        else:
+            hint = continue_hint(
+                context.run_dir.name, context.config.run.id is not None, context.environ
+            )
+            stopped = f"stopped at step {position.global_step} after a checkpoint; {hint}"
+            # torchrun reports every non-zero exit as a failure: its summary says this instead.
+            tell_elastic_agent(
+                f"{stopped} (exit code 3: a stop, not a failure)", context.environ, time.time()
+            )
+            if context.env.is_main:
+                get_logger().warning(stopped)
         raise Stopped(position.global_step, requeued, context.run_dir.name)
 
     def close(self) -> None:

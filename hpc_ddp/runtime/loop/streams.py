@@ -196,6 +196,7 @@ class StreamStates:
         self.world_size = world_size
         self.current: BatchStream | None = None
         self._saved: list[Any] | None = None
+        self._same_world = True
         self._said = False
 
     def take(self, stream: BatchStream, resumed_from_step: int | None) -> None:
@@ -211,7 +212,8 @@ class StreamStates:
                     f"has {self.world_size}: each rank's {type(stream.batches).__name__} "
                     "starts from its own beginning, not where the run stopped"
                 )
-        if resumed_from_step and not self._said and self.rank == 0:
+        # At another world size the resume's warning says what goes on and what starts anew.
+        if resumed_from_step and self._same_world and not self._said and self.rank == 0:
             self._said = True
             get_logger().info(f"resuming the batches at step {resumed_from_step}: {stream.kind}")
 
@@ -224,9 +226,11 @@ class StreamStates:
         check_loadable(f"the batches' {type(stream.batches).__name__}", mine)
         return mine
 
-    def restore(self, saved: list[Any] | None) -> None:
-        """A checkpoint's per-rank states, for the next stream taken."""
+    def restore(self, saved: list[Any] | None, saved_world_size: int) -> None:
+        """A checkpoint's per-rank states (written by ``saved_world_size`` ranks), for the
+        next stream taken."""
         self._saved = saved
+        self._same_world = saved_world_size == self.world_size
 
 
 class Ticks:

@@ -192,3 +192,21 @@ def check_socket_interfaces(environ: Mapping[str, str], interfaces: Sequence[str
             f"{', '.join(missing)} (it has {', '.join(interfaces) or 'none'})",
             "unset GLOO_SOCKET_IFNAME, or name interfaces every node has (e.g. ib0 or eth0)",
         )
+
+
+#: Set by :func:`hpc_ddp.spawn` under a launcher: the ``nprocs`` the script passed.
+SPAWN_NPROCS_VAR = "HPC_DDP_SPAWN_NPROCS"
+
+
+def stale_spawn_world(environ: Mapping[str, str], world_size: int) -> str | None:
+    """The warning for a script whose ``hpc_ddp.spawn(..., nprocs=N)`` asked for another
+    number of ranks than the launcher started (``world_size``); None when they agree."""
+    asked = environ.get(SPAWN_NPROCS_VAR, "")
+    if not asked.isdigit() or int(asked) == world_size:
+        return None
+    return (
+        f"hpc_ddp.spawn(..., nprocs={asked}) under a launcher that started {world_size} ranks: "
+        f"the launcher's {world_size} run main, so a world size the script computed before "
+        f"the launch (and passed in args) is not this run's. HINT: inside main use "
+        f"run.world_size (here {world_size}) and run.rank, e.g. to divide the global batch"
+    )

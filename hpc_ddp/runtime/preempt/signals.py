@@ -47,8 +47,9 @@ class StopSignals:
         self.received.add(signum)
         if self.announce:
             sys.stderr.write(
-                "\nCtrl-C: stopping after the current step with a checkpoint; "
-                "press Ctrl-C again to abort without one\n"
+                "\nCtrl-C: stopping with a checkpoint at the ranks' next agreed check (about a "
+                "second of training; preempt.check_every_steps); press Ctrl-C again to abort "
+                "without one\n"
             )
 
     def _ignore(self, _signum: int, _frame: FrameType | None) -> None:

@@ -29,8 +29,16 @@ from hpc_ddp.runtime.shards import holds_shards
 def settle_buckets(model: DistributedDataParallel) -> bool:
     """Rebuild ``model``'s buckets now (a collective every rank must call, right after
     wrapping); False where DDP would not rebuild them anyway or cannot be driven."""
-    if model.static_graph or model.find_unused_parameters:
-        return False  # DDP never rebuilds with unused parameters; a static graph settles itself
+    if model.static_graph:
+        get_logger().warning(
+            "DistributedDataParallel(static_graph=True) lays out its gradient buckets after "
+            "each attempt's first step, so a resumed run at 3 or more ranks may differ from "
+            "an uninterrupted one in the last bits. HINT: leave static_graph out for "
+            "bitwise resumes"
+        )
+        return False
+    if model.find_unused_parameters:
+        return False  # DDP never rebuilds its buckets then: every attempt keeps the first
     reducer = model.reducer
     try:
         parameters, sparse = model._build_params_for_reducer()
@@ -52,6 +60,17 @@ def settle_buckets(model: DistributedDataParallel) -> bool:
             "run at 3 or more ranks may differ from an uninterrupted one in the last bits"
         )
         return False
+
+
+def settle_own_ddp(objects: Mapping[str, Any], wrapped: Sequence[nn.Module]) -> None:
+    """Lay out the buckets of every DistributedDataParallel in ``objects`` that the script
+    built itself (not one in ``wrapped``, which :func:`wrap_in_ddp` settled): every rank
+    registers the same objects, so this collective runs on all of them."""
+    for value in objects.values():
+        if isinstance(value, DistributedDataParallel) and not any(
+            value.module is done for done in wrapped
+        ):
+            settle_buckets(value)
 
 
 def check_wrappable(model: object, wrapped: Sequence[nn.Module]) -> None:

@@ -78,10 +78,11 @@ def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, 
     forget_metadata()
     streams_restored = loop.checkpointer.restore(saved)
     position = loop.position
-    get_logger().info(
-        f"resumed from {path} at step {position.global_step} (epoch {position.epoch}, step "
-        f"{position.step_in_epoch} of the epoch)"
-    )
+    if env.is_main:  # every rank resumes from the same checkpoint: said once
+        get_logger().info(
+            f"resumed from {path} at step {position.global_step} (epoch {position.epoch}, "
+            f"step {position.step_in_epoch} of the epoch)"
+        )
     finished = bool(saved.get("finished"))
     resumed = Resumed(path, position.global_step, saved_world_size(saved), finished)
     if not streams_restored and loop.context.env.is_main:

@@ -20,7 +20,7 @@ from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import Ticks, step_source
 from hpc_ddp.runtime.loop.timeline import mark
 from hpc_ddp.runtime.names import check_name
-from hpc_ddp.runtime.session.buckets import check_registrable
+from hpc_ddp.runtime.session.buckets import check_registrable, settle_own_ddp
 from hpc_ddp.runtime.session.ending import Ending
 from hpc_ddp.runtime.session.finishing import end_already_finished, finish_run
 from hpc_ddp.runtime.session.models import ModelView
@@ -113,6 +113,9 @@ class Run(ModelView):
             )
         checkpoints = self._context.config.checkpoint
         check_registrable(objects, checkpoints.save_mode if checkpoints.enabled else None)
+        # A DDP the script built sums gradients in the order run.wrap's does, from its first
+        # step, so a resumed attempt sums as the uninterrupted one (bitwise at 3+ ranks).
+        settle_own_ddp(objects, self._context.wrapped)
         self._context.registry.add(objects)
 
     def register_per_rank(self, **objects: Any) -> None:

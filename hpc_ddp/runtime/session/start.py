@@ -57,6 +57,7 @@ from hpc_ddp.runtime.place.plan import (
     gpu_binding_warning,
     launch_lines,
     make_launch_plan,
+    stale_spawn_world,
     threads_per_rank,
 )
 from hpc_ddp.runtime.place.rundir import claim_run_dir
@@ -143,6 +144,7 @@ def _announce(plan: LaunchPlan, settings: RuntimeConfig, environ: Mapping[str, s
     for warning in (
         agent_signal_gap(env.launcher, environ, settings.preempt.signal),
         gpu_binding_warning(env, plan.device),
+        stale_spawn_world(environ, env.world_size),
     ):
         if warning:
             log.warning(warning)
