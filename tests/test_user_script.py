@@ -362,6 +362,32 @@ def test_ddp_buckets_are_laid_out_before_the_first_step(wrapped: str, tmp_path: 
     assert order_later == order, "and DDP keeps it"
 
 
+LATE_REGISTRATION = """
+import json, torch
+from torch import nn
+import hpc_ddp
+run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False})
+model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+model(torch.ones(3, 4)).sum().backward()
+before = [p.grad.clone() for p in model.parameters()]
+run.register(model=model)
+print(json.dumps([p.grad is not None and torch.equal(p.grad, b)
+                  for p, b in zip(model.parameters(), before)]))
+run.finish()
+"""
+
+
+@pytest.mark.e2e
+def test_a_ddp_registered_after_a_backward_keeps_its_gradients(tmp_path: Path) -> None:
+    """Laying out the buckets runs a backward of its own: on a model registered after one,
+    it would drop the gradients the script is about to apply. It is left alone, said once."""
+    result = run_python(["-c", LATE_REGISTRATION], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == [True, True]
+    assert result.stderr.count("run.register got a DistributedDataParallel after its") == 1
+    assert "HINT: register the model before training starts" in result.stderr
+
+
 class Point(NamedTuple):
     x: torch.Tensor
     label: str

@@ -16,6 +16,7 @@ from hpc_ddp.runtime.preempt.watchdog import (
     INSIDE_TORCH,
     StallWatchdog,
     stall_exit_code,
+    thread_stacks,
     where_stuck,
 )
 from tests.helpers import REPO, run_local_program
@@ -199,6 +200,36 @@ def test_a_stall_report_goes_out_whole_in_one_turn(
     assert "rank 1 stalled: no training step finished for 7 s" in text, text
     assert re.search(r'test_watchdog\.py", line \d+ in test_a_stall_report_goes_out', text)
     assert "rank 1 ends the job" in text.splitlines()[-1], text
+
+
+def test_a_stall_report_shows_the_stacks_without_a_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job's TMPDIR may be full or gone: the stacks then go straight to stderr, and the
+    report (which ends the rank after it) does not fail."""
+    import tempfile
+
+    from hpc_ddp.runtime.logs import get_logger, setup_logging
+
+    def no_temporary_file(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", no_temporary_file)
+    assert thread_stacks() is None
+    with open(tmp_path / "stderr", "w+") as stderr:
+        monkeypatch.setattr("sys.stderr", stderr)
+        monkeypatch.setattr(get_logger(), "handlers", [])
+        setup_logging(rank=0, world_size=1)
+        watchdog = StallWatchdog(4, 4, rank=0, where=lambda: "step 5", end_run=lambda: None)
+        try:
+            watchdog.report_stall(9.0)
+        finally:
+            watchdog.close()
+        stderr.seek(0)
+        text = stderr.read()
+    assert "rank 0 stalled: no training step finished for 9 s" in text, text
+    assert re.search(r'test_watchdog\.py", line \d+ in test_a_stall_report_shows_the', text)
+    assert "rank 0 ends the job" in text.splitlines()[-1], text
 
 
 def test_a_rank_that_only_waits_inside_torch_exits_as_a_consequence() -> None:

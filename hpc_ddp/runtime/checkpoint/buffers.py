@@ -44,7 +44,8 @@ def with_rank_zero_buffers(
         value = state[key]
         if isinstance(value, torch.Tensor) and value.numel() and value.data_ptr() in live:
             copy = value.detach().clone()
-            torch.distributed.broadcast(copy, group_src=0, group=model.process_group)
+            first = torch.distributed.get_global_rank(model.process_group, 0)
+            torch.distributed.broadcast(copy, src=first, group=model.process_group)
             state[key] = copy
     return state
 

@@ -33,13 +33,12 @@ def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
 def running_statistics(model: nn.Module) -> set[str]:
     """The state_dict names of normalisation layers' running statistics (BatchNorm's): each
     rank updates them from its own batches, so between steps they differ from rank to rank
-    by design (DDP gives every rank rank 0's at its next forward)."""
-    from torch.nn.modules.batchnorm import _NormBase
-
+    by design (DDP gives every rank rank 0's at its next forward). Such a layer says so
+    with ``track_running_stats`` (BatchNorm, SyncBatchNorm, InstanceNorm)."""
     return {
         f"{module_name}.{name}".removeprefix(".")
         for module_name, module in model.named_modules()
-        if isinstance(module, _NormBase)
+        if hasattr(module, "track_running_stats")
         for name, _buffer in module.named_buffers(recurse=False)
     }
 

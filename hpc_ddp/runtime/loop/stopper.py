@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import NoReturn
 
 from hpc_ddp.runtime.config import LOCAL_COMMAND_VARIABLE, OVERRIDES_VARIABLE
-from hpc_ddp.runtime.errors import Stopped
+from hpc_ddp.runtime.errors import EXIT_STOPPED, Stopped
 from hpc_ddp.runtime.exits import tell_elastic_agent
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.checkpointer import Checkpointer
@@ -103,7 +103,9 @@ class Stopper:
             stopped = f"stopped at step {position.global_step} after a checkpoint; {hint}"
             # torchrun reports every non-zero exit as a failure: its summary says this instead.
             tell_elastic_agent(
-                f"{stopped} (exit code 3: a stop, not a failure)", context.environ, time.time()
+                f"{stopped} (exit code {EXIT_STOPPED}: a stop, not a failure)",
+                context.environ,
+                time.time(),
             )
             if context.env.is_main:
                 get_logger().warning(stopped)

@@ -173,16 +173,19 @@ class StallWatchdog:
                 return
 
     def _fire(self, waited: float) -> None:
-        stuck = self.report_stall(waited)
-        ending = threading.Thread(target=self._end_run, daemon=True)
-        ending.start()
-        ending.join(ENDING_GRACE_S)
-        # A hung DataLoader worker would outlive the rank (holding its output open): kill it.
-        for child in multiprocessing.active_children():
-            child.kill()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(stall_exit_code(stuck, self._liveness is not None))
+        stuck = "in a place the report could not name"
+        try:
+            stuck = self.report_stall(waited)
+            ending = threading.Thread(target=self._end_run, daemon=True)
+            ending.start()
+            ending.join(ENDING_GRACE_S)
+            # A hung DataLoader worker would outlive the rank (holding its output open).
+            for child in multiprocessing.active_children():
+                child.kill()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:  # whatever failed in the report, the stalled rank ends
+            os._exit(stall_exit_code(stuck, self._liveness is not None))
 
     def report_stall(self, waited: float) -> str:
         """Write the stall's report (the line naming the rank, every thread's stack, the
@@ -203,7 +206,10 @@ class StallWatchdog:
             )
             for handler in log.handlers:
                 handler.flush()
-            sys.stderr.write(stacks)
+            if stacks is None:
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            else:
+                sys.stderr.write(stacks)
             sys.stderr.flush()
             log.error(
                 f"rank {self.rank} ends the job: stalled {stuck}"
@@ -216,13 +222,17 @@ class StallWatchdog:
         return stuck
 
 
-def thread_stacks() -> str:
+def thread_stacks() -> str | None:
     """Every thread's Python stack as faulthandler writes it (it writes only to a file
-    descriptor, in many small pieces: gathered here to go out in one turn)."""
-    with tempfile.TemporaryFile("w+") as dump:
-        faulthandler.dump_traceback(file=dump, all_threads=True)
-        dump.seek(0)
-        return dump.read()
+    descriptor, in many small pieces: gathered here to go out in one turn); None when no
+    temporary file can be made (a full or missing TMPDIR)."""
+    try:
+        with tempfile.TemporaryFile("w+") as dump:
+            faulthandler.dump_traceback(file=dump, all_threads=True)
+            dump.seek(0)
+            return dump.read()
+    except OSError:
+        return None
 
 
 def stall_exit_code(stuck: str, other_ranks: bool) -> int:

@@ -30,12 +30,13 @@ def settle_buckets(model: DistributedDataParallel) -> bool:
     """Rebuild ``model``'s buckets now (a collective every rank must call, right after
     wrapping); False where DDP would not rebuild them anyway or cannot be driven."""
     if model.static_graph:
-        get_logger().warning(
-            "DistributedDataParallel(static_graph=True) lays out its gradient buckets after "
-            "each attempt's first step, so a resumed run at 3 or more ranks may differ from "
-            "an uninterrupted one in the last bits. HINT: leave static_graph out for "
-            "bitwise resumes"
-        )
+        if _first_of_its_group(model):
+            get_logger().warning(
+                "DistributedDataParallel(static_graph=True) lays out its gradient buckets "
+                "after each attempt's first step, so a resumed run at 3 or more ranks may "
+                "differ from an uninterrupted one in the last bits. HINT: leave static_graph "
+                "out for bitwise resumes"
+            )
         return False
     if model.find_unused_parameters:
         return False  # DDP never rebuilds its buckets then: every attempt keeps the first
@@ -62,15 +63,32 @@ def settle_buckets(model: DistributedDataParallel) -> bool:
         return False
 
 
+def _first_of_its_group(model: DistributedDataParallel) -> bool:
+    """Whether this rank is the first of ``model``'s process group (it speaks for all)."""
+    return torch.distributed.get_rank(model.process_group) == 0
+
+
 def settle_own_ddp(objects: Mapping[str, Any], wrapped: Sequence[nn.Module]) -> None:
     """Lay out the buckets of every DistributedDataParallel in ``objects`` that the script
     built itself (not one in ``wrapped``, which :func:`wrap_in_ddp` settled): every rank
-    registers the same objects, so this collective runs on all of them."""
+    registers the same objects, so this collective runs on all of them. One that has
+    gradients already (registered after a backward) is left as it is: laying it out would
+    drop them, and DDP has laid it out by then."""
     for value in objects.values():
-        if isinstance(value, DistributedDataParallel) and not any(
+        if not isinstance(value, DistributedDataParallel) or any(
             value.module is done for done in wrapped
         ):
-            settle_buckets(value)
+            continue
+        if any(parameter.grad is not None for parameter in value.parameters()):
+            if _first_of_its_group(value):
+                get_logger().warning(
+                    "run.register got a DistributedDataParallel after its first backward: its "
+                    "gradient buckets were laid out by that step, so a resumed run at 3 or more "
+                    "ranks may differ from an uninterrupted one in the last bits. HINT: "
+                    "register the model before training starts"
+                )
+            continue
+        settle_buckets(value)
 
 
 def check_wrappable(model: object, wrapped: Sequence[nn.Module]) -> None:
