@@ -259,8 +259,12 @@ def test_start_inside_a_plain_mp_spawn_child_is_refused_with_the_drop_in(tmp_pat
     )
     result = run_python([str(script)], cwd=tmp_path)
     assert result.returncode != 0
-    assert "started by multiprocessing" in result.stderr
-    assert "hpc_ddp.spawn(main, args=..., nprocs=N)" in result.stderr
+    # Each child says it in one line and exits 2; torch's parent then reports that exit code
+    # (its own frames, in the script's mp.spawn call): no frame of hpc_ddp's code is shown.
+    assert "error: hpc_ddp.start() in a process started by multiprocessing" in result.stderr
+    assert "HINT: replace mp.spawn(main, args=..., nprocs=N) with hpc_ddp" in result.stderr
+    assert "terminated with exit code 2" in result.stderr, result.stderr[-2000:]
+    assert "hpc_ddp/runtime" not in result.stderr, result.stderr[-2000:]
     assert not list(tmp_path.glob("runs/*/*/checkpoints")), "nothing trained at world size 1"
 
 

@@ -35,6 +35,7 @@ from hpc_ddp.runtime.config import (
     resolve_config,
 )
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.exits import leave, report_failure
 from hpc_ddp.runtime.logs import get_logger, setup_logging
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
@@ -291,11 +292,19 @@ def start(
         )
     log_interval = optional_whole_number(log_interval, "hpc_ddp.start(log_interval)")
     environment = os.environ if environ is None else environ
-    refuse_nested_start(
-        environment,
-        torch_dist.is_available() and torch_dist.is_initialized(),
-        multiprocessing.parent_process() is not None,
-    )
+    multiprocessing_child = multiprocessing.parent_process() is not None
+    try:
+        refuse_nested_start(
+            environment,
+            torch_dist.is_available() and torch_dist.is_initialized(),
+            multiprocessing_child,
+        )
+    except HpcDdpError as refused:
+        if not multiprocessing_child or (torch_dist.is_available() and torch_dist.is_initialized()):
+            raise
+        # torch.multiprocessing.spawn would catch it and show its own traceback (exit 1); its
+        # children have no rank yet, so each is named by its process name.
+        leave(report_failure(refused, multiprocessing.current_process().name))
     sections = {"run": run, "dist": dist, "checkpoint": checkpoint, "preempt": preempt}
     settings = resolve_config(config, overrides, {**sections, "tracking": tracking}, environment)
     run_name = name or settings.run.name or default_run_name()
