@@ -49,6 +49,21 @@ def _memory(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _materialised(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| built on | ranks | model | its shards | one block | grown by building and wrapping "
+        "| peak RSS |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['built_on']} | {row['world_size']} | {row['model_gb']:.2f} GB | "
+            f"{row['shard_gb']:.3f} GB | {row['block_gb']:.3f} GB | {row['grown_gb']:.3f} GB | "
+            f"{row['peak_rss_gb']:.2f} GB |"
+        )
+    return lines
+
+
 def _projection() -> list[str]:
     total_gb = PROJECTED_BYTES / 1e9
     single = total_gb / CLIENT_GBPS
@@ -130,6 +145,18 @@ def sharded_section(data: dict[str, Any]) -> str:
         "machine has).",
         "",
         *_memory(data["memory"]),
+        "",
+        "**A model built on the meta device**: the same blocks (fp32 weights, 1 GB) sharded by "
+        "`run.wrap` under dist.strategy=fsdp, built whole on every rank or under "
+        "`torch.device('meta')`; what each rank's resident set grew by, the largest over the "
+        "ranks, measured once wrapped (`python -m bench.sharded --materialised`). These are "
+        "CPU ranks: there DTensor's random ops would draw the same numbers for every rank's "
+        "shard, so run.wrap materialises the whole model before sharding it, and a meta "
+        "model costs what a model built whole does. On GPUs it gives each rank storage for "
+        "its shards only (target: the rank's shards plus one block); no GPU measured that "
+        "here.",
+        "",
+        *_materialised(data.get("materialised", [])),
         "",
         f"**FSDP2 per-step cost**: hpc_ddp's loop (dist.strategy=fsdp) against a hand-written "
         f"FSDP2 loop on the same model, batches and step, in turn inside one pair of ranks "

@@ -132,7 +132,7 @@ def short_run(world_size: int, workdir: Path) -> dict[str, Any]:
         poll=0.5,
     )
     state = job_state(job, workdir)
-    log = workdir / "logs" / f"hpc-ddp-{job}.out"
+    log = workdir / f"hpc-ddp-{job}.out"  # the templates log in the submission directory
     if state != "COMPLETED":
         raise RuntimeError(f"job {job} (W={world_size}) ended {state}:\n{log.read_text()[-3000:]}")
     summary = json.loads((run_dir(workdir, job) / "summary.json").read_text())
@@ -165,7 +165,7 @@ def stop_latency(world_size: int, workdir: Path) -> dict[str, float]:
         ["data.num_samples=100000", "train.epochs=1000", "preempt.requeue=false"],
         workdir,
     )
-    log = workdir / "logs" / f"hpc-ddp-{job}.out"
+    log = workdir / f"hpc-ddp-{job}.out"  # the templates log in the submission directory
     # Stop well inside training: after the first progress line (all ranks are stepping).
     wait_until(
         lambda: log.exists() and "stop signals are checked" in log.read_text(),

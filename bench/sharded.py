@@ -8,12 +8,14 @@
    /proc/self/io): a replicated state is split over the writers, so it falls as 1/W.
 3. Per-rank memory, DDP against FSDP2, for a model whose AdamW state is about 2 GB, at 1, 2
    and 4 ranks: the bytes of parameters + gradients + optimizer state each rank holds, and
-   its peak resident set.
+   its peak resident set; and once wrapped, the same model built whole on every rank or on
+   the meta device (on GPUs run.wrap gives each rank its shards only; on CPU, the whole).
 4. Per-step cost of hpc_ddp's loop with dist.strategy=fsdp against a hand-written FSDP2 loop
    on the same model and batches, in turn inside one pair of ranks (bench.interleaved
    --fsdp), and the hand-written loop against its own copy (the method's control).
 
-    python -m bench.sharded            # all four; figures in bench/results/sharded.json
+    python -m bench.sharded                  # all four; figures in bench/results/sharded.json
+    python -m bench.sharded --materialised   # only the meta-device rows of part 3
 """
 
 from __future__ import annotations
@@ -179,6 +181,39 @@ def rank_memory(strategy: str) -> dict[str, Any]:
             "parameters": sum(p.numel() for p in model.parameters())}  # fmt: skip
 
 
+def wrapped_memory(on_meta: bool) -> dict[str, Any]:
+    """The same model as :func:`rank_memory`'s sharded by run.wrap (dist.strategy=fsdp),
+    built whole on every rank or on the meta device; each rank's peak resident set once
+    wrapped (before any step), against the bytes of its own shards."""
+    import hpc_ddp
+
+    run = hpc_ddp.start(
+        overrides=["dist.strategy=fsdp"],
+        tracking={"enabled": False},
+        checkpoint={"enabled": False},
+        run={"output_dir": tempfile.mkdtemp(prefix="bench-memory-")},
+    )
+    import torch.distributed.fsdp  # its code is not the model's memory
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with torch.device("meta" if on_meta else "cpu"):
+        blocks = nn.ModuleList(nn.Linear(MEMORY_WIDTH, MEMORY_WIDTH) for _ in range(MEMORY_BLOCKS))
+        stack = _Stack(blocks)
+    whole = sum(p.numel() * p.element_size() for p in stack.parameters())
+    model = run.wrap(stack)
+    local = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]
+    shards = sum(p.numel() * p.element_size() for p in local)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    every: list[Any] = [None] * run.world_size
+    dist.all_gather_object(every, {"grown": peak - before, "peak": peak})
+    run.finish()
+    return {"built_on": "meta" if on_meta else "cpu", "world_size": run.world_size,
+            "model_gb": whole / 2**30, "shard_gb": shards / 2**30,
+            "block_gb": whole / MEMORY_BLOCKS / 2**30,
+            "grown_gb": max(row["grown"] for row in every) / 2**30,
+            "peak_rss_gb": max(row["peak"] for row in every) / 2**30}  # fmt: skip
+
+
 class _Stack(nn.Module):
     """The same blocks in a ModuleList, which FSDP2 shards one by one by default."""
 
@@ -194,7 +229,8 @@ class _Stack(nn.Module):
 
 def worker(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("part", choices=["blocked", "written", "memory"])
+    parser.add_argument("part", choices=["blocked", "written", "memory", "wrapped"])
+    parser.add_argument("--meta", action="store_true", help="wrapped: built on meta")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES_MB)))
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--strategy", default="fsdp")
@@ -202,6 +238,8 @@ def worker(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     if args.part == "memory":
         result: Any = rank_memory(args.strategy)
+    elif args.part == "wrapped":
+        result = wrapped_memory(args.meta)
     else:
         dist.init_process_group("gloo")
         if args.part == "blocked":
@@ -232,6 +270,7 @@ def run() -> dict[str, Any]:
             held = launch(world, "bench.sharded", ["memory", "--strategy", strategy], 1800)[0]
             memory.append(held)
             print(f"{strategy} W={world}: {held}", flush=True)
+    materialised = materialised_memory()
     overhead = measure("compute_bound", OVERHEAD_ROUNDS, fsdp=True)
     # The hand-written FSDP2 loop against its own copy: what the method reads for no
     # difference at all.
@@ -240,6 +279,7 @@ def run() -> dict[str, Any]:
         "blocked": blocked,
         "written": written,
         "memory": memory,
+        "materialised": materialised,
         "overhead": overhead,
         "overhead_control": control,
     }
@@ -247,8 +287,23 @@ def run() -> dict[str, Any]:
     return result
 
 
+def materialised_memory() -> list[dict[str, Any]]:
+    """Each rank's memory once run.wrap sharded the model, built whole or on meta."""
+    rows = []
+    for on_meta in (False, True):
+        for world in (2, 4):
+            extra = ["--meta"] if on_meta else []
+            rows.append(launch(world, "bench.sharded", ["wrapped", *extra], 1800)[0])
+            print(f"wrapped W={world}: {rows[-1]}", flush=True)
+    return rows
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
+    if sys.argv[1:] == ["--materialised"]:  # this part alone, into the recorded figures
+        recorded = json.loads((Path(__file__).parent / "results" / "sharded.json").read_text())
+        recorded.pop("machine", None)
+        write_result("sharded", {**recorded, "materialised": materialised_memory()})
+    elif len(sys.argv) > 1:
         worker(sys.argv[1:])
     else:
         run()

@@ -411,7 +411,19 @@ CASES: list[Case] = [
     script(f'{RUN}\nrun.wrap("model")', says="run.wrap got a str, not a torch.nn.Module"),
     script(f"{RUN}\nm = torch.nn.Linear(2, 1)\nrun.wrap(m)\nrun.wrap(m)", says="wrapped already"),
     script(f"{RUN}\nrun.wrap(torch.nn.ReLU())", says="no parameter that requires a gradient"),
-    script(f'{RUN}\nrun.wrap(torch.nn.Linear(2, 1, device="meta"))', says="the meta device"),
+    script(
+        f'{RUN}\nrun.wrap(torch.nn.Sequential(torch.nn.Linear(2, 2, device="meta"), '
+        "torch.nn.Linear(2, 1)))",
+        says="on the meta device and the others (1.weight, 1.bias) hold data",
+    ),
+    script(
+        f'{RUN}\nrun.wrap(torch.nn.MultiheadAttention(4, 2, device="meta"))',
+        says="holds parameters or buffers but no reset_parameters()",
+    ),
+    script(
+        f"{RUN}\nrun.wrap(torch.nn.Linear(2, 1), init_weights=print)",
+        says="there is nothing to initialise",
+    ),
     script(
         f"{FSDP_RUN}, overrides=['dist.shard_blocks=[head]'])\nrun.wrap(torch.nn.Linear(2, 1))",
         says="dist.shard_blocks names 'head', which is neither a submodule nor a class",

@@ -128,7 +128,7 @@ class SlurmCluster:
 
 
 def prepare_workdir(path: Path) -> Path:
-    """A submission directory like a user's checkout: configs/ and logs/."""
+    """A submission directory like a user's project: configs/ and no logs/ folder (the
+    templates as checked in write the job's log beside the configs)."""
     shutil.copytree(REPO / "configs", path / "configs")
-    (path / "logs").mkdir()
     return path

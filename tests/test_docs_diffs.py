@@ -50,8 +50,17 @@ def test_the_count_treats_a_replaced_line_as_one_change() -> None:
             ],
         ),
         (2, 10, ["def main(rank: int, world_size: int, epochs: int)", "sampler.set_epoch(epoch)"]),
+        (
+            3,
+            15,
+            [
+                'with torch.device("meta"):',
+                "fully_shard(layer, **fsdp_kwargs)",
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)",
+            ],
+        ),
     ],
-    ids=["ddp-tutorial", "nanogpt", "mp-spawn"],
+    ids=["ddp-tutorial", "nanogpt", "mp-spawn", "fsdp2-example"],
 )
 def test_each_shape_converts_in_few_lines_keeping_its_structure(
     index: int, most: int, kept: list[str]
@@ -61,6 +70,11 @@ def test_each_shape_converts_in_few_lines_keeping_its_structure(
     context = [line for line in diff.splitlines() if line.startswith(" ")]
     for text in kept:
         assert any(text in line for line in context), f"{text!r} is no longer as it was"
+
+
+def test_the_table_of_sizes_counts_each_diff() -> None:
+    rows = re.findall(r"^\| [^|]+ \| (\d+) \| [^|]+ \|$", CONVERTING, flags=re.MULTILINE)
+    assert [int(count) for count in rows] == [changed_lines(diff) for diff in diffs(CONVERTING)]
 
 
 def test_the_readme_script_diff_is_as_small() -> None:

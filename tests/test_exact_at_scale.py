@@ -1,8 +1,9 @@
 """Stopped mid-epoch and resumed, a run ends bitwise where the uninterrupted one does at 3
 and 4 ranks too, where a gradient's sum over the ranks depends on the order it is taken in
 (at 1 and 2 ranks it cannot): for the model run.wrap builds, the DDP a script builds itself
-and registers, and FSDP2; and with BatchNorm, whose running statistics differ from rank to
-rank between steps, buffers included and without a false replica alarm."""
+and registers, and FSDP2 (of a model built on the meta device); and with BatchNorm,
+whose running statistics differ from rank to rank between steps, buffers included and
+without a false replica alarm."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ STOP_AT = 70
 MODELS = {
     "run.wrap": [],
     "own-ddp": ["--own-ddp"],
-    "fsdp2": ["dist.strategy=fsdp", "checkpoint.save_mode=sync"],
+    # Built on the meta device: run.wrap shards it, then gives each rank its shards.
+    "fsdp2-meta": ["dist.strategy=fsdp", "checkpoint.save_mode=sync", "--meta"],
 }
 BATCHNORM = ["--batchnorm"]
 #: (model, extra arguments, ranks, the step stopped after): each kind of model at 3 or 4
@@ -36,7 +38,7 @@ CASES = [
     ("run.wrap", BATCHNORM, 2, STOP_AT),
     ("run.wrap", BATCHNORM, 4, 50),
     ("own-ddp", BATCHNORM, 4, STOP_AT),
-    ("fsdp2", [], 3, STOP_AT),
+    ("fsdp2-meta", [], 3, STOP_AT),
 ]
 
 

@@ -92,12 +92,18 @@ def test_fsdp_trains_as_ddp_does_at_2_and_3_ranks(tmp_path: Path) -> None:
     )
 
 
-def test_fsdp_stopped_mid_epoch_and_resumed_is_bitwise_the_uninterrupted_run(
+def test_a_model_built_on_the_meta_device_starts_as_the_one_built_whole_and_resumes_bitwise(
     tmp_path: Path,
 ) -> None:
+    """FSDP2's idiom for a model larger than a host: built on the meta device, run.wrap
+    shards it and gives it storage and each module's reset_parameters. On CPU ranks (where
+    DTensor's random ops would draw the same numbers for every rank's shard) it is
+    materialised whole, then sharded: it trains bitwise as the model built whole does, and
+    stopped mid-epoch by SIGUSR1 and resumed, ends bitwise there too. (A shard copied on
+    every rank would give other weights. tests/test_exact_at_scale.py: at 3 ranks.)"""
     trained(2, tmp_path, "reference", *FSDP)
-    stop_step = stopped(2, tmp_path, "interrupted", *FSDP)
-    trained(2, tmp_path, "interrupted", *FSDP)
+    stop_step = stopped(2, tmp_path, "interrupted", *FSDP, "--meta")
+    trained(2, tmp_path, "interrupted", *FSDP, "--meta")
     expected, actual = (
         read_summary(tmp_path, "regression", "reference"),
         read_summary(tmp_path, "regression", "interrupted"),
@@ -105,6 +111,9 @@ def test_fsdp_stopped_mid_epoch_and_resumed_is_bitwise_the_uninterrupted_run(
     assert actual["resumed_from_step"] == stop_step
     assert actual["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
     assert actual["val_mse"] == expected["val_mse"]
+    newest = list_checkpoints(tmp_path / "regression" / "reference" / "checkpoints")[0]
+    shards = read_metadata(newest).state_dict_metadata["objects.model.0.weight"]
+    assert len(shards.chunks) == 2, "each rank wrote its own shard"  # type: ignore[union-attr]
 
 
 def test_a_script_that_shards_its_model_itself_stops_and_resumes_as_run_wrap_s_does(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -478,3 +479,26 @@ def test_one_rule_tells_a_program_from_a_setting_in_every_launcher(
     chosen = result.stdout.splitlines()
     trainer = [*TRAINER, "configs/digits.yaml", first]
     assert chosen == (["-m", "hpc_ddp", "run", first] if is_program else trainer), result.stderr
+
+
+@pytest.mark.parametrize("template", ["train.sh", "train-torchrun.sh"])
+def test_the_checked_in_templates_log_where_sbatch_is_called(template: str) -> None:
+    """Slurm never creates the log's folder, and a missing one fails the job with no log at
+    all: `sbatch slurm/train.sh` from a project without logs/ must still leave one."""
+    text = (REPO / "slurm" / template).read_text()
+    logs = re.findall(r"^#SBATCH --(?:output|error)=(.*)$", text, flags=re.MULTILINE)
+    assert logs == ["%x-%j.out", "%x-%j.out"]
+    assert "HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-$PWD}" in text
+    rendered = render_sbatch(text, RenderRequest(arguments=("c.yaml",), log_dir="/scratch/x"))
+    assert "#SBATCH --output=/scratch/x/%x-%j.out" in rendered
+    assert "HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-/scratch/x}" in rendered
+
+
+def test_a_log_folder_that_cannot_be_placed_is_refused() -> None:
+    text = (REPO / "slurm" / "train.sh").read_text()
+    with pytest.raises(HpcDdpError, match="--log-dir is empty"):
+        render_sbatch(text, RenderRequest(arguments=("c.yaml",), log_dir=" "))
+    moved = text.replace("#SBATCH --output=%x", "#SBATCH --output=logs/%x")
+    moved = moved.replace("#SBATCH --error=%x", "#SBATCH --error=logs/%x")
+    with pytest.raises(HpcDdpError, match=r"no '#SBATCH --output=%x\.\.\.' line"):
+        render_sbatch(moved, RenderRequest(arguments=("c.yaml",), log_dir="/scratch/x"))

@@ -65,7 +65,7 @@ def test_sbatch_one_node_two_tasks(slurm: SlurmCluster, tmp_path: Path) -> None:
         work,
     )
     state = slurm.wait(job)
-    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    log = (work / f"hpc-ddp-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
     summary = read_summary(work / "runs")
     assert (
@@ -104,7 +104,7 @@ def test_sbatch_two_nodes_matches_four_local_ranks(slurm: SlurmCluster, tmp_path
         work,
     )
     state = slurm.wait(job)
-    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    log = (work / f"hpc-ddp-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
     summary = read_summary(work / "runs")
     assert summary["world_size"] == 4 and summary["num_nodes"] == 2
@@ -164,7 +164,7 @@ def test_torchrun_template_two_nodes(slurm: SlurmCluster, tmp_path: Path) -> Non
         work,
     )
     state = slurm.wait(job, timeout=240)
-    log = (work / "logs" / f"hpc-ddp-torchrun-{job}.out").read_text()
+    log = (work / f"hpc-ddp-torchrun-{job}.out").read_text()
     assert state == "COMPLETED", log[-4000:]
     summary = read_summary(work / "runs")
     assert summary["world_size"] == 4 and summary["launcher"] == "torchelastic"
@@ -177,12 +177,12 @@ def test_python_without_srun_in_a_two_task_job_fails_within_seconds(
     work = prepare_workdir(tmp_path)
     script = work / "wrong.sh"
     script.write_text(
-        "#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output=logs/wrong-%j.out\n"
+        "#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --output=wrong-%j.out\n"
         "python -m hpc_ddp.train --config configs/synthetic.yaml\n"
     )
     job = slurm.sbatch([str(script)], work)
     state = slurm.wait(job, timeout=60)
-    log = (work / "logs" / f"wrong-{job}.out").read_text()
+    log = (work / f"wrong-{job}.out").read_text()
     assert state == "FAILED"
     assert "not started by srun" in log and "HINT: start training with `srun" in log
     assert "rendezvous" not in log, "refused before any rank waited for the others"
@@ -254,7 +254,7 @@ def test_long_lines_from_four_tasks_arrive_labelled_never_cut_into_each_other(
     ]
     job = slurm.sbatch(["--nodes=2", "--ntasks-per-node=2", TRAIN, *program], work)
     state = slurm.wait(job)
-    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    log = (work / f"hpc-ddp-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
     pieces: dict[int, list[str]] = {rank: [] for rank in range(4)}
     for line in log.splitlines():
@@ -291,7 +291,7 @@ def test_the_template_gives_each_task_its_nodes_gpus(slurm: SlurmCluster, tmp_pa
     assert result.returncode == 0, result.stderr
     job = result.stdout.strip().split(";")[0]
     state = slurm.wait(job)
-    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    log = (work / f"hpc-ddp-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]
     reports = doctor_reports(work / "doctor")
     assert [r["rank"] for r in reports] == [0, 1, 2, 3], log[-3000:]

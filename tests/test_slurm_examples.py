@@ -62,7 +62,7 @@ def test_an_example_on_two_nodes_requeues_once_and_ends_with_the_uninterrupted_w
     reference = prepare_workdir(tmp_path / "reference")
     job = submit(slurm, example, interrupted, *extra)
     reference_job = submit(slurm, example, reference, *extra)
-    log_path = interrupted / "logs" / f"hpc-ddp-{job}.out"
+    log_path = interrupted / f"hpc-ddp-{job}.out"
     _, stop_step = slurm.requeue_by_signal(
         job, interrupted, log_path, UNDER_WAY[example.name], timeout=180
     )

@@ -96,7 +96,7 @@ def preempt_and_wait(
         ],
         work,
     )
-    log_path = work / "logs" / f"{log_name}-{job}.out"
+    log_path = work / f"{log_name}-{job}.out"
     slurm.wait_for_log(log_path, r"\[rank 0/2\] INFO epoch 0 step (4\d|[5-9]\d|1\d\d)/1200")
     assert slurm.run(["scancel", f"--signal={warning_signal}", job], work).returncode == 0
     state = slurm.wait(job, timeout=300)
@@ -125,7 +125,7 @@ def kill_a_torchrun_rank_once_checkpointed(
         time.sleep(0.2)
     os.kill(rank_pid(job, rank, variable="RANK"), signal.SIGKILL)
     state = slurm.wait(job, timeout=300)
-    log = (work / "logs" / f"hpc-ddp-torchrun-{job}.out").read_text()
+    log = (work / f"hpc-ddp-torchrun-{job}.out").read_text()
     assert state == "COMPLETED", log[-4000:]
     assert "torchrun restarted the workers (1 time(s)" in log, log[-4000:]
     summary = read_summary(work / "runs")
@@ -173,7 +173,8 @@ def test_a_script_rendered_for_usr2_stops_on_usr2_and_requeues(
 ) -> None:
     """preempt.signal=USR2: `hpc-ddp render` writes --signal=USR2@120 and the ranks check it."""
     work = prepare_workdir(tmp_path / "slurm")
-    render = [sys.executable, "-m", "hpc_ddp", "render", "--gpus-per-node", "2", "--time", "10"]
+    render = [sys.executable, "-m", "hpc_ddp", "render", "--gpus-per-node", "2", "--time", "10",
+              "--log-dir", str(work)]  # fmt: skip
     rendered = slurm.run(
         [*render, "-o", "job.sh", "configs/synthetic.yaml", "preempt.signal=USR2"], work
     )
@@ -203,7 +204,7 @@ def test_a_job_whose_warning_signal_the_ranks_do_not_handle_fails_at_start(
         work,
     )
     assert slurm.wait(job, timeout=120) == "FAILED"
-    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    log = (work / f"hpc-ddp-{job}.out").read_text()
     assert "the job's warning signal is 'USR1'" in log and "preempt.signal=USR2" in log, log
     assert "HINT: make the two equal" in log and "Traceback" not in log
     assert not (work / "runs").exists(), "refused before any run directory"
@@ -294,7 +295,7 @@ def test_time_limit_signal_checkpoints_and_a_resubmission_resumes(
         work,
     )
     state = slurm.wait(job, timeout=150)
-    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    log = (work / f"hpc-ddp-{job}.out").read_text()
     assert state != "TIMEOUT", "the signal's lead time was used to stop before the limit"
     assert "not requeueing: the job was already requeued 0 time(s), preempt.max_requeues=0" in log
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
@@ -313,7 +314,7 @@ def test_time_limit_signal_checkpoints_and_a_resubmission_resumes(
         work,
     )
     assert slurm.wait(again) == "COMPLETED"
-    resumed_log = (work / "logs" / f"hpc-ddp-{again}.out").read_text()
+    resumed_log = (work / f"hpc-ddp-{again}.out").read_text()
     assert f"at step {stop_step}" in resumed_log
     summary = read_summary(work / "runs")
     assert summary["resumed_from_step"] == stop_step and summary["global_step"] == stop_step + 30
@@ -343,7 +344,7 @@ def test_kill_9_of_one_rank_ends_the_job_fast_and_the_checkpoint_loads(
     # Without srun's --kill-on-bad-exit, rank 0 would wait dist.timeout_s (600 s).
     state = slurm.wait(job, timeout=90)
     assert state == "FAILED"
-    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    log = (work / f"hpc-ddp-{job}.out").read_text()
     assert re.search(r"task 1: Killed", log), log[-2000:]
     newest = list_checkpoints(checkpoints)[0]
     saved = load_checkpoint(newest)
@@ -368,7 +369,7 @@ def test_a_rank_that_raises_ends_the_job_fast_naming_it(
     )
     # Rank 0 would otherwise wait dist.timeout_s (600 s) for the rank that raised.
     assert slurm.wait(job, timeout=90) == "FAILED"
-    log = (work / "logs" / f"hpc-ddp-{job}.out").read_text()
+    log = (work / f"hpc-ddp-{job}.out").read_text()
     assert "[rank 1] failed:" in log and "injected failure on rank 1" in log
     # srun names rank 1 alone, or rank 0 with it when rank 0's collective failed first.
     assert re.search(r"tasks? (1|0-1): Exited with exit code 1", log), log[-2000:]
@@ -427,7 +428,7 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(
         work,
     )
     assert slurm.wait(again) == "COMPLETED"
-    log = (work / "logs" / f"hpc-ddp-{again}.out").read_text()
+    log = (work / f"hpc-ddp-{again}.out").read_text()
     assert f"resumed from {previous} at step {previous_step}" in log
     assert not partial_writes(checkpoints), "the partial write was cleaned up"
     assert read_summary(work / "runs")["global_step"] == previous_step + 3

@@ -1,8 +1,8 @@
 """A user's own script (tests/programs/regression.py) on the real test Slurm cluster: sbatch
-on 2 nodes x 2 tasks through a preemption, requeue and exact resume; the torchrun template;
-submitit running a callable on 2 nodes; and an iteration-based LM loop (lm_loop.py) requeued
-by `scancel --signal=USR1`. (Two "nodes" are two slurmd on this machine; a
-second physical host cannot exist here.)"""
+on 2 nodes x 2 tasks through a preemption, requeue and exact resume (its own DDP, and
+FSDP2); the torchrun template; submitit running a callable on 2 nodes; and an
+iteration-based LM loop (lm_loop.py) requeued by `scancel --signal=USR1`. (Two "nodes" are
+two slurmd on this machine; a second physical host cannot exist here.)"""
 
 from __future__ import annotations
 
@@ -36,13 +36,21 @@ def sbatch_two_nodes(slurm: SlurmCluster, work: Path, *extra: str) -> str:
     return slurm.sbatch(["--nodes=2", "--ntasks-per-node=2", TRAIN, *program], work)
 
 
+#: (the preempted run's model, the uninterrupted run's): 4 ranks on 2 nodes, where a sum over
+#: the ranks depends on its order. A DDP the script builds itself and registers gets
+#: run.wrap's bucket layout, so it ends bitwise where run.wrap's uninterrupted run ends.
+MODELS = {"own-ddp": (["--own-ddp"], []), "fsdp2": (["dist.strategy=fsdp"],) * 2}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
 def test_sbatch_two_nodes_preempted_requeues_and_resumes_to_the_same_weights(
-    slurm: SlurmCluster, tmp_path: Path
+    model: str, slurm: SlurmCluster, tmp_path: Path
 ) -> None:
+    preempted_model, reference_model = MODELS[model]
     work = prepare_workdir(tmp_path / "preempted")
-    job = sbatch_two_nodes(slurm, work, "--hold-at-step", "60")
+    job = sbatch_two_nodes(slurm, work, "--hold-at-step", "60", *preempted_model)
     log, stop_step = slurm.requeue_by_signal(
-        job, work, work / "logs" / f"hpc-ddp-{job}.out", r"HOLDING at step 60 \(rank 0\)"
+        job, work, work / f"hpc-ddp-{job}.out", r"HOLDING at step 60 \(rank 0\)"
     )
     assert stop_step == 61, "agreed at the check after scancel's signal reached every rank"
     assert f"at step {stop_step} (epoch 0, step {stop_step} of the epoch)" in log
@@ -53,7 +61,9 @@ def test_sbatch_two_nodes_preempted_requeues_and_resumes_to_the_same_weights(
     assert facts["global_step"] == 400 and facts["job_id"] == job
 
     reference = prepare_workdir(tmp_path / "uninterrupted")
-    assert slurm.wait(sbatch_two_nodes(slurm, reference), timeout=300) == "COMPLETED"
+    assert slurm.wait(sbatch_two_nodes(slurm, reference, *reference_model), timeout=300) == (
+        "COMPLETED"
+    )
     expected = read_summary(reference / "runs", "regression")
     assert expected["restart_count"] == 0 and expected["resumed_from_step"] is None
     assert facts["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
@@ -75,7 +85,7 @@ def test_the_torchrun_template_runs_a_users_script(slurm: SlurmCluster, tmp_path
         work,
     )
     state = slurm.wait(job, timeout=240)
-    log = (work / "logs" / f"hpc-ddp-torchrun-{job}.out").read_text()
+    log = (work / f"hpc-ddp-torchrun-{job}.out").read_text()
     assert state == "COMPLETED", log[-4000:]
     facts = read_summary(work / "runs", "regression")
     assert (facts["world_size"], facts["num_nodes"], facts["launcher"]) == (4, 2, "torchelastic")
@@ -124,7 +134,7 @@ def test_an_iteration_based_loop_requeued_by_scancel_resumes_bitwise_in_one_mlfl
     log, stop_step = slurm.requeue_by_signal(
         job,
         work,
-        work / "logs" / f"hpc-ddp-{job}.out",
+        work / f"hpc-ddp-{job}.out",
         r"\[rank 0/2\] INFO epoch 0 step (6\d|[7-9]\d|1[0-4]\d)/300",
     )
     assert f"resuming the batches at step {stop_step}: run.iterations() draws nothing" in log

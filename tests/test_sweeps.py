@@ -127,7 +127,7 @@ def test_arrays_are_split_at_max_array_size_with_offsets() -> None:
 def test_the_array_job_script_runs_the_task_and_records_its_end(tmp_path: Path) -> None:
     request = RenderRequest(arguments=("-m", "hpc_ddp.sweep.task"), nodes=2, gpus_per_node=4)
     text = job_script(request, tmp_path / "my sweep", 8)
-    assert "#SBATCH --output=logs/%x-%A_%a.out" in text
+    assert "#SBATCH --output=%x-%A_%a.out" in text
     assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text
     task = f"-m hpc_ddp.sweep.task '{tmp_path}/my sweep' --offset 8"
     assert f"program=({task})" in text

@@ -52,9 +52,10 @@ class RenderRequest:
     launcher: str = "srun"
     #: Slurm's warning signal before the time limit: the one the ranks handle (preempt.signal).
     signal: str = "USR1"
-    #: Where the job's log and NCCL's flight-recorder dumps go; relative paths are resolved
-    #: against the directory sbatch is called from (Slurm does not create it).
-    log_dir: str = "logs"
+    #: Where the job's log and NCCL's flight-recorder dumps go (it must exist: Slurm does not
+    #: create it); relative paths are resolved against the directory sbatch is called from.
+    #: None: that directory itself, as the templates have it.
+    log_dir: str | None = None
 
 
 def template_path(launcher: str = "srun") -> Path:
@@ -133,13 +134,26 @@ def _directives(request: RenderRequest) -> dict[str, str | None]:
 
 
 def _set_log_dir(text: str, log_dir: str) -> str:
-    """The template with its logs/ folder replaced by ``log_dir`` (the job's log and NCCL's
-    flight-recorder dumps)."""
+    """The template with the job's log and NCCL's flight-recorder dumps in ``log_dir``
+    instead of the directory sbatch is called from."""
+    if not log_dir.strip():
+        raise HpcDdpError(
+            "--log-dir is empty: expected the folder for the job's log",
+            "leave --log-dir out for the submission directory, or e.g. --log-dir logs",
+        )
     folder = _check_safe(
-        log_dir.rstrip("/"), "log folder", _SAFE_PATH, "--log-dir /scratch/me/logs"
+        log_dir.rstrip("/") or "/", "log folder", _SAFE_PATH, "--log-dir /scratch/me/logs"
     )
-    text = re.sub(r"^(#SBATCH --(?:output|error)=)logs/", rf"\g<1>{folder}/", text, flags=re.M)
-    return text.replace("${HPC_DDP_LOG_DIR:-$PWD/logs}", f"${{HPC_DDP_LOG_DIR:-{folder}}}")
+    prefix = folder if folder.endswith("/") else f"{folder}/"
+    text, logs = re.subn(r"^(#SBATCH --(?:output|error)=)%x", rf"\g<1>{prefix}%x", text, flags=re.M)
+    default = "${HPC_DDP_LOG_DIR:-$PWD}"
+    if logs == 0 or default not in text:
+        raise HpcDdpError(
+            f"the template has no '#SBATCH --output=%x...' line or no {default}: "
+            "expected both, to move the job's log",
+            "restore slurm/ from the repository, or leave --log-dir out",
+        )
+    return text.replace(default, f"${{HPC_DDP_LOG_DIR:-{folder}}}")
 
 
 def render_sbatch(template: str, request: RenderRequest) -> str:
@@ -177,7 +191,7 @@ def render_sbatch(template: str, request: RenderRequest) -> str:
             count=1,
             flags=re.MULTILINE,
         )
-    if request.log_dir != "logs":
+    if request.log_dir is not None:
         text = _set_log_dir(text, request.log_dir)
     arguments = [_check_shell_value(item, "argument") for item in request.arguments]
     if len(_DEFAULT_ARGS_LINE.findall(text)) != 1:

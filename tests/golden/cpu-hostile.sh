@@ -9,7 +9,7 @@
 #
 # Options given to sbatch override the directives below. `hpc-ddp render` writes a copy of
 # this file with other values filled in. Submit from the repository root: relative paths
-# (configs, logs/) are resolved against the directory sbatch was called from.
+# (configs, the job's log) are resolved against the directory sbatch was called from.
 #
 #SBATCH --job-name=hpc-ddp
 # Nodes to spread the job over.
@@ -25,7 +25,10 @@
 #SBATCH --cpus-per-task=2
 # Wall-clock limit (HH:MM:SS).
 #SBATCH --time=30
-# stdout and stderr of the batch script and every task: logs/<job name>-<job id>.out
+# stdout and stderr of the batch script and every task: <job name>-<job id>.out. Slurm opens
+# it before the script runs and never creates its folder (a missing one fails the job with no
+# log at all): as checked in, it goes to the directory sbatch was called from; `hpc-ddp
+# render` writes its --log-dir here (./logs by default) and creates it.
 #SBATCH --output=<submission dir>/logs/%x-%j.out
 #SBATCH --error=<submission dir>/logs/%x-%j.out
 # Append, so a requeued job adds its attempt to the same log instead of truncating it.

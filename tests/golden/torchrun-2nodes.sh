@@ -18,6 +18,7 @@
 #SBATCH --cpus-per-task=2
 # Wall-clock limit (HH:MM:SS).
 #SBATCH --time=1-00:00:00
+# The job's log, <job name>-<job id>.out, where sbatch was called (see slurm/train.sh).
 #SBATCH --output=<submission dir>/logs/%x-%j.out
 #SBATCH --error=<submission dir>/logs/%x-%j.out
 #SBATCH --open-mode=append

@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument(
         "--own-ddp", action="store_true", help="the script's own DistributedDataParallel"
     )
+    parser.add_argument(
+        "--meta", action="store_true", help="the net built on the meta device (no data)"
+    )
     args, overrides = parser.parse_known_args(argv)  # the rest: hpc_ddp's dotted overrides
 
     run = hpc_ddp.start(
@@ -108,8 +111,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     holding = None
     if args.hold_at_step is not None:
         holding = FileAppears(args.hold_until) if args.hold_until else StopSignalSeen()
+    if args.meta and (args.shard_by_hand or args.own_ddp):
+        raise SystemExit("--meta: for run.wrap's model only")
     norm = [nn.BatchNorm1d(32)] if args.batchnorm else []
-    net = nn.Sequential(nn.Linear(8, 32), *norm, nn.Tanh(), nn.Linear(32, 2))
+    with torch.device("meta" if args.meta else "cpu"):
+        net = nn.Sequential(nn.Linear(8, 32), *norm, nn.Tanh(), nn.Linear(32, 2))
     if args.shard_by_hand:  # as a script written for FSDP2 without hpc_ddp does it
         from torch.distributed.fsdp import fully_shard
 

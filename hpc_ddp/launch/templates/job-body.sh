@@ -5,8 +5,8 @@
 # (what srun starts python with).
 
 # NCCL's flight recorder: the last collectives of every rank, dumped when a collective times
-# out, to $HPC_DDP_LOG_DIR/nccl-trace-<job id>-rank-<rank>; `torchfrtrace logs/` names the
-# rank that stalled. Costs a ring buffer of 2000 entries per process group. Set 0 to turn it
+# out, to $HPC_DDP_LOG_DIR/nccl-trace-<job id>-rank-<rank>; `torchfrtrace` on that folder
+# names the rank that stalled. Costs a ring buffer of 2000 entries per process group. Set 0 to turn it
 # off. Only the TORCH_FR_* names: the older TORCH_NCCL_* ones make every rank print a
 # deprecation warning, a line per rank in the job's log.
 export TORCH_FR_BUFFER_SIZE=${TORCH_FR_BUFFER_SIZE:-2000}

@@ -18,8 +18,9 @@
 #SBATCH --cpus-per-task=2
 # Wall-clock limit (HH:MM:SS).
 #SBATCH --time=01:00:00
-#SBATCH --output=logs/%x-%j.out
-#SBATCH --error=logs/%x-%j.out
+# The job's log, <job name>-<job id>.out, where sbatch was called (see slurm/train.sh).
+#SBATCH --output=%x-%j.out
+#SBATCH --error=%x-%j.out
 #SBATCH --open-mode=append
 # SIGUSR1 to the tasks 120 s before the time limit.
 #SBATCH --signal=USR1@120
@@ -36,7 +37,7 @@ export HPC_DDP_JOB_SIGNAL=${HPC_DDP_JOB_SIGNAL:-USR1}
 DEFAULT_ARGS=(configs/digits.yaml)
 
 # Where NCCL's flight-recorder dumps go, beside the job's log (`hpc-ddp render` writes both).
-HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-$PWD/logs}
+HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-$PWD}
 
 site_file=${HPC_DDP_SITE:-slurm/site.sh}
 if [[ -f $site_file ]]; then

@@ -9,7 +9,7 @@
 #
 # Options given to sbatch override the directives below. `hpc-ddp render` writes a copy of
 # this file with other values filled in. Submit from the repository root: relative paths
-# (configs, logs/) are resolved against the directory sbatch was called from.
+# (configs, the job's log) are resolved against the directory sbatch was called from.
 #
 #SBATCH --job-name=hpc-ddp
 # Nodes to spread the job over.
@@ -25,9 +25,12 @@
 #SBATCH --cpus-per-task=1
 # Wall-clock limit (HH:MM:SS).
 #SBATCH --time=01:00:00
-# stdout and stderr of the batch script and every task: logs/<job name>-<job id>.out
-#SBATCH --output=logs/%x-%j.out
-#SBATCH --error=logs/%x-%j.out
+# stdout and stderr of the batch script and every task: <job name>-<job id>.out. Slurm opens
+# it before the script runs and never creates its folder (a missing one fails the job with no
+# log at all): as checked in, it goes to the directory sbatch was called from; `hpc-ddp
+# render` writes its --log-dir here (./logs by default) and creates it.
+#SBATCH --output=%x-%j.out
+#SBATCH --error=%x-%j.out
 # Append, so a requeued job adds its attempt to the same log instead of truncating it.
 #SBATCH --open-mode=append
 # SIGUSR1 to every task 120 s before the time limit: time to checkpoint and stop.
@@ -47,7 +50,7 @@ export HPC_DDP_JOB_SIGNAL=${HPC_DDP_JOB_SIGNAL:-USR1}
 DEFAULT_ARGS=(configs/digits.yaml)
 
 # Where NCCL's flight-recorder dumps go, beside the job's log (`hpc-ddp render` writes both).
-HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-$PWD/logs}
+HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-$PWD}
 
 # Site specifics (module load, venv or conda activation, NCCL settings) go in one optional
 # file: $HPC_DDP_SITE, else slurm/site.sh in the submission directory.

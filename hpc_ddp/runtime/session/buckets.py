@@ -120,12 +120,6 @@ def check_wrappable(model: object, wrapped: Sequence[nn.Module]) -> None:
             "(run.register(model=model)); or pass the plain model to run.wrap with "
             "dist.strategy=fsdp, which shards it",
         )
-    if any(parameter.is_meta for parameter in trainable):
-        raise HpcDdpError(
-            f"run.wrap({type(model).__name__}): its parameters are on the meta device (no data)",
-            "materialise them first, e.g. model.to_empty(device=run.device) and then "
-            "initialise or load the weights",
-        )
 
 
 def check_shardable(ddp_options: Mapping[str, Any], save_mode: str) -> None:

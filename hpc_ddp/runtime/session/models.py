@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.session.buckets import check_shardable, check_wrappable, wrap_in_ddp
+from hpc_ddp.runtime.session.meta import InitWeights, materialise, on_meta_device
 from hpc_ddp.runtime.session.rank import RankView
 from hpc_ddp.runtime.shards import any_sharded, holds_shards, sharded_blocks
 
@@ -35,7 +36,9 @@ class ModelView(RankView):
         """See :attr:`hpc_ddp.Run.accumulating`."""
         raise NotImplementedError
 
-    def wrap(self, model: nn.Module, **ddp_options: Any) -> DistributedDataParallel:
+    def wrap(
+        self, model: nn.Module, *, init_weights: InitWeights | None = None, **ddp_options: Any
+    ) -> DistributedDataParallel:
         """``model`` on this rank's device inside DistributedDataParallel; with
         ``dist.strategy=fsdp``, the model itself, sharded over the ranks (FSDP2's
         ``fully_shard`` on each of ``dist.shard_blocks``, then on the whole model), so that
@@ -46,18 +49,35 @@ class ModelView(RankView):
         parts placed on :attr:`devices`) stays where it is and is wrapped without
         ``device_ids``; feed its inputs to its first device.
         ``ddp_options`` go to DistributedDataParallel (e.g. ``find_unused_parameters``).
+
+        A model built on the meta device (``with torch.device("meta"): model = Net()``) is
+        given storage and initialised here: by ``init_weights(model)`` (in place, under
+        ``torch.no_grad``), else by the ``reset_parameters()`` of each module holding
+        parameters or buffers itself. With ``dist.strategy=fsdp`` on GPUs it is sharded
+        first, so a rank never holds more than its shards (``init_weights`` then sees
+        DTensors); under DDP, and on CPU ranks, each rank materialises the whole model.
         """
         check_wrappable(model, self._context.wrapped)
+        on_meta = on_meta_device(model, init_weights)
         settings = self._context.config.dist
         if settings.strategy == "fsdp":
             from hpc_ddp.runtime.session.sharding import shard_model
 
             check_shardable(ddp_options, self._context.config.checkpoint.save_mode)
+            if on_meta and self.device.type == "cpu":
+                # DTensor's random ops draw the same numbers on every CPU rank (torch keeps
+                # per-shard offsets only on GPUs): each rank's shards would be copies.
+                materialise(model, self.device, init_weights)
+                on_meta = False
             sharded = shard_model(
                 model, self.device, settings.shard_blocks, settings.mixed_precision
             )
+            if on_meta:
+                materialise(sharded, self.device, init_weights)
             self._context.wrapped.append(sharded)
             return sharded  # type: ignore[return-value]
+        if on_meta:
+            materialise(model, self.device, init_weights)
         wrapped = wrap_in_ddp(model, self.device, ddp_options)
         self._context.wrapped.append(wrapped.module)
         return wrapped

@@ -65,11 +65,13 @@ def shard_model(
 ) -> nn.Module:
     """``model`` on ``device``, sharded over every rank (a collective). Inner blocks are
     sharded before the blocks that hold them: a block sharded first would make its inner
-    blocks' parameters look tensor-parallel to fully_shard."""
+    blocks' parameters look tensor-parallel to fully_shard. A model on the meta device stays
+    there, sharded (see :mod:`hpc_ddp.runtime.session.meta`)."""
     chosen = default_blocks(model) if blocks is None else named_blocks(model, blocks)
     depth = {id(module): name.count(".") for name, module in model.named_modules()}
     chosen.sort(key=lambda block: -depth[id(block)])
-    model = model.to(device)
+    if not any(parameter.is_meta for parameter in model.parameters()):
+        model = model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = precision_policy(device, precision)
     for block in chosen:

@@ -16,12 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from hpc_ddp.runtime import configfile
 from hpc_ddp.runtime.arguments import optional_whole_number
 from hpc_ddp.runtime.checkpoint.files import (
-    Found,
     prepare_checkpoint_dir,
-    saved_world_size,
 )
 from hpc_ddp.runtime.checkpoint.fingerprint import check_resumable, fingerprint_of
 from hpc_ddp.runtime.config import (
@@ -70,15 +67,10 @@ from hpc_ddp.runtime.session.resume import find_resume
 from hpc_ddp.runtime.session.run import Run
 from hpc_ddp.runtime.tracking.base import (
     NullTracker,
-    RunRecord,
     Tracker,
-    artifact_root,
-    run_tags,
-    tracking_uri,
 )
-from hpc_ddp.runtime.tracking.factory import start_tracker
-from hpc_ddp.runtime.tracking.journal import STATUS_FILE, JournalTracker, read_tracked_run_id
-from hpc_ddp.runtime.tracking.membership import read_membership
+from hpc_ddp.runtime.tracking.journal import STATUS_FILE
+from hpc_ddp.runtime.tracking.opening import open_tracker
 from hpc_ddp.runtime.tracking.worker import discard_prestarted
 
 __all__ = ["end_active_run", "resolve_launch", "start"]
@@ -179,75 +171,6 @@ def _set_threads(env: DistEnv, environ: Mapping[str, str]) -> None:
         torch.set_num_threads(env.cpus_per_task or share)
 
 
-def _open_tracker(
-    settings: RuntimeConfig,
-    plan: LaunchPlan,
-    run_name: str,
-    params: Mapping[str, Any] | None,
-    resume: Found | None,
-    position: Position,
-    entry_unix: float,
-) -> Tracker:
-    """Rank 0's tracker: MLflow (in the background) behind the run's own record."""
-    env = plan.dist_env
-    saved = resume[1] if resume else None
-    membership = read_membership(plan.run_dir)
-    record = RunRecord(
-        # NAME/ID, as `hpc-ddp runs` shows it: runs of one script are told apart in the UI.
-        name=f"{run_name}/{plan.run_dir.name}",
-        params={
-            **configfile.flatten(settings),
-            **(params or {}),
-            **(membership.params() if membership else {}),
-        },
-        tags={
-            **run_tags(
-                env.launcher,
-                env.world_size,
-                env.num_nodes,
-                env.job_id,
-                env.restart_count,
-                env.elastic_restarts,
-                saved_world_size(saved) if saved else None,
-            ),
-            **(membership.tags() if membership else {}),
-        },
-        # One MLflow run per run id: the checkpoint's, else the one tracking.json names (a
-        # checkpoint written while MLflow was still starting names none; a run stopped
-        # before its first checkpoint has none).
-        resume_run_id=(
-            (saved.get("mlflow_run_id") if saved else None) or read_tracked_run_id(plan.run_dir)
-        ),
-        start_step=int(saved["global_step"]) if saved else 0,
-        attempt_token=f"{env.hostname}:{os.getpid()}:{entry_unix:.0f}",
-        start_time_ms=int(entry_unix * 1000),
-    )
-    return JournalTracker(
-        start_tracker(settings.tracking, settings.run.output_dir, record, plan.run_dir),
-        plan.run_dir,
-        lambda: (position.global_step, position.epoch),
-        env.job_id,
-        env.world_size,
-        _tracking_record(settings, record),
-        began_at=lambda: position.resumed_from_step or 0,
-    )
-
-
-def _tracking_record(settings: RuntimeConfig, record: RunRecord) -> dict[str, Any] | None:
-    """What tracking.json keeps for `hpc-ddp tracking sync` (None: tracking is off)."""
-    if not settings.tracking.enabled:
-        return None
-    return {
-        "uri": tracking_uri(settings.tracking, settings.run.output_dir),
-        "experiment": settings.tracking.experiment,
-        "artifact_root": str(artifact_root(settings.run.output_dir).resolve()),
-        "run_name": record.name,
-        "params": {key: str(value) for key, value in record.params.items()},
-        "tags": dict(record.tags),
-        "run_id": record.resume_run_id,
-    }
-
-
 def start(
     config: RuntimeConfig | str | Path | None = None,
     overrides: Sequence[str] = (),
@@ -293,14 +216,15 @@ def start(
     log_interval = optional_whole_number(log_interval, "hpc_ddp.start(log_interval)")
     environment = os.environ if environ is None else environ
     multiprocessing_child = multiprocessing.parent_process() is not None
+    group_up = torch_dist.is_available() and torch_dist.is_initialized()
     try:
         refuse_nested_start(
             environment,
-            torch_dist.is_available() and torch_dist.is_initialized(),
+            group_up,
             multiprocessing_child,
         )
     except HpcDdpError as refused:
-        if not multiprocessing_child or (torch_dist.is_available() and torch_dist.is_initialized()):
+        if not multiprocessing_child or group_up:
             raise
         # torch.multiprocessing.spawn would catch it and show its own traceback (exit 1); its
         # children have no rank yet, so each is named by its process name.
@@ -368,7 +292,16 @@ def start(
             check_resumable(resume[1]["fingerprint"], values, resume[0])
         position = Position()
         if dist_env.is_main:
-            tracker = _open_tracker(settings, plan, run_name, params, resume, position, entry_unix)
+            tracker = open_tracker(
+                settings,
+                plan,
+                run_name,
+                params,
+                resume,
+                lambda: (position.global_step, position.epoch),
+                lambda: position.resumed_from_step or 0,
+                entry_unix,
+            )
         context = RunContext(
             config=settings,
             plan=plan,
