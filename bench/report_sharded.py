@@ -149,12 +149,11 @@ def sharded_section(data: dict[str, Any]) -> str:
         "**A model built on the meta device**: the same blocks (fp32 weights, 1 GB) sharded by "
         "`run.wrap` under dist.strategy=fsdp, built whole on every rank or under "
         "`torch.device('meta')`; what each rank's resident set grew by, the largest over the "
-        "ranks, measured once wrapped (`python -m bench.sharded --materialised`). These are "
-        "CPU ranks: there DTensor's random ops would draw the same numbers for every rank's "
-        "shard, so run.wrap materialises the whole model before sharding it, and a meta "
-        "model costs what a model built whole does. On GPUs it gives each rank storage for "
-        "its shards only (target: the rank's shards plus one block); no GPU measured that "
-        "here.",
+        "ranks, measured once wrapped (`python -m bench.sharded --materialised`). On meta, "
+        "run.wrap gives each rank storage for its shards only and sets them module by module "
+        "from a whole copy of that module's reset_parameters(). Target: on meta, the rank's "
+        "shards plus one block, and what the code and allocator add (the rows built whole "
+        "grow about 0.05-0.07 GB beyond the weights).",
         "",
         *_materialised(data.get("materialised", [])),
         "",

@@ -9,7 +9,7 @@
 3. Per-rank memory, DDP against FSDP2, for a model whose AdamW state is about 2 GB, at 1, 2
    and 4 ranks: the bytes of parameters + gradients + optimizer state each rank holds, and
    its peak resident set; and once wrapped, the same model built whole on every rank or on
-   the meta device (on GPUs run.wrap gives each rank its shards only; on CPU, the whole).
+   the meta device (run.wrap then gives each rank its shards only).
 4. Per-step cost of hpc_ddp's loop with dist.strategy=fsdp against a hand-written FSDP2 loop
    on the same model and batches, in turn inside one pair of ranks (bench.interleaved
    --fsdp), and the hand-written loop against its own copy (the method's control).

@@ -408,6 +408,23 @@ CASES: list[Case] = [
     script(f"{RUN}\nlist(run.epochs(2, max_steps=-1))", says="run.epochs(max_steps)=-1"),
     script(f"{RUN}\nlist(run.iterations(-1))", says="run.iterations(max_steps)=-1"),
     script(f"{RUN}\nrun.every(0)", says="run.every(steps)=0"),
+    script('hpc_ddp.spawn("main", nprocs=2)', says="the first argument is a str, expected"),
+    script("hpc_ddp.spawn(print, args=3, nprocs=2)", says="args is a int, expected a tuple"),
+    script("hpc_ddp.spawn(print, nprocs=2, join=False)", says="join=False): the ranks run to"),
+    script(f"{RUN}\nlist(run.steps([]))", says="the list gave no batch in epoch 0"),
+    script(
+        f"{RUN}\nlist(run.steps([1, 2, 3], grad_accum_steps=4))",
+        says="gave no 4 micro-batches (grad_accum_steps) in epoch 0",
+    ),
+    script(
+        f"{RUN}\nbatches = iter([1, 2])\nfor epoch in run.epochs(2):\n"
+        "    for batch in run.steps(batches): pass",
+        says="the list_iterator gave no batch in epoch 1",
+    ),
+    script(
+        f"{RUN}\nrun.finish()\nfor step in run.iterations(2): pass",
+        says="run.steps() after run.finish(): the run has ended",
+    ),
     script(f'{RUN}\nrun.wrap("model")', says="run.wrap got a str, not a torch.nn.Module"),
     script(f"{RUN}\nm = torch.nn.Linear(2, 1)\nrun.wrap(m)\nrun.wrap(m)", says="wrapped already"),
     script(f"{RUN}\nrun.wrap(torch.nn.ReLU())", says="no parameter that requires a gradient"),

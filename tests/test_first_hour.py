@@ -314,6 +314,30 @@ def test_init_writes_nothing_where_a_file_it_would_write_exists(tmp_path: Path) 
     assert not (tmp_path / "train.sh").exists() and not (tmp_path / "logs").exists()
 
 
+@pytest.mark.e2e
+def test_init_writes_nothing_through_a_link_and_says_why_it_cannot_write(tmp_path: Path) -> None:
+    """A dangling train.sh or logs link would make its target wherever it points; a logs/
+    linked to a folder (scratch space) is used; a logs that is a file is one line."""
+    outside = tmp_path / "outside"
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.sh").symlink_to(outside)
+    result = hpc_ddp_cli("init", cwd=project)
+    assert result.returncode == 2 and "train.sh is a link" in result.stderr, result.stderr
+    assert not outside.exists(), "nothing written through the link"
+    (project / "train.sh").unlink()
+    (project / "logs").write_text("")
+    result = hpc_ddp_cli("init", cwd=project)
+    assert result.returncode == 2 and "cannot write" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (project / "train.sh").exists()
+    (project / "logs").unlink()
+    outside.mkdir()
+    (project / "logs").symlink_to(outside)
+    result = hpc_ddp_cli("init", cwd=project)
+    assert result.returncode == 0, result.stderr
+    assert (project / "train.sh").is_file() and (project / "logs").resolve() == outside
+
+
 OWN_PARSER = """
 import argparse, os, signal, sys, time
 import torch

@@ -96,11 +96,11 @@ def test_a_model_built_on_the_meta_device_starts_as_the_one_built_whole_and_resu
     tmp_path: Path,
 ) -> None:
     """FSDP2's idiom for a model larger than a host: built on the meta device, run.wrap
-    shards it and gives it storage and each module's reset_parameters. On CPU ranks (where
-    DTensor's random ops would draw the same numbers for every rank's shard) it is
-    materialised whole, then sharded: it trains bitwise as the model built whole does, and
-    stopped mid-epoch by SIGUSR1 and resumed, ends bitwise there too. (A shard copied on
-    every rank would give other weights. tests/test_exact_at_scale.py: at 3 ranks.)"""
+    shards it, gives each rank storage for its shards and sets them module by module from a
+    whole copy of that module's reset_parameters(): it trains bitwise as the model built whole
+    does, and stopped mid-epoch by SIGUSR1 and resumed, ends bitwise there too. (DTensor's
+    own random ops would draw the same numbers for every CPU rank's shard: other weights.
+    tests/test_exact_at_scale.py: at 3 ranks, uneven shards.)"""
     trained(2, tmp_path, "reference", *FSDP)
     stop_step = stopped(2, tmp_path, "interrupted", *FSDP, "--meta")
     trained(2, tmp_path, "interrupted", *FSDP, "--meta")
@@ -114,6 +114,26 @@ def test_a_model_built_on_the_meta_device_starts_as_the_one_built_whole_and_resu
     newest = list_checkpoints(tmp_path / "regression" / "reference" / "checkpoints")[0]
     shards = read_metadata(newest).state_dict_metadata["objects.model.0.weight"]
     assert len(shards.chunks) == 2, "each rank wrote its own shard"  # type: ignore[union-attr]
+    assert not list(newest.parent.glob(".writing-*")), "each save's mark goes at its commit"
+
+
+def test_a_meta_model_with_the_script_s_init_weights_has_a_different_shard_on_each_rank(
+    tmp_path: Path,
+) -> None:
+    """run.wrap(model, init_weights=fn) of a meta model: fn's random draws are taken on the
+    whole model on CPU ranks (DTensor's random ops would give every rank the same shard), so
+    the weights are the same at 1 and 2 ranks and the two ranks' halves differ. At lr 0 the
+    checkpoint holds the initial weights."""
+    frozen = ["--meta", "--init-weights", "--lr", "0", "--epochs", "1", *FSDP]
+    trained(1, tmp_path, "one", *frozen)
+    trained(2, tmp_path, "two", *frozen)
+    one, two = (final_weights(tmp_path, "regression", run_id) for run_id in ("one", "two"))
+    assert one.keys() == two.keys()
+    for name in one:
+        assert torch.equal(one[name], two[name]), f"{name} differs between 1 and 2 ranks"
+    first = two["0.weight"]
+    assert not torch.equal(first[:16], first[16:]), "rank 1's shard is a copy of rank 0's"
+    assert 0.3 < float(first.std()) < 0.7, "the script's own init (std 0.5), not Linear's"
 
 
 def test_a_script_that_shards_its_model_itself_stops_and_resumes_as_run_wrap_s_does(

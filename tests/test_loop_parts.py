@@ -424,3 +424,62 @@ def test_a_dataclass_batch_is_cut_to_no_samples_and_its_samples_counted() -> Non
     # A scalar in a batch (a loss weight) stays; a defaultdict comes back as a dict.
     cut = no_samples({"w": torch.tensor(2.0), "d": collections.defaultdict(list, x=torch.ones(3))})
     assert cut["w"].item() == 2.0 and cut["d"]["x"].shape == (0,)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "outside"])
+def test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one_before(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A shard file cut short (a full disk, a copy that stopped), gone, or a metadata that
+    names a file outside its folder: the newest folder is no checkpoint, the one before it
+    is resumed from and the damaged one kept in checkpoints/unreadable/."""
+    from hpc_ddp.runtime.checkpoint.sharded import METADATA
+
+    context = context_in(tmp_path, save_mode="sync")
+    context.registry.add({"model": torch.nn.Linear(64, 64)})
+    position, _streams, checkpointer = parts(context)
+    for step in (10, 20):
+        position.global_step = step
+        checkpointer.save("periodic")
+    directory = checkpoint_dir(context.run_dir)
+    newest = directory / "step-000000020"
+    shard = max(newest.glob("*.distcp"), key=lambda path: path.stat().st_size)
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "missing":
+        shard.unlink()
+    else:
+        metadata = (newest / METADATA).read_bytes()
+        (newest / METADATA).write_bytes(
+            metadata.replace(shard.name.encode(), b"../" + shard.name[3:].encode())
+        )
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp"):
+        path, saved = load_newest(directory)  # type: ignore[misc]
+    assert path.name == "step-000000010" and saved["global_step"] == 10
+    assert (directory / "unreadable" / "step-000000020").is_dir()
+    said = {
+        "truncated": f"{shard.name} holds 100 bytes, its metadata reaches byte",
+        "missing": f"{shard.name} is missing",
+        "outside": "a file outside the folder",
+    }
+    assert said[damage] in caplog.text
+
+
+def test_a_folder_that_fails_to_read_at_restore_is_one_line_with_the_way_on(
+    tmp_path: Path,
+) -> None:
+    """torch's CheckpointException is a BaseException: a shard that goes away between the
+    choice of the checkpoint and the restore is still an HpcDdpError saying how to go on."""
+    context = context_in(tmp_path, save_mode="sync")
+    context.registry.add({"model": torch.nn.Linear(64, 64)})
+    position, _streams, checkpointer = parts(context)
+    position.global_step = 10
+    checkpointer.save("periodic")
+    path, saved = load_newest(checkpoint_dir(context.run_dir))  # type: ignore[misc]
+    for shard in path.glob("*.distcp"):
+        shard.unlink()
+    again = context_in(tmp_path / "again")
+    again.registry.add({"model": torch.nn.Linear(64, 64)})
+    with pytest.raises(HpcDdpError, match="its files do not read") as refused:
+        restore_registered(again.registry, saved["objects"], path)
+    assert f"move {path.name} into" in refused.value.hint

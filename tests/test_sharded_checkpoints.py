@@ -86,6 +86,22 @@ def test_every_rank_writes_its_part_and_the_metadata_commits_it(tmp_path: Path) 
     assert which.returncode == 2 and "2 registered models (model, ballast)" in which.stderr
     assert "HINT: name it with --object NAME" in which.stderr
 
+    # Never onto a checkpoint, a directory or what is not a file; a failed write is a line.
+    before = {path: path.read_bytes() for path in folder.iterdir()}
+    for target, says in [
+        (folder / METADATA, "inside a run's checkpoints"),
+        (folder.parent / "step-000000009.pt", "inside a run's checkpoints"),
+        (tmp_path, "is a directory"),
+        (Path("/dev/null"), "not a regular file"),
+        (exported / "model.pt", "cannot write"),
+    ]:
+        refused = run_python(["-m", "hpc_ddp", "export", str(folder.parent.parent), "--object",
+                              "model", "-o", str(target)])  # fmt: skip
+        assert refused.returncode == 2 and says in refused.stderr, (target, refused.stderr)
+        assert "Traceback" not in refused.stderr
+    assert {path: path.read_bytes() for path in folder.iterdir()} == before
+    assert not (folder.parent / "step-000000009.pt").exists()
+
 
 @pytest.mark.e2e
 def test_a_kill_during_a_background_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
@@ -307,18 +323,21 @@ def test_a_folders_metadata_is_unpickled_once_however_often_a_resume_reads_it(
     """A resume reads the run blob, its rank's blob, the optimizers' saved parameters and
     the tensors: each read would unpickle ``.metadata`` again (large for a model of many
     tensors). A folder written anew at the same path is read again."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    from hpc_ddp.runtime.checkpoint.sharded import load_objects, read_blobs, read_metadata
+    from hpc_ddp.runtime.checkpoint.sharded import (
+        MetadataUnpickler,
+        load_objects,
+        read_blobs,
+        read_metadata,
+    )
 
     unpickled = []
-    original = FileSystemReader.read_metadata
+    original = MetadataUnpickler.load
 
-    def counted(self: FileSystemReader, *args: Any, **kwargs: Any) -> Any:
-        unpickled.append(self.path)
-        return original(self, *args, **kwargs)
+    def counted(self: MetadataUnpickler) -> Any:
+        unpickled.append(self)
+        return original(self)
 
-    monkeypatch.setattr(FileSystemReader, "read_metadata", counted)
+    monkeypatch.setattr(MetadataUnpickler, "load", counted)
     folder = tmp_path / "step-1"
     weights = {"w": torch.arange(4.0)}
     write_folder(folder_state({"model": weights}, {"step": 1}, 0, {"rng": 1}), folder, None)
@@ -334,6 +353,45 @@ def test_a_folders_metadata_is_unpickled_once_however_often_a_resume_reads_it(
     write_folder(folder_state({"model": {"w": torch.ones(2)}}, {"step": 2}, 0, {}), folder, None)
     assert read_blobs(folder, ["run"]) == {"run": {"step": 2}}
     assert len(unpickled) == 2
+
+
+class Planted:
+    """What a planted pickle holds: unpickling it runs ``touch``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def test_a_planted_pickle_in_a_folder_runs_no_code(tmp_path: Path) -> None:
+    """torch reads a folder's .metadata and each non-tensor item with plain pickle: hpc_ddp
+    reads them admitting only what DCP and torch's safe loading write, so a planted one is
+    refused (the folder is unreadable) and its code never runs."""
+    import pickle
+
+    from hpc_ddp.runtime.checkpoint.files import load_newest
+    from hpc_ddp.runtime.checkpoint.sharded import METADATA, read_blobs
+
+    ran = tmp_path / "code-ran"
+    folder = tmp_path / "checkpoints" / "step-000000001"
+    write_folder(
+        folder_state({"model": {"w": torch.arange(4.0)}}, {"step": 1}, 0, {}), folder, None
+    )
+    original = (folder / METADATA).read_bytes()
+    (folder / METADATA).write_bytes(pickle.dumps(Planted(ran)))
+    with pytest.raises(HpcDdpError, match=r"no checkpoint in .* can be loaded .*never writes"):
+        load_newest(folder.parent)
+    assert not ran.exists()
+
+    (folder / METADATA).write_bytes(original)
+    item = tmp_path / "item"
+    write_folder({"run": Planted(ran)}, item, None)  # DCP pickles a non-tensor item
+    assert not ran.exists()
+    with pytest.raises(BaseException, match=r"Unsupported global|weights_only"):
+        read_blobs(item, ["run"])
+    assert not ran.exists(), "the item's code did not run"
 
 
 def test_a_checkpoint_that_vanishes_while_listed_is_not_taken_for_a_file(

@@ -409,3 +409,17 @@ def test_code_sent_by_value_gets_its_file_back_for_tracebacks(tmp_path: Path) ->
         (str(script), 4, "of"),
     ]
     assert frames[-1].line == "raise ValueError(x)", "the source line is found again"
+
+
+@pytest.mark.parametrize("values", ["0.1,0.01", 0.1], ids=["string", "number"])
+def test_a_grid_of_one_string_is_refused_not_swept_as_one_value(
+    values: Any, tmp_path: Path
+) -> None:
+    """grid={"lr": "0.1,0.01"} would be one task given --lr 0.1,0.01: refused before
+    anything is written or submitted."""
+    import hpc_ddp
+    from hpc_ddp.runtime.errors import HpcDdpError
+
+    with pytest.raises(HpcDdpError, match=r"grid=\{'lr': .*expected a list of values"):
+        hpc_ddp.submit_sweep("train.py", name="lr", grid={"lr": values}, output_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -264,6 +264,77 @@ def test_a_stall_report_names_the_rank_that_stopped_answering(stopped: int) -> N
     waiting = 1 - stopped
     report = next(line for line in result.stderr.splitlines() if f"rank {waiting} stalled" in line)
     if stopped == 1:
-        assert re.search(r"these ranks stopped answering: rank 1 \(\d+ s ago\)", report), report
+        assert re.search(r"these ranks stopped answering: rank 1 \(silent for \d+ s\)", report), (
+            report
+        )
     else:
         assert "the rendezvous store at 127.0.0.1" in report and "does not answer" in report
+
+
+def test_the_silent_ranks_are_found_on_this_rank_s_own_clock() -> None:
+    """Each rank writes a count, not a time: rank 1, which wrote long before and whose
+    host's clock may be an hour off, is silent because its count did not move between the
+    two reads; rank 2's moved (it wrote meanwhile), so it is not named, whatever its clock;
+    rank 3 never wrote. The wait between the reads and the clock are this test's
+    (a real TCPStore in this process, on 127.0.0.1)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    from hpc_ddp.runtime.preempt.liveness import Liveness
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
+    server.set("hpc_ddp/alive/0/1", "7")
+    server.set("hpc_ddp/alive/0/2", "7")
+    now = [100.0]
+
+    def between_reads(seconds: float) -> None:
+        server.set("hpc_ddp/alive/0/2", "8")
+        now[0] += seconds
+
+    liveness = Liveness("127.0.0.1", server.port, 0, 4, 0, between_reads, lambda: now[0])
+    try:
+        report = liveness.silent_ranks()
+    finally:
+        liveness.close()
+    assert report.startswith(
+        "these ranks stopped answering: rank 1 (silent for 3 s), rank 3 (never)"
+    )
+    assert "rank 2" not in report
+
+
+ALONE_IN_A_COLLECTIVE = """
+import threading
+import hpc_ddp
+
+run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False})
+sums = run.sums()
+sums.add("loss", 1.0)
+if run.rank == 0:
+    sums.reduce()  # the other rank never makes this call
+else:
+    threading.Event().wait()  # busy elsewhere until the launcher stops it
+run.finish()
+"""
+
+
+@pytest.mark.e2e
+def test_a_collective_only_one_rank_makes_ends_in_dist_timeout_s_naming_the_call(
+    tmp_path: Path,
+) -> None:
+    """hpc_ddp's own groups (the metric sums go over its gloo control group) take
+    dist.timeout_s, not torch's 30 minutes: rank 0 alone in run.sums().reduce() ends the
+    job after it, in one line that names the script's line, without a traceback."""
+    script = tmp_path / "alone.py"
+    script.write_text(ALONE_IN_A_COLLECTIVE)
+    result = run_local_program(
+        2,
+        ["--set", f"run.output_dir={tmp_path}", "--set", "dist.timeout_s=5", str(script)],
+    )
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert (
+        f"[rank 0] stopped: a collective waited 5 s (dist.timeout_s) for the other ranks, "
+        f"called at {script}:9: another rank did not make the same call in that time"
+        in result.stderr
+    ), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr

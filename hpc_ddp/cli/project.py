@@ -4,6 +4,7 @@ script, its log folder and, on request, an example script or a built-in config t
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -66,19 +67,35 @@ def init(args: argparse.Namespace) -> int:
     cwd = Path.cwd()
     output = Path(args.output)
     copies, program = planned_copies(args, requested_program(args), cwd)
-    for path in [output, *(copy.target for copy in copies)]:
-        if path.exists():
+    logs = cwd / "logs"
+    for path in [output, *(copy.target for copy in copies), logs]:
+        # A logs/ linked to a folder elsewhere (scratch space) is fine; a dangling one would
+        # make its target.
+        if path.is_symlink() and not (path == logs and path.is_dir()):
+            raise HpcDdpError(
+                f"{path} is a link (to {os.readlink(path)}): hpc-ddp init writes nothing "
+                "through a link",
+                "remove the link, or write the job script elsewhere with -o",
+            )
+        if path.exists() and path != logs:
             raise HpcDdpError(
                 f"{path} exists already: hpc-ddp init leaves it as it is",
                 "remove it, or write the job script elsewhere with -o",
             )
-    logs = cwd / "logs"
-    logs.mkdir(exist_ok=True)
-    for copy in copies:
-        copy.target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(copy.source, copy.target)
     request = job_request(args, program, logs)
-    write_job_script(output, render_sbatch(template_path().read_text(), request))
+    text = render_sbatch(template_path().read_text(), request)
+    try:
+        logs.mkdir(exist_ok=True)
+        for copy in copies:
+            copy.target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(copy.source, copy.target)
+        write_job_script(output, text)
+    except OSError as error:
+        raise HpcDdpError(
+            f"hpc-ddp init cannot write {error.filename or cwd}: {error.strerror or error}",
+            "run it in a project directory you can write to, where logs/ and configs/ are "
+            "folders if they exist",
+        ) from None
     for copy in copies:
         print(f"wrote {copy.target.relative_to(cwd)} (from {copy.source})", file=sys.stderr)
     print(

@@ -48,10 +48,15 @@ def tracking_sync(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    from hpc_ddp.runtime.checkpoint.export import choose_checkpoint, export_model
+    from hpc_ddp.runtime.checkpoint.export import (
+        check_export_target,
+        choose_checkpoint,
+        export_model,
+    )
     from hpc_ddp.view.runs import find_run
 
     run = find_run(args.run, Path(args.output_dir)).path
+    check_export_target(Path(args.output), run)
     checkpoint = choose_checkpoint(run, args.step)
     name, count = export_model(checkpoint, Path(args.output), args.object)
     print(f"wrote {args.output}: {name!r} ({count} tensors) from {checkpoint}")

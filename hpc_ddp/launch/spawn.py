@@ -41,17 +41,49 @@ def this_program(argv: list[str], main_module: Any) -> Program:
     return Program("script", argv[0], tuple(argv[1:]))
 
 
+def check_call(fn: object, args: object, join: object) -> None:
+    """Refuses what ``mp.spawn`` would fail on later, in a child: ``fn`` not callable,
+    ``args`` not a tuple, ``join=False``."""
+    if not callable(fn):
+        raise HpcDdpError(
+            f"hpc_ddp.spawn({fn!r}, ...): the first argument is a {type(fn).__name__}, "
+            "expected the function each rank runs",
+            "pass the function itself: hpc_ddp.spawn(main, args=(...), nprocs=N)",
+        )
+    if not isinstance(args, tuple):
+        raise HpcDdpError(
+            f"hpc_ddp.spawn(..., args={args!r}): args is a {type(args).__name__}, expected a "
+            "tuple (each rank calls fn(rank, *args))",
+            f"args=({args!r},) for a single argument",
+        )
+    if join is not True:
+        raise HpcDdpError(
+            f"hpc_ddp.spawn(..., join={join!r}): the ranks run to their end before it returns",
+            "leave join out (its default, True); code after the call runs once they ended",
+        )
+
+
 def spawn(
     fn: Callable[..., Any],
     args: tuple[Any, ...] = (),
     nprocs: int = 1,
+    join: bool = True,
+    daemon: bool = False,
+    start_method: str = "spawn",
     *,
     environ: Mapping[str, str] | None = None,
 ) -> None:
     """Run ``fn(rank, *args)`` on every rank (see the module docstring). Call it from the
     script's ``if __name__ == "__main__":`` block, as with ``mp.spawn``. In a rank it
     started, the process ends after ``fn`` returns; a failed rank ends the launch with its
-    exit code (SystemExit), the others stopped."""
+    exit code (SystemExit), the others stopped. ``join``, ``daemon`` and ``start_method``
+    are mp.spawn's, taken so that a call keeps its words: every rank is a fresh process run
+    to its end (``join=False`` is refused: there is no process context to return)."""
+    from hpc_ddp.runtime.session.ending import install_excepthook
+
+    install_excepthook()  # a refusal here is one line, as hpc_ddp.start()'s are
+    check_call(fn, args, join)
+    del daemon, start_method  # each rank is a fresh interpreter: neither applies
     environment = os.environ if environ is None else environ
     if detect_launcher(environment) != "single":
         if environ is None:  # for start() to compare with the launcher's world

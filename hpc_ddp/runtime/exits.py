@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -78,6 +79,10 @@ def report_failure(
     if isinstance(error, KeyboardInterrupt):
         print(f"[rank {label}] interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    unmatched = collective_timeout(error)
+    if unmatched:
+        print(f"[rank {label}] stopped: {unmatched}", file=sys.stderr)
+        return EXIT_FAILURE
     peer_gone = lost_peer(error)
     if peer_gone:
         print(
@@ -89,6 +94,34 @@ def report_failure(
     text = user_traceback(error, hidden or (lambda _path: False))
     print(f"[rank {label}] failed:\n{text}", file=sys.stderr, end="")
     return EXIT_FAILURE
+
+
+#: gloo's words when a collective's partner never came within the group's timeout.
+_GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (?:recv|send) operation")
+
+
+def collective_timeout(error: BaseException) -> str | None:
+    """What a gloo collective that timed out waited for, in words, with where the script
+    called it (None for another error): every rank makes the same collectives, so one that
+    never came means a rank skipped it, made another, or ran out of data sooner."""
+    match = _GLOO_TIMEOUT.search(str(error)) if isinstance(error, RuntimeError) else None
+    if match is None:
+        return None
+    torch_files = f"{os.sep}torch{os.sep}"
+    called = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if not toolkit_frame(frame.filename) and torch_files not in frame.filename
+    ]
+    where = f", called at {called[-1].filename}:{called[-1].lineno}" if called else ""
+    return (
+        f"a collective waited {int(match.group(1)) / 1000:g} s (dist.timeout_s) for the other "
+        f"ranks{where}: another rank did not make the same call in that time (it is stuck "
+        "or slower than that, skipped the call, made another, or its batches ran out "
+        "sooner)\nHINT: every rank must make the same "
+        "collective calls in the same order; one inside `if run.rank == 0` (run.sums()."
+        "reduce(), run.full_state_dict) waits for ranks that never make it"
+    )
 
 
 def process_group_alive() -> bool:

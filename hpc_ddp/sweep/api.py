@@ -52,6 +52,22 @@ class Sweep:
             time.sleep(poll_s)
 
 
+def as_lists(given: Mapping[str, Any] | None, where: str) -> dict[str, list[Any]] | None:
+    """``grid=`` or ``zip=`` with each key's values as a list; refuses values that are not a
+    list, tuple or range (a string would be one value, not split on its commas)."""
+    if given is None:
+        return None
+    for key, values in given.items():
+        if not isinstance(values, list | tuple | range):
+            raise HpcDdpError(
+                f"submit_sweep({where}={{{key!r}: {values!r}}}): the values are a "
+                f"{type(values).__name__}, expected a list of values",
+                f"{where}={{{key!r}: [...]}}, e.g. [0.1, 0.01] (a string is one value, not "
+                "split on commas)",
+            )
+    return {key: list(values) for key, values in given.items()}
+
+
 def submit_sweep(
     program: str | Sequence[str] | Callable[..., Any],
     *,
@@ -113,6 +129,7 @@ def submit_sweep(
             values = {key: texts(value, many) for key, value in values.items()}
         return {command_line_key(k) if isinstance(k, str) else k: v for k, v in values.items()}
 
+    grid, zip = as_lists(grid, "grid"), as_lists(zip, "zip")
     raw: dict[str, Any] = {"name": name, "concurrency": concurrency, "metric": metric}
     raw.update(mode=mode, max_tasks=max_tasks)
     raw.update(grid=grid and keyed(grid, True), zip=zip and keyed(zip, True))

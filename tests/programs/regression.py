@@ -77,6 +77,16 @@ def record_ids(folder: str, run: hpc_ddp.Run, ids: torch.Tensor) -> None:
         record.write(json.dumps({"step": run.global_step, "ids": ids.tolist()}) + "\n")
 
 
+def own_init(model: nn.Module) -> None:
+    """A script's own initialisation, as torchtitan's init_weights: its own distributions."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.trunc_normal_(module.weight, std=0.5)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.BatchNorm1d):
+            module.reset_parameters()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
@@ -99,6 +109,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument(
         "--meta", action="store_true", help="the net built on the meta device (no data)"
+    )
+    parser.add_argument(
+        "--init-weights", action="store_true", help="--meta: run.wrap(init_weights=...)"
     )
     args, overrides = parser.parse_known_args(argv)  # the rest: hpc_ddp's dotted overrides
 
@@ -126,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     elif args.own_ddp:  # as a script converted from the DDP tutorial keeps it
         model = nn.parallel.DistributedDataParallel(net)
     else:
-        model = run.wrap(net)
+        model = run.wrap(net, init_weights=own_init if args.init_weights else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     loader = run.train_loader(Pairs(args.samples, seed=1), args.batch, grad_accum_steps=args.accum)
     val_loader = run.eval_loader(Pairs(1001, seed=2), batch_size=256)

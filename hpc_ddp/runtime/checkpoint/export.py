@@ -18,7 +18,7 @@ from hpc_ddp.runtime.checkpoint.files import (
     write_atomically,
 )
 from hpc_ddp.runtime.checkpoint.objects import MODULE
-from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, full_tensors
+from hpc_ddp.runtime.checkpoint.sharded import METADATA, FolderObjects, full_tensors
 from hpc_ddp.runtime.errors import HpcDdpError
 
 
@@ -73,9 +73,38 @@ def model_weights(path: Path, name: str | None = None) -> tuple[str, dict[str, t
     return chosen, {key: value.clone() for key, value in objects[chosen].items()}
 
 
+def check_export_target(output: Path, run_dir: Path) -> None:
+    """Refuses an ``output`` that would replace a checkpoint (inside the run's checkpoints
+    folder, or inside any checkpoint folder) or that is not a file name (a directory, a
+    device, a pipe)."""
+    hint = "name a new file outside the run's checkpoints, e.g. -o model.pt"
+    where = output.resolve()
+    checkpoints = checkpoint_dir(run_dir).resolve()
+    if where.is_relative_to(checkpoints) or any(
+        (folder / METADATA).exists() for folder in where.parents
+    ):
+        raise HpcDdpError(
+            f"-o {output} is inside a run's checkpoints ({checkpoints}): the export would "
+            "replace or mix with a checkpoint",
+            hint,
+        )
+    if where.is_dir():
+        raise HpcDdpError(f"-o {output} is a directory, expected the file to write", hint)
+    if where.exists() and not where.is_file():
+        raise HpcDdpError(f"-o {output} exists and is not a regular file", hint)
+
+
 def export_model(path: Path, output: Path, name: str | None = None) -> tuple[str, int]:
     """Write the model's state dict to ``output`` with ``torch.save``; its name and tensor
-    count."""
+    count. A failed write (read-only, a full disk, a file where a folder should be) is an
+    HpcDdpError, and leaves no part of the file."""
     chosen, weights = model_weights(path, name)
-    write_atomically(output, lambda handle: torch.save(weights, handle))
+    try:
+        write_atomically(output, lambda handle: torch.save(weights, handle))
+    except OSError as error:
+        raise HpcDdpError(
+            f"cannot write {output}: {error.strerror or error}"
+            + (f" ({error.filename})" if error.filename else ""),
+            "write to a folder you can write to, with room for the weights",
+        ) from None
     return chosen, len(weights)

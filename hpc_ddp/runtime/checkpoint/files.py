@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
-from hpc_ddp.runtime.checkpoint.sharded import is_complete, load_run
+from hpc_ddp.runtime.checkpoint.sharded import METADATA, is_complete, load_run
 from hpc_ddp.runtime.errors import HpcDdpError, error_line
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.safefiles import DIR_MODE, create_temporary, make_dirs
@@ -172,15 +172,36 @@ def _size(count: int) -> str:
     return f"{value:.1f} {unit}"
 
 
-def remove_partial_writes(directory: Path) -> None:
-    """Temporary files and unfinished folders (no ``.metadata``) left by writers killed
-    mid-save."""
-    if directory.is_dir():
-        for path in directory.glob(".step-*.pt.tmp-*"):
-            path.unlink(missing_ok=True)
-        for path in directory.glob("step-*"):
-            if path.is_dir() and _NAME.match(path.name) and not is_complete(path):
-                shutil.rmtree(path, ignore_errors=True)
+def writing_mark(folder: Path) -> Path:
+    """The file beside ``folder`` that says this run's writer has not finished it: rank 0
+    makes it before any rank writes, and removes it once ``.metadata`` is in place."""
+    return folder.parent / f".writing-{folder.name}"
+
+
+def remove_partial_writes(directory: Path) -> list[Path]:
+    """Removes the temporary files and the unfinished folders (no ``.metadata``) that this
+    run's writers left when killed mid-save (the folders marked by :func:`writing_mark`);
+    returns the other folders without ``.metadata`` (copied without their dotfiles, or not
+    written by hpc_ddp), which are not this run's to delete."""
+    unfinished: list[Path] = []
+    if not directory.is_dir():
+        return unfinished
+    for path in directory.glob(".step-*.pt.tmp-*"):
+        path.unlink(missing_ok=True)
+    for path in sorted(directory.glob("step-*")):
+        if not (path.is_dir() and _NAME.match(path.name)):
+            continue
+        mark = writing_mark(path)
+        if not is_complete(path) and not mark.exists():
+            unfinished.append(path)
+            continue
+        if not is_complete(path):
+            shutil.rmtree(path, ignore_errors=True)
+        mark.unlink(missing_ok=True)
+    for mark in directory.glob(".writing-step-*"):
+        if not (directory / mark.name.removeprefix(".writing-")).exists():
+            mark.unlink(missing_ok=True)
+    return unfinished
 
 
 def _refused_by_weights_only(error: Exception) -> bool:
@@ -221,12 +242,17 @@ def load_checkpoint(path: Path, rank: int = 0) -> dict[str, Any]:
     return state
 
 
-def load_newest(directory: Path, start_fresh_if_unreadable: bool = False) -> Found | None:
+def load_newest(
+    directory: Path, start_fresh_if_unreadable: bool = False, unfinished: Sequence[Path] = ()
+) -> Found | None:
     """The newest checkpoint that loads. Unreadable ones newer than it (damaged, truncated,
-    of another format) are moved to ``checkpoints/unreadable/``, so a later save never
-    replaces them. When none loads, nothing is touched and the run is refused, unless
-    ``start_fresh_if_unreadable``: then all are moved aside and None says "start fresh"."""
-    unreadable: list[tuple[Path, str]] = []
+    of another format) and the ``unfinished`` folders (see :func:`remove_partial_writes`)
+    are moved to ``checkpoints/unreadable/``, so a later save never replaces them. When none
+    loads, nothing is touched and the run is refused, unless ``start_fresh_if_unreadable``:
+    then all are moved aside and None says "start fresh"."""
+    unreadable = [(path, f"no {METADATA}: unfinished, or copied without it") for path in unfinished]
+    for path, reason in unreadable:
+        get_logger().warning(f"checkpoint {path} cannot be loaded ({reason})")
     for path in list_checkpoints(directory):
         try:
             found = path, load_checkpoint(path)

@@ -12,14 +12,17 @@ takes most of a second).
 Small values travel as one blob each (``torch.save`` bytes, unpacked with
 ``weights_only=True``): the run's own state under ``run`` (rank 0's), and each rank's random
 streams and batch state under ``rank.<r>``, so a rank reads only its own. torch itself reads
-a folder's ``.metadata`` and wraps each blob with plain pickle: load folders you (or your
-group) wrote, as with any pickle.
+a folder's ``.metadata`` and the wrapper of each non-tensor item with plain pickle; hpc_ddp
+reads the metadata admitting only DCP's own classes and each item with ``weights_only=True``,
+so a planted pickle runs no code.
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import pickle
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
@@ -150,9 +153,43 @@ def forget_metadata() -> None:
 
 @functools.lru_cache(maxsize=1)
 def _metadata_of(folder: str, _identity: tuple[int, int, int]) -> Metadata:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-    return FileSystemReader(folder).read_metadata()
+    with open(Path(folder) / METADATA, "rb") as handle:
+        metadata = MetadataUnpickler(handle).load()
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"its {METADATA} holds a {type(metadata).__name__}, not DCP's Metadata")
+    if metadata.storage_meta is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a ``.metadata`` admitting only the classes DCP writes there (its metadata
+    records, torch's sizes, dtypes and layouts, paths): a planted pickle that would run code
+    is refused (torch's own reader uses plain pickle)."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if self._admitted(module, name) else None
+        if found is None:
+            raise pickle.UnpicklingError(f"it asks for {module}.{name}, which DCP never writes")
+        return found
+
+    def _admitted(self, module: str, name: str) -> bool:
+        if module in self.MODULES:
+            return isinstance(getattr(sys.modules.get(module), name, None), type)
+        if module == "torch":
+            return name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
+        return (module, name) in {
+            ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PureWindowsPath"),
+            ("collections", "OrderedDict"),
+        }
 
 
 def _reader(folder: Path) -> Any:
@@ -167,11 +204,20 @@ def _reader(folder: Path) -> Any:
 
 
 def _load(template: dict[str, Any], folder: Path) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    class SafeBytesPlanner(DefaultLoadPlanner):
+        """DCP's planner, reading each non-tensor item with ``weights_only=True`` (torch's
+        own reads it with plain pickle, which would run a planted blob's code)."""
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            loaded = torch.load(value, map_location="cpu", weights_only=True)
+            super().load_bytes(read_item, io.BytesIO(pack(loaded)))
 
     # Each process reads what it needs alone: no collective, so no peer can hang it.
     _quiet_alone()
-    dcp_load(template, storage_reader=_reader(folder), no_dist=True)
+    dcp_load(template, storage_reader=_reader(folder), planner=SafeBytesPlanner(), no_dist=True)
 
 
 def read_blobs(folder: Path, keys: Iterable[str]) -> dict[str, Any]:
@@ -248,11 +294,33 @@ class FolderObjects:
     plain: dict[str, Any]
 
 
+def check_files(folder: Path) -> None:
+    """Raises ValueError when a file the folder's metadata names is missing, shorter than
+    its entries reach (truncated, emptied by a full disk) or outside the folder: such a
+    folder is no checkpoint, and a resume goes on from the one before it."""
+    reach: dict[str, int] = {}
+    for entry in read_metadata(folder).storage_data.values():
+        name = getattr(entry, "relative_path", None)
+        if not isinstance(name, str):
+            continue
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"its metadata names {name!r}, a file outside the folder")
+        reach[name] = max(reach.get(name, 0), int(entry.offset) + int(entry.length))
+    for name, needed in sorted(reach.items()):
+        try:
+            size = (folder / name).stat().st_size
+        except FileNotFoundError:
+            raise ValueError(f"{name} is missing") from None
+        if size < needed:
+            raise ValueError(f"{name} holds {size} bytes, its metadata reaches byte {needed}")
+
+
 def load_run(folder: Path, rank: int) -> dict[str, Any]:
     """A folder checkpoint as a single-file one reads (see :mod:`.files`): the run's state,
     this rank's random streams and batch state, and the objects to load on resume."""
     if not is_complete(folder):
         raise ValueError(f"no {METADATA}: a save that did not finish")
+    check_files(folder)
     run = read_blobs(folder, [RUN_KEY])[RUN_KEY]
     if not isinstance(run, dict) or run.get("format") != FOLDER_FORMAT:
         found = run.get("format") if isinstance(run, dict) else type(run).__name__

@@ -151,6 +151,16 @@ def guarded_restore(what: str, path: Path, call: Callable[..., Any], *args: Any)
         raise HpcDdpError(
             f"cannot restore {what!r} from {path}: {type(error).__name__}: {reason}", hint
         ) from None
+    except BaseException as error:  # torch's CheckpointException: a file that does not read
+        if isinstance(error, KeyboardInterrupt | SystemExit | GeneratorExit):
+            raise
+        reason = " ".join(str(error).split())[:300]
+        raise HpcDdpError(
+            f"cannot restore {what!r} from {path}: its files do not read "
+            f"({type(error).__name__}: {reason})",
+            f"move {path.name} into {path.parent}/unreadable/ and run again: the run goes on "
+            "from the checkpoint before it",
+        ) from None
 
 
 #: Keys listed of each kind (missing, unexpected) when a state does not load.

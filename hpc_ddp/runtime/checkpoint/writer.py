@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hpc_ddp.runtime.checkpoint.files import prune_older, unwritable
+from hpc_ddp.runtime.checkpoint.files import prune_older, unwritable, writing_mark
 from hpc_ddp.runtime.checkpoint.sharded import (
     is_complete,
     new_stager,
@@ -108,6 +108,10 @@ class FolderSaves:
                 folder.unlink()
             elif folder.exists():
                 shutil.rmtree(folder, ignore_errors=True)
+            make_dirs(folder.parent)
+            mark = writing_mark(folder)
+            mark.unlink(missing_ok=True)
+            mark.touch(exist_ok=False)  # never through a link left there
             make_dirs(folder)
         if not several_ranks():
             return state
@@ -122,6 +126,7 @@ class FolderSaves:
         self.last_write_s = (done or time.perf_counter()) - started
         if self.is_main:
             _no_shared_write(folder)
+            writing_mark(folder).unlink(missing_ok=True)
             prune_older(self.directory, step, self.keep_last)
             get_logger().info(
                 f"checkpoint ({reason}) step {step}: {folder} ({self.last_write_s:.2f} s)"
@@ -132,6 +137,8 @@ class FolderSaves:
         was written of it (it is no checkpoint, and it takes space)."""
         if self.is_main and not is_complete(folder):
             shutil.rmtree(folder, ignore_errors=True)
+        if self.is_main:
+            writing_mark(folder).unlink(missing_ok=True)
         if isinstance(error, HpcDdpError):
             return error
         cause = _first_cause(error)

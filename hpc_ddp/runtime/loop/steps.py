@@ -164,12 +164,15 @@ class StepLoop:
         watchdog = self._watchdog
         if watchdog is not None:
             watchdog.arm()
+        wanted = left > 0 or loader.steps_per_epoch == 0  # 0: a sized iterable, empty
+        fresh_epoch, yielded = wanted and position.step_in_epoch == 0, False
         try:
             batches = iter(loader) if left > 0 else iter(())
             while left > 0:
                 batch = next(batches, _END)
                 if batch is _END:
                     break
+                yielded = True
                 if not self.metrics.global_batch_size:
                     self.metrics.measure_batch(batch, accum)
                 self.accumulating = self._micro < accum - 1
@@ -187,6 +190,8 @@ class StepLoop:
             if self.context.device.type == "cuda":
                 torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
             position.train_time_s += time.perf_counter() - started
+        if fresh_epoch and not yielded:
+            raise no_step_refusal(loader, accum, position.epoch)
         self.metrics.progress.reach(position.global_step, final=True)
         self.metrics.end_epoch(position.epoch, position.global_step)
         if not self._in_epochs:
@@ -266,3 +271,16 @@ class StepLoop:
             self._watchdog.close()
         if wait:
             self.stopper.close()
+
+
+def no_step_refusal(loader: Any, accum: int, epoch: int) -> HpcDdpError:
+    """An epoch that began and gave no optimizer step: empty data, or a used-up iterable."""
+    given = loader.batches if isinstance(loader, BatchStream) else loader
+    return HpcDdpError(
+        f"run.steps(): the {type(given).__name__} gave no "
+        f"{'batch' if accum == 1 else f'{accum} micro-batches (grad_accum_steps)'} "
+        f"in epoch {epoch}: expected at least one optimizer step",
+        "check the data is not empty (a DataLoader with drop_last=True and a batch larger "
+        "than the data gives none); a generator is used up after one epoch: make a new one "
+        "each epoch",
+    )

@@ -1,13 +1,15 @@
-"""Which ranks still answer. Each rank's watchdog thread writes "alive at <time>" to the
-rendezvous store every few seconds, over a connection of its own with a short timeout. When
-a rank's stall watchdog fires, it reads the others' times, so its report names a rank that
-stopped answering (SIGSTOP, a frozen node) instead of only itself, which merely waits for
-that rank in a collective."""
+"""Which ranks still answer. Each rank's watchdog thread writes a count of its "alive" writes
+to the rendezvous store every few seconds, over a connection of its own with a short timeout.
+When a rank's stall watchdog fires, it reads the others' counts twice, some seconds apart on
+its own monotonic clock, so its report names a rank that stopped answering (SIGSTOP, a frozen
+node) instead of only itself, which merely waits for that rank in a collective. No clock is
+compared across hosts: one an hour behind names no one."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -27,14 +29,29 @@ class Liveness:
     store host leaves the connection open), so after the first write, made as training starts,
     every call runs on a thread of its own."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, attempt: int) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        attempt: int,
+        between_reads: Callable[[float], object] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.host, self.port = host, port
         self.rank, self.world_size = rank, world_size
         self.period_s = publish_period_s(world_size)
+        #: A rank that made no write in this long is silent.
+        self.limit_s = max(3.0, 3 * self.period_s)
         self._prefix = f"hpc_ddp/alive/{attempt}/"
         self._client: Any = None
         self._first: float | None = None
+        self._writes = 0
         self._closed = threading.Event()
+        #: Waits the given seconds between the two reads of a stall report.
+        self._between_reads = between_reads or self._closed.wait
+        self._clock = clock
         # The first write before training starts, not whenever the thread gets to it: a rank
         # that stops at its first steps has written once, and is named with its time.
         self._alive = self._write()
@@ -61,12 +78,12 @@ class Liveness:
         """Write this rank's "alive" time once; False when the store is away (silent_ranks
         says so when it matters)."""
         try:
-            now = time.time()
-            self._store().set(f"{self._prefix}{self.rank}", repr(now))
+            self._store().set(f"{self._prefix}{self.rank}", str(self._writes + 1))
         except Exception:
             return False
+        self._writes += 1
         if self._first is None:
-            self._first = now
+            self._first = self._clock()
         return True
 
     def _publish(self) -> None:
@@ -80,7 +97,7 @@ class Liveness:
         found: list[str] = []
         reader = threading.Thread(target=self._read, args=(found,), daemon=True)
         reader.start()
-        reader.join(STORE_TIMEOUT_S)
+        reader.join(2 * STORE_TIMEOUT_S + self.limit_s)
         if reader.is_alive() or found == ["unreachable"]:
             return (
                 f"the rendezvous store at {self.host}:{self.port} does not answer either: "
@@ -96,21 +113,26 @@ class Liveness:
         )
 
     def _read(self, found: list[str]) -> None:
-        now, limit = time.time(), max(3.0, 3 * self.period_s)
-        # Ranks that never wrote count once every rank has had the time to.
-        everyone_had_time = self._first is not None and now - self._first > limit
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
         try:
             store = self._store()
-            for rank in range(self.world_size):
-                key = f"{self._prefix}{rank}"
-                if rank == self.rank:
-                    continue
-                if not store.check([key]):
-                    if everyone_had_time:
-                        found.append(f"rank {rank} (never)")
-                    continue
-                age = now - float(store.get(key))
-                if age > limit:
-                    found.append(f"rank {rank} ({age:.0f} s ago)")
+            before = self._counts(store, others)
+            self._between_reads(self.limit_s)
+            after = self._counts(store, others)
         except Exception:
             found[:] = ["unreachable"]
+            return
+        # Ranks that never wrote count once every rank has had the time to.
+        first = self._first
+        everyone_had_time = first is not None and self._clock() - first >= self.limit_s
+        for rank in others:
+            if after[rank] is None:
+                if everyone_had_time:
+                    found.append(f"rank {rank} (never)")
+            elif after[rank] == before[rank]:
+                found.append(f"rank {rank} (silent for {self.limit_s:.0f} s)")
+
+    def _counts(self, store: Any, ranks: list[int]) -> dict[int, bytes | None]:
+        """Each rank's count of "alive" writes (None: it made none)."""
+        keys = {rank: f"{self._prefix}{rank}" for rank in ranks}
+        return {rank: store.get(key) if store.check([key]) else None for rank, key in keys.items()}

@@ -1,11 +1,12 @@
 """Models built on the meta device (shapes, no data), as FSDP2's examples and torchtitan build
 a model larger than one host's memory: ``run.wrap`` shards it first under
-``dist.strategy=fsdp`` on GPUs and gives each rank storage for its own shards only, then
-initialises them; under DDP, and on CPU ranks, every rank materialises the whole model."""
+``dist.strategy=fsdp`` and gives each rank storage for its own shards only, then initialises
+them; under DDP every rank materialises the whole model."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 
 import torch
@@ -132,3 +133,75 @@ def parameters_kept(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def sharded_on_device(
+    model: nn.Module,
+    shard: Callable[[nn.Module], nn.Module],
+    device: torch.device,
+    init_weights: InitWeights | None,
+    on_meta: bool,
+) -> nn.Module:
+    """``shard(model)``, with storage on ``device`` for this rank's shards when ``model`` is
+    on the meta device, initialised by :func:`initialise_shards`, or by ``init_weights`` on
+    the sharded model (DTensors). On a CPU mesh the script's ``init_weights`` would draw the
+    same numbers for every rank's shard (DTensor keeps per-shard random offsets on GPUs
+    only), so there the whole model is materialised for it first."""
+    if not on_meta:
+        return shard(model)
+    if init_weights is not None and device.type == "cpu":
+        materialise(model, device, init_weights)
+        return shard(model)
+    if init_weights is not None:
+        sharded = shard(model)
+        materialise(sharded, device, init_weights)
+        return sharded
+    blueprint = copy.deepcopy(model)
+    sharded = shard(model)
+    sharded.to_empty(device=device)
+    initialise_shards(sharded, blueprint, device)
+    return sharded
+
+
+def initialise_shards(sharded: nn.Module, blueprint: nn.Module, device: torch.device) -> None:
+    """This rank's shards of ``sharded`` (given storage by ``to_empty``) set as the model
+    built whole would have them: module by module, in order, ``reset_parameters()`` runs on a
+    whole copy of that module's own weights (in ``blueprint``, the unsharded model still on
+    the meta device) and this rank's part is copied in. Every rank draws the same numbers,
+    as for a model built whole, so the shards differ where they should on any device (DTensor's
+    own random ops do on GPUs only), and a rank holds one module's weights more at most."""
+    live = dict(sharded.named_modules())
+    with torch.no_grad():
+        for path, twin in blueprint.named_modules():
+            if not owns_tensors(twin):
+                continue
+            twin.to_empty(device=device, recurse=False)
+            twin.reset_parameters()
+            target = live[path]
+            for name, whole in [
+                *twin.named_parameters(recurse=False),
+                *twin.named_buffers(recurse=False),
+            ]:
+                place(getattr(target, name), whole)
+            twin.to_empty(device="meta", recurse=False)
+
+
+def place(destination: torch.Tensor, whole: torch.Tensor) -> None:
+    """``whole`` into ``destination``: of a sharded parameter, this rank's part only, copied
+    from a view of ``whole`` (a copy of the part would stay in the allocator's heap)."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if not isinstance(destination, DTensor):
+        destination.copy_(whole)
+        return
+    mesh, placements = destination.device_mesh, destination.placements
+    if mesh.ndim == 1 and type(placements[0]) is Shard:  # FSDP2's: torch.chunk along dim
+        dim = placements[0].dim
+        parts = torch.chunk(whole, mesh.size(), dim=dim)
+        index = mesh.get_local_rank()
+        part = parts[index] if index < len(parts) else whole.narrow(dim, 0, 0)
+        local = destination.to_local()
+        if local.shape == part.shape:
+            local.copy_(part)
+            return
+    destination.copy_(distribute_tensor(whole, mesh, placements, src_data_rank=None))

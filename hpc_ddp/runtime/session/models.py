@@ -14,7 +14,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.session.buckets import check_shardable, check_wrappable, wrap_in_ddp
-from hpc_ddp.runtime.session.meta import InitWeights, materialise, on_meta_device
+from hpc_ddp.runtime.session.meta import (
+    InitWeights,
+    materialise,
+    on_meta_device,
+    sharded_on_device,
+)
 from hpc_ddp.runtime.session.rank import RankView
 from hpc_ddp.runtime.shards import any_sharded, holds_shards, sharded_blocks
 
@@ -53,9 +58,12 @@ class ModelView(RankView):
         A model built on the meta device (``with torch.device("meta"): model = Net()``) is
         given storage and initialised here: by ``init_weights(model)`` (in place, under
         ``torch.no_grad``), else by the ``reset_parameters()`` of each module holding
-        parameters or buffers itself. With ``dist.strategy=fsdp`` on GPUs it is sharded
-        first, so a rank never holds more than its shards (``init_weights`` then sees
-        DTensors); under DDP, and on CPU ranks, each rank materialises the whole model.
+        parameters or buffers itself, one module at a time on a whole copy of its own weights
+        (the same numbers as the model built whole). With ``dist.strategy=fsdp`` it is
+        sharded first, so a rank holds its shards and one module more at most
+        (``init_weights`` then sees DTensors; on CPU ranks, where DTensor's random ops would
+        give every rank the same shard, the whole model is materialised for it first); under
+        DDP each rank materialises the whole model.
         """
         check_wrappable(model, self._context.wrapped)
         on_meta = on_meta_device(model, init_weights)
@@ -64,16 +72,15 @@ class ModelView(RankView):
             from hpc_ddp.runtime.session.sharding import shard_model
 
             check_shardable(ddp_options, self._context.config.checkpoint.save_mode)
-            if on_meta and self.device.type == "cpu":
-                # DTensor's random ops draw the same numbers on every CPU rank (torch keeps
-                # per-shard offsets only on GPUs): each rank's shards would be copies.
-                materialise(model, self.device, init_weights)
-                on_meta = False
-            sharded = shard_model(
-                model, self.device, settings.shard_blocks, settings.mixed_precision
+            sharded = sharded_on_device(
+                model,
+                lambda whole: shard_model(
+                    whole, self.device, settings.shard_blocks, settings.mixed_precision
+                ),
+                self.device,
+                init_weights if on_meta else None,
+                on_meta,
             )
-            if on_meta:
-                materialise(sharded, self.device, init_weights)
             self._context.wrapped.append(sharded)
             return sharded  # type: ignore[return-value]
         if on_meta:

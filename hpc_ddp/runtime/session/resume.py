@@ -53,9 +53,9 @@ def find_resume(
     directory = checkpoint_dir(run_dir)
     found, refusal = None, None
     if rank == 0:
-        remove_partial_writes(directory)
+        unfinished = remove_partial_writes(directory)
         try:
-            found = load_newest(directory, start_fresh_if_unreadable)
+            found = load_newest(directory, start_fresh_if_unreadable, unfinished)
         except HpcDdpError as error:
             refusal = (error.message, error.hint)
     chosen, refusal = broadcast_object((str(found[0]) if found else "", refusal), group)

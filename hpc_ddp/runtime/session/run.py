@@ -149,6 +149,7 @@ class Run(ModelView):
     ) -> Iterator[int]:
         """The epochs left: a resumed run starts at its saved epoch. ``max_steps`` ends the
         run after that many optimizer steps (over all attempts); None: no limit."""
+        self._refuse_after_finish("run.epochs()")
         loop = self._loop
         loop.limits.set(
             num_epochs=optional_whole_number(num_epochs, "run.epochs(num_epochs)"),
@@ -187,6 +188,7 @@ class Run(ModelView):
         periodic and requested checkpoints. Call ``optimizer.step()`` once per step, i.e.
         when not :attr:`accumulating`. Without :meth:`epochs`, each call is the next epoch
         (an endless iterable is one epoch)."""
+        self._refuse_after_finish("run.steps()")
         source = step_source(
             loader, optional_whole_number(grad_accum_steps, "run.steps(grad_accum_steps)")
         )
@@ -195,6 +197,14 @@ class Run(ModelView):
         self._loop.begin(self.resume)
         mark(self._timeline, "training")
         return self._ended_on_stop(self._loop.steps(source))
+
+    def _refuse_after_finish(self, what: str) -> None:
+        if self._finished:
+            raise HpcDdpError(
+                f"{what} after run.finish(): the run has ended (its final checkpoint and "
+                "summary are written, the process group is down)",
+                "train before run.finish(); another run starts with its own hpc_ddp.start()",
+            )
 
     def _ended_on_stop(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches``; an agreed stop leaving them ends the run on this rank (its MLflow run

@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -259,12 +260,16 @@ def start(
         mark(timeline, "dist_ready")
         # Control messages (stop agreement, barriers) go over gloo on the CPU, so they never
         # force a GPU synchronisation.
-        group = torch_dist.new_group(backend="gloo") if dist_env.world_size > 1 else None
+        # Each with dist.timeout_s: a group made without one waits torch's 30 minutes.
+        limit = timedelta(seconds=settings.dist.timeout_s)
+        group = (
+            torch_dist.new_group(backend="gloo", timeout=limit) if dist_env.world_size > 1 else None
+        )
         # A background save's collectives run on a thread of their own: never on a group
         # that training uses meanwhile.
         background_saves = settings.checkpoint.enabled and settings.checkpoint.save_mode == "async"
         checkpoint_group = (
-            torch_dist.new_group(backend="gloo")
+            torch_dist.new_group(backend="gloo", timeout=limit)
             if dist_env.world_size > 1 and background_saves
             else None
         )
