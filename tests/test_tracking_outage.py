@@ -46,18 +46,24 @@ def start_mlflow_server(directory: Path, port: int) -> subprocess.Popen[bytes]:
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{directory / 'server.db'}",
          "--default-artifact-root", str(directory / "artifacts"), "--workers", "1"],
-        cwd=directory, env=clean_environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        cwd=directory, env=clean_environ(), stdout=subprocess.DEVNULL,
+        stderr=(directory / "mlflow-server.log").open("wb"), start_new_session=True,
     )  # fmt: skip
+    # A hang guard, not a verdict: the server's start is imports (CPU), so a test that starts
+    # it while its own ranks train keeps them mostly idle (--step-pause).
     deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and server.poll() is None:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             return server
         except OSError:
             time.sleep(0.5)
-    os.killpg(server.pid, signal.SIGKILL)
-    raise AssertionError("mlflow server did not start within 90 s")
+    code = server.poll()
+    if code is None:
+        os.killpg(server.pid, signal.SIGKILL)
+    log = (directory / "mlflow-server.log").read_text(errors="replace")[-2000:]
+    ended = f"exited with code {code}" if code is not None else "was not listening after 90 s"
+    raise AssertionError(f"mlflow server on port {port} {ended}; its log:\n{log}")
 
 
 def stop_mlflow_server(server: subprocess.Popen[bytes]) -> None:
@@ -216,6 +222,8 @@ def test_a_server_that_comes_back_mid_run_gets_the_whole_run_in_the_background(
         PROGRAM, "--epochs", "500", "--samples", "19200", "--log-interval", "25",
         f"run.output_dir={tmp_path}", "run.id=back", f"tracking.uri={uri}", "tracking.retry_s=1",
         "preempt.check_every_steps=1",
+        # The ranks mostly wait, leaving the CPU to the server starting meanwhile.
+        "--step-pause", "0.02",
     ]  # fmt: skip
     process = start_program(2, program)
     output = Lines(process)
