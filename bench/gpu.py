@@ -6,7 +6,7 @@
 2. Overhead on CUDA with bf16: hpc_ddp vs `bench/raw_ddp.py --device cuda --bf16` on the same
    model, data, batch and loader workers, alternating A/B, median samples/s and the ratio.
 
-    python -m bench.gpu && python -m bench.report     # bench/results/gpu.json, bench/README.md
+    python -m bench.gpu [REPEATS] && python -m bench.report   # bench/results/gpu.json, README
 """
 
 from __future__ import annotations
@@ -150,4 +150,4 @@ def run(repeats: int = 5) -> dict[str, Any] | None:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if run() is not None else 2)
+    sys.exit(0 if run(int(sys.argv[1]) if len(sys.argv) > 1 else 5) is not None else 2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -61,7 +62,11 @@ def launch(
 
 
 def last_json(text: str) -> dict[str, Any]:
-    """The last top-level JSON object printed (hpc_ddp prints its summary indented)."""
+    """The last top-level JSON object printed; for a run of the trainer, the summary.json
+    its last lines name (``  summary: <path>``)."""
+    named = re.findall(r"^  summary: (.+\.json)$", text, re.MULTILINE)
+    if named:
+        return json.loads(Path(named[-1]).read_text())  # type: ignore[no-any-return]
     start = text.rfind("\n{")
     start = 0 if start < 0 and text.startswith("{") else start + 1
     if text.lstrip().startswith("{") and "\n{" not in text:

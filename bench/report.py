@@ -337,6 +337,36 @@ def _gpu(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _gpu_sharded(data: dict[str, Any]) -> str:
+    lines = [
+        "",
+        f"### Training blocked per checkpoint, state on the GPU ({data['gpu']}, world size 1, "
+        f"median of {data['repeats']})",
+        "",
+        "| state | single file | folder, at once | folder, in the background | share of at once |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for row in data["blocked"]:
+        lines.append(
+            f"| {row['size_mb']} MB | {row['single_file_s']:.2f} s | {row['sync_s']:.2f} s | "
+            f"{row['async_s']:.3f} s | {100 * row['async_blocked_share']:.0f}% |"
+        )
+    if data.get("lm"):
+        lines += ["", "| language model | tokens/s | val loss | peak GPU memory | last save blocked |",
+                  "|---|---:|---:|---:|---:|"]  # fmt: skip
+        for row in data["lm"]:
+            lines.append(
+                f"| {row['strategy']} | {row['tokens_per_s']:,.0f} | {row['val_loss']:.4f} | "
+                f"{row['gpu_peak_memory_gb']:.2f} GB | {row['last_checkpoint_save_s']:.3f} s |"
+            )
+    else:
+        lines += [
+            "",
+            f"The DDP and FSDP2 language-model runs have no figures yet: {data['source']}.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
 def write_readme() -> Path:
     sections = []
     machine = "unknown"
@@ -359,12 +389,13 @@ def write_readme() -> Path:
     scale = _load("scale")
     if scale is not None:
         plot(scale)
-    gpu = _load("gpu")
+    gpu, gpu_sharded = _load("gpu"), _load("gpu_sharded")
     path = REPO / "bench" / "README.md"
     path.write_text(
         HEADER.format(machine=machine)
         + "".join(sections)
         + (GPU_NOTE if gpu is None else _gpu(gpu))
+        + ("" if gpu is None or gpu_sharded is None else _gpu_sharded(gpu_sharded))
     )
     return path
 

@@ -15,6 +15,20 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
+#: A run of the built-in trainer that can be stopped mid-epoch and resumed (3 epochs of 200
+#: steps at one rank, checkpoints every 50 steps).
+RESUMABLE = [
+    "data.num_samples=12800",
+    "data.batch_size=64",
+    "train.epochs=3",
+    "train.log_interval=8",
+    "optim.schedule=cosine",
+    "optim.warmup_steps=10",
+    "checkpoint.every_steps=50",
+    # Agree on stop signals after every step, so a stop lands mid-epoch whatever the speed.
+    "preempt.check_every_steps=1",
+]
+
 # Variables a launcher sets; a test process must never pass its own to the ranks it starts.
 LAUNCHER_PREFIXES = ("SLURM_", "TORCHELASTIC_", "HPC_DDP_LOCAL_", "SBATCH_", "SRUN_", "SALLOC_")
 LAUNCHER_NAMES = {

@@ -35,6 +35,7 @@ from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from hpc_ddp.trainer.config import load_config, resume_fingerprint
 from tests.helpers import (
     REPO,
+    RESUMABLE,
     Lines,
     clean_environ,
     read_summary,
@@ -43,18 +44,6 @@ from tests.helpers import (
     start_program,
 )
 from tests.records import final_weights
-
-RESUMABLE = [
-    "data.num_samples=12800",
-    "data.batch_size=64",
-    "train.epochs=3",
-    "train.log_interval=8",
-    "optim.schedule=cosine",
-    "optim.warmup_steps=10",
-    "checkpoint.every_steps=50",
-    # Agree on stop signals after every step, so a stop lands mid-epoch whatever the speed.
-    "preempt.check_every_steps=1",
-]
 
 
 def state(step: int) -> dict[str, object]:

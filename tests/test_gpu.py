@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
+from tests.helpers import RESUMABLE as MID_EPOCH_STOPPABLE
 from tests.helpers import read_summary, run_local
-from tests.test_fault_tolerance import RESUMABLE as MID_EPOCH_STOPPABLE
 
 pytestmark = [
     pytest.mark.e2e,
@@ -81,7 +81,7 @@ def test_fsdp_in_bf16_with_background_saves_resumes_on_the_gpu(tmp_path: Path) -
     """FSDP2 on one GPU over NCCL, bf16 parameters, background saves (their own gloo group is
     not needed at one rank: a NCCL-only group would refuse them): stopped mid-epoch and run
     again, it ends with the uninterrupted run's weights."""
-    fsdp = [*RESUMABLE, "dist.strategy=fsdp", "checkpoint.save_mode=async"]
+    fsdp = [*RESUMABLE, "dist.strategy=fsdp", "train.precision=bf16", "checkpoint.save_mode=async"]
     _stop_step, expected, actual = stopped_and_rerun(tmp_path, fsdp)
     assert actual["device"] == "cuda:0" and actual["backend"] == "nccl"
     assert actual["weights_sha256"] == expected["weights_sha256"]

@@ -19,11 +19,18 @@ from torch import nn
 
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
 from hpc_ddp.runtime.checkpoint.objects import object_kinds, restore_objects, tensor_states
-from hpc_ddp.runtime.checkpoint.sharded import METADATA, FolderObjects, folder_state, write_folder
-from hpc_ddp.runtime.checkpoint.writer import FolderSaves, Pending
+from hpc_ddp.runtime.checkpoint.sharded import (
+    METADATA,
+    FolderObjects,
+    folder_state,
+    stagers_are_reusable,
+    write_folder,
+)
+from hpc_ddp.runtime.checkpoint.writer import FolderSaves, Pending, needs_own_group
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from tests.helpers import (
     REPO,
+    RESUMABLE,
     Lines,
     read_summary,
     run_local,
@@ -31,7 +38,6 @@ from tests.helpers import (
     run_python,
     start_program,
 )
-from tests.test_fault_tolerance import RESUMABLE
 
 BALLAST = str(REPO / "tests" / "programs" / "ballast.py")
 
@@ -260,6 +266,52 @@ def test_a_stop_after_a_failed_background_save_still_writes_its_own(tmp_path: Pa
     saves.pending = Pending(failed, tmp_path / "step-000000014", 14, "periodic", 0.0, [])
     with pytest.raises(HpcDdpError, match=r"step-000000014 \(No space left on device\)"):
         saves.write(state, 16, "periodic", background=True)
+
+
+def test_background_saves_go_on_where_torch_empties_the_stager_after_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.11's stager empties itself after each copy: a run's second background save
+    failed with ``KeyError: <class 'type'>`` (seen on an H200). That torch cannot be
+    installed beside this one, so its behaviour is put on this torch's stager; each save is
+    read back."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    staging = DefaultStager.stage
+
+    def stage_then_empty(self: Any, state_dict: Any, **kwargs: Any) -> Any:
+        staged = staging(self, state_dict, **kwargs)
+        self.close()  # what torch 2.11's stager does at the end of each copy
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "stage", stage_then_empty)
+    stagers_are_reusable.cache_clear()
+    saves = FolderSaves(tmp_path, keep_last=3, group=None, is_main=True)
+    kinds = {"model": "module"}
+    try:
+        for step in (10, 20):
+            model = nn.Linear(3, 1, bias=False)
+            nn.init.constant_(model.weight, float(step))
+            state = folder_state(tensor_states({"model": model}, kinds, {}), {}, 0, {})
+            saves.write(state, step, "periodic", background=True)
+            saves.wait()
+    finally:
+        stagers_are_reusable.cache_clear()
+    newest = list_checkpoints(tmp_path)[0]
+    assert newest.name == "step-000000020"
+    again = nn.Linear(3, 1, bias=False)
+    restore_objects({"model": again}, FolderObjects(newest, kinds, {}), newest)
+    assert torch.equal(again.weight, torch.full((1, 3), 20.0))
+    assert saves.stager is None, "a stager that empties itself is not kept"
+
+
+def test_background_saves_get_a_gloo_group_wherever_the_default_has_no_cpu_backend() -> None:
+    """torch's async_save refuses a default group with no CPU backend (NCCL's), even at one
+    rank: a GPU run at world size 1 failed its first background save (seen on an H200)."""
+    assert needs_own_group(1, background_saves=True, backend="nccl")
+    assert needs_own_group(4, background_saves=True, backend="gloo")
+    assert not needs_own_group(1, background_saves=True, backend="gloo")
+    assert not needs_own_group(4, background_saves=False, backend="nccl")
 
 
 PER_RANK = str(REPO / "tests" / "programs" / "per_rank.py")

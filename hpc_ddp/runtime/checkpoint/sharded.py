@@ -102,9 +102,10 @@ def write_folder(state: dict[str, Any], folder: Path, group: Any | None) -> None
 
 
 def new_stager() -> Any:
-    """What copies a state for a background save: into CPU buffers kept from one save to
-    the next (pinned on a GPU), so that after the first save a copy allocates nothing.
-    Before it returns the copy is complete: training may change the tensors at once."""
+    """What copies a state for a background save: into CPU buffers (pinned on a GPU). Where
+    :func:`stagers_are_reusable`, kept from one save to the next, so that after the first
+    save a copy allocates nothing. Before it returns the copy is complete: training may
+    change the tensors at once."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     options = StagingOptions(
@@ -114,6 +115,25 @@ def new_stager() -> Any:
         use_non_blocking_copy=False,
     )
     return DefaultStager(options)
+
+
+@functools.lru_cache(maxsize=1)
+def stagers_are_reusable() -> bool:
+    """Whether this torch's stager copies again after its first copy. torch 2.11's empties
+    itself after each copy, and its next copy fails (``KeyError: <class 'type'>``): there
+    each save needs a stager of its own, which allocates its buffers again. Found by trying
+    two copies of one small tensor, not by the version."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    probe = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            probe.stage({"probe": torch.zeros(1)})
+    except KeyError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def start_writing(

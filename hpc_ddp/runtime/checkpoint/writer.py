@@ -16,6 +16,7 @@ from hpc_ddp.runtime.checkpoint.files import prune_older, unwritable, writing_ma
 from hpc_ddp.runtime.checkpoint.sharded import (
     is_complete,
     new_stager,
+    stagers_are_reusable,
     start_writing,
     write_folder,
 )
@@ -24,6 +25,14 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.place.dist import same_on_all_ranks, several_ranks
 from hpc_ddp.runtime.safefiles import make_dirs
+
+
+def needs_own_group(world_size: int, background_saves: bool, backend: str) -> bool:
+    """Whether background saves need a gloo group of their own: with several ranks (their
+    collectives run on a thread of their own, never on a group that training uses), and on
+    any other backend at any world size (torch's async_save refuses a default group with no
+    CPU backend, as NCCL's is, even at one rank)."""
+    return background_saves and (world_size > 1 or backend != "gloo")
 
 
 @dataclass(frozen=True)
@@ -50,7 +59,8 @@ class FolderSaves:
         self.group = group
         self.is_main = is_main
         self.pending: Pending | None = None
-        #: The copier of background saves, kept for its buffers (made at the first one).
+        #: The copier of background saves, kept for its buffers (made at the first one;
+        #: never kept where torch empties it after a copy).
         self.stager: Any = None
         #: Seconds from the start of the last finished save to its commit (None: none yet).
         self.last_write_s: float | None = None
@@ -70,8 +80,10 @@ class FolderSaves:
         state = self._fresh_folder(folder, state)
         try:
             if background:
-                self.stager = self.stager or new_stager()
-                future = start_writing(state, folder, self.group, self.stager)
+                stager = self.stager or new_stager()
+                if stagers_are_reusable():
+                    self.stager = stager
+                future = start_writing(state, folder, self.group, stager)
                 finished: list[float] = []
                 future.add_done_callback(lambda _done: finished.append(time.perf_counter()))
                 self.pending = Pending(future, folder, step, reason, started, finished)

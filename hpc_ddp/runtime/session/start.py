@@ -22,6 +22,7 @@ from hpc_ddp.runtime.checkpoint.files import (
     prepare_checkpoint_dir,
 )
 from hpc_ddp.runtime.checkpoint.fingerprint import check_resumable, fingerprint_of
+from hpc_ddp.runtime.checkpoint.writer import needs_own_group
 from hpc_ddp.runtime.config import (
     CheckpointConfig,
     DistConfig,
@@ -265,12 +266,10 @@ def start(
         group = (
             torch_dist.new_group(backend="gloo", timeout=limit) if dist_env.world_size > 1 else None
         )
-        # A background save's collectives run on a thread of their own: never on a group
-        # that training uses meanwhile.
         background_saves = settings.checkpoint.enabled and settings.checkpoint.save_mode == "async"
         checkpoint_group = (
             torch_dist.new_group(backend="gloo", timeout=limit)
-            if dist_env.world_size > 1 and background_saves
+            if needs_own_group(dist_env.world_size, background_saves, plan.device.backend)
             else None
         )
         mark(timeline, "control_group")
