@@ -218,6 +218,28 @@ def test_a_folder_left_at_a_step_by_an_earlier_run_is_replaced_whole(tmp_path: P
     assert load_checkpoint(folder)["global_step"] == 5
 
 
+@pytest.mark.e2e
+def test_a_fresh_start_over_later_checkpoints_is_what_the_next_resume_continues(
+    tmp_path: Path,
+) -> None:
+    """checkpoint.resume=false over a run that reached step 10: its checkpoints move to
+    checkpoints/superseded/, and the next start resumes the new training (step 5), not the
+    replaced one's step 10, which would drop the new training without a word."""
+    common = ["run.id=again", "tracking.enabled=false", "checkpoint.every_steps=5"]
+    first = run_local(2, tmp_path, [*common, "train.max_steps=10"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    fresh = run_local(2, tmp_path, [*common, "train.max_steps=5", "checkpoint.resume=false"])
+    assert fresh.returncode == 0, fresh.stderr[-2000:]
+    checkpoints = checkpoints_of(tmp_path)
+    assert [path.name for path in list_checkpoints(checkpoints)] == ["step-000000005"]
+    superseded = sorted(path.name for path in (checkpoints / "superseded").iterdir())
+    assert superseded == ["step-000000005", "step-000000010"]
+    assert "moved the superseded checkpoint step-000000010 to " in fresh.stderr
+    resumed = run_local(2, tmp_path, [*common, "train.max_steps=8"])
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert read_summary(tmp_path, run_id="again")["resumed_from_step"] == 5
+
+
 def test_an_optimizer_state_without_some_parameters_resumes_exactly(tmp_path: Path) -> None:
     """A parameter that never had a gradient (an unused branch) has no optimizer state in
     the checkpoint; the resume loads the rest and the next step is the uninterrupted one."""

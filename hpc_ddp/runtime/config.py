@@ -157,7 +157,9 @@ class CheckpointConfig:
     resume: bool = setting(
         True,
         "Resume from the newest loadable checkpoint of this run directory on start (a requeued "
-        "Slurm job keeps its job id, so it finds its own checkpoints).",
+        "Slurm job keeps its job id, so it finds its own checkpoints). false starts at step 0 "
+        "and first moves the run's checkpoints to checkpoints/superseded/, so that a later "
+        "resume continues the new training.",
     )
     start_fresh_if_unreadable: bool = setting(
         False,

@@ -27,6 +27,8 @@ from hpc_ddp.runtime.safefiles import DIR_MODE, create_temporary, make_dirs
 FORMAT_VERSION = 2
 #: Where unreadable checkpoints are moved, inside the checkpoints folder.
 UNREADABLE_DIR = "unreadable"
+#: Where a run started with checkpoint.resume=false moves the checkpoints it replaces.
+SUPERSEDED_DIR = "superseded"
 #: A checkpoint's path and its contents.
 Found = tuple[Path, dict[str, Any]]
 _NAME = re.compile(r"^step-(\d{9})(\.pt)?$")
@@ -278,13 +280,20 @@ def load_newest(
     return None
 
 
-def set_aside(paths: list[Path]) -> None:
-    """Move unreadable checkpoints into ``unreadable/`` beside them, never over a file."""
+def set_aside(paths: list[Path], into: str = UNREADABLE_DIR, kind: str = "unreadable") -> None:
+    """Move checkpoints into the folder ``into`` beside them, never over a file."""
     for path in paths:
-        aside = path.parent / UNREADABLE_DIR
+        aside = path.parent / into
         aside.mkdir(mode=DIR_MODE, exist_ok=True)
         target, copy = aside / path.name, 1
         while target.exists():
             target, copy = aside / f"{path.name}.{copy}", copy + 1
         os.replace(path, target)
-        get_logger().warning(f"moved the unreadable checkpoint {path.name} to {target}")
+        get_logger().warning(f"moved the {kind} checkpoint {path.name} to {target}")
+
+
+def supersede(run_dir: Path) -> None:
+    """A run started with checkpoint.resume=false over checkpoints of its own: they move to
+    ``checkpoints/superseded/``, so that a later resume continues this training, not the one
+    it replaced (whose later steps would otherwise win)."""
+    set_aside(list_checkpoints(checkpoint_dir(run_dir)), SUPERSEDED_DIR, "superseded")

@@ -18,9 +18,7 @@ import torch
 import torch.distributed as torch_dist
 
 from hpc_ddp.runtime.arguments import optional_whole_number
-from hpc_ddp.runtime.checkpoint.files import (
-    prepare_checkpoint_dir,
-)
+from hpc_ddp.runtime.checkpoint.files import prepare_checkpoint_dir, supersede
 from hpc_ddp.runtime.checkpoint.fingerprint import check_resumable, fingerprint_of
 from hpc_ddp.runtime.checkpoint.writer import needs_own_group
 from hpc_ddp.runtime.config import (
@@ -291,6 +289,8 @@ def start(
                     "at step 0, in the same MLflow run. HINT: stop a run with Ctrl-C or a "
                     "stop signal (it checkpoints first), or set checkpoint.every_steps"
                 )
+        elif dist_env.is_main and settings.checkpoint.enabled:
+            supersede(plan.run_dir)
         values = fingerprint_of(fingerprint or {})
         if resume is not None:  # refused before MLflow reopens the run it names
             check_resumable(resume[1]["fingerprint"], values, resume[0])
