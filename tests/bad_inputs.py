@@ -413,6 +413,14 @@ CASES: list[Case] = [
     script("hpc_ddp.spawn(print, nprocs=2, join=False)", says="join=False): the ranks run to"),
     script(f"{RUN}\nlist(run.steps([]))", says="the list gave no batch in epoch 0"),
     script(
+        f"{RUN}\nfor batch in run.steps([1, 2]):\n    list(run.steps([3]))",
+        says="run.steps() inside a loop over run.steps() or run.iterations()",
+    ),
+    script(
+        f"{RUN}\nfor step in run.iterations(2):\n    list(run.steps([3]))",
+        says="run.steps() inside a loop over run.steps() or run.iterations()",
+    ),
+    script(
         f"{RUN}\nlist(run.steps([1, 2, 3], grad_accum_steps=4))",
         says="gave no 4 micro-batches (grad_accum_steps) in epoch 0",
     ),

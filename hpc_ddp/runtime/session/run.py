@@ -64,6 +64,8 @@ class Run(ModelView):
         self._resume = resume
         self._resume_done = False
         self._finished = False
+        #: Inside a loop over run.steps() (or run.iterations()).
+        self._stepping = False
         self._started = started
         self._timeline = timeline
         self.resumed: Resumed | None = None
@@ -189,6 +191,14 @@ class Run(ModelView):
         when not :attr:`accumulating`. Without :meth:`epochs`, each call is the next epoch
         (an endless iterable is one epoch)."""
         self._refuse_after_finish("run.steps()")
+        if self._stepping:
+            raise HpcDdpError(
+                "run.steps() inside a loop over run.steps() or run.iterations(): each "
+                "optimizer step would be counted, checkpointed and stopped on twice",
+                "loop over run.steps(loader) once per epoch; for micro-batches pass "
+                "grad_accum_steps= (or run.train_loader's) and call optimizer.step() when "
+                "not run.accumulating",
+            )
         source = step_source(
             loader, optional_whole_number(grad_accum_steps, "run.steps(grad_accum_steps)")
         )
@@ -209,11 +219,14 @@ class Run(ModelView):
     def _ended_on_stop(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches``; an agreed stop leaving them ends the run on this rank (its MLflow run
         already ended or suspended by the stopper) before :class:`hpc_ddp.Stopped` goes on."""
+        self._stepping = True
         try:
             yield from batches
         except Stopped:
             self._ending(None)
             raise
+        finally:
+            self._stepping = False
 
     def iterations(self, max_steps: int | None = None) -> Iterator[int]:
         """The optimizer steps of a loop that draws its own batches (nanoGPT's ``while
