@@ -29,6 +29,23 @@ from hpc_ddp.runtime.session.resume import Resumed, resume_run
 __all__ = ["Resumed", "Run"]
 
 
+def nested_steps() -> HpcDdpError:
+    return HpcDdpError(
+        "run.steps() inside a loop over run.steps() or run.iterations(): each optimizer step "
+        "would be counted, checkpointed and stopped on twice",
+        "loop over run.steps(loader) once per epoch; for micro-batches pass grad_accum_steps= "
+        "(or run.train_loader's) and call optimizer.step() when not run.accumulating",
+    )
+
+
+def after_finish(what: str) -> HpcDdpError:
+    return HpcDdpError(
+        f"{what} after run.finish(): the run has ended (its final checkpoint and summary are "
+        "written, the process group is down)",
+        "train before run.finish(); another run starts with its own hpc_ddp.start()",
+    )
+
+
 class Run(ModelView):
     """One training run on this rank; made by :func:`hpc_ddp.start`, never directly.
 
@@ -192,13 +209,7 @@ class Run(ModelView):
         (an endless iterable is one epoch)."""
         self._refuse_after_finish("run.steps()")
         if self._stepping:
-            raise HpcDdpError(
-                "run.steps() inside a loop over run.steps() or run.iterations(): each "
-                "optimizer step would be counted, checkpointed and stopped on twice",
-                "loop over run.steps(loader) once per epoch; for micro-batches pass "
-                "grad_accum_steps= (or run.train_loader's) and call optimizer.step() when "
-                "not run.accumulating",
-            )
+            raise nested_steps()
         source = step_source(
             loader, optional_whole_number(grad_accum_steps, "run.steps(grad_accum_steps)")
         )
@@ -210,11 +221,7 @@ class Run(ModelView):
 
     def _refuse_after_finish(self, what: str) -> None:
         if self._finished:
-            raise HpcDdpError(
-                f"{what} after run.finish(): the run has ended (its final checkpoint and "
-                "summary are written, the process group is down)",
-                "train before run.finish(); another run starts with its own hpc_ddp.start()",
-            )
+            raise after_finish(what)
 
     def _ended_on_stop(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches``; an agreed stop leaving them ends the run on this rank (its MLflow run
