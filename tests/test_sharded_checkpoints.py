@@ -371,6 +371,24 @@ def test_state_registered_per_rank_comes_back_to_its_own_rank(
     assert "HINT: resume on 2 ranks" in refused.stderr and "Traceback" not in refused.stderr
 
 
+@pytest.mark.e2e
+def test_per_rank_names_that_differ_between_ranks_are_refused_at_the_first_save(
+    tmp_path: Path,
+) -> None:
+    """Each rank registered its tally under a name of its own: the first save says so on
+    every rank, naming each rank's names, instead of a run that trains and then cannot
+    resume."""
+    program = [PER_RANK, "--steps", "10", "--rank-names", "checkpoint.every_steps=5",
+               f"run.output_dir={tmp_path}"]  # fmt: skip
+    refused = run_local_program(2, program)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert (
+        "the ranks registered different objects per rank (rank 0: tally0; rank 1: tally1)"
+    ) in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert list_checkpoints(checkpoints_of(tmp_path)) == []
+
+
 def test_per_rank_names_that_differ_from_the_checkpoints_are_refused() -> None:
     from hpc_ddp.runtime.checkpoint.state import Registry
 

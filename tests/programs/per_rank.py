@@ -2,6 +2,8 @@
 
     hpc-ddp local --nproc 2 tests/programs/per_rank.py --steps 40 [--pause 0.05]
 
+``--rank-names``: each rank registers its tally under a name of its own (a mistake).
+
 Each rank prints ``TALLY <rank> <the rank its tally belongs to> <total> <count>`` at the end.
 """
 
@@ -34,13 +36,14 @@ class Tally:
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--pause", type=float, default=0.0)
+parser.add_argument("--rank-names", action="store_true", help="registered as tally<rank>")
 args, overrides = parser.parse_known_args()
 run = hpc_ddp.start(overrides=overrides, tracking={"enabled": False}, log_interval=5)
 model = run.wrap(torch.nn.Linear(2, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 tally = Tally(run.rank)
 run.register(model=model, optimizer=optimizer)
-run.register_per_rank(tally=tally)
+run.register_per_rank(**{f"tally{run.rank}" if args.rank_names else "tally": tally})
 for step in run.iterations(args.steps):
     tally.total += (run.rank + 1) * step
     tally.count += 1

@@ -5,6 +5,7 @@ resume puts it back: the one place for a checkpoint's contents (the files themse
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from hpc_ddp.runtime.checkpoint.state import (
     rng_state,
 )
 from hpc_ddp.runtime.checkpoint.writer import FolderSaves
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.intervals import MetricLog
@@ -33,7 +35,12 @@ from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.replicas import diverged_replicas, divergence_message
 from hpc_ddp.runtime.loop.streams import StreamStates
 from hpc_ddp.runtime.loop.timeline import durations
-from hpc_ddp.runtime.place.dist import gather_object_to_main, several_ranks
+from hpc_ddp.runtime.place.dist import (
+    all_gather_object,
+    gather_object_to_main,
+    same_on_all_ranks,
+    several_ranks,
+)
 from hpc_ddp.runtime.shards import holds_shards
 
 #: Saves that may be written in the background: training goes on after them.
@@ -157,6 +164,7 @@ class Checkpointer:
     def _write(self, reason: str) -> None:
         context, position = self.context, self.position
         phases = {"replica_check": time.perf_counter()}
+        check_per_rank_names(sorted(context.registry.per_rank), context.control_group)
         self.check_replicas()
         mode = context.config.checkpoint.save_mode
         if mode != "single_file":
@@ -238,4 +246,23 @@ def over_budget(took_s: float, warning_s: float) -> str:
         "checkpoint is on disk. HINT: warn earlier (#SBATCH --signal=USR1@300 and "
         "preempt.warning_s=300), save less (fewer registered objects), or write to a faster "
         "file system (run.output_dir)"
+    )
+
+
+def check_per_rank_names(names: list[str], group: Any | None) -> None:
+    """Every rank registered the same names per rank: a resume gives each rank its own state
+    under those names, so a difference would first show at the resume. One small all-reduce
+    per save; the names travel only when they differ."""
+    digest = hashlib.sha256("\0".join(names).encode()).digest()
+    if same_on_all_ranks(int.from_bytes(digest[:7], "little"), group):
+        return
+    listed = "; ".join(
+        f"rank {rank}: {', '.join(theirs) or 'none'}"
+        for rank, theirs in enumerate(all_gather_object(names, group))
+    )
+    raise HpcDdpError(
+        f"the ranks registered different objects per rank ({listed}): a resume could not "
+        "give each rank its own state back",
+        "call run.register_per_rank() with the same names on every rank, outside any "
+        "`if run.rank == ...` branch",
     )
