@@ -338,3 +338,66 @@ def test_a_collective_only_one_rank_makes_ends_in_dist_timeout_s_naming_the_call
         in result.stderr
     ), result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+UNEVEN_BATCHES = """
+import torch
+import hpc_ddp
+
+run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False})
+model = run.wrap(torch.nn.Linear(2, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+{loop}
+run.finish()
+"""
+RAN_OUT = """
+batches = (torch.ones(4, 2) for _ in range(6 if run.rank == 0 else 3))
+for batch in run.steps(batches):
+    model(batch).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+BROKE_OUT = """
+for step in run.iterations(6):
+    if run.rank == 1 and step == 2:
+        break
+    model(torch.ones(4, 2)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    ("loop", "named"),
+    [
+        (RAN_OUT, "rank 1 left the training loop after step 3: its batches ran out"),
+        (BROKE_OUT, "rank 1 left the training loop after step 2: it broke out of the loop"),
+    ],
+    ids=["batches-ran-out", "break"],
+)
+@pytest.mark.e2e
+def test_a_stall_report_names_the_rank_that_left_the_loop_early(
+    loop: str, named: str, tmp_path: Path
+) -> None:
+    """Rank 1 leaves the loop while rank 0 goes on: rank 0 waits for it in the next step's
+    gradient all-reduce until its stall watchdog fires, and its report names rank 1 and why
+    (until now it blamed no one, or "a rank stalled in its own code")."""
+    script = tmp_path / "uneven.py"
+    script.write_text(UNEVEN_BATCHES.replace("{loop}", loop))
+    result = run_local_program(
+        2,
+        [
+            "--set",
+            f"run.output_dir={tmp_path}",
+            "--set",
+            f"dist.stall_timeout_s={STALL_S}",
+            "--set",
+            "dist.timeout_s=600",
+            str(script),
+        ],
+        timeout=120,
+    )
+    assert result.returncode in (EXIT_PEER_LOST, EXIT_STALLED), result.stderr[-3000:]
+    report = next(line for line in result.stderr.splitlines() if "rank 0 stalled" in line)
+    assert named in report, report
+    assert "while this rank went on" in report, report

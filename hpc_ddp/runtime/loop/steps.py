@@ -58,6 +58,15 @@ def check_same_steps(steps_per_epoch: int | None, group: Any | None) -> None:
         )
 
 
+def left_early(step: int, steps_left: float, ran_out: bool) -> str | None:
+    """Why a rank left the loop with steps left (None: its steps were done)."""
+    if ran_out:
+        return f"after step {step}: its batches ran out"
+    if steps_left > 0:
+        return f"after step {step}: it broke out of the loop (a break, or an exception)"
+    return None
+
+
 def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | None:
     """The stall watchdog for this rank's steps (None: ``dist.stall_timeout_s`` is off)."""
     settings = context.config.dist
@@ -165,12 +174,13 @@ class StepLoop:
         if watchdog is not None:
             watchdog.arm()
         wanted = left > 0 or loader.steps_per_epoch == 0  # 0: a sized iterable, empty
-        fresh_epoch, yielded = wanted and position.step_in_epoch == 0, False
+        fresh_epoch, yielded, ran_out = wanted and position.step_in_epoch == 0, False, False
         try:
             batches = iter(loader) if left > 0 else iter(())
             while left > 0:
                 batch = next(batches, _END)
                 if batch is _END:
+                    ran_out = True
                     break
                 yielded = True
                 if not self.metrics.global_batch_size:
@@ -186,7 +196,7 @@ class StepLoop:
         finally:
             self._stepping, self.accumulating = False, False
             if watchdog is not None:
-                watchdog.disarm()
+                watchdog.disarm(left_early(position.global_step, left, ran_out))
             if self.context.device.type == "cuda":
                 torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
             position.train_time_s += time.perf_counter() - started

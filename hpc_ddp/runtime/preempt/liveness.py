@@ -3,7 +3,11 @@ to the rendezvous store every few seconds, over a connection of its own with a s
 When a rank's stall watchdog fires, it reads the others' counts twice, some seconds apart on
 its own monotonic clock, so its report names a rank that stopped answering (SIGSTOP, a frozen
 node) instead of only itself, which merely waits for that rank in a collective. No clock is
-compared across hosts: one an hour behind names no one."""
+compared across hosts: one an hour behind names no one.
+
+Each write carries the rank's place as well (in the training loop, or out of it after a step
+and why), so a report also names a rank that left the loop while the others went on: its
+batches ran out first, or it broke out of the loop."""
 
 from __future__ import annotations
 
@@ -15,6 +19,11 @@ from typing import Any
 
 #: How long one store call may take before the store counts as not answering.
 STORE_TIMEOUT_S = 5.0
+
+
+IN_LOOP = "in the training loop"
+#: Marks a rank's entry in a report's list as one that left the loop (not a silent one).
+LEFT = "\0left:"
 
 
 def publish_period_s(world_size: int) -> float:
@@ -48,7 +57,10 @@ class Liveness:
         self._client: Any = None
         self._first: float | None = None
         self._writes = 0
+        #: Where this rank is, as the others' reports show it (see :meth:`left_loop`).
+        self._place = IN_LOOP
         self._closed = threading.Event()
+        self._wake = threading.Event()
         #: Waits the given seconds between the two reads of a stall report.
         self._between_reads = between_reads or self._closed.wait
         self._clock = clock
@@ -60,6 +72,16 @@ class Liveness:
 
     def close(self) -> None:
         self._closed.set()
+        self._wake.set()
+
+    def entered_loop(self) -> None:
+        self._place = IN_LOOP
+
+    def left_loop(self, why: str) -> None:
+        """This rank left the training loop, ``why`` (e.g. "after step 5: its batches ran
+        out"); the next write tells the others."""
+        self._place = f"left the training loop {why}"
+        self._wake.set()  # written now, not at the next period
 
     def _store(self) -> Any:
         if self._client is None:
@@ -78,7 +100,7 @@ class Liveness:
         """Write this rank's "alive" time once; False when the store is away (silent_ranks
         says so when it matters)."""
         try:
-            self._store().set(f"{self._prefix}{self.rank}", str(self._writes + 1))
+            self._store().set(f"{self._prefix}{self.rank}", f"{self._writes + 1} {self._place}")
         except Exception:
             return False
         self._writes += 1
@@ -88,7 +110,11 @@ class Liveness:
 
     def _publish(self) -> None:
         """Write this rank's "alive" time every period until closed (or the store fails)."""
-        while self._alive and not self._closed.wait(self.period_s):
+        while self._alive:
+            self._wake.wait(self.period_s)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
             self._alive = self._write()
 
     def silent_ranks(self) -> str:
@@ -104,13 +130,21 @@ class Liveness:
                 "the rank that holds it (rank 0, or torchrun's agent) stopped or its host is "
                 "gone"
             )
-        if not found:
-            return ""
-        shown = ", ".join(found[:8]) + (", ..." if len(found) > 8 else "")
-        return (
-            f"these ranks stopped answering: {shown} (stopped, frozen, or their host is "
-            "gone); this rank waits for them"
-        )
+        left = [entry.removeprefix(LEFT) for entry in found if entry.startswith(LEFT)]
+        silent = [entry for entry in found if not entry.startswith(LEFT)]
+        said = []
+        if silent:
+            shown = ", ".join(silent[:8]) + (", ..." if len(silent) > 8 else "")
+            said.append(
+                f"these ranks stopped answering: {shown} (stopped, frozen, or their host is "
+                "gone); this rank waits for them"
+            )
+        if left:
+            said.append(
+                "; ".join(left[:8]) + " while this rank went on: every rank must take the same "
+                "steps (iterables of the same length on every rank, no break on some only)"
+            )
+        return "; ".join(said)
 
     def _read(self, found: list[str]) -> None:
         others = [rank for rank in range(self.world_size) if rank != self.rank]
@@ -126,11 +160,14 @@ class Liveness:
         first = self._first
         everyone_had_time = first is not None and self._clock() - first >= self.limit_s
         for rank in others:
+            count, _, place = (after[rank] or b"").decode(errors="replace").partition(" ")
             if after[rank] is None:
                 if everyone_had_time:
                     found.append(f"rank {rank} (never)")
-            elif after[rank] == before[rank]:
+            elif count == (before[rank] or b"").decode(errors="replace").partition(" ")[0]:
                 found.append(f"rank {rank} (silent for {self.limit_s:.0f} s)")
+            if place.startswith("left "):
+                found.append(f"{LEFT}rank {rank} {place}")
 
     def _counts(self, store: Any, ranks: list[int]) -> dict[int, bytes | None]:
         """Each rank's count of "alive" writes (None: it made none)."""

@@ -121,6 +121,8 @@ class StallWatchdog:
         """Watch from now on (a training loop begins or goes on)."""
         self._last = self._clock()
         self.armed = True
+        if self._liveness is not None:
+            self._liveness.entered_loop()
 
     def beat(self) -> None:
         """A micro-batch finished: training makes progress (a watch at rest goes on)."""
@@ -137,10 +139,14 @@ class StallWatchdog:
             self.armed = False
             self._resting = True
 
-    def disarm(self) -> None:
-        """Stop watching (the loop ended, or a checkpoint is being written)."""
+    def disarm(self, left_loop: str | None = None) -> None:
+        """Stop watching (the loop ended, or a checkpoint is being written). ``left_loop``:
+        why this rank left the training loop before its steps were done, for the others'
+        stall reports."""
         self.armed = False
         self._resting = False
+        if left_loop is not None and self._liveness is not None:
+            self._liveness.left_loop(left_loop)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
