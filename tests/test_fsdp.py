@@ -189,6 +189,20 @@ def test_a_ddp_checkpoint_goes_on_under_fsdp_and_back(tmp_path: Path) -> None:
     )
 
 
+def test_a_ddp_single_file_checkpoint_goes_on_under_fsdp(tmp_path: Path) -> None:
+    """A DDP run's single-file checkpoint holds whole states, the optimizer's numbered by
+    parameter: under FSDP2 each rank takes its part of every tensor (it was refused with
+    "got mixed torch.Tensor and DTensor"), and the weights end as an uninterrupted run's."""
+    trained(2, tmp_path, "reference")
+    stop_step = stopped(2, tmp_path, "mixed", "checkpoint.save_mode=single_file", hold=IN_EPOCH_0)
+    trained(2, tmp_path, "mixed", *FSDP)
+    assert read_summary(tmp_path, "regression", "mixed")["resumed_from_step"] == stop_step
+    assert_close_weights(
+        final_weights(tmp_path, "regression", "mixed"),
+        final_weights(tmp_path, "regression", "reference"),
+    )
+
+
 def test_blocks_not_in_the_model_and_single_file_saves_are_refused(tmp_path: Path) -> None:
     result = run_local_program(2, program(tmp_path, "bad", "dist.strategy=fsdp",
                                           "dist.shard_blocks=[Block]"))  # fmt: skip

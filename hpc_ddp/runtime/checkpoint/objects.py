@@ -162,3 +162,46 @@ def _only_saved_parameters(template: dict[str, Any], name: str, folder: Path) ->
     for parameter in list(states):
         if parameter not in present:
             del states[parameter]
+
+
+def restore_whole_states(objects: Mapping[str, Any], saved: Mapping[str, Any], path: Path) -> None:
+    """Load a single-file checkpoint, whose states are whole (written by a run that did not
+    shard: DDP), into objects of which some are sharded (FSDP2): each rank puts its part of
+    each whole tensor in place (the names are checked already)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    whole = StateDictOptions(full_state_dict=True)
+    for name, value in objects.items():
+        owner = _owner(value, objects) if isinstance(value, torch.optim.Optimizer) else None
+        if isinstance(value, nn.Module) and holds_shards(value):
+            load = functools.partial(set_model_state_dict, value, options=whole)
+            guarded_restore(name, path, load, saved[name])
+        elif owner is not None and holds_shards(value):
+            module = objects[owner]
+            state = _by_parameter_name(module, value, saved[name])
+            load = functools.partial(set_optimizer_state_dict, module, value, options=whole)
+            guarded_restore(name, path, load, state)
+        else:
+            guarded_restore(name, path, value.load_state_dict, saved[name])
+
+
+def _by_parameter_name(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` as torch saves it (parameters numbered in the order of its
+    groups) keyed by the parameters' names in ``module``, as torch's set_optimizer_state_dict
+    takes it: the numbering is the same for the run that saved it, whose optimizer was built
+    over the same parameters in the same order."""
+    names = {id(param): name for name, param in module.named_parameters()}
+    order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+    return {
+        "state": {order[index]: value for index, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [order[index] for index in group["params"]]}
+            for group in state["param_groups"]
+        ],
+    }

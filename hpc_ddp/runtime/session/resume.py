@@ -19,7 +19,7 @@ from hpc_ddp.runtime.checkpoint.files import (
     remove_partial_writes,
     saved_world_size,
 )
-from hpc_ddp.runtime.checkpoint.objects import restore_objects
+from hpc_ddp.runtime.checkpoint.objects import restore_objects, restore_whole_states
 from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, forget_metadata
 from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -28,6 +28,7 @@ from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.data import mixed_seed
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.place.dist import broadcast_object
+from hpc_ddp.runtime.shards import holds_shards
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ def restore_registered(registry: Registry, saved: Any, path: Path) -> None:
     if isinstance(saved, FolderObjects):
         registry.check_names(list(saved.kinds), path)
         restore_objects(registry.objects, saved, path)
+    elif any(holds_shards(value) for value in registry.objects.values()):
+        registry.check_names(list(saved), path)
+        restore_whole_states(registry.objects, saved, path)
     else:
         registry.restore(saved, path)
 
