@@ -178,13 +178,15 @@ def restore_whole_states(objects: Mapping[str, Any], saved: Mapping[str, Any], p
     for name, value in objects.items():
         owner = _owner(value, objects) if isinstance(value, torch.optim.Optimizer) else None
         if isinstance(value, nn.Module) and holds_shards(value):
-            load = functools.partial(set_model_state_dict, value, options=whole)
-            guarded_restore(name, path, load, saved[name])
+            load_module = functools.partial(set_model_state_dict, value, options=whole)
+            guarded_restore(name, path, load_module, saved[name])
         elif owner is not None and holds_shards(value):
             module = objects[owner]
             state = _by_parameter_name(module, value, saved[name])
-            load = functools.partial(set_optimizer_state_dict, module, value, options=whole)
-            guarded_restore(name, path, load, state)
+            load_optimizer = functools.partial(
+                set_optimizer_state_dict, module, value, options=whole
+            )
+            guarded_restore(name, path, load_optimizer, state)
         else:
             guarded_restore(name, path, value.load_state_dict, saved[name])
 
