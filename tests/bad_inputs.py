@@ -454,6 +454,12 @@ CASES: list[Case] = [
         says="dist.shard_blocks names 'head', which is neither a submodule nor a class",
     ),
     script(
+        f"{FSDP_RUN})\nmodel = torch.nn.Linear(2, 1)\n"
+        "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "run.register(model=run.wrap(model), optimizer=optimizer)",
+        says="the optimizer 'optimizer' updates none of the parameters of the sharded model",
+    ),
+    script(
         f"{FSDP_RUN})\nrun.wrap(torch.nn.Linear(2, 1), find_unused_parameters=True)",
         says="DistributedDataParallel's options",
     ),

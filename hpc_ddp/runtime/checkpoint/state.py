@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.shards import holds_shards
 
 
 @runtime_checkable
@@ -73,6 +75,7 @@ class Registry:
             target[name] = value
             if wrapper is not None and not per_rank:
                 self.wrappers[name] = wrapper
+        check_optimizers_follow_shards(self.objects)
 
     def check_loadable(self) -> None:
         """Refuse an object whose state a resume could not load back (see
@@ -257,3 +260,28 @@ def check_loadable(what: str, state: Any) -> None:
             "lists/tuples/dicts of them (a numpy array: torch.from_numpy(array); a float64 "
             "scalar: float(value))",
         )
+
+
+def check_optimizers_follow_shards(objects: Mapping[str, Any]) -> None:
+    """Refuse an optimizer built before run.wrap sharded the model: it updates the
+    parameters the model had then, which the sharded model no longer uses, so training
+    would leave the model as it was, without a word."""
+    sharded = [
+        name
+        for name, value in objects.items()
+        if isinstance(value, nn.Module) and holds_shards(value)
+    ]
+    if not sharded:
+        return
+    used = {id(param) for name in sharded for param in objects[name].parameters()}
+    for name, value in objects.items():
+        if not isinstance(value, torch.optim.Optimizer) or holds_shards(value):
+            continue
+        params = [param for group in value.param_groups for param in group["params"]]
+        if params and not any(id(param) in used for param in params):
+            raise HpcDdpError(
+                f"the optimizer {name!r} updates none of the parameters of the sharded model "
+                f"{sharded[0]!r}: it was built before run.wrap sharded the model, whose "
+                "parameters are new ones since, so training would leave the model as it was",
+                "build the optimizer after `model = run.wrap(model)`, from model.parameters()",
+            )
