@@ -22,8 +22,6 @@ STORE_TIMEOUT_S = 5.0
 
 
 IN_LOOP = "in the training loop"
-#: Marks a rank's entry in a report's list as one that left the loop (not a silent one).
-LEFT = "\0left:"
 
 
 def publish_period_s(world_size: int) -> float:
@@ -120,18 +118,17 @@ class Liveness:
     def silent_ranks(self) -> str:
         """The other ranks that stopped answering, in words ("" when all answer); waits at
         most STORE_TIMEOUT_S for the store."""
-        found: list[str] = []
-        reader = threading.Thread(target=self._read, args=(found,), daemon=True)
+        silent: list[str] = []
+        left: list[str] = []
+        reader = threading.Thread(target=self._read, args=(silent, left), daemon=True)
         reader.start()
         reader.join(2 * STORE_TIMEOUT_S + self.limit_s)
-        if reader.is_alive() or found == ["unreachable"]:
+        if reader.is_alive() or silent == ["unreachable"]:
             return (
                 f"the rendezvous store at {self.host}:{self.port} does not answer either: "
                 "the rank that holds it (rank 0, or torchrun's agent) stopped or its host is "
                 "gone"
             )
-        left = [entry.removeprefix(LEFT) for entry in found if entry.startswith(LEFT)]
-        silent = [entry for entry in found if not entry.startswith(LEFT)]
         said = []
         if silent:
             shown = ", ".join(silent[:8]) + (", ..." if len(silent) > 8 else "")
@@ -146,7 +143,9 @@ class Liveness:
             )
         return "; ".join(said)
 
-    def _read(self, found: list[str]) -> None:
+    def _read(self, silent: list[str], left: list[str]) -> None:
+        """The other ranks that did not write between two reads, and those that left the
+        training loop, in words."""
         others = [rank for rank in range(self.world_size) if rank != self.rank]
         try:
             store = self._store()
@@ -154,7 +153,7 @@ class Liveness:
             self._between_reads(self.limit_s)
             after = self._counts(store, others)
         except Exception:
-            found[:] = ["unreachable"]
+            silent[:] = ["unreachable"]
             return
         # Ranks that never wrote count once every rank has had the time to.
         first = self._first
@@ -163,11 +162,11 @@ class Liveness:
             count, _, place = (after[rank] or b"").decode(errors="replace").partition(" ")
             if after[rank] is None:
                 if everyone_had_time:
-                    found.append(f"rank {rank} (never)")
+                    silent.append(f"rank {rank} (never)")
             elif count == (before[rank] or b"").decode(errors="replace").partition(" ")[0]:
-                found.append(f"rank {rank} (silent for {self.limit_s:.0f} s)")
+                silent.append(f"rank {rank} (silent for {self.limit_s:.0f} s)")
             if place.startswith("left "):
-                found.append(f"{LEFT}rank {rank} {place}")
+                left.append(f"rank {rank} {place}")
 
     def _counts(self, store: Any, ranks: list[int]) -> dict[int, bytes | None]:
         """Each rank's count of "alive" writes (None: it made none)."""
