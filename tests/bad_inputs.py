@@ -548,6 +548,9 @@ FAULTS: list[tuple[str, str, str]] = [
      "test_slurm_fault_tolerance.py::test_time_limit_signal_checkpoints_and_a_resubmission_resumes"),
     ("corrupt newest checkpoint", "reported, moved to checkpoints/unreadable/, the previous "
      "one used", "test_fault_tolerance.py::test_corrupt_newest_checkpoint_falls_back_with_a_warning"),
+    ("a folder checkpoint's shard truncated, missing, one bit flipped or taken from another "
+     "checkpoint", "named (size or SHA-256), moved to checkpoints/unreadable/, the previous one "
+     "used", "test_loop_parts.py::test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one_before"),
     ("the only checkpoint empty, garbage, truncated or of a newer format", "refused in one "
      "line, the file untouched", "test_fault_tolerance.py::test_a_run_whose_only_checkpoint_cannot_be_read_is_refused_and_the_file_kept"),
     ("the same, on real ranks; then checkpoint.start_fresh_if_unreadable=true", "every rank "

@@ -426,13 +426,14 @@ def test_a_dataclass_batch_is_cut_to_no_samples_and_its_samples_counted() -> Non
     assert cut["w"].item() == 2.0 and cut["d"]["x"].shape == (0,)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "missing", "outside"])
+@pytest.mark.parametrize("damage", ["truncated", "missing", "outside", "flipped", "foreign"])
 def test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one_before(
     tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A shard file cut short (a full disk, a copy that stopped), gone, or a metadata that
-    names a file outside its folder: the newest folder is no checkpoint, the one before it
-    is resumed from and the damaged one kept in checkpoints/unreadable/."""
+    """A shard file cut short (a full disk, a copy that stopped), gone, a metadata that
+    names a file outside its folder, one bit flipped, or the same file of another
+    checkpoint (same size, other weights): the newest folder is no checkpoint, the one
+    before it is resumed from and the damaged one kept in checkpoints/unreadable/."""
     from hpc_ddp.runtime.checkpoint.sharded import METADATA
 
     context = context_in(tmp_path, save_mode="sync")
@@ -448,6 +449,12 @@ def test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one
         shard.write_bytes(shard.read_bytes()[:100])
     elif damage == "missing":
         shard.unlink()
+    elif damage == "flipped":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        shard.write_bytes(bytes(data))
+    elif damage == "foreign":
+        shard.write_bytes((directory / "step-000000010" / shard.name).read_bytes())
     else:
         metadata = (newest / METADATA).read_bytes()
         (newest / METADATA).write_bytes(
@@ -461,8 +468,46 @@ def test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one
         "truncated": f"{shard.name} holds 100 bytes, its metadata reaches byte",
         "missing": f"{shard.name} is missing",
         "outside": "a file outside the folder",
+        "flipped": f"{shard.name} does not match its checksum ({shard.name}.sha256)",
+        "foreign": f"{shard.name} does not match its checksum",
     }
     assert said[damage] in caplog.text
+
+
+def test_each_file_of_a_folder_has_a_sha256sum_line_and_a_folder_without_them_loads(
+    tmp_path: Path,
+) -> None:
+    """The checksums are sha256sum's lines, one per data file; a folder written before
+    checksums were kept loads as it is, but one whose files are checked only in part is
+    damaged."""
+    import hashlib
+
+    from hpc_ddp.runtime.checkpoint.checksums import check_checksums
+
+    context = context_in(tmp_path, save_mode="sync")
+    context.registry.add({"model": torch.nn.Linear(8, 8)})
+    position, _streams, checkpointer = parts(context)
+    position.global_step = 10
+    checkpointer.save("periodic")
+    folder = checkpoint_dir(context.run_dir) / "step-000000010"
+    shards = sorted(folder.glob("*.distcp"))
+    assert shards and sorted(folder.glob("*.distcp.sha256")) == [
+        shard.with_name(f"{shard.name}.sha256") for shard in shards
+    ]
+    for shard in shards:
+        digest = hashlib.sha256(shard.read_bytes()).hexdigest()
+        assert shard.with_name(f"{shard.name}.sha256").read_text() == f"{digest}  {shard.name}\n"
+    for shard in shards:
+        shard.with_name(f"{shard.name}.sha256").unlink()
+    path, saved = load_newest(checkpoint_dir(context.run_dir))  # type: ignore[misc]
+    assert path == folder and saved["global_step"] == 10
+    (folder / "other.distcp").write_bytes(b"x")
+    (folder / "other.distcp.sha256").write_text(
+        f"{hashlib.sha256(b'x').hexdigest()}  other.distcp\n"
+    )
+    check_checksums(folder, ["other.distcp"])
+    with pytest.raises(ValueError, match=f"{shards[0].name} has no checksum, while the folder"):
+        check_checksums(folder, [shards[0].name, "other.distcp"])
 
 
 def test_a_folder_that_fails_to_read_at_restore_is_one_line_with_the_way_on(

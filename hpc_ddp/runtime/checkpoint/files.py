@@ -210,10 +210,11 @@ def _refused_by_weights_only(error: Exception) -> bool:
     return "weights_only" in str(error) and "Unsupported global" in str(error)
 
 
-def load_checkpoint(path: Path, rank: int = 0) -> dict[str, Any]:
+def load_checkpoint(path: Path, rank: int = 0, verify: bool = True) -> dict[str, Any]:
     """One checkpoint, as ``rank`` needs it; raises for a damaged or foreign one. A folder's
     run state and this rank's own state are read now, its objects on resume (see
-    :func:`hpc_ddp.runtime.checkpoint.sharded.load_run`).
+    :func:`hpc_ddp.runtime.checkpoint.sharded.load_run`; ``verify``: its files' checksums
+    too, which reads every byte).
 
     A single file is read with ``weights_only=True``.
 
@@ -222,7 +223,7 @@ def load_checkpoint(path: Path, rank: int = 0) -> dict[str, Any]:
     holds an object ``weights_only`` loading refuses is the user's to fix, so that one is an
     HpcDdpError, not a damaged file to skip."""
     if path.is_dir():
-        return load_run(path, rank)
+        return load_run(path, rank, verify)
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hpc_ddp.runtime.checkpoint.checksums import check_checksums, write_checksums
 from hpc_ddp.runtime.place.dist import several_ranks
 
 if TYPE_CHECKING:
@@ -73,9 +74,18 @@ def folder_state(
 
 
 def _writer(folder: Path) -> FileSystemWriter:
+    """DCP's writer of ``folder``, keeping a checksum of each file it writes (before the
+    coordinator's ``.metadata`` commits the folder: see :mod:`.checksums`)."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    return FileSystemWriter(folder, sync_files=True)
+    class ChecksummingWriter(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            written = super().write_data(plan, planner)  # a torch.futures.Future, done
+            names = [result.storage_data.relative_path for result in written.wait()]
+            write_checksums(folder, names)
+            return written
+
+    return ChecksummingWriter(folder, sync_files=True)
 
 
 def _quiet_alone() -> None:
@@ -314,10 +324,11 @@ class FolderObjects:
     plain: dict[str, Any]
 
 
-def check_files(folder: Path) -> None:
+def check_files(folder: Path, verify: bool = True) -> None:
     """Raises ValueError when a file the folder's metadata names is missing, shorter than
-    its entries reach (truncated, emptied by a full disk) or outside the folder: such a
-    folder is no checkpoint, and a resume goes on from the one before it."""
+    its entries reach (truncated, emptied by a full disk), outside the folder or (where
+    ``verify``: it reads every byte) changed since it was written: such a folder is no
+    checkpoint, and a resume goes on from the one before it."""
     reach: dict[str, int] = {}
     for entry in read_metadata(folder).storage_data.values():
         name = getattr(entry, "relative_path", None)
@@ -333,14 +344,17 @@ def check_files(folder: Path) -> None:
             raise ValueError(f"{name} is missing") from None
         if size < needed:
             raise ValueError(f"{name} holds {size} bytes, its metadata reaches byte {needed}")
+    if verify:
+        check_checksums(folder, reach)
 
 
-def load_run(folder: Path, rank: int) -> dict[str, Any]:
+def load_run(folder: Path, rank: int, verify: bool = True) -> dict[str, Any]:
     """A folder checkpoint as a single-file one reads (see :mod:`.files`): the run's state,
-    this rank's random streams and batch state, and the objects to load on resume."""
+    this rank's random streams and batch state, and the objects to load on resume;
+    ``verify``: its files' checksums too (the rank that chooses the checkpoint does)."""
     if not is_complete(folder):
         raise ValueError(f"no {METADATA}: a save that did not finish")
-    check_files(folder)
+    check_files(folder, verify)
     run = read_blobs(folder, [RUN_KEY])[RUN_KEY]
     if not isinstance(run, dict) or run.get("format") != FOLDER_FORMAT:
         found = run.get("format") if isinstance(run, dict) else type(run).__name__
