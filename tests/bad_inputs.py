@@ -413,6 +413,11 @@ CASES: list[Case] = [
     script("hpc_ddp.spawn(print, nprocs=2, join=False)", says="join=False): the ranks run to"),
     script(f"{RUN}\nlist(run.steps([]))", says="the list gave no batch in epoch 0"),
     script(
+        f"{RUN}\nclass Seekable(list):\n    steps_per_epoch = 2\n"
+        "    def set_position(self, epoch, step): pass\nlist(run.steps(Seekable([1, 2])))",
+        says="with set_position() and steps_per_epoch, but no whole grad_accum_steps",
+    ),
+    script(
         f"{RUN}\nfor batch in run.steps([1, 2]):\n    list(run.steps([3]))",
         says="run.steps() inside a loop over run.steps() or run.iterations()",
     ),

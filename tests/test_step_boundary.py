@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from hpc_ddp.runtime.checkpoint.state import describe_load_error
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.loop.data import TrainLoader
-from hpc_ddp.runtime.loop.streams import BatchStream, batch_length
+from hpc_ddp.runtime.loop.streams import BatchStream, batch_length, step_source
 from hpc_ddp.runtime.session.evaluation import eval_loader
 from hpc_ddp.runtime.session.start import refuse_nested_start
 from tests.helpers import run_python
@@ -53,6 +53,25 @@ def test_each_kind_of_iterable_is_counted_and_resumed_its_own_way() -> None:
     assert stateful.stateful and stateful.endless and "saved per rank" in stateful.kind
     stateful.load_state_dict({"position": 41})
     assert next(iter(stateful)).item() == 42
+
+
+def test_an_iterable_with_a_set_position_of_its_own_is_any_other_iterable() -> None:
+    """Only a loader with the sizes of hpc_ddp.StepLoader is positioned by step: a user's
+    iterable whose set_position means something else is replayed as any other."""
+
+    class Playlist(list[int]):
+        def set_position(self, seconds: float) -> None:
+            raise AssertionError("hpc_ddp must not call it")
+
+    stream = step_source(Playlist([1, 2, 3]), grad_accum_steps=None)
+    assert isinstance(stream, BatchStream) and stream.steps_per_epoch == 3
+    stream.set_position(epoch=0, step=1)
+    assert list(stream) == [2, 3]
+    loader = TrainLoader(
+        TensorDataset(torch.arange(8.0)), rank=0, world_size=1, global_batch_size=4,
+        grad_accum_steps=1, seed=0, num_workers=0, device=None,
+    )  # fmt: skip
+    assert step_source(loader, grad_accum_steps=None) is loader
 
 
 def test_a_replayed_loader_starts_mid_epoch_with_the_random_streams_as_they_were() -> None:

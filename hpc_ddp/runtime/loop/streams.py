@@ -244,11 +244,27 @@ class Ticks:
         return None
 
 
+#: What a loader positioned by step holds beside ``set_position`` (see StepLoader).
+STEP_LOADER_FIELDS = ("steps_per_epoch", "grad_accum_steps", "global_batch_size")
+
+
 def step_source(loader: Any, grad_accum_steps: int | None) -> Any:
-    """What :meth:`hpc_ddp.Run.steps` iterates: a loader positioned by step (``set_position``,
-    as run.train_loader's) as it is, any other iterable as a :class:`BatchStream`."""
-    if not callable(getattr(loader, "set_position", None)):
+    """What :meth:`hpc_ddp.Run.steps` iterates: a loader positioned by step (``set_position``
+    and the sizes, as run.train_loader's) as it is, any other iterable as a
+    :class:`BatchStream`. An iterable with a ``set_position`` of its own and none of the
+    sizes is any other; one with some of them is refused, naming those it lacks."""
+    holds = [name for name in STEP_LOADER_FIELDS if isinstance(getattr(loader, name, None), int)]
+    if not callable(getattr(loader, "set_position", None)) or not holds:
         return BatchStream(loader, 1 if grad_accum_steps is None else grad_accum_steps)
+    if len(holds) < len(STEP_LOADER_FIELDS):
+        lacks = [name for name in STEP_LOADER_FIELDS if name not in holds]
+        raise HpcDdpError(
+            f"run.steps got a {type(loader).__name__} with set_position() and "
+            f"{', '.join(holds)}, but no whole {', '.join(lacks)}: it is neither a loader "
+            "positioned by step nor a plain iterable",
+            f"give it {', '.join(lacks)} (see hpc_ddp.StepLoader), or take "
+            f"{', '.join(holds)} off it to have it iterated as any other",
+        )
     if grad_accum_steps is not None:
         raise HpcDdpError(
             "run.steps(loader, grad_accum_steps=...) with a run.train_loader()",
