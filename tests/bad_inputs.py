@@ -556,6 +556,9 @@ FAULTS: list[tuple[str, str, str]] = [
     ("a folder checkpoint's shard truncated, missing, one bit flipped or taken from another "
      "checkpoint", "named (size or SHA-256), moved to checkpoints/unreadable/, the previous one "
      "used", "test_loop_parts.py::test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one_before"),
+    ("`hpc-ddp export` while the run saves and prunes the checkpoint it chose", "the newest "
+     "one then is read; with --step, one line; a pruned folder is never seen half removed",
+     "test_loop_parts.py::test_an_export_reads_the_newest_when_the_run_prunes_the_one_it_chose"),
     ("the only checkpoint empty, garbage, truncated or of a newer format", "refused in one "
      "line, the file untouched", "test_fault_tolerance.py::test_a_run_whose_only_checkpoint_cannot_be_read_is_refused_and_the_file_kept"),
     ("the same, on real ranks; then checkpoint.start_fresh_if_unreadable=true", "every rank "

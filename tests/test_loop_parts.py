@@ -510,6 +510,67 @@ def test_each_file_of_a_folder_has_a_sha256sum_line_and_a_folder_without_them_lo
         check_checksums(folder, [shards[0].name, "other.distcp"])
 
 
+def test_an_export_reads_the_newest_when_the_run_prunes_the_one_it_chose(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hpc-ddp export` beside a run that goes on: the run saves step 40 and prunes step 30
+    (keep_last=1) between the export's choice of step 30 and its read; the export then
+    reads step 40. A pruned folder is renamed out of the list before it is removed, so no
+    reader sees it half gone; a kill mid-removal leaves nothing a start would not remove."""
+    from hpc_ddp.runtime.checkpoint import export
+    from hpc_ddp.runtime.checkpoint.files import prune_older, remove_partial_writes
+
+    context = context_in(tmp_path, save_mode="sync")
+    model = torch.nn.Linear(4, 4)
+    context.registry.add({"model": model})
+    position, _streams, checkpointer = parts(context)
+    directory = checkpoint_dir(context.run_dir)
+    position.global_step = 30
+    checkpointer.save("periodic")
+    real, chosen = export.model_weights, []
+
+    def run_saves_and_prunes_first(path: Path, name: str | None = None) -> Any:
+        chosen.append(path.name)
+        if len(chosen) == 1:
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            position.global_step = 40
+            checkpointer.save("periodic")
+            prune_older(directory, 40, keep_last=1)
+            assert [path.name for path in list_checkpoints(directory)] == ["step-000000040"]
+            assert not list(directory.glob(".pruned-*")), "removed once renamed"
+        return real(path, name)
+
+    monkeypatch.setattr(export, "model_weights", run_saves_and_prunes_first)
+    path, name, weights = export.read_model_weights(context.run_dir)
+    assert chosen == ["step-000000030", "step-000000040"] and path.name == "step-000000040"
+    assert name == "model" and torch.equal(weights["weight"], model.weight)
+
+    def run_saves_and_prunes(path: Path, name: str | None = None) -> Any:
+        chosen.append(path.name)
+        position.global_step = 60
+        checkpointer.save("periodic")
+        prune_older(directory, 60, keep_last=1)
+        return real(path, name)
+
+    chosen.clear()
+    position.global_step = 50
+    checkpointer.save("periodic")
+    monkeypatch.setattr(export, "model_weights", run_saves_and_prunes)
+    with pytest.raises(HpcDdpError, match="step-000000050 was removed while it was read"):
+        export.read_model_weights(context.run_dir, step=50)
+    assert chosen == ["step-000000050"]
+    monkeypatch.setattr(export, "model_weights", real)
+    (directory / "step-000000060" / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(HpcDdpError, match=r"cannot read checkpoint .*step-000000060: "):
+        export.read_model_weights(context.run_dir)
+
+    left = directory / ".pruned-step-000000020"
+    (left / "x").mkdir(parents=True)
+    remove_partial_writes(directory)
+    assert not left.exists()
+
+
 def test_a_folder_that_fails_to_read_at_restore_is_one_line_with_the_way_on(
     tmp_path: Path,
 ) -> None:

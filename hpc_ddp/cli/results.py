@@ -48,16 +48,11 @@ def tracking_sync(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    from hpc_ddp.runtime.checkpoint.export import (
-        check_export_target,
-        choose_checkpoint,
-        export_model,
-    )
+    from hpc_ddp.runtime.checkpoint.export import check_export_target, export_model
     from hpc_ddp.view.runs import find_run
 
     run = find_run(args.run, Path(args.output_dir)).path
     check_export_target(Path(args.output), run)
-    checkpoint = choose_checkpoint(run, args.step)
-    name, count = export_model(checkpoint, Path(args.output), args.object)
+    checkpoint, name, count = export_model(run, Path(args.output), args.step, args.object)
     print(f"wrote {args.output}: {name!r} ({count} tensors) from {checkpoint}")
     return 0

@@ -19,7 +19,10 @@ from hpc_ddp.runtime.checkpoint.files import (
 )
 from hpc_ddp.runtime.checkpoint.objects import MODULE
 from hpc_ddp.runtime.checkpoint.sharded import METADATA, FolderObjects, full_tensors
-from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.errors import HpcDdpError, error_line
+
+#: How often a checkpoint pruned while it is read gives way to the newest one then.
+PRUNED_TRIES = 3
 
 
 def choose_checkpoint(run_dir: Path, step: int | None = None) -> Path:
@@ -73,6 +76,39 @@ def model_weights(path: Path, name: str | None = None) -> tuple[str, dict[str, t
     return chosen, {key: value.clone() for key, value in objects[chosen].items()}
 
 
+def read_model_weights(
+    run_dir: Path, step: int | None = None, name: str | None = None
+) -> tuple[Path, str, dict[str, torch.Tensor]]:
+    """The run's checkpoint at ``step`` (default: the newest), and the registered model
+    ``name`` in it (see :func:`model_weights`). A run that goes on prunes old checkpoints:
+    where the newest chosen is pruned while it is read, the newest then is read instead; a
+    checkpoint that does not read is one line naming it."""
+    for _ in range(PRUNED_TRIES):
+        path = choose_checkpoint(run_dir, step)
+        try:
+            return path, *model_weights(path, name)
+        except HpcDdpError:
+            raise
+        except BaseException as error:  # torch's CheckpointException is a BaseException
+            if isinstance(error, KeyboardInterrupt | SystemExit):
+                raise
+            if path.exists():
+                raise HpcDdpError(
+                    f"cannot read checkpoint {path}: {error_line(error, 200)}",
+                    "export another step (--step; `hpc-ddp runs` lists them)",
+                ) from None
+            if step is not None:
+                raise HpcDdpError(
+                    f"checkpoint {path} was removed while it was read (the run pruned it: "
+                    "checkpoint.keep_last)",
+                    "export a newer step, or leave --step out for the newest",
+                ) from None
+    raise HpcDdpError(
+        f"the newest checkpoint of {run_dir} was pruned {PRUNED_TRIES} times while it was read",
+        "run the export again, or once the run has ended",
+    )
+
+
 def check_export_target(output: Path, run_dir: Path) -> None:
     """Refuses an ``output`` that would replace a checkpoint (inside the run's checkpoints
     folder, or inside any checkpoint folder) or that is not a file name (a directory, a
@@ -94,11 +130,14 @@ def check_export_target(output: Path, run_dir: Path) -> None:
         raise HpcDdpError(f"-o {output} exists and is not a regular file", hint)
 
 
-def export_model(path: Path, output: Path, name: str | None = None) -> tuple[str, int]:
-    """Write the model's state dict to ``output`` with ``torch.save``; its name and tensor
-    count. A failed write (read-only, a full disk, a file where a folder should be) is an
-    HpcDdpError, and leaves no part of the file."""
-    chosen, weights = model_weights(path, name)
+def export_model(
+    run_dir: Path, output: Path, step: int | None = None, name: str | None = None
+) -> tuple[Path, str, int]:
+    """Write the model's state dict (see :func:`read_model_weights`) to ``output`` with
+    ``torch.save``; the checkpoint read, the model's name and its tensor count. A failed
+    write (read-only, a full disk, a file where a folder should be) is an HpcDdpError, and
+    leaves no part of the file."""
+    path, chosen, weights = read_model_weights(run_dir, step, name)
     try:
         write_atomically(output, lambda handle: torch.save(weights, handle))
     except OSError as error:
@@ -107,4 +146,4 @@ def export_model(path: Path, output: Path, name: str | None = None) -> tuple[str
             + (f" ({error.filename})" if error.filename else ""),
             "write to a folder you can write to, with room for the weights",
         ) from None
-    return chosen, len(weights)
+    return path, chosen, len(weights)

@@ -29,6 +29,8 @@ FORMAT_VERSION = 2
 UNREADABLE_DIR = "unreadable"
 #: Where a run started with checkpoint.resume=false moves the checkpoints it replaces.
 SUPERSEDED_DIR = "superseded"
+#: A pruned folder's name while it is removed (out of every list at once).
+PRUNED_PREFIX = ".pruned-"
 #: A checkpoint's path and its contents.
 Found = tuple[Path, dict[str, Any]]
 _NAME = re.compile(r"^step-(\d{9})(\.pt)?$")
@@ -97,7 +99,11 @@ def prune_older(directory: Path, step: int, keep_last: int) -> None:
     older = [other for other in list_checkpoints(directory) if checkpoint_step(other) < step]
     for old in older[keep_last - 1 :]:
         if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
+            # Out of the list at once, whole (a reader such as `hpc-ddp export` sees it gone,
+            # never half removed); a leftover of a kill here is removed at the next start.
+            pruned = old.with_name(f"{PRUNED_PREFIX}{old.name}")
+            os.replace(old, pruned)
+            shutil.rmtree(pruned, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
 
@@ -190,6 +196,8 @@ def remove_partial_writes(directory: Path) -> list[Path]:
         return unfinished
     for path in directory.glob(".step-*.pt.tmp-*"):
         path.unlink(missing_ok=True)
+    for path in directory.glob(f"{PRUNED_PREFIX}step-*"):
+        shutil.rmtree(path, ignore_errors=True)
     for path in sorted(directory.glob("step-*")):
         if not (path.is_dir() and _NAME.match(path.name)):
             continue
