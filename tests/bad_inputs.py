@@ -559,6 +559,9 @@ FAULTS: list[tuple[str, str, str]] = [
     ("`hpc-ddp export` while the run saves and prunes the checkpoint it chose", "the newest "
      "one then is read; with --step, one line; a pruned folder is never seen half removed",
      "test_loop_parts.py::test_an_export_reads_the_newest_when_the_run_prunes_the_one_it_chose"),
+    ("50 USR1 per rank during a stopped run's exit, or after a finished run's last checkpoint",
+     "the stop stays exit 3 and the end exit 0, no rank blamed",
+     "test_fault_tolerance.py::test_a_burst_of_warning_signals_while_a_run_exits_changes_nothing"),
     ("the only checkpoint empty, garbage, truncated or of a newer format", "refused in one "
      "line, the file untouched", "test_fault_tolerance.py::test_a_run_whose_only_checkpoint_cannot_be_read_is_refused_and_the_file_kept"),
     ("the same, on real ranks; then checkpoint.start_fresh_if_unreadable=true", "every rank "

@@ -40,6 +40,7 @@ from tests.helpers import (
     clean_environ,
     read_summary,
     run_local,
+    run_local_program,
     signal_after,
     start_program,
 )
@@ -687,3 +688,50 @@ def test_processes_a_rank_started_end_with_the_ranks(tmp_path: Path) -> None:
         not Path(f"/proc/{helper}").exists()
         or "zombie" in Path(f"/proc/{helper}/status").read_text().lower()
     ), "the helper was ended"
+
+
+LATE_SIGNALS = """
+import os, signal, sys
+import torch, hpc_ddp
+
+stop = sys.argv[1] == "stop"
+run = hpc_ddp.start(
+    tracking={"enabled": False}, run={"output_dir": sys.argv[2], "id": "late"},
+    preempt={"stop_at_step": 3} if stop else {},
+)
+model = run.wrap(torch.nn.Linear(2, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+run.register(model=model, optimizer=optimizer)
+try:
+    for batch in run.steps([torch.ones(4, 2)] * 6):
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    run.finish()
+finally:  # the stop's exit, or after the final checkpoint: Slurm's warning, many times
+    print(f"SIGNALLING from rank {run.rank}", flush=True)
+    for _ in range(25):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getppid(), signal.SIGUSR1)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("ending", ["stop", "end"])
+def test_a_burst_of_warning_signals_while_a_run_exits_changes_nothing(
+    tmp_path: Path, ending: str
+) -> None:
+    """50 USR1 per rank (to the rank and to the launcher) during the exit of a stopped run,
+    or after the final checkpoint of a finished one: the stop stays a stop (exit 3, its
+    checkpoint) and the end an end (exit 0), no rank blamed for a signal."""
+    script = tmp_path / "late_signals.py"
+    script.write_text(LATE_SIGNALS)
+    result = run_local_program(2, [str(script), ending, str(tmp_path)])
+    output = result.stdout + result.stderr
+    assert output.count("SIGNALLING from rank") == 2, output[-3000:]
+    assert result.returncode == (EXIT_STOPPED if ending == "stop" else 0), output[-3000:]
+    step = 3 if ending == "stop" else 6
+    assert [
+        path.name for path in list_checkpoints(tmp_path / "late_signals" / "late" / "checkpoints")
+    ] == [f"step-{step:09d}"], output[-3000:]
+    assert "exited with code" not in output and "killed by" not in output, output[-3000:]
