@@ -562,6 +562,9 @@ FAULTS: list[tuple[str, str, str]] = [
     ("50 USR1 per rank during a stopped run's exit, or after a finished run's last checkpoint",
      "the stop stays exit 3 and the end exit 0, no rank blamed",
      "test_fault_tolerance.py::test_a_burst_of_warning_signals_while_a_run_exits_changes_nothing"),
+    ("a run directory one rank does not see (each node's own disk)", "every rank ends with "
+     "one line naming the rank and host, before any checkpoint is split between hosts",
+     "test_rundir.py::test_a_run_directory_one_rank_does_not_see_is_refused_before_any_checkpoint"),
     ("the only checkpoint empty, garbage, truncated or of a newer format", "refused in one "
      "line, the file untouched", "test_fault_tolerance.py::test_a_run_whose_only_checkpoint_cannot_be_read_is_refused_and_the_file_kept"),
     ("the same, on real ranks; then checkpoint.start_fresh_if_unreadable=true", "every rank "

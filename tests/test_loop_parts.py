@@ -589,3 +589,18 @@ def test_a_folder_that_fails_to_read_at_restore_is_one_line_with_the_way_on(
     with pytest.raises(HpcDdpError, match="its files do not read") as refused:
         restore_registered(again.registry, saved["objects"], path)
     assert f"move {path.name} into" in refused.value.hint
+
+
+def test_a_checkpoint_that_other_ranks_cannot_read_is_one_line_and_kept(tmp_path: Path) -> None:
+    """Rank 0 chose the checkpoint and read it whole: where other ranks' reads fail, every
+    rank ends with the same line naming them, and nothing is set aside."""
+    from hpc_ddp.runtime.session.resume import refuse_unless_read_everywhere
+
+    path = tmp_path / "step-000000010"
+    refuse_unless_read_everywhere(path, [None, None, None])
+    with pytest.raises(HpcDdpError) as refused:
+        refuse_unless_read_everywhere(path, [None, "n2: __1_0.distcp is missing", None])
+    assert "read on rank 0 but not on 1 other rank(s): rank 1 on n2: __1_0.distcp" in str(
+        refused.value
+    )
+    assert "the checkpoint is kept" in refused.value.hint

@@ -211,3 +211,59 @@ def test_a_run_directory_of_another_user_is_refused(tmp_path: Path) -> None:
     result = run_as_user_would(tmp_path, "theirs")
     assert result.returncode == 2, result.stderr[-3000:]
     assert "belongs to another user (uid 4242" in one_line_error(result.stderr)
+
+
+SPLIT_DISKS = """
+import os, sys
+import torch
+if os.environ["RANK"] == "1":
+    os.chdir(sys.argv[1])  # as a host whose working directory is on another disk
+import hpc_ddp
+
+run = hpc_ddp.start(tracking={"enabled": False}, run={"output_dir": "out", "id": "split"})
+model = run.wrap(torch.nn.Linear(2, 1))
+run.register(model=model)
+for batch in run.steps([torch.ones(4, 2)] * 3):
+    model(batch).sum().backward()
+run.finish()
+"""
+
+
+@pytest.mark.e2e
+def test_a_run_directory_one_rank_does_not_see_is_refused_before_any_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A relative run.output_dir that rank 1 resolves elsewhere stands for a run directory
+    on each node's own disk (a second host cannot exist here): every rank ends with the
+    same line before training, and no checkpoint is split between the two folders."""
+    script, node_a, node_b = tmp_path / "split.py", tmp_path / "a", tmp_path / "b"
+    script.write_text(SPLIT_DISKS)
+    node_a.mkdir()
+    node_b.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "local", "--nproc", "2", str(script), str(node_b)],
+        cwd=node_a, env=clean_environ(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    said = "the run directory out/split/split that rank 0 made is not seen by 1 of 2 ranks"
+    lines = [line for line in result.stderr.splitlines() if "] error: " in line]
+    assert len(lines) == 2 and all(said in line for line in lines), result.stderr[-3000:]
+    assert f"rank 1 on {socket.gethostname()} ({node_b})" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not list(node_a.glob("out/split/split/checkpoints/*")), "nothing written"
+    assert not list(node_b.rglob("*.distcp")) and not list(node_a.rglob(".seen-by-every-rank-*"))
+
+
+def test_the_ranks_that_do_not_see_the_run_directory_are_named(tmp_path: Path) -> None:
+    from hpc_ddp.runtime.place.sharedfs import leave_mark, mark_unseen, refuse_unless_seen
+
+    name = leave_mark(tmp_path)
+    assert mark_unseen(tmp_path, name) is None
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert "No such file or directory" in str(mark_unseen(elsewhere, name))
+    (elsewhere / name).write_bytes(b"another run's")
+    assert 'holds b"another run\'s"' in str(mark_unseen(elsewhere, name))
+    refuse_unless_seen(tmp_path, [None, None])
+    with pytest.raises(HpcDdpError, match=r"not seen by 2 of 4 ranks \(rank 1 on h1: x; rank 3"):
+        refuse_unless_seen(tmp_path, [None, "h1: x", None, "h3: y"])

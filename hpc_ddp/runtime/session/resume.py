@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +23,13 @@ from hpc_ddp.runtime.checkpoint.files import (
 from hpc_ddp.runtime.checkpoint.objects import restore_objects, restore_whole_states
 from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, forget_metadata
 from hpc_ddp.runtime.checkpoint.state import Registry
-from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.errors import HpcDdpError, error_line
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.data import mixed_seed
 from hpc_ddp.runtime.loop.steps import StepLoop
-from hpc_ddp.runtime.place.dist import broadcast_object
+from hpc_ddp.runtime.place.dist import all_gather_object, broadcast_object
+from hpc_ddp.runtime.place.sharedfs import failed_ranks
 from hpc_ddp.runtime.shards import holds_shards
 
 
@@ -64,9 +66,33 @@ def find_resume(
         raise HpcDdpError(*refusal)
     if not chosen:
         return None
-    path = Path(chosen)
-    # Rank 0 checked the files' checksums when it chose: the others need not read it all.
-    return path, found[1] if found else load_checkpoint(path, rank, verify=False)
+    path, failure = Path(chosen), None
+    if found is None:
+        # Rank 0 checked the files' checksums when it chose: the others need not read it all.
+        try:
+            found = path, load_checkpoint(path, rank, verify=False)
+        except HpcDdpError as error:
+            failure = f"{socket.gethostname()}: {error.message}"
+        except Exception as error:  # a file this host does not see as rank 0's host does
+            failure = f"{socket.gethostname()}: {error_line(error, 200)}"
+    refuse_unless_read_everywhere(path, all_gather_object(failure, group))
+    return found
+
+
+def refuse_unless_read_everywhere(path: Path, failures: list[str | None]) -> None:
+    """Every rank ends with the same line when checkpoint ``path``, which rank 0 chose and
+    read whole (checksums included), fails to read on other ranks (``failures``: each
+    rank's reason, None where it read): their hosts see the file system otherwise (a stale
+    or missing mount), so the checkpoint itself is kept, not set aside."""
+    count, listed = failed_ranks(failures)
+    if not count:
+        return
+    raise HpcDdpError(
+        f"checkpoint {path} read on rank 0 but not on {count} other rank(s): {listed}",
+        "those hosts do not see the run directory as rank 0's does: check that it is on a "
+        "file system every node mounts (not /tmp or a node-local disk), then run the same "
+        "command again; the checkpoint is kept",
+    )
 
 
 def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, bool]:

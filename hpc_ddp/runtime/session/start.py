@@ -59,6 +59,7 @@ from hpc_ddp.runtime.place.plan import (
     threads_per_rank,
 )
 from hpc_ddp.runtime.place.rundir import claim_run_dir
+from hpc_ddp.runtime.place.sharedfs import check_every_rank_sees
 from hpc_ddp.runtime.place.slurm import allocation_task_count
 from hpc_ddp.runtime.preempt.requeue import agent_signal_gap, check_job_signal
 from hpc_ddp.runtime.preempt.signals import StopSignals
@@ -274,6 +275,7 @@ def start(
         if dist_env.launcher == "torchelastic":
             plan = _agree_on_elastic_restarts(plan, group, environment)
             dist_env = plan.dist_env
+        check_every_rank_sees(plan.run_dir, dist_env.rank, group)
         resume = None
         if settings.checkpoint.resume:
             resume = find_resume(
