@@ -411,6 +411,10 @@ CASES: list[Case] = [
     script('hpc_ddp.spawn("main", nprocs=2)', says="the first argument is a str, expected"),
     script("hpc_ddp.spawn(print, args=3, nprocs=2)", says="args is a int, expected a tuple"),
     script("hpc_ddp.spawn(print, nprocs=2, join=False)", says="join=False): the ranks run to"),
+    script(
+        "def main(): pass\nhpc_ddp.spawn(main, nprocs=2)",
+        says="each rank calls main(rank, *args), which does not fit its parameters",
+    ),
     script(f"{RUN}\nlist(run.steps([]))", says="the list gave no batch in epoch 0"),
     script(
         f"{RUN}\nclass Seekable(list):\n    steps_per_epoch = 2\n"

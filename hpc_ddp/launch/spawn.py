@@ -15,6 +15,7 @@ submitit) it calls ``main(rank, *args)`` in this process and ``nprocs`` is the l
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 from collections.abc import Callable, Mapping
@@ -43,7 +44,7 @@ def this_program(argv: list[str], main_module: Any) -> Program:
 
 def check_call(fn: object, args: object, join: object) -> None:
     """Refuses what ``mp.spawn`` would fail on later, in a child: ``fn`` not callable,
-    ``args`` not a tuple, ``join=False``."""
+    ``args`` not a tuple or not fitting ``fn(rank, *args)``, ``join=False``."""
     if not callable(fn):
         raise HpcDdpError(
             f"hpc_ddp.spawn({fn!r}, ...): the first argument is a {type(fn).__name__}, "
@@ -56,6 +57,17 @@ def check_call(fn: object, args: object, join: object) -> None:
             "tuple (each rank calls fn(rank, *args))",
             f"args=({args!r},) for a single argument",
         )
+    try:
+        inspect.signature(fn).bind(0, *args)
+    except TypeError as mismatch:
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise HpcDdpError(
+            f"hpc_ddp.spawn({name}, args={args!r}): each rank calls {name}(rank, *args), "
+            f"which does not fit its parameters ({mismatch})",
+            f"take the rank first, as with mp.spawn: def {name}(rank, ...)",
+        ) from None
+    except ValueError:  # a builtin without a signature: its call says what is wrong
+        pass
     if join is not True:
         raise HpcDdpError(
             f"hpc_ddp.spawn(..., join={join!r}): the ranks run to their end before it returns",
