@@ -188,6 +188,7 @@ CASES: list[Case] = [
         says="tests/programs/broken_script, line 2: invalid syntax",
     ),
     cli("local", "-m", "no_such_pkg.train", says="module 'no_such_pkg.train' cannot be found"),
+    cli("local", "-m", "json", says="module 'json' is a package without a __main__ module"),
     cli("local", "--config", "missing.yaml", says="missing.yaml"),
     cli("local", "--dry-run", "tests/programs/faults.py", says="--dry-run applies to the built-in"),
     cli("run", "--config", "configs/digits.yaml", says="hpc-ddp run starts your own script"),

@@ -502,3 +502,25 @@ def test_a_log_folder_that_cannot_be_placed_is_refused() -> None:
     moved = moved.replace("#SBATCH --error=%x", "#SBATCH --error=logs/%x")
     with pytest.raises(HpcDdpError, match=r"no '#SBATCH --output=%x\.\.\.' line"):
         render_sbatch(moved, RenderRequest(arguments=("c.yaml",), log_dir="/scratch/x"))
+
+
+def test_a_module_is_looked_for_as_python_m_does_from_the_launch_directory(
+    tmp_path: Path,
+) -> None:
+    """A package of the project, not installed, is found from the directory the job starts
+    in (the ranks' `python -m` looks there first); a package without __main__ is refused."""
+    from hpc_ddp.launch.program import check_module_runs
+
+    project = tmp_path / "project"
+    (project / "mylab").mkdir(parents=True)
+    (project / "mylab" / "__init__.py").write_text("")
+    (project / "mylab" / "train.py").write_text("")
+    check_module_runs("mylab.train", project)
+    with pytest.raises(HpcDdpError, match="'mylab' is a package without a __main__ module"):
+        check_module_runs("mylab", project)
+    (project / "mylab" / "__main__.py").write_text("")
+    check_module_runs("mylab", project)
+    with pytest.raises(HpcDdpError, match=r"'otherlab.train' cannot be found .* from "):
+        check_module_runs("otherlab.train", tmp_path)
+    assert str(project) not in sys.path
+    sys.modules.pop("mylab", None)  # found as python -m finds it: imported

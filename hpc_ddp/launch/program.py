@@ -97,21 +97,42 @@ class Program:
         if self.kind == "script":
             check_compiles(Path(self.name))
         if self.kind == "module":
-            try:
-                found = importlib.util.find_spec(self.name) is not None
-            except (ImportError, ValueError):
-                found = False
-            if not found:
-                raise HpcDdpError(
-                    f"module {self.name!r} cannot be found by this Python ({sys.executable})",
-                    "install the package that holds it into this environment, or add its "
-                    "directory to PYTHONPATH",
-                )
+            check_module_runs(self.name, Path.cwd())
         if self.kind == "builtin" and self.name:
             find_config(self.name, Path.cwd())
 
     def __str__(self) -> str:
         return " ".join(self.template_args())
+
+
+def check_module_runs(name: str, cwd: Path) -> None:
+    """Refuses a module ``python -m NAME`` started in ``cwd`` could not run: not found (as
+    ``python -m`` looks: ``cwd`` first, then this Python's path), or a package without a
+    ``__main__`` module."""
+    added = str(cwd) not in sys.path
+    if added:
+        sys.path.insert(0, str(cwd))
+    try:
+        spec = importlib.util.find_spec(name)
+        runs = spec is None or spec.submodule_search_locations is None
+        if not runs:
+            runs = importlib.util.find_spec(f"{name}.__main__") is not None
+    except (ImportError, ValueError):
+        spec, runs = None, False
+    finally:
+        if added:
+            sys.path.remove(str(cwd))
+    if spec is None:
+        raise HpcDdpError(
+            f"module {name!r} cannot be found by this Python ({sys.executable}) from {cwd}",
+            "install the package that holds it into this environment, or add its "
+            "directory to PYTHONPATH",
+        )
+    if not runs:
+        raise HpcDdpError(
+            f"module {name!r} is a package without a __main__ module: python -m cannot run it",
+            f"name the module that trains (-m {name}.train), or add {name}/__main__.py",
+        )
 
 
 _SETTING_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*")
