@@ -383,6 +383,15 @@ CASES: list[Case] = [
     yaml_file("unknown_section:\n  a: 1\n", says="unknown_section"),
     yaml_file(ALIAS_BOMB, says="expands to more than 100,000 values"),
     yaml_file(
+        "a:\n" + "".join("  " * depth + "b:\n" for depth in range(1, 3000)),
+        says="nested deeper than YAML can be read here",
+    ),
+    train(
+        *SYNTHETIC,
+        "optim.lr=" + "[" * 3000 + "]" * 3000,
+        says="nested deeper than YAML can be read here",
+    ),
+    yaml_file(
         "model:\n  hidden_sizes: [[1, 2, 3, 4, 5, 6, 7, 8, 9]]\n", says="got [1, 2, 3, 4, ...]"
     ),
     # -- a user's script: the public API -----------------------------------------------------

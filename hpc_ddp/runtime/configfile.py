@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.yamlread import CoreLoader, load_raw, shown
+from hpc_ddp.runtime.yamlread import load_raw, load_value, shown
 
 T = TypeVar("T")
 
@@ -178,7 +178,7 @@ def parse_override(text: str, sections: Sequence[str]) -> tuple[str, str, Any]:
             f"valid sections: {', '.join(sections)}",
         )
     try:
-        value = yaml.load(raw_value, Loader=CoreLoader) if raw_value.strip() else ""
+        value = load_value(raw_value, f"override {shown(text)}") if raw_value.strip() else ""
     except yaml.YAMLError:
         value = raw_value  # not YAML (e.g. a path with a backquote): keep it as text
     return name, key, value

@@ -121,6 +121,19 @@ class _StrictLoader(CoreLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def load_value(text: str, what: str) -> Any:
+    """One value written in YAML (an override's), read as a config file's are (bounded
+    aliases and nesting): yaml.YAMLError where it is not YAML, HpcDdpError naming ``what``
+    where it is too big."""
+    try:
+        return yaml.load(_Named(text, what), Loader=_StrictLoader)
+    except RecursionError:
+        raise HpcDdpError(
+            f"{what}: nested deeper than YAML can be read here",
+            "give a plain value or a short list",
+        ) from None
+
+
 def load_mapping(path: str | Path, what: str = "config file") -> dict[Any, Any]:
     """Read a YAML file that holds one mapping (strictly: keys written once, aliases
     bounded); HpcDdpError naming the file and the place for anything else."""
@@ -140,6 +153,11 @@ def load_mapping(path: str | Path, what: str = "config file") -> dict[Any, Any]:
         ) from None
     try:
         raw = yaml.load(_Named(text, str(config_path)), Loader=_StrictLoader) or {}
+    except RecursionError:  # the parser recurses once per level of nesting
+        raise HpcDdpError(
+            f"{config_path}: nested deeper than YAML can be read here",
+            "a config needs sections and keys, at most a few levels deep",
+        ) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
