@@ -579,6 +579,11 @@ FAULTS: list[tuple[str, str, str]] = [
     ("a run directory one rank does not see (each node's own disk)", "every rank ends with "
      "one line naming the rank and host, before any checkpoint is split between hosts",
      "test_rundir.py::test_a_run_directory_one_rank_does_not_see_is_refused_before_any_checkpoint"),
+    ("`hpc-ddp local` from a working directory that was removed", "one line and exit 2 "
+     "before any rank starts", "test_rundir.py::test_a_launch_from_a_removed_working_directory_is_one_line"),
+    ("`hpc-ddp tracking sync --uri` of an unknown scheme or a SQLite file that is no database",
+     "one line naming the store, exit 2",
+     "test_view.py::test_tracking_sync_into_a_store_that_cannot_open_is_one_line"),
     ("the only checkpoint empty, garbage, truncated or of a newer format", "refused in one "
      "line, the file untouched", "test_fault_tolerance.py::test_a_run_whose_only_checkpoint_cannot_be_read_is_refused_and_the_file_kept"),
     ("the same, on real ranks; then checkpoint.start_fresh_if_unreadable=true", "every rank "

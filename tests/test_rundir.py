@@ -267,3 +267,21 @@ def test_the_ranks_that_do_not_see_the_run_directory_are_named(tmp_path: Path) -
     refuse_unless_seen(tmp_path, [None, None])
     with pytest.raises(HpcDdpError, match=r"not seen by 2 of 4 ranks \(rank 1 on h1: x; rank 3"):
         refuse_unless_seen(tmp_path, [None, "h1: x", None, "h3: y"])
+
+
+@pytest.mark.e2e
+def test_a_launch_from_a_removed_working_directory_is_one_line(tmp_path: Path) -> None:
+    """A shell left in a folder someone removed: every rank would start there (torch then
+    fails to load its own library), so the launcher says it before starting any."""
+    gone = tmp_path / "gone"
+    result = subprocess.run(
+        ["bash", "-c", f'mkdir "{gone}" && cd "{gone}" && rmdir "{gone}" && exec "$0" "$@"',
+         sys.executable, "-m", "hpc_ddp", "local", "--nproc", "1", PROGRAM],
+        env={**clean_environ(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith(
+        "hpc-ddp local: error: the working directory no longer exists"
+    ), result.stderr[-3000:]
+    assert "HINT: cd to an existing directory" in result.stderr

@@ -4,6 +4,7 @@ real run writes it, listed and drawn without MLflow or a server."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.tracking.base import NullTracker
 from hpc_ddp.runtime.tracking.journal import JournalTracker, read_status
 from hpc_ddp.view.plot import curves, plot_run
@@ -259,3 +261,24 @@ def test_damaged_lines_of_metrics_jsonl_are_left_out_of_runs_plot_and_sync(tmp_p
     assert train == {"loss (epoch)": ([3.0], [0.5])} and val == {"val_accuracy": ([3.0], [0.75])}
     plotted = hpc_ddp_command("plot", "name/id", "--output-dir", str(tmp_path))
     assert plotted.returncode == 0 and "Traceback" not in plotted.stderr, plotted.stderr
+
+
+@pytest.mark.parametrize("store", ["ftp://nowhere", "damaged-sqlite"])
+@pytest.mark.e2e  # MLflow starts a process as it opens a store
+def test_tracking_sync_into_a_store_that_cannot_open_is_one_line(
+    tmp_path: Path, store: str
+) -> None:
+    """An unknown URI scheme, or a SQLite file that is no database: MLflow's client fails
+    as it is made, which is one line naming the store, as any other failure of the sync."""
+    from hpc_ddp.runtime.tracking.sync import sync_run
+
+    run_dir = tmp_path / "name" / "id"
+    journal = JournalTracker(NullTracker(), run_dir, lambda: (3, 0), "7", 1)
+    journal.log_metrics({"loss": 0.5}, 3)
+    (run_dir / "status.json").write_text(json.dumps({"state": "finished"}))
+    (run_dir / "tracking.json").write_text(json.dumps({"uri": "sqlite:///unused.db"}))
+    if store == "damaged-sqlite":
+        (tmp_path / "damaged.db").write_text("not a database\n" * 10)
+        store = f"sqlite:///{tmp_path / 'damaged.db'}"
+    with pytest.raises(HpcDdpError, match=f"MLflow at {re.escape(store)} failed: "):
+        sync_run(run_dir, store)

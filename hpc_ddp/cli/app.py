@@ -298,6 +298,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "target_args", None):
         args.target_args = ["--" if word == KEPT_SEPARATOR else word for word in args.target_args]
     try:
+        os.getcwd()
+    except FileNotFoundError:  # every rank and job it starts would inherit it
+        print(
+            f"hpc-ddp {args.command}: error: the working directory no longer exists (it was "
+            "removed after this shell entered it)\nHINT: cd to an existing directory (cd "
+            '"$PWD" enters the new one of the same name, if any), then run the command again',
+            file=sys.stderr,
+        )
+        return 2
+    try:
         code = int(args.handler(args))
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
         return code

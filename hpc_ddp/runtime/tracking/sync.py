@@ -87,8 +87,9 @@ def sync_run(run_dir: Path, uri: str | None = None, live: bool = False) -> SyncR
     import mlflow
     from mlflow.entities import Metric, Param, RunTag
 
-    client = mlflow.MlflowClient(tracking_uri=uri)
     try:
+        # Its constructor opens the store: an unknown scheme or a damaged database fails here.
+        client = mlflow.MlflowClient(tracking_uri=uri)
         with store_lock(uri):  # a fresh SQLite store gets its tables once
             run_id, created = _find_or_create(
                 client, tracking, _known_run(tracking, uri), mlflow.exceptions.MlflowException
