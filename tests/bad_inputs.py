@@ -584,6 +584,9 @@ FAULTS: list[tuple[str, str, str]] = [
     ("`hpc-ddp tracking sync --uri` of an unknown scheme or a SQLite file that is no database",
      "one line naming the store, exit 2",
      "test_view.py::test_tracking_sync_into_a_store_that_cannot_open_is_one_line"),
+    ("`hpc-ddp plot -o` with an extension matplotlib cannot write, none, or a directory",
+     "one line listing the extensions, nothing written",
+     "test_view.py::test_a_plot_to_a_file_matplotlib_cannot_write_is_one_line"),
     ("the only checkpoint empty, garbage, truncated or of a newer format", "refused in one "
      "line, the file untouched", "test_fault_tolerance.py::test_a_run_whose_only_checkpoint_cannot_be_read_is_refused_and_the_file_kept"),
     ("the same, on real ranks; then checkpoint.start_fresh_if_unreadable=true", "every rank "

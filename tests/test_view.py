@@ -282,3 +282,23 @@ def test_tracking_sync_into_a_store_that_cannot_open_is_one_line(
         store = f"sqlite:///{tmp_path / 'damaged.db'}"
     with pytest.raises(HpcDdpError, match=f"MLflow at {re.escape(store)} failed: "):
         sync_run(run_dir, store)
+
+
+@pytest.mark.parametrize("output", ["curves.badext", "curves", "folder"])
+def test_a_plot_to_a_file_matplotlib_cannot_write_is_one_line(tmp_path: Path, output: str) -> None:
+    """An extension matplotlib has no writer for was its ValueError traceback; a directory
+    or no extension was written as NAME.png while NAME was printed."""
+    from hpc_ddp.view.plot import save_plot
+
+    journal = JournalTracker(NullTracker(), tmp_path / "name" / "id", lambda: (3, 0), "7", 1)
+    journal.log_metrics({"loss": 0.5}, 3)
+    (tmp_path / "folder").mkdir()
+    said = {
+        "curves.badext": "extension '.badext'",
+        "curves": "no extension",
+        "folder": "a directory",
+    }
+    with pytest.raises(HpcDdpError, match=f"{said[output]}, expected a file name ending in one"):
+        save_plot(find_run("name/id", tmp_path), tmp_path / output)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["folder", "name"]
+    assert save_plot(find_run("name/id", tmp_path), tmp_path / "c.SVG").is_file()

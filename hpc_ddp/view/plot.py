@@ -115,6 +115,15 @@ def save_plot(run: RunView, output: Path | None = None) -> Path:
     """Write the run's curves as a PNG (default ``<run dir>/curves.png``); returns its path."""
     figure = plot_run(run)
     path = output or run.path / "curves.png"
+    kinds = figure.canvas.get_supported_filetypes()
+    if path.is_dir() or path.suffix.lower().lstrip(".") not in kinds:
+        seen = "a directory" if path.is_dir() else f"extension {path.suffix!r}"
+        seen = seen if path.suffix or path.is_dir() else "no extension"
+        raise HpcDdpError(
+            f"-o {path}: {seen}, expected a file name ending in one of "
+            f"{', '.join('.' + kind for kind in sorted(kinds))}",
+            "e.g. -o curves.png (or .pdf, .svg)",
+        )
     try:
         figure.savefig(path, dpi=100)
     except OSError as error:
