@@ -587,6 +587,9 @@ FAULTS: list[tuple[str, str, str]] = [
     ("`hpc-ddp plot -o` with an extension matplotlib cannot write, none, or a directory",
      "one line listing the extensions, nothing written",
      "test_view.py::test_a_plot_to_a_file_matplotlib_cannot_write_is_one_line"),
+    ("a full disk under the run directory when its lock is written (tmpfs)", "one line "
+     "naming the lock file, the lock let go",
+     "test_rundir.py::test_a_full_disk_at_the_run_directory_lock_is_one_line"),
     ("the only checkpoint empty, garbage, truncated or of a newer format", "refused in one "
      "line, the file untouched", "test_fault_tolerance.py::test_a_run_whose_only_checkpoint_cannot_be_read_is_refused_and_the_file_kept"),
     ("the same, on real ranks; then checkpoint.start_fresh_if_unreadable=true", "every rank "

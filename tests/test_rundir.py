@@ -285,3 +285,36 @@ def test_a_launch_from_a_removed_working_directory_is_one_line(tmp_path: Path) -
         "hpc-ddp local: error: the working directory no longer exists"
     ), result.stderr[-3000:]
     assert "HINT: cd to an existing directory" in result.stderr
+
+
+@pytest.mark.e2e
+def test_a_full_disk_at_the_run_directory_lock_is_one_line(tmp_path: Path) -> None:
+    """The full disk is real: a tmpfs (mounting one needs root, which CI has) filled to the
+    last byte; the run directory and its lock file are made (they take no data), writing
+    the holder into the lock fails. The lock is let go, so the tmpfs unmounts."""
+    from hpc_ddp.runtime.place.rundir import claim_run_dir
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert mounted.returncode == 0, f"cannot mount a tmpfs as root: {mounted.stderr}"
+    try:
+        filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    os.write(filler, b"x" * 4096)
+        finally:
+            os.close(filler)
+        with pytest.raises(HpcDdpError) as refused:
+            claim_run_dir(disk / "name" / "id")
+    finally:
+        unmounted = subprocess.run(["umount", str(disk)], check=False)
+    assert unmounted.returncode == 0, "nothing holds the tmpfs: the lock was let go"
+    assert str(refused.value).startswith(f"cannot write {disk}/name/id/.lock: No space left")
+    assert "HINT: free space or quota" in str(refused.value)

@@ -9,6 +9,7 @@ the moment the holding process is, however it ended.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -104,8 +105,17 @@ def claim_run_dir(run_dir: Path) -> None:
             f"run directory {run_dir} is in use by a live run ({holder})",
             "wait for it to end, or give this run another run.id",
         ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
-    handle.flush()
+    try:
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+        handle.flush()
+    except OSError as error:  # a full disk or quota: the run could write nothing there
+        with contextlib.suppress(OSError):
+            handle.close()  # its flush fails again; the file is closed all the same
+        raise HpcDdpError(
+            f"cannot write {run_dir / LOCK_FILE}: {error.strerror or error}",
+            "free space or quota on that file system (df -h, quota -s), or set "
+            "run.output_dir to a folder on another",
+        ) from None
     _HELD[run_dir] = handle
