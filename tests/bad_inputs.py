@@ -35,7 +35,7 @@ class Case:
             return f"script: `{self.text.strip()}`".replace("|", "\\|").replace("\n", "; ")
         prefix = {"cli": "hpc-ddp", "train": "train"}[self.kind]
         env = " ".join(f"{key}={value[:30]}" for key, value in self.environ.items())
-        words = " ".join(self.args)
+        words = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(self.args))
         if len(words) > 90:
             words = words[:90] + "..."
         return f"`{(env + ' ' if env else '')}{prefix} {words}`".replace("|", "\\|")
@@ -261,6 +261,29 @@ CASES: list[Case] = [
     ),
     cli("sweep", "submit", "--name", "s", says="no program: the sweep needs"),
     cli("sweep", "status", "/nonexistent/sweep", says="holds no sweep"),
+    cli("sweep", "resume", "/nonexistent/sweep", "--set", "lr=1\n2", says="holds a line break"),
+    cli(
+        "sweep",
+        "submit",
+        "--name",
+        "s",
+        "--grid",
+        "lr=1,1",
+        "--",
+        "tests/programs/regression.py",
+        says="grid.--lr: '1' listed more than once",
+    ),
+    cli(
+        "sweep",
+        "submit",
+        "--name",
+        "s",
+        "--grid",
+        "preempt.signal=USR1,USR2",
+        "--",
+        "tests/programs/regression.py",
+        says="preempt.signal goes into the one job script",
+    ),
     cli("sweep", "resume", "/nonexistent/sweep", says="holds no sweep"),
     cli("data", "make", "--rows", "0", "--out", "/tmp/x", says="--rows: 0 is too small"),
     cli("data", "make", "--rows", "10", "--features", "0", "--out", "/tmp/x", says="--features"),

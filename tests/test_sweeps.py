@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,8 @@ def test_the_command_line_form_reads_plain_keys_as_program_options() -> None:
 def test_arrays_are_split_at_max_array_size_with_offsets() -> None:
     assert max_array_size("Foo = 1\nMaxArraySize            = 8\n") == 8
     assert max_array_size("no such line") == 1001
+    with pytest.raises(HpcDdpError, match=r"takes no job arrays \(MaxArraySize=0\)"):
+        max_array_size("MaxArraySize = 0\n")
     assert split_into_arrays(list(range(10)), 8) == [
         Array(0, tuple(range(8))),
         Array(8, (0, 1)),
@@ -423,3 +426,30 @@ def test_a_grid_of_one_string_is_refused_not_swept_as_one_value(
     with pytest.raises(HpcDdpError, match=r"grid=\{'lr': .*expected a list of values"):
         hpc_ddp.submit_sweep("train.py", name="lr", grid={"lr": values}, output_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("raw", "said"),
+    [
+        ({"grid": {"--lr": [0.1, 0.1, 1]}}, "grid.--lr: '0.1' listed more than once"),
+        ({"zip": {"--lr": [1, 1], "--bs": [8, 8]}}, "zip: row 1 (--lr=1, --bs=8) is row 0 again"),
+        ({"list": [{"--lr": 1}, {"--lr": 1}]}, "list[1]: the same settings as list[0]"),
+        ({"grid": {"--tag": ["a\x1b[2Jb"]}}, "holds the character U+001B"),
+        ({"grid": {"--tag": ["a\x0bb"]}}, "holds the character U+000B"),
+        ({"grid": {"--tag": ["\u202eexe.txt"]}}, "holds the character U+202E"),
+        ({"grid": {"preempt.signal": ["USR1", "USR2"]}}, "goes into the one job script"),
+    ],
+    ids=["grid", "zip", "list", "escape", "vertical-tab", "bidi", "signal"],
+)
+def test_a_sweep_that_would_run_a_task_twice_or_print_a_control_is_refused(
+    raw: dict[str, Any], said: str
+) -> None:
+    with pytest.raises(HpcDdpError, match=re.escape(said)):
+        tasks_of(raw)
+
+
+def test_zip_rows_may_share_a_value_when_the_rows_differ() -> None:
+    assert tasks_of({"zip": {"--lr": [1, 1], "--bs": [8, 16]}}) == [
+        {"--lr": "1", "--bs": "8"},
+        {"--lr": "1", "--bs": "16"},
+    ]

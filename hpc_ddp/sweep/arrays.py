@@ -39,7 +39,15 @@ class Array:
 def max_array_size(config_text: str) -> int:
     """MaxArraySize from `scontrol show config` (Slurm's default when the line is absent)."""
     match = re.search(r"^MaxArraySize\s*=\s*(\d+)", config_text, re.MULTILINE)
-    return int(match.group(1)) if match else DEFAULT_MAX_ARRAY_SIZE
+    size = int(match.group(1)) if match else DEFAULT_MAX_ARRAY_SIZE
+    if size < 1:
+        raise HpcDdpError(
+            f"this cluster's Slurm takes no job arrays (MaxArraySize={size}), and a sweep's "
+            "tasks run as job arrays",
+            "ask the cluster's admins whether arrays can be enabled, or submit each setting "
+            "as a job of its own (hpc-ddp render --set ..., then sbatch)",
+        )
+    return size
 
 
 def read_max_array_size(environ: Mapping[str, str]) -> int:

@@ -40,6 +40,12 @@ MAX_TASKS_LIMIT = 100_000
 FILE_KEYS = ("name", "grid", "zip", "list", "concurrency", "metric", "mode", "max_tasks")
 #: Settings the sweep sets for each task itself.
 RESERVED_SETTINGS = ("run.id", "run.name", "run.output_dir")
+#: Settings rendered into the one job script of all the tasks (``--signal``): a task whose
+#: value differed would wait for a signal its job never sends.
+WHOLE_SWEEP_SETTINGS = ("preempt.signal", "preempt.warning_s")
+#: Characters a value may not hold: control characters (terminal escapes, vertical tabs)
+#: and marks that turn the direction of the text shown after them.
+_UNSHOWABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 _OPTION = re.compile(r"--?[A-Za-z0-9][A-Za-z0-9_.-]*")
 _SETTING = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*")
@@ -73,6 +79,13 @@ def value_text(value: Any, where: str) -> str:
         text = str(value)
         if any(char in text for char in "\n\r\0"):
             raise HpcDdpError(f"{where}: {shown(value)} holds a line break", "one line per value")
+        found = _UNSHOWABLE.search(text)
+        if found:
+            raise HpcDdpError(
+                f"{where}: {shown(value)} holds the character U+{ord(found.group()):04X} (a "
+                "terminal control or a text-direction mark), which would be printed as it is",
+                "write the value in plain characters",
+            )
         return text
     raise HpcDdpError(
         f"{where}: {shown(value)} is a {type(value).__name__}, not a single value",
@@ -87,6 +100,12 @@ def check_key(key: Any, where: str) -> str:
             raise HpcDdpError(
                 f"{where}: {key} is set by the sweep for each task (its run directory)",
                 "remove it; the sweep's folder is run.output_dir/<sweep name>",
+            )
+        if key in WHOLE_SWEEP_SETTINGS:
+            raise HpcDdpError(
+                f"{where}: {key} goes into the one job script all the tasks share (sbatch "
+                "--signal), so it cannot differ between tasks",
+                f"give it once for the whole sweep, after the program (e.g. {key}=...)",
             )
         return key
     raise HpcDdpError(
@@ -109,6 +128,13 @@ def _lists(raw: Any, where: str) -> dict[str, tuple[str, ...]]:
         if not values:
             raise HpcDdpError(f"{where}.{key}: the list is empty", "give at least one value")
         lists[key] = tuple(value_text(value, f"{where}.{key}") for value in values)
+        twice = sorted({value for value in lists[key] if lists[key].count(value) > 1})
+        if twice and where == "grid":  # zip's rows may share a value, see expand
+            raise HpcDdpError(
+                f"{where}.{key}: {', '.join(map(repr, twice))} listed more than once: the same "
+                "tasks would run again",
+                "list each value once",
+            )
     return lists
 
 
@@ -117,17 +143,22 @@ def _listed(raw: Any) -> tuple[Settings, ...]:
         return ()
     if not isinstance(raw, list) or not raw:
         raise HpcDdpError("list: expected a non-empty list of mappings", "e.g. - {--lr: 0.1}")
-    tasks = []
+    tasks: list[Settings] = []
     for number, entry in enumerate(raw):
         where = f"list[{number}]"
         if not isinstance(entry, Mapping):
             raise HpcDdpError(f"{where}: {shown(entry)} is not a mapping", "e.g. - {--lr: 0.1}")
-        tasks.append(
-            {
-                check_key(key, where): value_text(value, f"{where}.{key}")
-                for key, value in entry.items()
-            }
-        )
+        task = {
+            check_key(key, where): value_text(value, f"{where}.{key}")
+            for key, value in entry.items()
+        }
+        if task in tasks:
+            raise HpcDdpError(
+                f"{where}: the same settings as list[{tasks.index(task)}]: the task would run "
+                "twice",
+                "list each task once",
+            )
+        tasks.append(task)
     return tuple(tasks)
 
 
@@ -217,6 +248,15 @@ def expand(spec: SweepSpec) -> list[Settings]:
     rows = [
         dict(zip(spec.zipped, row, strict=True)) for row in zip(*spec.zipped.values(), strict=True)
     ]
+    repeated = [number for number, row in enumerate(rows) if row in rows[:number]]
+    if repeated:
+        again = rows[repeated[0]]
+        shown_row = ", ".join(f"{key}={value}" for key, value in again.items())
+        raise HpcDdpError(
+            f"zip: row {repeated[0]} ({shown_row}) is row {rows.index(again)} again: the same "
+            "tasks would run twice",
+            "give each row once",
+        )
     grid = [
         dict(zip(spec.grid, row, strict=True)) for row in itertools.product(*spec.grid.values())
     ]

@@ -32,6 +32,7 @@ from hpc_ddp.sweep.spec import (
     check_key,
     command_line_key,
     expand,
+    value_text,
     with_overrides,
 )
 
@@ -218,6 +219,7 @@ def resume_sweep(
     """Resubmit the tasks that did not finish (failed, lost, never started) as new arrays,
     each in its own run directory again, with ``overrides`` (``KEY=VALUE``) applied to
     them; refused while any task of the sweep is queued or running. Returns the tasks."""
+    pairs = [_override(text) for text in overrides]  # bad words refused before asking Slurm
     data = manifest.read_manifest(sweep_dir)
     live = live_jobs(data, environ)
     running = [
@@ -237,7 +239,6 @@ def resume_sweep(
     if not chosen:
         say(f"every task of sweep {data['name']} finished: nothing to resume")
         return []
-    pairs = [_override(text) for text in overrides]
     if pairs:  # a callable is loaded (its module imported) only to check changed arguments
         program = recorded_program(sweep_dir, data)
         check_settings([key for key, _ in pairs], program)
@@ -274,4 +275,4 @@ def _override(text: str) -> tuple[str, str]:
             "e.g. --set lr=0.05 (your --lr) or --set train.epochs=3",
         )
     check_key(key, "--set")
-    return key, value
+    return key, value_text(value, f"--set {key}")
