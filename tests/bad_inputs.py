@@ -613,6 +613,9 @@ FAULTS: list[tuple[str, str, str]] = [
     ("a full disk under the run directory when its lock is written (tmpfs)", "one line "
      "naming the lock file, the lock let go",
      "test_rundir.py::test_a_full_disk_at_the_run_directory_lock_is_one_line"),
+    ("`hpc-ddp sweep status` of a sweep.json with an empty task, text where a list goes, an "
+     "unknown state or a task out of place", "one line naming the field, exit 2",
+     "test_sweeps.py::test_sweep_status_of_a_damaged_record_is_one_line_naming_the_field"),
     ("the only checkpoint empty, garbage, truncated or of a newer format", "refused in one "
      "line, the file untouched", "test_fault_tolerance.py::test_a_run_whose_only_checkpoint_cannot_be_read_is_refused_and_the_file_kept"),
     ("the same, on real ranks; then checkpoint.start_fresh_if_unreadable=true", "every rank "

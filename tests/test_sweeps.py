@@ -453,3 +453,30 @@ def test_zip_rows_may_share_a_value_when_the_rows_differ() -> None:
         {"--lr": "1", "--bs": "8"},
         {"--lr": "1", "--bs": "16"},
     ]
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        (lambda data: data["tasks"].append({}), "tasks[2].index holds NoneType"),
+        (lambda data: data.update(tasks="task-000"), "tasks holds str 'task-000'"),
+        (lambda data: data["tasks"][1].update(state="exploded"), "tasks[1].state is 'exploded'"),
+        (lambda data: data["tasks"][1].update(index=7), "tasks[1].index is 7, at position 1"),
+        (
+            lambda data: data["tasks"][0].update(settings={"--lr": 1}),
+            "tasks[0].settings holds a value that",
+        ),
+        (lambda data: data["tasks"][0].update(final=[1]), "tasks[0].final holds list"),
+        (lambda data: data.update(arrays={"a": 1}), "arrays holds dict"),
+    ],
+    ids=["empty-task", "tasks-text", "state", "index", "settings", "final", "arrays"],
+)
+def test_sweep_status_of_a_damaged_record_is_one_line_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: Any, said: str
+) -> None:
+    data = sweep_record(tmp_path, [{"--lr": "0.1"}, {"--lr": "0.2"}])
+    damage(data)
+    manifest.write_manifest(tmp_path, {"format": manifest.FORMAT, **data})
+    assert cli_main(["sweep", "status", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert f"sweep.json is damaged: {said}" in error and "Traceback" not in error, error

@@ -56,7 +56,63 @@ def read_manifest(sweep_dir: Path) -> dict[str, Any]:
             f"{path} is not a sweep record this version reads (format {FORMAT})",
             "use the hpc_ddp version that wrote it",
         )
+    problem = record_problem(data)
+    if problem is not None:
+        raise HpcDdpError(
+            f"{path} is damaged: {problem}",
+            "restore sweep.json from a copy, or fix that field by hand (each task's "
+            "run directory keeps its own record)",
+        )
     return data
+
+
+#: What each field of the record holds (a tuple: any of those types).
+_RECORD_FIELDS: dict[str, Any] = {
+    "name": str, "program": dict, "job": dict, "workdir": str, "output_dir": str,
+    "concurrency": (int, type(None)), "metric": (str, type(None)), "mode": (str, type(None)),
+    "tracking": (dict, type(None)), "arrays": list, "tasks": list,
+}  # fmt: skip
+_TASK_FIELDS: dict[str, Any] = {
+    "index": int, "settings": dict, "run_id": str, "state": str, "attempts": int,
+    "job": (str, type(None)), "mlflow_run_id": (str, type(None)), "final": dict,
+    "error": (str, type(None)),
+}  # fmt: skip
+
+
+#: Fields every record and every task holds; the others are checked where present.
+_ALWAYS = ("name", "tasks", "index", "settings", "run_id", "state")
+
+
+def _wrong(holder: Mapping[str, Any], fields: Mapping[str, Any], where: str) -> str | None:
+    for key, kind in fields.items():
+        if key not in holder and key not in _ALWAYS:
+            continue
+        value = holder.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{where}{key} holds {type(value).__name__} {str(value)[:40]!r}"
+    return None
+
+
+def record_problem(data: Mapping[str, Any]) -> str | None:
+    """What in a sweep's record is not as hpc_ddp wrote it (None: nothing): every field a
+    command reads, each task at its own index with text settings and a known state."""
+    problem = _wrong(data, _RECORD_FIELDS, "")
+    if problem is not None:
+        return problem
+    for position, task in enumerate(data["tasks"]):
+        where = f"tasks[{position}]."
+        if not isinstance(task, dict):
+            return f"tasks[{position}] is a {type(task).__name__}, not a task"
+        problem = _wrong(task, _TASK_FIELDS, where)
+        if problem is not None:
+            return problem
+        if task["index"] != position:
+            return f"{where}index is {task['index']}, at position {position}"
+        if task["state"] not in STATES:
+            return f"{where}state is {task['state'][:40]!r}, not one of {', '.join(STATES)}"
+        if not all(isinstance(v, str) for v in [*task["settings"], *task["settings"].values()]):
+            return f"{where}settings holds a value that is not text"
+    return None
 
 
 @contextlib.contextmanager
