@@ -78,6 +78,17 @@ def submit_sweep(
     settings = runtime_settings(program, environ)
     output_dir = output_dir.resolve()
     sweep_dir = _sweep_dir(output_dir, spec.name)
+    # Refused here, not once the record is written (a sweep there could not be resubmitted).
+    try:
+        _array_script(RenderRequest(arguments=(), **_job_fields(job)), spec.name, sweep_dir, 0)
+    except HpcDdpError as refused:
+        if "log folder" not in refused.message:
+            raise
+        raise HpcDdpError(
+            f"the sweep's folder {sweep_dir} cannot be named in an #SBATCH line (its jobs' "
+            f"logs go there): {refused.message}",
+            "give --output-dir a path of letters, digits and . _ - / only",
+        ) from None
     max_size = arrays.read_max_array_size(environ)
     tracking = None
     if settings.tracking.enabled:
@@ -89,7 +100,7 @@ def submit_sweep(
     record = {
         "name": spec.name,
         "program": {"kind": program.kind, "name": program.name, "args": list(program.args)},
-        "job": {k: v for k, v in dataclasses.asdict(job).items() if k != "arguments"},
+        "job": _job_fields(job),
         "workdir": str(Path.cwd()),
         "output_dir": str(output_dir),
         "concurrency": spec.concurrency,
@@ -109,6 +120,11 @@ def submit_sweep(
         _make_parent(sweep_dir, tracking, spec, len(tasks), output_dir, say)
     _submit(sweep_dir, list(range(len(tasks))), max_size, environ, say)
     return sweep_dir
+
+
+def _job_fields(job: RenderRequest) -> dict[str, Any]:
+    """What the record keeps of the job (its arguments are each array's own)."""
+    return {k: v for k, v in dataclasses.asdict(job).items() if k != "arguments"}
 
 
 def _make_parent(
@@ -156,13 +172,7 @@ def _submit(
     submitted: list[str] = []
     previous = None
     for array in split:
-        request = dataclasses.replace(
-            job,
-            job_name=data["name"],
-            log_dir=str(sweep_dir / "logs"),
-            arguments=("-m", "hpc_ddp.sweep.task", str(sweep_dir), "--offset", str(array.offset)),
-        )
-        text = arrays.job_script(request, sweep_dir, array.offset)
+        text = _array_script(job, data["name"], sweep_dir, array.offset)
         script = scripts / f"array-{len(data['arrays']) + len(submitted)}.sh"
         replace_bytes(script, text.encode())
         job_id = arrays.submit_array(
@@ -174,6 +184,18 @@ def _submit(
         spec = arrays.array_spec(array.indices, data["concurrency"])
         say(f"submitted job array {job_id} (--array={spec}): tasks {_ranges(array.tasks)}")
     return submitted
+
+
+def _array_script(job: RenderRequest, name: str, sweep_dir: Path, offset: int) -> str:
+    """The job script of the array whose first task is ``offset`` (rendered with every
+    check of `hpc-ddp render`)."""
+    request = dataclasses.replace(
+        job,
+        job_name=name,
+        log_dir=str(sweep_dir / "logs"),
+        arguments=("-m", "hpc_ddp.sweep.task", str(sweep_dir), "--offset", str(offset)),
+    )
+    return arrays.job_script(request, sweep_dir, offset)
 
 
 def _record_array(sweep_dir: Path, job_id: str, array: arrays.Array, script: Path) -> None:
