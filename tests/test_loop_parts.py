@@ -426,7 +426,9 @@ def test_a_dataclass_batch_is_cut_to_no_samples_and_its_samples_counted() -> Non
     assert cut["w"].item() == 2.0 and cut["d"]["x"].shape == (0,)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "missing", "outside", "flipped", "foreign"])
+@pytest.mark.parametrize(
+    "damage", ["truncated", "missing", "outside", "flipped", "foreign", "zeroed-unchecked"]
+)
 def test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one_before(
     tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -455,6 +457,9 @@ def test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one
         shard.write_bytes(bytes(data))
     elif damage == "foreign":
         shard.write_bytes((directory / "step-000000010" / shard.name).read_bytes())
+    elif damage == "zeroed-unchecked":  # no checksum to catch it: DCP's read fails
+        (newest / f"{shard.name}.sha256").unlink()
+        shard.write_bytes(bytes(shard.stat().st_size))
     else:
         metadata = (newest / METADATA).read_bytes()
         (newest / METADATA).write_bytes(
@@ -470,6 +475,7 @@ def test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one
         "outside": "a file outside the folder",
         "flipped": f"{shard.name} does not match its checksum ({shard.name}.sha256)",
         "foreign": f"{shard.name} does not match its checksum",
+        "zeroed-unchecked": "CheckpointException",
     }
     assert said[damage] in caplog.text
 
@@ -569,6 +575,11 @@ def test_an_export_reads_the_newest_when_the_run_prunes_the_one_it_chose(
     (left / "x").mkdir(parents=True)
     remove_partial_writes(directory)
     assert not left.exists()
+    (directory / ".pruned-step-000000060" / "x").mkdir(parents=True)  # a kill left it
+    position.global_step = 70
+    checkpointer.save("periodic")
+    prune_older(directory, 70, keep_last=1)
+    assert [path.name for path in list_checkpoints(directory)] == ["step-000000070"]
 
 
 def test_a_folder_that_fails_to_read_at_restore_is_one_line_with_the_way_on(

@@ -515,9 +515,10 @@ def test_a_module_is_looked_for_as_python_m_does_from_the_launch_directory(
     (project / "mylab").mkdir(parents=True)
     (project / "mylab" / "__init__.py").write_text("")
     (project / "mylab" / "train.py").write_text("")
-    check_module_runs("mylab.train", project)
     with pytest.raises(HpcDdpError, match="'mylab' is a package without a __main__ module"):
         check_module_runs("mylab", project)
+    assert "mylab" not in sys.modules, "its __init__ is not run to look for __main__"
+    check_module_runs("mylab.train", project)
     (project / "mylab" / "__main__.py").write_text("")
     check_module_runs("mylab", project)
     with pytest.raises(HpcDdpError, match=r"'otherlab.train' cannot be found .* from "):

@@ -285,6 +285,13 @@ def test_a_launch_from_a_removed_working_directory_is_one_line(tmp_path: Path) -
         "hpc-ddp local: error: the working directory no longer exists"
     ), result.stderr[-3000:]
     assert "HINT: cd to an existing directory" in result.stderr
+    listed = subprocess.run(
+        ["bash", "-c", f'mkdir "{gone}" && cd "{gone}" && rmdir "{gone}" && exec "$0" "$@"',
+         sys.executable, "-m", "hpc_ddp", "runs", str(tmp_path)],
+        env={**clean_environ(), "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=120, check=False,
+    )  # fmt: skip
+    assert listed.returncode == 0 and "no longer exists" not in listed.stderr, listed.stderr
 
 
 @pytest.mark.e2e

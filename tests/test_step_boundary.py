@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -72,6 +73,17 @@ def test_an_iterable_with_a_set_position_of_its_own_is_any_other_iterable() -> N
         grad_accum_steps=1, seed=0, num_workers=0, device=None,
     )  # fmt: skip
     assert step_source(loader, grad_accum_steps=None) is loader
+
+    class Seekable(list[int]):  # sizes computed with numpy
+        steps_per_epoch = np.int64(2)
+        grad_accum_steps = np.int64(1)
+        global_batch_size = np.int64(4)
+
+        def set_position(self, epoch: int, step: int) -> None:
+            pass
+
+    seekable = Seekable([1, 2])
+    assert step_source(seekable, grad_accum_steps=None) is seekable
 
 
 def test_a_replayed_loader_starts_mid_epoch_with_the_random_streams_as_they_were() -> None:

@@ -288,6 +288,18 @@ def keep_programs_separator(parser: argparse.ArgumentParser, argv: list[str]) ->
     return [*argv[:at], KEPT_SEPARATOR, *argv[at + 1 :]]
 
 
+#: Commands whose ranks or jobs start in the working directory.
+LAUNCHING_COMMANDS = ("local", "run", "train", "render", "submit", "sweep", "doctor")
+
+
+def _working_directory_exists() -> bool:
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
@@ -297,9 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.program = sweep_program
     if getattr(args, "target_args", None):
         args.target_args = ["--" if word == KEPT_SEPARATOR else word for word in args.target_args]
-    try:
-        os.getcwd()
-    except FileNotFoundError:  # every rank and job it starts would inherit it
+    if args.command in LAUNCHING_COMMANDS and not _working_directory_exists():
         print(
             f"hpc-ddp {args.command}: error: the working directory no longer exists (it was "
             "removed after this shell entered it)\nHINT: cd to an existing directory (cd "

@@ -7,6 +7,7 @@ which holds stop signals from its first line and ends with the documented exit c
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
 import re
@@ -115,8 +116,9 @@ def check_module_runs(name: str, cwd: Path) -> None:
     try:
         spec = importlib.util.find_spec(name)
         runs = spec is None or spec.submodule_search_locations is None
-        if not runs:
-            runs = importlib.util.find_spec(f"{name}.__main__") is not None
+        if not runs and spec is not None:  # found without importing the package
+            inside = list(spec.submodule_search_locations or [])
+            runs = importlib.machinery.PathFinder.find_spec("__main__", inside) is not None
     except (ImportError, ValueError):
         spec, runs = None, False
     finally:
@@ -189,6 +191,7 @@ def _run_program(program: Program) -> int:
             sys.path.insert(0, str(path if path.is_dir() else path.parent))  # as python does
             runpy.run_path(program.name, run_name="__main__")
         else:
+            sys.path.insert(0, os.getcwd())  # as python -m does
             runpy.run_module(program.name, run_name="__main__", alter_sys=True)
 
     return exit_code_of(body)

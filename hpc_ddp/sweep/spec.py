@@ -42,7 +42,7 @@ FILE_KEYS = ("name", "grid", "zip", "list", "concurrency", "metric", "mode", "ma
 RESERVED_SETTINGS = ("run.id", "run.name", "run.output_dir")
 #: Settings rendered into the one job script of all the tasks (``--signal``): a task whose
 #: value differed would wait for a signal its job never sends.
-WHOLE_SWEEP_SETTINGS = ("preempt.signal", "preempt.warning_s")
+WHOLE_SWEEP_SETTINGS = ("preempt.signal",)
 #: Characters a value may not hold: control characters (terminal escapes, vertical tabs)
 #: and marks that turn the direction of the text shown after them.
 _UNSHOWABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
@@ -105,7 +105,8 @@ def check_key(key: Any, where: str) -> str:
             raise HpcDdpError(
                 f"{where}: {key} goes into the one job script all the tasks share (sbatch "
                 "--signal), so it cannot differ between tasks",
-                f"give it once for the whole sweep, after the program (e.g. {key}=...)",
+                f"give it once for the whole sweep, among the program's settings (e.g. "
+                f"{key}=USR2), and submit a new sweep to change it",
             )
         return key
     raise HpcDdpError(

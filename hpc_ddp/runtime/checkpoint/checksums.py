@@ -12,11 +12,14 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 #: What follows a data file's name in the name of its checksum file.
 SUFFIX = ".sha256"
 _CHUNK = 8 << 20
+#: Files hashed at once when a folder is checked.
+HASHING_THREADS = 8
 
 
 def file_sha256(path: Path) -> str:
@@ -48,12 +51,20 @@ def check_checksums(folder: Path, names: Iterable[str]) -> None:
     kept = {name: folder / f"{name}{SUFFIX}" for name in wanted}
     if not any(path.is_file() for path in kept.values()):
         return
+    recorded: dict[str, str] = {}
     for name, path in kept.items():
         try:
-            recorded = path.read_text(encoding="ascii", errors="replace").split(" ", 1)[0]
+            recorded[name] = path.read_text(encoding="ascii", errors="replace").split(" ", 1)[0]
         except FileNotFoundError:
             raise ValueError(f"{name} has no checksum, while the folder's other files do") from None
-        if file_sha256(folder / name) != recorded:
+    # The files of every rank, read by one process: hashed side by side (hashlib and file
+    # reads let go of the GIL), so a large checkpoint takes its disk's time, not one core's.
+    workers = max(1, min(HASHING_THREADS, len(wanted), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        digests = pool.map(lambda name: file_sha256(folder / name), wanted)
+        found = dict(zip(wanted, digests, strict=True))
+    for name, path in kept.items():
+        if found[name] != recorded[name]:
             raise ValueError(
                 f"{name} does not match its checksum ({path.name}): it changed after it was "
                 "written (damaged on disk or in a copy, or a file of another checkpoint)"

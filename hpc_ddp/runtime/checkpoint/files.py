@@ -102,7 +102,10 @@ def prune_older(directory: Path, step: int, keep_last: int) -> None:
             # Out of the list at once, whole (a reader such as `hpc-ddp export` sees it gone,
             # never half removed); a leftover of a kill here is removed at the next start.
             pruned = old.with_name(f"{PRUNED_PREFIX}{old.name}")
-            os.replace(old, pruned)
+            try:
+                os.replace(old, pruned)
+            except OSError:  # a leftover of that name, or folders that cannot be renamed
+                pruned = old
             shutil.rmtree(pruned, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
@@ -269,7 +272,9 @@ def load_newest(
             found = path, load_checkpoint(path)
         except HpcDdpError:
             raise
-        except Exception as error:  # a damaged file can fail in many ways; all mean: skip it
+        except BaseException as error:  # a damaged file fails in many ways; all mean: skip it
+            if isinstance(error, KeyboardInterrupt | SystemExit):
+                raise  # (torch's CheckpointException is a BaseException, not an Exception)
             unreadable.append((path, error_line(error, 200)))
             get_logger().warning(f"checkpoint {path} cannot be loaded ({unreadable[-1][1]})")
             continue

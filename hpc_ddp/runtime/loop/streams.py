@@ -18,6 +18,7 @@ restored by the kind of iterable, and said once when it matters:
 from __future__ import annotations
 
 import dataclasses
+import operator
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -244,6 +245,17 @@ class Ticks:
         return None
 
 
+def _whole(value: object) -> bool:
+    """An integer of any kind (numpy's too), not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
 #: What a loader positioned by step holds beside ``set_position`` (see StepLoader).
 STEP_LOADER_FIELDS = ("steps_per_epoch", "grad_accum_steps", "global_batch_size")
 
@@ -253,7 +265,7 @@ def step_source(loader: Any, grad_accum_steps: int | None) -> Any:
     and the sizes, as run.train_loader's) as it is, any other iterable as a
     :class:`BatchStream`. An iterable with a ``set_position`` of its own and none of the
     sizes is any other; one with some of them is refused, naming those it lacks."""
-    holds = [name for name in STEP_LOADER_FIELDS if isinstance(getattr(loader, name, None), int)]
+    holds = [name for name in STEP_LOADER_FIELDS if _whole(getattr(loader, name, None))]
     if not callable(getattr(loader, "set_position", None)) or not holds:
         return BatchStream(loader, 1 if grad_accum_steps is None else grad_accum_steps)
     if len(holds) < len(STEP_LOADER_FIELDS):

@@ -6,6 +6,7 @@ file and two collectives, instead of at the first resume."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -37,7 +38,8 @@ def mark_unseen(run_dir: Path, name: str) -> str | None:
     try:
         found = (run_dir / name).read_bytes()
     except OSError as error:
-        return f"{socket.gethostname()} ({Path.cwd()}): {error.strerror or error}"
+        where = os.environ.get("PWD", "?")  # Path.cwd() fails where the directory is gone
+        return f"{socket.gethostname()} ({where}): {error.strerror or error}"
     if found != name.encode():
         return f"{socket.gethostname()}: {run_dir / name} holds {found[:40]!r}"
     return None
@@ -80,5 +82,6 @@ def check_every_rank_sees(run_dir: Path, rank: int, group: Any) -> None:
         raise HpcDdpError(refusal, "free space there, or set run.output_dir to another folder")
     failures = all_gather_object(mark_unseen(run_dir, name), group)
     if rank == 0:
-        (run_dir / name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a leftover is harmless; a crash here is not
+            (run_dir / name).unlink(missing_ok=True)
     refuse_unless_seen(run_dir, failures)

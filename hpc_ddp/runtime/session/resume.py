@@ -73,7 +73,10 @@ def find_resume(
             found = path, load_checkpoint(path, rank, verify=False)
         except HpcDdpError as error:
             failure = f"{socket.gethostname()}: {error.message}"
-        except Exception as error:  # a file this host does not see as rank 0's host does
+        except BaseException as error:  # torch's CheckpointException is a BaseException
+            if isinstance(error, KeyboardInterrupt | SystemExit):
+                raise
+            # A file this host does not see as rank 0's host does.
             failure = f"{socket.gethostname()}: {error_line(error, 200)}"
     refuse_unless_read_everywhere(path, all_gather_object(failure, group))
     return found

@@ -275,7 +275,8 @@ def start(
         if dist_env.launcher == "torchelastic":
             plan = _agree_on_elastic_restarts(plan, group, environment)
             dist_env = plan.dist_env
-        check_every_rank_sees(plan.run_dir, dist_env.rank, group)
+        if settings.checkpoint.enabled:  # the only files of the run every rank writes
+            check_every_rank_sees(plan.run_dir, dist_env.rank, group)
         resume = None
         if settings.checkpoint.resume:
             resume = find_resume(
