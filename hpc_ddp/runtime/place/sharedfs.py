@@ -38,8 +38,7 @@ def mark_unseen(run_dir: Path, name: str) -> str | None:
     try:
         found = (run_dir / name).read_bytes()
     except OSError as error:
-        where = os.environ.get("PWD", "?")  # Path.cwd() fails where the directory is gone
-        return f"{socket.gethostname()} ({where}): {error.strerror or error}"
+        return f"{socket.gethostname()} ({_working_directory()}): {error.strerror or error}"
     if found != name.encode():
         return f"{socket.gethostname()}: {run_dir / name} holds {found[:40]!r}"
     return None
@@ -50,6 +49,13 @@ def failed_ranks(failures: list[str | None], shown: int = 3) -> tuple[int, str]:
     are failures, and the first ``shown`` of them in words."""
     failed = [(rank, reason) for rank, reason in enumerate(failures) if reason]
     return len(failed), "; ".join(f"rank {rank} on {reason}" for rank, reason in failed[:shown])
+
+
+def _working_directory() -> str:
+    try:
+        return os.getcwd()
+    except OSError:  # removed under this process
+        return os.environ.get("PWD", "?") + " (removed)"
 
 
 def refuse_unless_seen(run_dir: Path, failures: list[str | None]) -> None:
