@@ -53,6 +53,12 @@ def yaml_file(text: str, says: str, code: int = 2) -> Case:
     return Case("yaml", (), code, says, text=text)
 
 
+def sweep_submit(*options: str, says: str) -> Case:
+    """`hpc-ddp sweep submit --name s OPTIONS -- tests/programs/regression.py`."""
+    return cli("sweep", "submit", "--name", "s", *options, "--", "tests/programs/regression.py",
+               says=says)  # fmt: skip
+
+
 def script(text: str, says: str, code: int = 2) -> Case:
     return Case("script", (), code, says, text=text)
 
@@ -248,54 +254,20 @@ CASES: list[Case] = [
     cli("sweep", "submit", "--grid", "lr=1,2", "--", "train.py", says="the sweep has no name"),
     cli("sweep", "submit", "--name", "s", "--", "missing.py", says="script 'missing.py' does"),
     cli("sweep", "submit", "--name", "s", "--grid", "lr=", "--", "x.py", says="is not KEY=V1"),
-    cli(
-        "sweep",
-        "submit",
-        "--name",
-        "s",
-        "--grid",
-        "optim.lr=1,2",
-        "--",
-        "tests/programs/regression.py",
-        says="not a setting of hpc_ddp",
-    ),
+    sweep_submit("--grid", "optim.lr=1,2", says="not a setting of hpc_ddp"),
     cli("sweep", "submit", "--name", "s", says="no program: the sweep needs"),
     cli("sweep", "status", "/nonexistent/sweep", says="holds no sweep"),
-    cli(
-        "sweep",
-        "submit",
-        "--name",
-        "s",
+    sweep_submit(
         "--grid",
         "lr=1,2",
         "--output-dir",
         "/nonexistent/a b",
-        "--",
-        "tests/programs/regression.py",
         says="cannot be named in an #SBATCH line",
     ),
     cli("sweep", "resume", "/nonexistent/sweep", "--set", "lr=1\n2", says="holds a line break"),
-    cli(
-        "sweep",
-        "submit",
-        "--name",
-        "s",
-        "--grid",
-        "lr=1,1",
-        "--",
-        "tests/programs/regression.py",
-        says="grid.--lr: '1' listed more than once",
-    ),
-    cli(
-        "sweep",
-        "submit",
-        "--name",
-        "s",
-        "--grid",
-        "preempt.signal=USR1,USR2",
-        "--",
-        "tests/programs/regression.py",
-        says="preempt.signal goes into the one job script",
+    sweep_submit("--grid", "lr=1,1", says="grid.--lr: '1' listed more than once"),
+    sweep_submit(
+        "--grid", "preempt.signal=USR1,USR2", says="preempt.signal goes into the one job script"
     ),
     cli("sweep", "resume", "/nonexistent/sweep", says="holds no sweep"),
     cli("data", "make", "--rows", "0", "--out", "/tmp/x", says="--rows: 0 is too small"),
