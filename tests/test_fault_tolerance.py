@@ -305,6 +305,66 @@ def test_signals_held_during_startup_meet_the_configured_handling() -> None:
     assert not_a_stop_signal.stdout == ""
 
 
+#: Registered before hpc_ddp is imported, the atexit function runs last: it reads what the
+#: kernel does with the warning signal once the interpreter starts to finalize, which resets
+#: every signal with a Python handler to its default action (CPython's _PySignal_Fini).
+IGNORED_THROUGH_THE_EXIT = """
+import atexit, re, signal
+def kernel_disposition():
+    status = open("/proc/self/status").read()
+    ignored = int(re.search(r"SigIgn:\\s*([0-9a-f]+)", status).group(1), 16)
+    print("ignored by the kernel at exit:", [
+        name for name in ("SIGUSR1", "SIGUSR2", "SIGTERM")
+        if ignored >> (getattr(signal, name) - 1) & 1
+    ])
+atexit.register(kernel_disposition)
+from hpc_ddp.runtime.preempt.signals import StopSignals
+{calls}
+handlers = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGUSR2)
+print([getattr(handler, "__name__", "") for handler in handlers])
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("calls", "handlers", "ignored"),
+    [
+        ('StopSignals("USR2").install().restore()', ["", "ignored_after_the_run"], ["SIGUSR2"]),
+        (
+            'StopSignals("USR1").install().ignore_from_now_on()',
+            ["ignored_after_the_run", ""],
+            ["SIGUSR1", "SIGTERM"],
+        ),
+        (
+            "signal.signal(signal.SIGUSR2, lambda *_: None)\n"
+            'StopSignals("USR2").install().restore()',
+            ["", "<lambda>"],
+            [],
+        ),
+        (
+            "from hpc_ddp.launch.local import launch_local\n"
+            "from hpc_ddp.launch.program import Program\n"
+            'assert launch_local(1, Program("module", "this")) == 0',
+            ["ignored_after_the_run", ""],
+            ["SIGUSR1"],
+        ),
+    ],
+    ids=["run-ended", "stopped", "a-handler-of-yours", "hpc-ddp-local"],
+)
+def test_the_warning_signal_stays_ignored_while_the_interpreter_exits(
+    calls: str, handlers: list[str], ignored: list[str]
+) -> None:
+    """A warning signal in the last moment of a finished rank's exit does not end it with
+    128+N: at exit the signals ignored after the run are SIG_IGN for the kernel, which the
+    interpreter's finalization leaves as they are; a handler of the user's is left alone. The
+    same holds for ``hpc-ddp local`` once its ranks ended."""
+    process = _run_snippet(IGNORED_THROUGH_THE_EXIT.format(calls=calls))
+    assert process.returncode == 0, process.stderr
+    lines = process.stdout.splitlines()
+    assert lines[-1] == f"ignored by the kernel at exit: {ignored}", process.stdout
+    assert lines[-2] == str(handlers), process.stdout
+
+
 def stopped_on_the_early_signal(process: subprocess.CompletedProcess[str], tmp_path: Path) -> str:
     """Assert that the trainer (run.id=early) stopped on a SIGUSR1 of its start-up, with one
     checkpoint at its stop; returns its stderr."""

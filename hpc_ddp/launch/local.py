@@ -24,6 +24,7 @@ from hpc_ddp.launch.program import Program
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.place.env import LOCAL_RUN_ID_VAR, available_cpus
 from hpc_ddp.runtime.place.plan import threads_per_rank
+from hpc_ddp.runtime.preempt.exit_signals import ignore_until_exit
 
 STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.1
@@ -280,5 +281,8 @@ def _run_ranks(command: list[str], environments: list[dict[str, str]]) -> int:
     finally:
         end_leftovers(processes)
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            if sig == signal.SIGUSR1 and handler in (signal.SIG_DFL, None):
+                ignore_until_exit(sig)  # Slurm's warning, late: the ranks' outcome stands
+            else:
+                signal.signal(sig, handler)
     return 130 if len(interrupts) > 1 and code else code

@@ -16,11 +16,10 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.preempt.exit_signals import ignore_until_exit, ignored_after_the_run
 from hpc_ddp.runtime.preempt.startup_signals import release_stop_signals
 
-
-def ignored_after_the_run(_signum: int, _frame: FrameType | None) -> None:
-    """The job's warning signal once the run ended: its work is saved, nothing to do."""
+__all__ = ["StepAgreement", "StopSignals", "ignored_after_the_run"]
 
 
 class StopSignals:
@@ -85,14 +84,15 @@ class StopSignals:
             if signum == self.warning and handler in (signal.SIG_DFL, None):
                 # A handler, not SIG_IGN: an ignored signal stays ignored in every program
                 # this process starts later, which would then never stop on it.
-                handler = ignored_after_the_run
-            signal.signal(signum, handler)
+                ignore_until_exit(signum)
+            else:
+                signal.signal(signum, handler)
         self._previous.clear()
 
     def ignore_from_now_on(self) -> None:
         """The warning signal and SIGTERM do nothing from now on (a process about to exit)."""
         for signum in {self.warning, signal.SIGTERM}:
-            signal.signal(signum, ignored_after_the_run)
+            ignore_until_exit(signum)
 
     def rehearse(self) -> None:
         """Record the warning signal as if it had arrived (``preempt.stop_at_step``)."""
