@@ -67,7 +67,10 @@ class RunningCount:
 
 
 def record(sweep_dir: Path) -> dict[str, Any]:
-    return json.loads((sweep_dir / "sweep.json").read_text())  # type: ignore[no-any-return]
+    """The sweep's record as hpc_ddp reads it: sweep.json and what its tasks wrote beside."""
+    from hpc_ddp.sweep.manifest import read_manifest
+
+    return read_manifest(sweep_dir)
 
 
 def wait_for_sweep(sweep_dir: Path, timeout: float = 300) -> dict[str, Any]:

@@ -5,7 +5,6 @@ table made from it. The sweep on a real cluster is tests/test_slurm_sweep.py."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import re
 import shlex
@@ -189,29 +188,134 @@ def test_membership_makes_the_run_a_tagged_child_with_its_settings_as_params(
     assert read_membership(tmp_path / "run") is None
 
 
-def _mark_running(sweep_dir: str, index: int) -> None:
-    def running(record: dict[str, Any]) -> None:
-        task = record["tasks"][index]
-        manifest.set_task(task, state="running", attempts=task["attempts"] + 1)
+def _mark_running(sweep_dir: str) -> None:
+    def running(task: dict[str, Any]) -> None:
+        task.update(state="running", attempts=task["attempts"] + 1)
 
     for _ in range(20):
-        manifest.update_manifest(Path(sweep_dir), running)
+        for index in range(4):
+            _data, task = manifest.read_task(Path(sweep_dir), index)
+            manifest.update_tasks(Path(sweep_dir), [task], running)
 
 
 @pytest.mark.e2e
 def test_the_record_loses_no_change_when_tasks_write_it_at_once(tmp_path: Path) -> None:
-    """Four processes change the record 20 times each, at once: every change is kept (the
-    lock), and every read in between sees a whole file (the rename)."""
+    """Four processes change each of four tasks 20 times, at once: every change is kept
+    (the lock), and every read in between sees whole files (the rename)."""
     manifest.create_manifest(tmp_path, sweep_record(tmp_path, [{}, {}, {}, {}]))
     with pytest.raises(HpcDdpError, match="already holds a sweep"):
         manifest.create_manifest(tmp_path, sweep_record(tmp_path, [{}]))
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_mark_running, args=(str(tmp_path), i)) for i in range(4)]
+    workers = [context.Process(target=_mark_running, args=(str(tmp_path),)) for _ in range(4)]
     for worker in workers:
         worker.start()
     while any(worker.is_alive() for worker in workers):
-        json.loads(manifest.manifest_path(tmp_path).read_text())
-    assert [task["attempts"] for task in manifest.read_manifest(tmp_path)["tasks"]] == [20] * 4
+        manifest.read_manifest(tmp_path)
+    assert [worker.exitcode for worker in workers] == [0] * 4
+    assert [task["attempts"] for task in manifest.read_manifest(tmp_path)["tasks"]] == [80] * 4
+
+
+def test_what_tasks_do_is_kept_beside_the_record_which_stays_as_submitted(
+    tmp_path: Path,
+) -> None:
+    """A task's start and end, an array and a resume change small files beside sweep.json,
+    never sweep.json itself (rewriting it whole made a 100,000-task sweep quadratic); the
+    record read back joins them: each task's own state, a waiting task's newest job."""
+    data = sweep_record(tmp_path, [{"--lr": "0.1"}, {"--lr": "0.2"}, {"--lr": "0.3"}])
+    data["arrays"] = []
+    manifest.create_manifest(tmp_path, data)
+    written = manifest.manifest_path(tmp_path).read_bytes()
+    manifest.record_array(tmp_path, "7", 0, [0, 1, 2], "array-0.sh")
+    record = manifest.read_manifest(tmp_path)
+    assert [task["job"] for task in record["tasks"]] == ["7_0", "7_1", "7_2"]
+
+    def running(task: dict[str, Any]) -> None:
+        task.update(state="running", attempts=task["attempts"] + 1, job="7_1")
+
+    def failed(task: dict[str, Any]) -> None:
+        task.update(state="failed", error="exit code 1")
+
+    assert manifest.update_tasks(tmp_path, [record["tasks"][1]], running) == 0
+    assert manifest.update_tasks(tmp_path, [record["tasks"][2]], failed) == 1
+    assert manifest.update_tasks(tmp_path, [record["tasks"][2]], failed) == 1, "ended once"
+    record = manifest.read_manifest(tmp_path)
+    assert [(t["state"], t["attempts"], t["job"]) for t in record["tasks"]] == [
+        ("pending", 0, "7_0"),
+        ("running", 1, "7_1"),
+        ("failed", 0, "7_2"),
+    ]
+
+    def reset(task: dict[str, Any]) -> None:  # as sweep resume --set --lr=1 does
+        task.update(state="pending", job=None, settings={"--lr": "1"}, since_array=1)
+
+    assert manifest.update_tasks(tmp_path, [record["tasks"][2]], reset) == 0
+    assert manifest.read_manifest(tmp_path)["tasks"][2]["job"] is None, "not array 7's"
+    manifest.record_array(tmp_path, "9", 2, [2], "array-1.sh")
+    _definition, task = manifest.read_task(tmp_path, 2)
+    assert (task["state"], task["settings"]) == ("pending", {"--lr": "1"})
+    assert manifest.read_manifest(tmp_path)["tasks"][2]["job"] == "9_0"
+    assert manifest.manifest_path(tmp_path).read_bytes() == written
+
+    (tmp_path / "state" / "task-001.json").write_text("{torn")
+    with pytest.raises(HpcDdpError, match=r"cannot read .*task-001\.json"):
+        manifest.read_manifest(tmp_path)
+    (tmp_path / "state" / "task-001.json").unlink()
+    assert manifest.read_manifest(tmp_path)["tasks"][1]["state"] == "pending"
+    with (tmp_path / "arrays.jsonl").open("a") as handle:
+        handle.write('{"job_id": "10", "offset": 0, "tasks": [5]}\n')
+    with pytest.raises(HpcDdpError, match=r"array 2 is damaged: .* a task the sweep does not"):
+        manifest.read_manifest(tmp_path)
+
+
+STAND_IN_SBATCH = """#!/bin/sh
+n=$(($(cat "$0.count" 2>/dev/null || echo 0) + 1))
+echo "$n" > "$0.count"
+if [ "$n" = "2" ] && [ -e "$0.refuse" ]; then
+    echo "sbatch: error: QOSMaxSubmitJobPerUserLimit" >&2
+    exit 1
+fi
+echo "$n"
+"""
+
+
+@pytest.mark.e2e
+def test_sbatch_refusing_a_later_array_says_which_tasks_are_queued_and_how_to_submit_the_rest(
+    tmp_path: Path,
+) -> None:
+    """Five tasks in arrays of two (a stand-in sbatch, the cluster's refusal in its place):
+    the second array refused leaves the first queued; the message names both sets and the
+    resume that submits the rest, which then queues every task that did not finish."""
+    from hpc_ddp.sweep.submit import resume_sweep, submit_sweep
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scripts = {
+        "sbatch": STAND_IN_SBATCH,
+        "scontrol": "#!/bin/sh\necho 'MaxArraySize = 2'\n",
+        "squeue": "#!/bin/sh\nexit 0\n",
+    }
+    for name, text in scripts.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (bin_dir / "sbatch.refuse").touch()
+    environ = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HPC_DDP_OVERRIDES": "tracking.enabled=false"}
+    spec = spec_from_dict({"name": "s", "grid": {"--lr": [1, 2, 3, 4, 5]}}, "sweep.yaml")
+    program = Program("script", "tests/programs/regression.py")
+    said: list[str] = []
+    with pytest.raises(HpcDdpError) as refused:
+        submit_sweep(spec, program, RenderRequest(arguments=()), tmp_path, environ, said.append)
+    message = str(refused.value)
+    assert "QOSMaxSubmitJobPerUserLimit" in message, message
+    assert "tasks 0-1 are queued (job arrays 1), tasks 2-4 are not" in message, message
+    assert f"hpc-ddp sweep resume {tmp_path / 's'}" in message, message
+    assert said[-1] == "submitted job array 1 (--array=0-1): tasks 0-1"
+    record = manifest.read_manifest(tmp_path / "s")
+    assert [task["job"] for task in record["tasks"]] == ["1_0", "1_1", None, None, None]
+
+    (bin_dir / "sbatch.refuse").unlink()
+    assert resume_sweep(tmp_path / "s", (), environ, said.append) == [0, 1, 2, 3, 4]
+    record = manifest.read_manifest(tmp_path / "s")
+    assert [task["job"] for task in record["tasks"]] == ["3_0", "3_1", "4_0", "4_1", "5_0"]
 
 
 def test_a_tasks_state_joins_its_record_and_slurms_queue() -> None:

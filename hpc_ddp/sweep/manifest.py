@@ -1,27 +1,30 @@
-"""The sweep's record, ``<sweep dir>/sweep.json``: what it runs, how, and each task's index,
-settings, state, run, MLflow run and final metrics.
+"""The sweep's record: what it runs, how, and each task's index, settings, state, run,
+MLflow run and final metrics.
 
-Written as tasks change state, by whichever process changes it (the submitting command, a
-task's first rank as it starts, the job script as the task ends): each change reads,
-changes and replaces the whole file under an exclusive lock beside it, through a temporary
-file renamed into place, so a reader sees the old record or the new one, never a part.
+``<sweep dir>/sweep.json`` holds what the sweep runs, written once at submit (and again only
+for a change to the whole sweep, such as its MLflow parent run). What changes as tasks run
+lives beside it (:mod:`hpc_ddp.sweep.taskstate`): :func:`read_manifest` returns the two
+joined, as one record. Each file is replaced through a temporary file renamed into place,
+under an exclusive lock beside it, so a reader sees the old file or the new one, never a
+part, and no change is lost.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.safefiles import make_dirs, open_lock_file, replace_bytes
+from hpc_ddp.runtime.safefiles import make_dirs, replace_bytes
+from hpc_ddp.sweep import taskstate
 
 MANIFEST_FILE = "sweep.json"
-FORMAT = 1
+#: 2: what changes lives beside sweep.json; 1 (read too): everything in it.
+FORMAT = 2
+_READ_FORMATS = (1, 2)
 #: A task's states in the record. `sweep status` adds what Slurm sees (requeued, lost).
 STATES = ("pending", "running", "requeued", "finished", "failed", "stopped")
 ENDED = ("finished", "failed", "stopped")
@@ -37,8 +40,63 @@ def manifest_path(sweep_dir: Path) -> Path:
 
 
 def read_manifest(sweep_dir: Path) -> dict[str, Any]:
-    """The record of the sweep in ``sweep_dir``; HpcDdpError when there is none or it is
-    not a sweep's."""
+    """The record of the sweep in ``sweep_dir``, what changed as it ran included;
+    HpcDdpError when there is none, it is not a sweep's or a part of it is damaged."""
+    data = _read_definition(sweep_dir)
+    _join_changes(data, taskstate.read_arrays(sweep_dir), taskstate.read_states(sweep_dir))
+    _refuse_problem(manifest_path(sweep_dir), data)
+    return data
+
+
+def read_task(sweep_dir: Path, index: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """sweep.json, and task ``index`` with its own state: what a task's processes read
+    (never every task's state, which grows with the sweep)."""
+    data = _read_definition(sweep_dir)
+    if not 0 <= index < len(data["tasks"]):
+        raise HpcDdpError(
+            f"array task {index} of a sweep of {len(data['tasks'])} tasks", "resubmit the sweep"
+        )
+    task = data["tasks"][index]
+    task.update(taskstate.read_state(sweep_dir, task["run_id"]))
+    return data, task
+
+
+def _join_changes(
+    data: dict[str, Any], arrays: list[Any], states: Mapping[str, Mapping[str, Any]]
+) -> None:
+    """Each task's own state over its definition; a task waiting to start takes its job
+    from the newest array submitted for it since it was last reset."""
+    data["arrays"] = [*data["arrays"], *arrays]
+    tasks = data["tasks"]
+    for task in tasks:
+        if isinstance(task, dict) and task.get("run_id") in states:
+            task.update(states[task["run_id"]])
+    for position, array in enumerate(data["arrays"]):
+        problem = _array_problem(array, len(tasks))
+        if problem is not None:
+            raise HpcDdpError(
+                f"the sweep's array {position} is damaged: {problem}",
+                f"restore {taskstate.ARRAYS_FILE} (or {MANIFEST_FILE}) from a copy",
+            )
+        for number in array["tasks"]:
+            task = tasks[number]
+            if task.get("state") == "pending" and position >= task.get("since_array", 0):
+                task["job"] = f"{array['job_id']}_{number - array['offset']}"
+
+
+def _array_problem(array: Any, task_count: int) -> str | None:
+    if not isinstance(array, dict) or not isinstance(array.get("job_id"), str):
+        return f"{str(array)[:60]!r} is not an array with a job id"
+    offset, numbers = array.get("offset"), array.get("tasks")
+    if not isinstance(offset, int) or not isinstance(numbers, list):
+        return f"array {array['job_id'][:20]!r} has no offset or no task list"
+    if not all(isinstance(n, int) and offset <= n < task_count for n in numbers):
+        return f"array {array['job_id'][:20]!r} names a task the sweep does not have"
+    return None
+
+
+def _read_definition(sweep_dir: Path) -> dict[str, Any]:
+    """sweep.json alone (checked): what the sweep runs."""
     path = manifest_path(sweep_dir)
     try:
         data = json.loads(path.read_text())
@@ -51,11 +109,16 @@ def read_manifest(sweep_dir: Path) -> dict[str, Any]:
         raise HpcDdpError(
             f"cannot read {path}: {error}", "the sweep's record is damaged; restore it"
         ) from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT or "tasks" not in data:
+    if not isinstance(data, dict) or data.get("format") not in _READ_FORMATS or "tasks" not in data:
         raise HpcDdpError(
             f"{path} is not a sweep record this version reads (format {FORMAT})",
             "use the hpc_ddp version that wrote it",
         )
+    _refuse_problem(path, data)
+    return data
+
+
+def _refuse_problem(path: Path, data: Mapping[str, Any]) -> None:
     problem = record_problem(data)
     if problem is not None:
         raise HpcDdpError(
@@ -63,7 +126,6 @@ def read_manifest(sweep_dir: Path) -> dict[str, Any]:
             "restore sweep.json from a copy, or fix that field by hand (each task's "
             "run directory keeps its own record)",
         )
-    return data
 
 
 #: What each field of the record holds (a tuple: any of those types).
@@ -75,7 +137,7 @@ _RECORD_FIELDS: dict[str, Any] = {
 _TASK_FIELDS: dict[str, Any] = {
     "index": int, "settings": dict, "run_id": str, "state": str, "attempts": int,
     "job": (str, type(None)), "mlflow_run_id": (str, type(None)), "final": dict,
-    "error": (str, type(None)),
+    "error": (str, type(None)), "since_array": int, "overrides": list,
 }  # fmt: skip
 
 
@@ -115,18 +177,8 @@ def record_problem(data: Mapping[str, Any]) -> str | None:
     return None
 
 
-@contextlib.contextmanager
-def _locked(sweep_dir: Path) -> Iterator[None]:
-    with open_lock_file(sweep_dir / f".{MANIFEST_FILE}.lock") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def write_manifest(sweep_dir: Path, data: dict[str, Any]) -> None:
-    """Replace the record whole (the caller holds the lock, or made the folder)."""
+    """Replace sweep.json whole (the caller holds the lock, or made the folder)."""
     data["updated"] = time.time()
     replace_bytes(manifest_path(sweep_dir), (json.dumps(data, indent=1) + "\n").encode())
 
@@ -134,7 +186,7 @@ def write_manifest(sweep_dir: Path, data: dict[str, Any]) -> None:
 def create_manifest(sweep_dir: Path, data: dict[str, Any]) -> None:
     """The first record of a new sweep in ``sweep_dir``."""
     make_dirs(sweep_dir)
-    with _locked(sweep_dir):
+    with taskstate.locked(sweep_dir):
         if manifest_path(sweep_dir).exists():
             raise HpcDdpError(
                 f"{sweep_dir} already holds a sweep", "hpc-ddp sweep resume it, or rename yours"
@@ -142,13 +194,29 @@ def create_manifest(sweep_dir: Path, data: dict[str, Any]) -> None:
         write_manifest(sweep_dir, {"format": FORMAT, **data})
 
 
-def update_manifest(sweep_dir: Path, change: Callable[[dict[str, Any]], Any]) -> dict[str, Any]:
-    """Apply ``change`` to the record under the lock and write it; returns the new record."""
-    with _locked(sweep_dir):
-        data = read_manifest(sweep_dir)
+def update_definition(sweep_dir: Path, change: Callable[[dict[str, Any]], Any]) -> None:
+    """Apply ``change`` to sweep.json (what the whole sweep runs) under the lock, and write
+    it; what its tasks do changes through :func:`update_tasks`, in time that does not grow
+    with the sweep."""
+    with taskstate.locked(sweep_dir):
+        data = _read_definition(sweep_dir)
         change(data)
         write_manifest(sweep_dir, data)
-    return data
+
+
+def update_tasks(
+    sweep_dir: Path, tasks: Iterable[Mapping[str, Any]], change: Callable[[dict[str, Any]], Any]
+) -> int:
+    """Apply ``change`` to what changes of each of ``tasks`` (state, attempts, job, final
+    metrics, settings), as :func:`read_manifest` returned them; returns how many tasks of
+    the sweep have ended."""
+    return taskstate.update_tasks(sweep_dir, tasks, ENDED, change)
+
+
+def record_array(sweep_dir: Path, job_id: str, offset: int, tasks: list[int], script: str) -> None:
+    """One job array submitted for ``tasks``: those waiting to start take its job id."""
+    entry = {"job_id": job_id, "offset": offset, "tasks": tasks, "script": script}
+    taskstate.append_array(sweep_dir, entry)
 
 
 def new_task(index: int, settings: dict[str, str], run_id: str) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Submitting a sweep as job arrays, and resubmitting the tasks of it that did not finish.
 
-Nothing stays alive on the login node: the sweep's state lives in its record (sweep.json),
-in its tasks' run directories and in Slurm's queue.
+Nothing stays alive on the login node: the sweep's state lives in its record (sweep.json and
+the files beside it), in its tasks' run directories and in Slurm's queue.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _make_parent(
     def note(record: dict[str, Any]) -> None:
         record["tracking"]["parent_run_id"] = run_id
 
-    manifest.update_manifest(sweep_dir, note)
+    manifest.update_definition(sweep_dir, note)
 
 
 def _submit(
@@ -170,20 +170,46 @@ def _submit(
     make_dirs(scripts)
     make_dirs(sweep_dir / "logs")
     submitted: list[str] = []
+    queued: list[int] = []
     previous = None
     for array in split:
         text = _array_script(job, data["name"], sweep_dir, array.offset)
         script = scripts / f"array-{len(data['arrays']) + len(submitted)}.sh"
         replace_bytes(script, text.encode())
-        job_id = arrays.submit_array(
-            script, array, data["concurrency"], previous, Path(data["workdir"]), environ
-        )
+        try:
+            job_id = arrays.submit_array(
+                script, array, data["concurrency"], previous, Path(data["workdir"]), environ
+            )
+        except HpcDdpError as refused:
+            raise _partly_submitted(refused, sweep_dir, tasks, submitted, queued) from None
+        queued += array.tasks
         submitted.append(job_id)
         previous = job_id
         _record_array(sweep_dir, job_id, array, script)
         spec = arrays.array_spec(array.indices, data["concurrency"])
         say(f"submitted job array {job_id} (--array={spec}): tasks {_ranges(array.tasks)}")
     return submitted
+
+
+def _partly_submitted(
+    refused: HpcDdpError,
+    sweep_dir: Path,
+    tasks: Sequence[int],
+    submitted: Sequence[str],
+    queued: Sequence[int],
+) -> HpcDdpError:
+    """sbatch refused an array after others were queued: which tasks are queued, which not,
+    and how to submit the rest."""
+    if not submitted:
+        return refused
+    left = sorted(set(tasks) - set(queued))
+    return HpcDdpError(
+        f"{refused.message}; tasks {_ranges(queued)} are queued (job arrays "
+        f"{', '.join(submitted)}), tasks {_ranges(left)} are not",
+        f"{refused.hint}; then, once the queued tasks ended (or after scancel "
+        f"{' '.join(submitted)}), `hpc-ddp sweep resume {sweep_dir}` submits every task that "
+        "did not finish",
+    )
 
 
 def _array_script(job: RenderRequest, name: str, sweep_dir: Path, offset: int) -> str:
@@ -199,21 +225,7 @@ def _array_script(job: RenderRequest, name: str, sweep_dir: Path, offset: int) -
 
 
 def _record_array(sweep_dir: Path, job_id: str, array: arrays.Array, script: Path) -> None:
-    def note(record: dict[str, Any]) -> None:
-        record["arrays"].append(
-            {
-                "job_id": job_id,
-                "offset": array.offset,
-                "tasks": list(array.tasks),
-                "script": str(script),
-            }
-        )
-        for index in array.indices:
-            task = record["tasks"][array.offset + index]
-            if task["state"] == "pending":
-                manifest.set_task(task, job=f"{job_id}_{index}")
-
-    manifest.update_manifest(sweep_dir, note)
+    manifest.record_array(sweep_dir, job_id, array.offset, list(array.tasks), str(script))
 
 
 def _ranges(tasks: Sequence[int]) -> str:
@@ -269,15 +281,14 @@ def resume_sweep(
             changed = [with_overrides(data["tasks"][index]["settings"], pairs) for index in chosen]
             check_calls(program, changed, overriding=True)
 
-    def reset(record: dict[str, Any]) -> None:
-        for index in chosen:
-            task = record["tasks"][index]
-            settings: Settings = with_overrides(task["settings"], pairs)
-            manifest.set_task(task, state="pending", settings=settings, error=None, job=None)
-            if pairs:
-                task.setdefault("overrides", []).extend(f"{k}={v}" for k, v in pairs)
+    def reset(task: dict[str, Any]) -> None:
+        settings: Settings = with_overrides(task["settings"], pairs)
+        task.update(state="pending", settings=settings, error=None, job=None)
+        task["since_array"] = len(data["arrays"])  # its job: an array submitted from now on
+        if pairs:
+            task["overrides"] = [*task.get("overrides", ()), *(f"{k}={v}" for k, v in pairs)]
 
-    manifest.update_manifest(sweep_dir, reset)
+    manifest.update_tasks(sweep_dir, [data["tasks"][index] for index in chosen], reset)
     tracking = data.get("tracking") or {}
     if tracking.get("parent_run_id"):
         from hpc_ddp.sweep.parent import set_parent_status

@@ -77,13 +77,8 @@ def task_environ(
 def start_task(sweep_dir: Path, offset: int, environ: MutableMapping[str, str]) -> int:
     """Run the task's program on this rank, with its settings exported into ``environ``;
     returns its exit code (the built-in trainer replaces this process)."""
-    data = manifest.read_manifest(sweep_dir)
-    index = task_index(offset, environ)
-    if index >= len(data["tasks"]):
-        raise HpcDdpError(
-            f"array task {index} of a sweep of {len(data['tasks'])} tasks", "resubmit the sweep"
-        )
-    task = data["tasks"][index]
+    data, task = manifest.read_task(sweep_dir, task_index(offset, environ))
+    index = task["index"]
     is_main = environ.get("SLURM_PROCID", "0") == "0"
     if is_main:
         tracking = data.get("tracking") or {}
@@ -101,13 +96,10 @@ def start_task(sweep_dir: Path, offset: int, environ: MutableMapping[str, str]) 
             forget_result(manifest.run_dir_of(data, task))
         job = f"{environ.get('SLURM_ARRAY_JOB_ID', '')}_{environ.get('SLURM_ARRAY_TASK_ID')}"
 
-        def started(record: dict[str, Any]) -> None:
-            entry = record["tasks"][index]
-            manifest.set_task(
-                entry, state="running", attempts=int(entry["attempts"]) + 1, job=job, error=None
-            )
+        def started(entry: dict[str, Any]) -> None:
+            entry.update(state="running", attempts=int(entry["attempts"]) + 1, job=job, error=None)
 
-        manifest.update_manifest(sweep_dir, started)
+        manifest.update_tasks(sweep_dir, [task], started)
     changed = task_environ(data, task, environ)
     environ.pop("MLFLOW_RUN_ID", None)
     environ.update(changed)
@@ -155,9 +147,8 @@ def record_end(
     sweep's last task."""
     from hpc_ddp.view.runs import load_run
 
-    data = manifest.read_manifest(sweep_dir)
-    index = task_index(offset, environ)
-    run_dir = manifest.run_dir_of(data, data["tasks"][index])
+    data, task = manifest.read_task(sweep_dir, task_index(offset, environ))
+    run_dir = manifest.run_dir_of(data, task)
     try:
         run = load_run(run_dir)
     except HpcDdpError:
@@ -166,20 +157,19 @@ def record_end(
     log = f"{data['name']}-{environ.get('SLURM_ARRAY_JOB_ID')}_{environ.get('SLURM_ARRAY_TASK_ID')}"
     error = None if state != "failed" else f"exit code {code}: see {sweep_dir}/logs/{log}.out"
 
-    def ended(record: dict[str, Any]) -> None:
-        entry = record["tasks"][index]
-        final = {**run.train, **run.val} if run else {}
-        manifest.set_task(
-            entry,
+    def ended(entry: dict[str, Any]) -> None:
+        entry.update(
             state=state,
             error=error,
-            final=final,
+            final={**run.train, **run.val} if run else {},
             step=run.global_step if run else 0,
             mlflow_run_id=read_tracked_run_id(run_dir),
         )
 
-    record = manifest.update_manifest(sweep_dir, ended)
-    _end_parent(record)
+    ended_tasks = manifest.update_tasks(sweep_dir, [task], ended)
+    tracking = data.get("tracking") or {}
+    if tracking.get("parent_run_id") and ended_tasks >= len(data["tasks"]):
+        _end_parent(manifest.read_manifest(sweep_dir))  # only the sweep's last end reads all
 
 
 def _end_parent(record: Mapping[str, Any]) -> None:
