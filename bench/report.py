@@ -9,7 +9,8 @@ from typing import Any
 
 from bench.harness import REPO, RESULTS
 from bench.report_scale import plot, scale_section, tracking_section
-from bench.report_sharded import sharded_section
+from bench.report_sharded import checksum_section, sharded_section
+from bench.report_sweep import sweep_section
 
 HEADER = """# Benchmarks
 
@@ -378,9 +379,11 @@ def write_readme() -> Path:
         ("startup", _startup),
         ("checkpoint_io", _checkpoint),
         ("sharded", sharded_section),
+        ("checksum_cost", checksum_section),
         ("data_memory", _data_memory),
         ("scale", scale_section),
         ("tracking_cost", tracking_section),
+        ("sweep_scale", sweep_section),
     ):
         data = _load(name)
         if data is not None:

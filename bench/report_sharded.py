@@ -170,3 +170,27 @@ def sharded_section(data: dict[str, Any]) -> str:
         *_projection(),
     ]
     return "\n".join(lines) + "\n\n"
+
+
+def checksum_section(data: dict[str, Any]) -> str:
+    rows = "".join(
+        f"| {row['size_mb']:,} MB | {row['without_s']:.2f} s | {row['with_checksums_s']:.2f} s "
+        f"| {100 * row['added_share']:+.0f}% | {row['check_s']:.2f} s |\n"
+        for row in data["rows"]
+    )
+    return (
+        "### The SHA-256 beside each file of a folder checkpoint\n\n"
+        "`python -m bench.checksum_cost`: one process, the same state saved as a folder "
+        "through hpc_ddp's writer (it hashes each file it wrote before `.metadata` commits "
+        "the folder) and through DCP's own writer, alternating, median of "
+        f"{data['repeats']}; then the check a resume makes of the folder (every file read "
+        "and hashed, on rank 0, 8 files at once).\n\n"
+        "| state | save without | save with checksums | added | resume's check |\n"
+        "|---:|---:|---:|---:|---:|\n"
+        f"{rows}\n"
+        "Each rank hashes the bytes of its own files as it writes them (1/W of a "
+        "replicated state), never reading them back. A background save "
+        "(`checkpoint.save_mode=async`, the default) hashes on its writer's thread, not in "
+        "the step; a synchronous one (`save_mode=sync`) pays it in full. The check at a "
+        "resume reads the whole chosen checkpoint once on rank 0 before any rank loads it.\n\n"
+    )

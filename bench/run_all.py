@@ -6,6 +6,7 @@ import sys
 
 from bench import (
     checkpoint_io,
+    checksum_cost,
     data_memory,
     gpu,
     interleaved,
@@ -16,6 +17,7 @@ from bench import (
     scale,
     sharded,
     startup,
+    sweep_scale,
     tracking_cost,
 )
 
@@ -25,6 +27,7 @@ def main() -> None:
     for name, module in (
         ("checkpoint_io", checkpoint_io),
         ("sharded", sharded),
+        ("checksum_cost", checksum_cost),
         ("data_memory", data_memory),
         ("startup", startup),
         ("overhead", overhead),
@@ -32,6 +35,7 @@ def main() -> None:
         ("lm_paired", lm),
         ("iterations_paired", iterations),
         ("tracking_cost", tracking_cost),
+        ("sweep_scale", sweep_scale),
     ):
         if not only or name in only:
             module.run()

@@ -601,6 +601,14 @@ FAULTS: list[tuple[str, str, str]] = [
     ("`hpc-ddp sweep status` of a sweep.json with an empty task, text where a list goes, an "
      "unknown state or a task out of place", "one line naming the field, exit 2",
      "test_sweeps.py::test_sweep_status_of_a_damaged_record_is_one_line_naming_the_field"),
+    ("sbatch refuses the second of a sweep's three arrays (a limit on queued jobs)", "one "
+     "line naming the tasks queued and those not, and the resume that submits the rest",
+     "test_sweeps.py::test_sbatch_refusing_a_later_array_says_which_tasks_are_queued_and_how_to_submit_the_rest"),
+    ("a sweep's task state file or array line torn or naming a task the sweep lacks", "one "
+     "line naming the file; the record itself never rewritten as tasks run",
+     "test_sweeps.py::test_what_tasks_do_is_kept_beside_the_record_which_stays_as_submitted"),
+    ("a USR1 in a finished rank's last moment, as the interpreter finalizes", "ignored by the "
+     "kernel (SIG_IGN at exit), not exit 138; `hpc-ddp local` too", "test_fault_tolerance.py::test_the_warning_signal_stays_ignored_while_the_interpreter_exits"),
     ("the only checkpoint empty, garbage, truncated or of a newer format", "refused in one "
      "line, the file untouched", "test_fault_tolerance.py::test_a_run_whose_only_checkpoint_cannot_be_read_is_refused_and_the_file_kept"),
     ("the same, on real ranks; then checkpoint.start_fresh_if_unreadable=true", "every rank "

@@ -483,7 +483,8 @@ def test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one
 def test_each_file_of_a_folder_has_a_sha256sum_line_and_a_folder_without_them_loads(
     tmp_path: Path,
 ) -> None:
-    """The checksums are sha256sum's lines, one per data file; a folder written before
+    """The checksums are sha256sum's lines, one per data file, of the bytes on disk (small
+    writes hashed in line, a 2 MB tensor beside its write); a folder written before
     checksums were kept loads as it is, but one whose files are checked only in part is
     damaged."""
     import hashlib
@@ -491,7 +492,8 @@ def test_each_file_of_a_folder_has_a_sha256sum_line_and_a_folder_without_them_lo
     from hpc_ddp.runtime.checkpoint.checksums import check_checksums
 
     context = context_in(tmp_path, save_mode="sync")
-    context.registry.add({"model": torch.nn.Linear(8, 8)})
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(1024, 512))
+    context.registry.add({"model": model})
     position, _streams, checkpointer = parts(context)
     position.global_step = 10
     checkpointer.save("periodic")

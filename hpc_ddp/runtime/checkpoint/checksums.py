@@ -2,22 +2,33 @@
 was written (a bit flip on disk or in a copy, a shard taken from another run) is found
 before its bytes are loaded: DCP itself checks nothing, and a changed tensor loads silently.
 
-Each writing rank hashes the files it wrote before ``.metadata`` commits the folder, into
-``NAME.sha256`` in the format of ``sha256sum``, so ``sha256sum -c *.sha256`` inside the
-folder checks it by hand too.
+Each writing rank hashes the bytes of its files as it writes them (:class:`HashingWriter`:
+never read back, which on a parallel file system would read them again over the network)
+and keeps each file's hash, before ``.metadata`` commits the folder, in ``NAME.sha256`` in
+the format of ``sha256sum``, so ``sha256sum -c *.sha256`` inside the folder checks it by
+hand too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 #: What follows a data file's name in the name of its checksum file.
 SUFFIX = ".sha256"
 _CHUNK = 8 << 20
+#: Writes from this size on are hashed beside the write, on a second thread (hashlib and
+#: the file's write both release the GIL).
+_HASH_BESIDE_FROM = 1 << 20
 #: Files hashed at once when a folder is checked.
 HASHING_THREADS = 8
 
@@ -30,10 +41,84 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_checksums(folder: Path, names: Iterable[str]) -> None:
-    """``NAME.sha256`` for each file ``names`` names in ``folder`` (written and on disk)."""
-    for name in sorted(set(names)):
-        line = f"{file_sha256(folder / name)}  {name}\n".encode()
+class HashingWriter:
+    """A binary file being written, hashed as its bytes pass (everything else is the
+    file's own). A large write is hashed on a second thread while it goes to the file, so
+    a save takes about the longer of the two, not their sum; ``write`` returns once both
+    are done, so the caller's buffer is never read after it."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+        self._digest = hashlib.sha256()
+        self._hasher: ThreadPoolExecutor | None = None
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.nbytes < _HASH_BESIDE_FROM:
+            self._digest.update(view)
+            return self.raw.write(view)
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hpc-ddp-sha256")
+        hashed = self._hasher.submit(self._digest.update, view)
+        try:
+            return self.raw.write(view)
+        finally:
+            hashed.result()
+
+    def close(self) -> None:
+        if self._hasher is not None:
+            self._hasher.shutdown()
+        self.raw.close()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
+def checksumming_writer(folder: Path) -> FileSystemWriter:
+    """DCP's writer of ``folder``, keeping a checksum of each file it writes (hashed as
+    written, kept before the coordinator's ``.metadata`` commits the folder)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+
+    class HashingFileSystem(FileSystem):
+        def __init__(self) -> None:
+            super().__init__()
+            self.digests: dict[str, str] = {}
+            self._lock = threading.Lock()  # DCP may write several files at once
+
+        @contextlib.contextmanager
+        def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as stream:
+                if "w" not in mode:
+                    yield stream
+                    return
+                hashing = HashingWriter(cast(IO[bytes], stream))
+                yield hashing
+            with self._lock:
+                self.digests[Path(path).name] = hashing.hexdigest()
+
+    class ChecksummingWriter(FileSystemWriter):
+        def __init__(self) -> None:
+            super().__init__(folder, sync_files=True)
+            self.hashing = HashingFileSystem()
+            self.fs = self.hashing
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            written = super().write_data(plan, planner)  # a torch.futures.Future, done
+            names = {result.storage_data.relative_path for result in written.wait()}
+            digests = self.hashing.digests
+            write_checksums(folder, {name: digests[name] for name in names})
+            return written
+
+    return ChecksummingWriter()
+
+
+def write_checksums(folder: Path, digests: Mapping[str, str]) -> None:
+    """``NAME.sha256`` in ``folder`` for each file of ``digests`` (name: its SHA-256)."""
+    for name, digest in sorted(digests.items()):
+        line = f"{digest}  {name}\n".encode()
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
         descriptor = os.open(folder / f"{name}{SUFFIX}", flags, 0o644)
         try:

@@ -32,11 +32,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hpc_ddp.runtime.checkpoint.checksums import check_checksums, write_checksums
+from hpc_ddp.runtime.checkpoint.checksums import check_checksums, checksumming_writer
 from hpc_ddp.runtime.place.dist import several_ranks
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.metadata import Metadata
 
 #: The file DCP writes last: a folder holding it is a whole checkpoint.
@@ -73,21 +72,6 @@ def folder_state(
     return state
 
 
-def _writer(folder: Path) -> FileSystemWriter:
-    """DCP's writer of ``folder``, keeping a checksum of each file it writes (before the
-    coordinator's ``.metadata`` commits the folder: see :mod:`.checksums`)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-
-    class ChecksummingWriter(FileSystemWriter):
-        def write_data(self, plan: Any, planner: Any) -> Any:
-            written = super().write_data(plan, planner)  # a torch.futures.Future, done
-            names = [result.storage_data.relative_path for result in written.wait()]
-            write_checksums(folder, names)
-            return written
-
-    return ChecksummingWriter(folder, sync_files=True)
-
-
 def _quiet_alone() -> None:
     """DCP working alone (see :func:`_alone`) says so at every save and load, from the
     writer's thread too, so a filter around the call is not enough."""
@@ -108,7 +92,7 @@ def write_folder(state: dict[str, Any], folder: Path, group: Any | None) -> None
     collective on ``group``)."""
     from torch.distributed.checkpoint.state_dict_saver import save
 
-    save(state, storage_writer=_writer(folder), process_group=group, no_dist=_alone())
+    save(state, storage_writer=checksumming_writer(folder), process_group=group, no_dist=_alone())
 
 
 def new_stager() -> Any:
@@ -156,7 +140,7 @@ def start_writing(
 
     started = async_save(
         state,
-        storage_writer=_writer(folder),
+        storage_writer=checksumming_writer(folder),
         process_group=group,
         no_dist=_alone(),
         async_stager=stager,
