@@ -515,7 +515,17 @@ def test_each_file_of_a_folder_has_a_sha256sum_line_and_a_folder_without_them_lo
     )
     check_checksums(folder, ["other.distcp"])
     with pytest.raises(ValueError, match=f"{shards[0].name} has no checksum, while the folder"):
-        check_checksums(folder, [shards[0].name, "other.distcp"])
+        check_checksums(folder, [shards[0].name, "other.distcp"], (1, 2))  # not its share's
+
+    # Shared between ranks: each reads every n-th file; a changed file fails its share only.
+    (folder / "another.distcp").write_bytes(b"y")
+    (folder / "another.distcp.sha256").write_text(
+        f"{hashlib.sha256(b'x').hexdigest()}  another.distcp\n"
+    )
+    names = ["another.distcp", "other.distcp"]
+    check_checksums(folder, names, (1, 2))
+    with pytest.raises(ValueError, match=r"another\.distcp does not match its checksum"):
+        check_checksums(folder, names, (0, 2))
 
 
 def test_an_export_reads_the_newest_when_the_run_prunes_the_one_it_chose(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 from concurrent.futures import Future
 from pathlib import Path
@@ -107,6 +108,35 @@ def test_every_rank_writes_its_part_and_the_metadata_commits_it(tmp_path: Path) 
         assert "Traceback" not in refused.stderr
     assert {path: path.read_bytes() for path in folder.iterdir()} == before
     assert not (folder.parent / "step-000000009.pt").exists()
+
+
+@pytest.mark.e2e
+def test_the_ranks_share_the_checksum_reading_and_a_shard_only_rank_1_reads_is_caught(
+    tmp_path: Path,
+) -> None:
+    """At a resume each rank reads and hashes about 1/W of the chosen folder, not rank 0
+    all of it: a bit flipped in the file of rank 1's share is found by rank 1, the folder
+    set aside on its word, and the run goes on from the one before."""
+    first = run_local_program(2, ballast(tmp_path, "checkpoint.save_mode=sync", "--steps=4",
+                                         "--ballast-mb=2", "--save-every=2"))  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest, previous = list_checkpoints(checkpoints_of(tmp_path))[:2]
+    shards = sorted(path.name for path in newest.glob("*.distcp"))
+    assert len(shards) == 2, shards
+    damaged = newest / shards[1]  # every 2nd file from the 2nd: rank 1's share
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+
+    again = run_local_program(2, ballast(tmp_path, "checkpoint.save_mode=sync", "--steps=6",
+                                         "--ballast-mb=2", "--save-every=2"))  # fmt: skip
+    err = again.stderr
+    assert again.returncode == 0, err[-3000:]
+    assert f"rank 1 on {socket.gethostname()}: {shards[1]} does not match its checksum" in err
+    assert "rank 0 on" not in err, "rank 0 read only its own share"
+    assert f"trying the previous one: {previous.name} loads" in err, err[-3000:]
+    assert f"resumed from {previous}" in err, err[-3000:]
+    assert (checkpoints_of(tmp_path) / "unreadable" / newest.name / shards[1]).is_file()
 
 
 @pytest.mark.e2e

@@ -128,10 +128,12 @@ def write_checksums(folder: Path, digests: Mapping[str, str]) -> None:
             os.close(descriptor)
 
 
-def check_checksums(folder: Path, names: Iterable[str]) -> None:
+def check_checksums(folder: Path, names: Iterable[str], share: tuple[int, int] = (0, 1)) -> None:
     """Raises ValueError when a file ``names`` names differs from its checksum, or has none
     while others of the folder have one. A folder without any (written before checksums
-    were kept) is taken as it is."""
+    were kept) is taken as it is. ``share`` (i, n): only every n-th file from the i-th is
+    read and hashed (the ranks share the reading; every one checks that each file has a
+    checksum)."""
     wanted = sorted(set(names))
     kept = {name: folder / f"{name}{SUFFIX}" for name in wanted}
     if not any(path.is_file() for path in kept.values()):
@@ -144,12 +146,14 @@ def check_checksums(folder: Path, names: Iterable[str]) -> None:
             raise ValueError(f"{name} has no checksum, while the folder's other files do") from None
     # The files of every rank, read by one process: hashed side by side (hashlib and file
     # reads let go of the GIL), so a large checkpoint takes its disk's time, not one core's.
-    workers = max(1, min(HASHING_THREADS, len(wanted), os.cpu_count() or 1))
+    mine = wanted[share[0] :: share[1]]
+    workers = max(1, min(HASHING_THREADS, len(mine), os.cpu_count() or 1))
     with ThreadPoolExecutor(workers) as pool:
-        digests = pool.map(lambda name: file_sha256(folder / name), wanted)
-        found = dict(zip(wanted, digests, strict=True))
-    for name, path in kept.items():
-        if found[name] != recorded[name]:
+        digests = pool.map(lambda name: file_sha256(folder / name), mine)
+        found = dict(zip(mine, digests, strict=True))
+    for name, digest in found.items():
+        path = kept[name]
+        if digest != recorded[name]:
             raise ValueError(
                 f"{name} does not match its checksum ({path.name}): it changed after it was "
                 "written (damaged on disk or in a copy, or a file of another checkpoint)"

@@ -257,26 +257,35 @@ def load_checkpoint(path: Path, rank: int = 0, verify: bool = True) -> dict[str,
 
 
 def load_newest(
-    directory: Path, start_fresh_if_unreadable: bool = False, unfinished: Sequence[Path] = ()
+    directory: Path,
+    start_fresh_if_unreadable: bool = False,
+    unfinished: Sequence[Path] = (),
+    verify: Callable[[Path], str | None] | None = None,
 ) -> Found | None:
     """The newest checkpoint that loads. Unreadable ones newer than it (damaged, truncated,
     of another format) and the ``unfinished`` folders (see :func:`remove_partial_writes`)
     are moved to ``checkpoints/unreadable/``, so a later save never replaces them. When none
     loads, nothing is touched and the run is refused, unless ``start_fresh_if_unreadable``:
-    then all are moved aside and None says "start fresh"."""
+    then all are moved aside and None says "start fresh". ``verify``: checks a folder's
+    checksums instead of reading it whole here (the ranks share it), returning what failed
+    or None."""
     unreadable = [(path, f"no {METADATA}: unfinished, or copied without it") for path in unfinished]
     for path, reason in unreadable:
         get_logger().warning(f"checkpoint {path} cannot be loaded ({reason})")
     for path in list_checkpoints(directory):
         try:
-            found = path, load_checkpoint(path)
+            found = path, load_checkpoint(path, verify=verify is None)
         except HpcDdpError:
             raise
         except BaseException as error:  # a damaged file fails in many ways; all mean: skip it
             if isinstance(error, KeyboardInterrupt | SystemExit):
                 raise  # (torch's CheckpointException is a BaseException, not an Exception)
-            unreadable.append((path, error_line(error, 200)))
-            get_logger().warning(f"checkpoint {path} cannot be loaded ({unreadable[-1][1]})")
+            failed: str | None = error_line(error, 200)
+        else:
+            failed = verify(path) if verify is not None and path.is_dir() else None
+        if failed is not None:
+            unreadable.append((path, failed))
+            get_logger().warning(f"checkpoint {path} cannot be loaded ({failed})")
             continue
         if unreadable:
             get_logger().warning(f"trying the previous one: {path.name} loads")

@@ -313,14 +313,7 @@ def check_files(folder: Path, verify: bool = True) -> None:
     its entries reach (truncated, emptied by a full disk), outside the folder or (where
     ``verify``: it reads every byte) changed since it was written: such a folder is no
     checkpoint, and a resume goes on from the one before it."""
-    reach: dict[str, int] = {}
-    for entry in read_metadata(folder).storage_data.values():
-        name = getattr(entry, "relative_path", None)
-        if not isinstance(name, str):
-            continue
-        if Path(name).name != name or name in ("", ".", ".."):
-            raise ValueError(f"its metadata names {name!r}, a file outside the folder")
-        reach[name] = max(reach.get(name, 0), int(entry.offset) + int(entry.length))
+    reach = _data_files(folder)
     for name, needed in sorted(reach.items()):
         try:
             size = (folder / name).stat().st_size
@@ -330,6 +323,26 @@ def check_files(folder: Path, verify: bool = True) -> None:
             raise ValueError(f"{name} holds {size} bytes, its metadata reaches byte {needed}")
     if verify:
         check_checksums(folder, reach)
+
+
+def check_share(folder: Path, rank: int, world_size: int) -> None:
+    """Raises ValueError when a file of ``rank``'s share of the folder (every
+    ``world_size``-th of its data files) changed since it was written: the ranks read and
+    hash a checkpoint together, each about 1/W of it."""
+    check_checksums(folder, _data_files(folder), (rank, world_size))
+
+
+def _data_files(folder: Path) -> dict[str, int]:
+    """The data files the folder's metadata names, each with the byte its entries reach."""
+    reach: dict[str, int] = {}
+    for entry in read_metadata(folder).storage_data.values():
+        name = getattr(entry, "relative_path", None)
+        if not isinstance(name, str):
+            continue
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"its metadata names {name!r}, a file outside the folder")
+        reach[name] = max(reach.get(name, 0), int(entry.offset) + int(entry.length))
+    return reach
 
 
 def load_run(folder: Path, rank: int, verify: bool = True) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import socket
 from collections.abc import Mapping
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hpc_ddp.runtime.checkpoint.files import (
@@ -21,14 +23,14 @@ from hpc_ddp.runtime.checkpoint.files import (
     saved_world_size,
 )
 from hpc_ddp.runtime.checkpoint.objects import restore_objects, restore_whole_states
-from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, forget_metadata
+from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, check_share, forget_metadata
 from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.errors import HpcDdpError, error_line
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.data import mixed_seed
 from hpc_ddp.runtime.loop.steps import StepLoop
-from hpc_ddp.runtime.place.dist import all_gather_object, broadcast_object
+from hpc_ddp.runtime.place.dist import all_gather_object, broadcast_object, several_ranks
 from hpc_ddp.runtime.place.sharedfs import failed_ranks
 from hpc_ddp.runtime.shards import holds_shards
 
@@ -52,23 +54,29 @@ def find_resume(
     start_fresh_if_unreadable: bool = False,
 ) -> Found | None:
     """The newest good checkpoint of this run: rank 0 chooses, every rank loads the same;
-    a refusal (no checkpoint loads) reaches every rank, so each ends with the same line."""
+    a refusal (no checkpoint loads) reaches every rank, so each ends with the same line.
+    The ranks read and hash each folder rank 0 considers together, each about 1/W of it."""
     directory = checkpoint_dir(run_dir)
     found, refusal = None, None
     if rank == 0:
         unfinished = remove_partial_writes(directory)
+        verify = functools.partial(_check_together, group=group) if several_ranks() else None
         try:
-            found = load_newest(directory, start_fresh_if_unreadable, unfinished)
+            found = load_newest(directory, start_fresh_if_unreadable, unfinished, verify)
         except HpcDdpError as error:
             refusal = (error.message, error.hint)
-    chosen, refusal = broadcast_object((str(found[0]) if found else "", refusal), group)
+        chosen, refusal = broadcast_object(
+            (_CHOSEN, str(found[0]) if found else "", refusal), group
+        )[1:]
+    else:
+        chosen, refusal = _check_until_chosen(rank, group)
     if refusal is not None:
         raise HpcDdpError(*refusal)
     if not chosen:
         return None
     path, failure = Path(chosen), None
     if found is None:
-        # Rank 0 checked the files' checksums when it chose: the others need not read it all.
+        # The ranks checked the files' checksums before rank 0 chose: not read again here.
         try:
             found = path, load_checkpoint(path, rank, verify=False)
         except HpcDdpError as error:
@@ -80,6 +88,40 @@ def find_resume(
             failure = f"{socket.gethostname()}: {error_line(error, 200)}"
     refuse_unless_read_everywhere(path, all_gather_object(failure, group))
     return found
+
+
+#: What rank 0 sends while it chooses: a folder to check together, or its choice.
+_CHECK, _CHOSEN = "check", "chosen"
+
+
+def _check_together(path: Path, group: Any) -> str | None:
+    """Rank 0: every rank checks its share of folder ``path``; what failed, or None."""
+    broadcast_object((_CHECK, str(path), None), group)
+    failures = all_gather_object(_checked_share(path, 0, group), group)
+    failed = [failure for failure in failures if failure is not None]
+    return "; ".join(failed[:3]) if failed else None
+
+
+def _check_until_chosen(rank: int, group: Any) -> tuple[str, tuple[str, str] | None]:
+    """The other ranks: check each folder rank 0 sends, until it sends its choice."""
+    while True:
+        sent: tuple[str, str, tuple[str, str] | None] = broadcast_object(("", "", None), group)
+        kind, path, refusal = sent
+        if kind == _CHOSEN:
+            return path, refusal
+        all_gather_object(_checked_share(Path(path), rank, group), group)
+
+
+def _checked_share(path: Path, rank: int, group: Any) -> str | None:
+    try:
+        check_share(path, rank, dist.get_world_size(group))
+    except ValueError as error:  # what the check found
+        return f"rank {rank} on {socket.gethostname()}: {error}"
+    except BaseException as error:  # a damaged folder fails in many ways; all mean: skip it
+        if isinstance(error, KeyboardInterrupt | SystemExit):
+            raise
+        return f"rank {rank} on {socket.gethostname()}: {error_line(error, 200)}"
+    return None
 
 
 def refuse_unless_read_everywhere(path: Path, failures: list[str | None]) -> None:
