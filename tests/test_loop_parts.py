@@ -612,6 +612,7 @@ def test_a_folder_that_fails_to_read_at_restore_is_one_line_with_the_way_on(
     with pytest.raises(HpcDdpError, match="its files do not read") as refused:
         restore_registered(again.registry, saved["objects"], path)
     assert f"move {path.name} into" in refused.value.hint
+    assert "most likely failed this read: run again" in refused.value.hint
 
 
 def test_a_checkpoint_that_other_ranks_cannot_read_is_one_line_and_kept(tmp_path: Path) -> None:

@@ -161,8 +161,10 @@ def guarded_restore(what: str, path: Path, call: Callable[..., Any], *args: Any)
         raise HpcDdpError(
             f"cannot restore {what!r} from {path}: its files do not read "
             f"({type(error).__name__}: {reason})",
-            f"move {path.name} into {path.parent}/unreadable/ and run again: the run goes on "
-            "from the checkpoint before it",
+            "its files were whole when the run chose it (their sizes, and their checksums "
+            "where kept), so the file system most likely failed this read: run again (a "
+            f"requeued job does); if it fails again, move {path.name} into "
+            f"{path.parent}/unreadable/ and the run goes on from the checkpoint before it",
         ) from None
 
 
