@@ -34,12 +34,14 @@ if TYPE_CHECKING:
     from hpc_ddp.runtime.config import RuntimeConfig
     from hpc_ddp.runtime.loop.data import StepLoader
     from hpc_ddp.runtime.loop.metrics import Sum, Sums
+    from hpc_ddp.runtime.place.distenv import DistEnv
     from hpc_ddp.runtime.session.run import Resumed, Run
     from hpc_ddp.runtime.session.start import start
     from hpc_ddp.sweep.api import Sweep, submit_sweep
 
 __version__ = "0.1.0"
 __all__ = [
+    "DistEnv",
     "HpcDdpError",
     "Resumed",
     "Run",
@@ -64,6 +66,7 @@ _LAZY = {
     "Sum": "hpc_ddp.runtime.loop.metrics",
     "Sums": "hpc_ddp.runtime.loop.metrics",
     "RuntimeConfig": "hpc_ddp.runtime.config",
+    "DistEnv": "hpc_ddp.runtime.place.distenv",
     "spawn": "hpc_ddp.launch.spawn",
     "submit": "hpc_ddp.launch.jobs",
     "wait": "hpc_ddp.launch.jobs",

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         for batch in run.steps(loader):
             tokens = batch["target"].numel()
-            with run.no_sync(model):
+            with run.accumulate(model):
                 with autocast:
                     logits = forward(batch["input"])
                 loss = F.cross_entropy(logits.float().flatten(0, 1), batch["target"].flatten())

@@ -136,7 +136,7 @@ def train(config: Config, environ: Mapping[str, str] | None = None) -> dict[str,
     val: dict[str, Sum] = {}
     for _epoch in run.epochs(config.train.epochs, max_steps=config.train.max_steps):
         for features, labels in run.steps(train_loader):
-            with run.no_sync(model):
+            with run.accumulate(model):
                 with autocast():
                     logits = model(features)
                     loss = nn.functional.cross_entropy(logits.float() if bf16 else logits, labels)

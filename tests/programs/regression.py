@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     for _epoch in run.epochs(args.epochs):
         for batch in run.steps(loader):
-            with run.no_sync(model):
+            with run.accumulate(model):
                 loss = nn.functional.mse_loss(model(batch["x"]), batch["y"])
                 if not torch.isfinite(loss):  # a learning rate too high, as users meet it
                     raise FloatingPointError(f"loss {loss.item()} at step {run.global_step}")
