@@ -342,6 +342,13 @@ print([getattr(handler, "__name__", "") for handler in handlers])
             [],
         ),
         (
+            "import hpc_ddp, tempfile\n"
+            'run = hpc_ddp.start(tracking={"enabled": False}, '
+            'run={"output_dir": tempfile.mkdtemp()})',
+            ["_record", ""],
+            ["SIGUSR1"],
+        ),
+        (
             "from hpc_ddp.launch.local import launch_local\n"
             "from hpc_ddp.launch.program import Program\n"
             'assert launch_local(1, Program("module", "this")) == 0',
@@ -349,7 +356,7 @@ print([getattr(handler, "__name__", "") for handler in handlers])
             ["SIGUSR1"],
         ),
     ],
-    ids=["run-ended", "stopped", "a-handler-of-yours", "hpc-ddp-local"],
+    ids=["run-ended", "stopped", "a-handler-of-yours", "no-finish", "hpc-ddp-local"],
 )
 def test_the_warning_signal_stays_ignored_while_the_interpreter_exits(
     calls: str, handlers: list[str], ignored: list[str]
@@ -357,7 +364,8 @@ def test_the_warning_signal_stays_ignored_while_the_interpreter_exits(
     """A warning signal in the last moment of a finished rank's exit does not end it with
     128+N: at exit the signals ignored after the run are SIG_IGN for the kernel, which the
     interpreter's finalization leaves as they are; a handler of the user's is left alone. The
-    same holds for ``hpc-ddp local`` once its ranks ended."""
+    same holds for a run that ends at exit (no run.finish()) and for ``hpc-ddp local`` once
+    its ranks ended."""
     process = _run_snippet(IGNORED_THROUGH_THE_EXIT.format(calls=calls))
     assert process.returncode == 0, process.stderr
     lines = process.stdout.splitlines()

@@ -615,6 +615,53 @@ def test_a_folder_that_fails_to_read_at_restore_is_one_line_with_the_way_on(
     assert "most likely failed this read: run again" in refused.value.hint
 
 
+def test_a_share_that_does_not_read_keeps_the_folder_and_a_changed_one_sets_it_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ranks' shared check (here a world of one): a file that fails to read (EIO, which
+    a disk here cannot be made to give: the read is replaced) refuses the run in one line
+    and keeps every checkpoint; bytes that differ from their checksum set the folder aside
+    for the one before."""
+    import errno
+    import functools
+
+    from hpc_ddp.runtime.checkpoint import checksums
+    from hpc_ddp.runtime.session.resume import _check_together
+
+    context = context_in(tmp_path, save_mode="sync")
+    context.registry.add({"model": torch.nn.Linear(8, 8)})
+    position, _streams, checkpointer = parts(context)
+    for step in (10, 20):
+        position.global_step = step
+        checkpointer.save("periodic")
+    directory = checkpoint_dir(context.run_dir)
+    newest = directory / "step-000000020"
+    (shard,) = newest.glob("*.distcp")
+    verify = functools.partial(_check_together, group=None)
+
+    def failing_read(path: Path) -> str:
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(checksums, "file_sha256", failing_read)
+        with pytest.raises(
+            HpcDdpError, match="1 rank\\(s\\) could not read their share"
+        ) as refused:
+            load_newest(directory, verify=verify)
+    assert "Input/output error" in refused.value.message
+    assert "the checkpoint is kept" in refused.value.hint
+    assert [path.name for path in list_checkpoints(directory)] == [
+        "step-000000020",
+        "step-000000010",
+    ]
+
+    kept = shard.read_bytes()
+    shard.write_bytes(bytes([kept[0] ^ 1]) + kept[1:])
+    path, _saved = load_newest(directory, verify=verify)  # type: ignore[misc]
+    assert path.name == "step-000000010"
+    assert (directory / "unreadable" / "step-000000020").is_dir()
+
+
 def test_a_checkpoint_that_other_ranks_cannot_read_is_one_line_and_kept(tmp_path: Path) -> None:
     """Rank 0 chose the checkpoint and read it whole: where other ranks' reads fail, every
     rank ends with the same line naming them, and nothing is set aside."""

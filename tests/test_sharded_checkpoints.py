@@ -23,6 +23,7 @@ from hpc_ddp.runtime.checkpoint.objects import object_kinds, restore_objects, te
 from hpc_ddp.runtime.checkpoint.sharded import (
     METADATA,
     FolderObjects,
+    check_files,
     folder_state,
     stagers_are_reusable,
     write_folder,
@@ -137,6 +138,39 @@ def test_the_ranks_share_the_checksum_reading_and_a_shard_only_rank_1_reads_is_c
     assert f"trying the previous one: {previous.name} loads" in err, err[-3000:]
     assert f"resumed from {previous}" in err, err[-3000:]
     assert (checkpoints_of(tmp_path) / "unreadable" / newest.name / shards[1]).is_file()
+
+
+#: A folder written from an exit handler: by then the interpreter refuses new work to every
+#: thread pool (concurrent.futures), as for a background save still writing at exit.
+SAVE_AT_EXIT = """
+import atexit, sys
+from pathlib import Path
+import torch
+from hpc_ddp.runtime.checkpoint.sharded import write_folder
+
+def save() -> None:
+    state = {"objects": {"model": {"w": torch.arange(2**20, dtype=torch.float32)}}}
+    write_folder(state, Path(sys.argv[1]) / "step-000000001", None)
+    print("SAVED")
+
+atexit.register(save)
+"""
+
+
+@pytest.mark.e2e
+def test_a_folder_written_while_the_interpreter_exits_is_whole_with_its_checksums(
+    tmp_path: Path,
+) -> None:
+    """A background save can still be writing when the script's last line has run: its 4 MB
+    tensor is hashed in line then, not refused by a thread pool that takes no more work."""
+    script = tmp_path / "save_at_exit.py"
+    script.write_text(SAVE_AT_EXIT)
+    result = run_python([str(script), str(tmp_path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "SAVED" in result.stdout, result.stderr[-3000:]
+    folder = tmp_path / "step-000000001"
+    check_files(folder)  # sizes, and every file's checksum
+    assert len(list(folder.glob("*.distcp.sha256"))) == 1
 
 
 @pytest.mark.e2e

@@ -267,6 +267,32 @@ def test_what_tasks_do_is_kept_beside_the_record_which_stays_as_submitted(
         manifest.read_manifest(tmp_path)
 
 
+def test_a_sweep_recorded_by_the_earlier_format_counts_its_ended_tasks(tmp_path: Path) -> None:
+    """A record of format 1 keeps its tasks' states in sweep.json: the tasks it says ended
+    count, so the sweep's last end still closes its MLflow parent run; a count left high
+    (a process killed between the count and the mark) is set right from the marks."""
+    from hpc_ddp.sweep.taskstate import recount
+
+    data = sweep_record(tmp_path, [{}, {}, {}])
+    for task, state in zip(data["tasks"], ["finished", "failed", "running"], strict=True):
+        task["state"] = state
+    manifest.write_manifest(tmp_path, {"format": 1, **data})
+
+    def finished(task: dict[str, Any]) -> None:
+        task.update(state="finished")
+
+    _definition, last = manifest.read_task(tmp_path, 2)
+    assert manifest.update_tasks(tmp_path, [last], finished) == 3
+    assert recount(tmp_path) == 3
+    assert [task["state"] for task in manifest.read_manifest(tmp_path)["tasks"]] == [
+        "finished",
+        "failed",
+        "finished",
+    ]
+    (tmp_path / "state" / "ended.count").write_text("7\n")
+    assert recount(tmp_path) == 3
+
+
 STAND_IN_SBATCH = """#!/bin/sh
 n=$(($(cat "$0.count" 2>/dev/null || echo 0) + 1))
 echo "$n" > "$0.count"

@@ -210,7 +210,12 @@ def update_tasks(
     """Apply ``change`` to what changes of each of ``tasks`` (state, attempts, job, final
     metrics, settings), as :func:`read_manifest` returned them; returns how many tasks of
     the sweep have ended."""
-    return taskstate.update_tasks(sweep_dir, tasks, ENDED, change)
+
+    def ended_in_the_record() -> list[str]:  # a record of format 1 keeps states in it
+        tasks = _read_definition(sweep_dir)["tasks"]
+        return [task["run_id"] for task in tasks if task["state"] in ENDED]
+
+    return taskstate.update_tasks(sweep_dir, tasks, ENDED, change, ended_in_the_record)
 
 
 def record_array(sweep_dir: Path, job_id: str, offset: int, tasks: list[int], script: str) -> None:

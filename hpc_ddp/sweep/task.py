@@ -27,6 +27,7 @@ from hpc_ddp.runtime.tracking.membership import SweepMembership, write_membershi
 from hpc_ddp.runtime.tracking.worker import discard_prestarted, prestart
 from hpc_ddp.sweep import manifest
 from hpc_ddp.sweep.spec import program_words, setting_words
+from hpc_ddp.sweep.taskstate import recount
 
 if TYPE_CHECKING:
     from hpc_ddp.view.runs import RunView
@@ -168,7 +169,8 @@ def record_end(
 
     ended_tasks = manifest.update_tasks(sweep_dir, [task], ended)
     tracking = data.get("tracking") or {}
-    if tracking.get("parent_run_id") and ended_tasks >= len(data["tasks"]):
+    total = len(data["tasks"])
+    if tracking.get("parent_run_id") and ended_tasks >= total and recount(sweep_dir) >= total:
         _end_parent(manifest.read_manifest(sweep_dir))  # only the sweep's last end reads all
 
 

@@ -100,14 +100,22 @@ def update_tasks(
     tasks: Iterable[Mapping[str, Any]],
     ended: Iterable[str],
     change: Callable[[dict[str, Any]], Any],
+    ended_in_the_record: Callable[[], Iterable[str]],
 ) -> int:
     """Apply ``change`` to each task's changing fields (``tasks`` as the record holds them;
     their own file wins where there is one) and write them; returns how many tasks of the
-    sweep have ended (a state in ``ended``) once they are written."""
+    sweep have ended (a state in ``ended``), never fewer than have: the count goes up
+    before a task's end is marked and down after its mark is gone, so a process killed in
+    between leaves it high (see :func:`recount`). ``ended_in_the_record``: the run ids the
+    record itself says ended (a record of format 1), marked once when there is no count."""
     ended_states = set(ended)
     folder = sweep_dir / STATE_DIR
     make_dirs(folder / ENDED_DIR)
     with locked(sweep_dir):
+        if not (folder / ENDED_COUNT).exists():
+            for run_id in ended_in_the_record():
+                if not (folder / f"{run_id}.json").exists():
+                    (folder / ENDED_DIR / run_id).touch()
         count = _read_count(folder)
         for task in tasks:
             run_id = str(task["run_id"])
@@ -118,19 +126,31 @@ def update_tasks(
             current["updated"] = time.time()
             replace_bytes(path, (json.dumps(current) + "\n").encode())
             marker = folder / ENDED_DIR / run_id
-            was_ended = marker.exists()
-            if current.get("state") in ended_states:
+            was_ended, now_ended = marker.exists(), current.get("state") in ended_states
+            if now_ended and not was_ended:
+                count += 1
+                _write_count(folder, count)
                 marker.touch()
-            else:
-                marker.unlink(missing_ok=True)
-            count += int(current.get("state") in ended_states) - int(was_ended)
+            elif was_ended and not now_ended:
+                marker.unlink()
+                count -= 1
+                _write_count(folder, count)
+        _write_count(folder, count)
+        return count
+
+
+def recount(sweep_dir: Path) -> int:
+    """How many tasks have ended, from their marks (the count set right)."""
+    folder = sweep_dir / STATE_DIR
+    with locked(sweep_dir):
+        count = len(os.listdir(folder / ENDED_DIR))
         _write_count(folder, count)
         return count
 
 
 def _read_count(folder: Path) -> int:
-    """How many tasks have ended: the count kept beside their markers, or (where it is
-    missing or damaged) the markers counted."""
+    """How many tasks have ended: the count kept beside their marks, or (where it is
+    missing or damaged) the marks counted."""
     try:
         return int((folder / ENDED_COUNT).read_text())
     except (OSError, ValueError):

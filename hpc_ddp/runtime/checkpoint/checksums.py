@@ -59,16 +59,25 @@ class HashingWriter:
             return self.raw.write(view)
         if self._hasher is None:
             self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hpc-ddp-sha256")
-        hashed = self._hasher.submit(self._digest.update, view)
+        try:
+            hashed = self._hasher.submit(self._digest.update, view)
+        except RuntimeError:  # the interpreter is exiting (a background save finishing then)
+            self._digest.update(view)
+            return self.raw.write(view)
         try:
             return self.raw.write(view)
         finally:
             hashed.result()
 
     def close(self) -> None:
+        self.stop_hashing()
+        self.raw.close()
+
+    def stop_hashing(self) -> None:
+        """Let the hashing thread go (the file's last write is in)."""
         if self._hasher is not None:
             self._hasher.shutdown()
-        self.raw.close()
+            self._hasher = None
 
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
@@ -95,7 +104,10 @@ def checksumming_writer(folder: Path) -> FileSystemWriter:
                     yield stream
                     return
                 hashing = HashingWriter(cast(IO[bytes], stream))
-                yield hashing
+                try:
+                    yield hashing
+                finally:
+                    hashing.stop_hashing()
             with self._lock:
                 self.digests[Path(path).name] = hashing.hexdigest()
 

@@ -35,7 +35,11 @@ def _ignore_through_the_exit() -> None:
 
 def ignore_until_exit(signum: int) -> None:
     """``signum`` does nothing from now on, through this process's exit."""
-    if not _ignored_after_the_run:
-        atexit.register(_ignore_through_the_exit)
     _ignored_after_the_run.add(signum)
     signal.signal(signum, ignored_after_the_run)
+
+
+# Registered on import, before the run's own exit handler (which imports this module first):
+# exit handlers run last-registered first, so this one runs after a run ended at exit (a
+# script without run.finish()) has put its signals back; one registered then would not run.
+atexit.register(_ignore_through_the_exit)

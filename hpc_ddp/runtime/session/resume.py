@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import socket
@@ -59,12 +60,17 @@ def find_resume(
     directory = checkpoint_dir(run_dir)
     found, refusal = None, None
     if rank == 0:
-        unfinished = remove_partial_writes(directory)
         verify = functools.partial(_check_together, group=group) if several_ranks() else None
         try:
+            unfinished = remove_partial_writes(directory)
             found = load_newest(directory, start_fresh_if_unreadable, unfinished, verify)
         except HpcDdpError as error:
             refusal = (error.message, error.hint)
+        except BaseException as error:  # the others wait for rank 0's word: give it, then end
+            failed = f"rank 0 failed while choosing the checkpoint: {error_line(error, 200)}"
+            with contextlib.suppress(Exception):  # a group already broken: rank 0's error
+                broadcast_object((_CHOSEN, "", (failed, "see rank 0's output above")), group)
+            raise
         chosen, refusal = broadcast_object(
             (_CHOSEN, str(found[0]) if found else "", refusal), group
         )[1:]
@@ -92,14 +98,32 @@ def find_resume(
 
 #: What rank 0 sends while it chooses: a folder to check together, or its choice.
 _CHECK, _CHOSEN = "check", "chosen"
+#: How a rank's share of a folder failed: its bytes differ from their checksums (the folder
+#: is damaged: set aside), or it could not be read there (the folder is kept).
+_DAMAGED, _UNREAD = "damaged", "unread"
 
 
 def _check_together(path: Path, group: Any) -> str | None:
-    """Rank 0: every rank checks its share of folder ``path``; what failed, or None."""
+    """Rank 0: every rank checks its share of folder ``path``; what found it damaged, or
+    None. A share some rank could not read at all ends the run on every rank, the folder
+    kept: a file system that rank's host sees otherwise, not a damaged checkpoint."""
     broadcast_object((_CHECK, str(path), None), group)
-    failures = all_gather_object(_checked_share(path, 0, group), group)
-    failed = [failure for failure in failures if failure is not None]
-    return "; ".join(failed[:3]) if failed else None
+    results = all_gather_object(_checked_share(path, 0, group), group)
+    unread: list[str | None] = [reason if kind == _UNREAD else None for kind, reason in results]
+    count, listed = failed_ranks(unread)
+    if count:
+        raise HpcDdpError(
+            f"checkpoint {path}: {count} rank(s) could not read their share of it: {listed}",
+            "those hosts do not see the run directory as the others do (a stale or missing "
+            "mount), or the file system failed a read: check that it is on a file system "
+            "every node mounts, then run the same command again; the checkpoint is kept",
+        )
+    damaged = [
+        f"rank {rank} on {reason}"
+        for rank, (kind, reason) in enumerate(results)
+        if kind == _DAMAGED
+    ]
+    return "; ".join(damaged[:3]) if damaged else None
 
 
 def _check_until_chosen(rank: int, group: Any) -> tuple[str, tuple[str, str] | None]:
@@ -112,23 +136,25 @@ def _check_until_chosen(rank: int, group: Any) -> tuple[str, tuple[str, str] | N
         all_gather_object(_checked_share(Path(path), rank, group), group)
 
 
-def _checked_share(path: Path, rank: int, group: Any) -> str | None:
+def _checked_share(path: Path, rank: int, group: Any) -> tuple[str, str]:
+    """("", "") when ``rank``'s share of folder ``path`` matches its checksums; else how it
+    failed (:data:`_DAMAGED` or :data:`_UNREAD`) and, after this host's name, why."""
     try:
-        check_share(path, rank, dist.get_world_size(group))
+        check_share(path, rank, dist.get_world_size(group) if several_ranks() else 1)
     except ValueError as error:  # what the check found
-        return f"rank {rank} on {socket.gethostname()}: {error}"
-    except BaseException as error:  # a damaged folder fails in many ways; all mean: skip it
+        return _DAMAGED, f"{socket.gethostname()}: {error}"
+    except BaseException as error:  # a file that does not read here
         if isinstance(error, KeyboardInterrupt | SystemExit):
             raise
-        return f"rank {rank} on {socket.gethostname()}: {error_line(error, 200)}"
-    return None
+        return _UNREAD, f"{socket.gethostname()}: {error_line(error, 200)}"
+    return "", ""
 
 
 def refuse_unless_read_everywhere(path: Path, failures: list[str | None]) -> None:
     """Every rank ends with the same line when checkpoint ``path``, which rank 0 chose and
-    read whole (checksums included), fails to read on other ranks (``failures``: each
-    rank's reason, None where it read): their hosts see the file system otherwise (a stale
-    or missing mount), so the checkpoint itself is kept, not set aside."""
+    read (the ranks checked its checksums together), fails to read on other ranks
+    (``failures``: each rank's reason, None where it read): their hosts see the file system
+    otherwise (a stale or missing mount), so the checkpoint itself is kept, not set aside."""
     count, listed = failed_ranks(failures)
     if not count:
         return
