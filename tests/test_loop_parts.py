@@ -426,6 +426,18 @@ def test_a_dataclass_batch_is_cut_to_no_samples_and_its_samples_counted() -> Non
     assert cut["w"].item() == 2.0 and cut["d"]["x"].shape == (0,)
 
 
+def folders_at_steps_10_and_20(tmp_path: Path, model: torch.nn.Module) -> Path:
+    """A run's checkpoints folder holding the folder checkpoints of steps 10 and 20 of
+    ``model``."""
+    context = context_in(tmp_path, save_mode="sync")
+    context.registry.add({"model": model})
+    position, _streams, checkpointer = parts(context)
+    for step in (10, 20):
+        position.global_step = step
+        checkpointer.save("periodic")
+    return checkpoint_dir(context.run_dir)
+
+
 @pytest.mark.parametrize(
     "damage", ["truncated", "missing", "outside", "flipped", "foreign", "zeroed-unchecked"]
 )
@@ -438,13 +450,7 @@ def test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one
     before it is resumed from and the damaged one kept in checkpoints/unreadable/."""
     from hpc_ddp.runtime.checkpoint.sharded import METADATA
 
-    context = context_in(tmp_path, save_mode="sync")
-    context.registry.add({"model": torch.nn.Linear(64, 64)})
-    position, _streams, checkpointer = parts(context)
-    for step in (10, 20):
-        position.global_step = step
-        checkpointer.save("periodic")
-    directory = checkpoint_dir(context.run_dir)
+    directory = folders_at_steps_10_and_20(tmp_path, torch.nn.Linear(64, 64))
     newest = directory / "step-000000020"
     shard = max(newest.glob("*.distcp"), key=lambda path: path.stat().st_size)
     if damage == "truncated":
@@ -628,13 +634,7 @@ def test_a_share_that_does_not_read_keeps_the_folder_and_a_changed_one_sets_it_a
     from hpc_ddp.runtime.checkpoint import checksums
     from hpc_ddp.runtime.session.resume import _check_together
 
-    context = context_in(tmp_path, save_mode="sync")
-    context.registry.add({"model": torch.nn.Linear(8, 8)})
-    position, _streams, checkpointer = parts(context)
-    for step in (10, 20):
-        position.global_step = step
-        checkpointer.save("periodic")
-    directory = checkpoint_dir(context.run_dir)
+    directory = folders_at_steps_10_and_20(tmp_path, torch.nn.Linear(8, 8))
     newest = directory / "step-000000020"
     (shard,) = newest.glob("*.distcp")
     verify = functools.partial(_check_together, group=None)
