@@ -9,6 +9,7 @@
    last save blocked, from each run's summary.json.
 
     python -m bench.gpu_sharded [REPEATS] && python -m bench.report  # results/gpu_sharded.json
+    python -m bench.gpu_sharded lm   # part 2 alone; part 1's figures stay as recorded
 """
 
 from __future__ import annotations
@@ -48,8 +49,29 @@ def lm_run(strategy: str, output_dir: Path) -> dict[str, Any]:
     (summary_file,) = output_dir.glob(f"*/{strategy}/summary.json")
     summary = json.loads(summary_file.read_text())
     keys = ("device", "backend", "global_step", "val_loss", "tokens_per_s", "parameters",
-            "gpu_peak_memory_gb", "last_checkpoint_save_s")  # fmt: skip
-    return {"strategy": strategy, **{key: summary.get(key) for key in keys}}
+            "gpu_peak_memory_gb")  # fmt: skip
+    # The summary holds the last save's phases (its final save, at once); their sum is what
+    # training waited for.
+    phases = summary.get("last_checkpoint_save_s") or {}
+    return {
+        "strategy": strategy,
+        **{key: summary.get(key) for key in keys},
+        "last_save_blocked_s": round(sum(phases.values()), 4),
+        "last_save_phases_s": phases,
+    }
+
+
+def language_models(
+    facts: dict[str, Any], repeats: int, blocked: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """Part 2: the DDP and FSDP2 runs, recorded beside part 1's rows."""
+    with tempfile.TemporaryDirectory() as output_dir:
+        lm = [lm_run(strategy, Path(output_dir)) for strategy in ("ddp", "fsdp")]
+    for row in lm:
+        print(f"lm {row}", flush=True)
+    result = {**facts, "repeats": repeats, "blocked": blocked, "lm": lm}
+    write_result("gpu_sharded", result)
+    return result
 
 
 def run(repeats: int = 3) -> dict[str, Any] | None:
@@ -66,14 +88,18 @@ def run(repeats: int = 3) -> dict[str, Any] | None:
     # Written now too: the figures above stay if the runs below are cut short.
     write_result("gpu_sharded", {**facts, "repeats": repeats, "blocked": blocked, "lm": None,
                                  "source": "the language-model runs did not finish"})  # fmt: skip
-    with tempfile.TemporaryDirectory() as output_dir:
-        lm = [lm_run(strategy, Path(output_dir)) for strategy in ("ddp", "fsdp")]
-    for row in lm:
-        print(f"lm {row}", flush=True)
-    result = {**facts, "repeats": repeats, "blocked": blocked, "lm": lm}
-    write_result("gpu_sharded", result)
-    return result
+    return language_models(facts, repeats, blocked)
+
+
+def run_language_models_only() -> dict[str, Any] | None:
+    facts = gpu_or_refusal("bench.gpu_sharded")
+    if facts is None:
+        return None
+    recorded = json.loads((REPO / "bench" / "results" / "gpu_sharded.json").read_text())
+    return language_models(facts, recorded["repeats"], recorded["blocked"])
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["lm"]:
+        sys.exit(0 if run_language_models_only() is not None else 2)
     sys.exit(0 if run(int(sys.argv[1]) if len(sys.argv) > 1 else 3) is not None else 2)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.report import _gpu
+from bench.report import _gpu, _gpu_sharded
 from tests.helpers import REPO, clean_environ
 
 
@@ -63,6 +63,25 @@ def test_gpu_section_names_the_gpu_and_takes_medians() -> None:
     assert "backend nccl, device cuda:0, 512 steps" in section
     assert "MLflow run created" in section
     assert "| gpu_bound MLP 64-4096-4096-10 | 100,000 | 99,000 | 0.990 |" in section
+
+
+def _language_model(strategy: str, tokens_per_s: float) -> dict[str, object]:
+    return {"strategy": strategy, "parameters": 1000, "global_step": 268, "val_loss": 2.5,
+            "tokens_per_s": tokens_per_s, "gpu_peak_memory_gb": 2.0,
+            "last_save_blocked_s": 0.75}  # fmt: skip
+
+
+def test_gpu_sharded_section_compares_the_language_model_runs() -> None:
+    blocked = [{"size_mb": 256, "single_file_s": 0.4, "sync_s": 1.7, "async_s": 0.1,
+                "async_blocked_share": 0.06}]  # fmt: skip
+    facts = {"gpu": "NVIDIA H200", "repeats": 2, "blocked": blocked}
+    lm = [_language_model("ddp", 500000.0), _language_model("fsdp", 300000.0)]
+    section = _gpu_sharded({**facts, "lm": lm})
+    assert "| 256 MB | 0.40 s | 1.70 s | 0.100 s | 6% |" in section
+    assert "| fsdp | 300,000 | 2.5000 | 2.00 GB | 0.750 s |" in section
+    assert "hooks cost 40% of the tokens/s" in section
+    missing = _gpu_sharded({**facts, "lm": None, "source": "the runs did not finish"})
+    assert "no figures yet: the runs did not finish." in missing
 
 
 def _scale_row(world: int) -> dict[str, object]:
