@@ -31,11 +31,12 @@ from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 if TYPE_CHECKING:
     from hpc_ddp.launch.jobs import submit, wait
     from hpc_ddp.launch.spawn import spawn
+    from hpc_ddp.runtime.checkpoint.loading import Resumed
     from hpc_ddp.runtime.config import RuntimeConfig
     from hpc_ddp.runtime.loop.data import StepLoader
     from hpc_ddp.runtime.loop.metrics import Sum, Sums
     from hpc_ddp.runtime.place.distenv import DistEnv
-    from hpc_ddp.runtime.session.run import Resumed, Run
+    from hpc_ddp.runtime.session.run import Run
     from hpc_ddp.runtime.session.start import start
     from hpc_ddp.sweep.api import Sweep, submit_sweep
 
@@ -61,7 +62,7 @@ __all__ = [
 _LAZY = {
     "start": "hpc_ddp.runtime.session.start",
     "Run": "hpc_ddp.runtime.session.run",
-    "Resumed": "hpc_ddp.runtime.session.run",
+    "Resumed": "hpc_ddp.runtime.checkpoint.loading",
     "StepLoader": "hpc_ddp.runtime.loop.data",
     "Sum": "hpc_ddp.runtime.loop.metrics",
     "Sums": "hpc_ddp.runtime.loop.metrics",

@@ -93,8 +93,8 @@ def test_doctor_fails_the_check_of_a_job_signal_the_ranks_do_not_handle() -> Non
     from hpc_ddp.trainer.config import load_config
 
     config = load_config(str(REPO / "configs/synthetic.yaml"), ["preempt.signal=USR2"])
-    report = diagnose(config, {**clean_environ(), "HPC_DDP_JOB_SIGNAL": "USR1"})
+    report = diagnose(config.runtime, {**clean_environ(), "HPC_DDP_JOB_SIGNAL": "USR1"})
     assert report["ok"] is False
     (status, text), *_ = report["checks"]
     assert status == "FAIL" and "the job's warning signal is 'USR1'" in text
-    assert diagnose(config, {**clean_environ(), "HPC_DDP_JOB_SIGNAL": "USR2"})["ok"] is True
+    assert diagnose(config.runtime, {**clean_environ(), "HPC_DDP_JOB_SIGNAL": "USR2"})["ok"]

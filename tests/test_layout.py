@@ -126,3 +126,14 @@ def test_no_class_holds_more_than_about_150_lines_of_code() -> None:
             if isinstance(node, ast.ClassDef):
                 sizes[f"{name}.{node.name}"] = code_lines(text.splitlines(), node)
     assert {name: size for name, size in sizes.items() if size > 150} == {}
+
+
+def test_only_the_run_and_its_builder_hold_the_training_loop() -> None:
+    """The rest of a run (its resume, finish, ending, summary) takes the loop's parts or
+    values, so a change to the loop's shape stays in the loop, :class:`Run` and ``start``."""
+    holders = sorted(
+        name
+        for name, imported in GRAPH.items()
+        if "hpc_ddp.runtime.loop.steps" in imported and not name.startswith("hpc_ddp.runtime.loop")
+    )
+    assert holders == ["hpc_ddp.runtime.session.run", "hpc_ddp.runtime.session.start"]

@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from hpc_ddp.runtime.checkpoint.files import checkpoint_dir, list_checkpoints, load_newest
+from hpc_ddp.runtime.checkpoint.loading import Resumed, restore_registered
 from hpc_ddp.runtime.config import CheckpointConfig, RunConfig, RuntimeConfig
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.loop.cadence import CHECK_EVERY_MAX, Cadence, steps_for
@@ -37,8 +38,7 @@ from hpc_ddp.runtime.loop.streams import (
 )
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.evaluation import EvalBatches, eval_loader
-from hpc_ddp.runtime.session.resume import restore_registered
-from hpc_ddp.runtime.session.start import resolve_launch
+from hpc_ddp.runtime.session.joining import resolve_launch
 from hpc_ddp.runtime.tracking.base import NullTracker
 
 
@@ -152,8 +152,8 @@ def test_the_checkpointer_owns_what_a_checkpoint_holds_and_puts_it_back(
     again.registry.add({"model": torch.nn.Linear(3, 2)})
     position2, streams2, checkpointer2 = parts(again)
     torch.manual_seed(99)
-    restore_registered(again.registry, saved["objects"], path)
-    assert checkpointer2.restore(saved) is True, "one rank wrote it, one rank reads it"
+    resumed = checkpointer2.resume((path, saved))
+    assert resumed == Resumed(path, step=30, world_size=1, finished=False)
     assert torch.equal(again.registry.objects["model"].weight, saved_weight)
     assert torch.equal(torch.rand(3), expected_draw), "the random stream goes on"
     assert (position2.global_step, position2.resumed_from_step) == (30, 30)
@@ -632,7 +632,7 @@ def test_a_share_that_does_not_read_keeps_the_folder_and_a_changed_one_sets_it_a
     import functools
 
     from hpc_ddp.runtime.checkpoint import checksums
-    from hpc_ddp.runtime.session.resume import _check_together
+    from hpc_ddp.runtime.checkpoint.loading import _check_together
 
     directory = folders_at_steps_10_and_20(tmp_path, torch.nn.Linear(8, 8))
     newest = directory / "step-000000020"
@@ -665,7 +665,7 @@ def test_a_share_that_does_not_read_keeps_the_folder_and_a_changed_one_sets_it_a
 def test_a_checkpoint_that_other_ranks_cannot_read_is_one_line_and_kept(tmp_path: Path) -> None:
     """Rank 0 chose the checkpoint and read it whole: where other ranks' reads fail, every
     rank ends with the same line naming them, and nothing is set aside."""
-    from hpc_ddp.runtime.session.resume import refuse_unless_read_everywhere
+    from hpc_ddp.runtime.checkpoint.loading import refuse_unless_read_everywhere
 
     path = tmp_path / "step-000000010"
     refuse_unless_read_everywhere(path, [None, None, None])

@@ -21,7 +21,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.loop.data import TrainLoader
 from hpc_ddp.runtime.loop.streams import BatchStream, batch_length, step_source
 from hpc_ddp.runtime.session.evaluation import eval_loader
-from hpc_ddp.runtime.session.start import refuse_nested_start
+from hpc_ddp.runtime.session.joining import refuse_nested_start
 from tests.helpers import run_python
 
 

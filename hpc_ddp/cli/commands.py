@@ -288,7 +288,9 @@ def doctor(args: argparse.Namespace) -> int:
         return print_report(diagnose(runtime, os.environ, Path(first).stem), json_dir, os.environ)
     from hpc_ddp.trainer.config import load_config
 
-    report = diagnose(load_config(args.config, args.overrides), os.environ)
+    config = load_config(args.config, args.overrides)
+    batch = (config.data.batch_size, config.train.grad_accum_steps)
+    report = diagnose(config.runtime, os.environ, "doctor", batch)
     return print_report(report, json_dir, os.environ)
 
 

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
+from hpc_ddp.launch.doctor import plan_report
 from hpc_ddp.launch.shipped import find_config
 from hpc_ddp.runtime.config import OVERRIDES_VARIABLE, environment_overrides
 from hpc_ddp.runtime.errors import Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
-from hpc_ddp.runtime.place.plan import describe_launch, micro_batch_size
 from hpc_ddp.runtime.place.rundir import check_creatable
 from hpc_ddp.runtime.session.ending import end_active_run
-from hpc_ddp.runtime.session.start import resolve_launch
+from hpc_ddp.runtime.session.joining import resolve_launch
 from hpc_ddp.runtime.tracking.worker import discard_prestarted
 from hpc_ddp.trainer.config import Config, load_config
 from hpc_ddp.trainer.datasets import build_datasets
@@ -53,14 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def dry_run(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
-    """The plan, the data and the model with one sample through it: no process group."""
+    """``hpc-ddp doctor``'s report of this rank's plan, then the data and the model with one
+    sample through it: no process group."""
     plan = resolve_launch(config.runtime, str(config.run.name), environ)
-    micro = micro_batch_size(
-        config.data.batch_size,
-        plan.dist_env.world_size,
-        config.train.grad_accum_steps,
-        ("data.batch_size", "train.grad_accum_steps"),
-    )
+    report = plan_report(plan, (config.data.batch_size, config.train.grad_accum_steps))
     check_creatable(plan.run_dir)
     datasets = build_datasets(config)
     torch.manual_seed(config.run.seed)
@@ -68,8 +64,7 @@ def dry_run(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
     logits = check_model_takes(model, datasets.first_features(), datasets.num_classes)
     train_samples, val_samples = datasets.sizes()
     return {
-        "plan": describe_launch(plan),
-        "per_rank_batch": micro,
+        **report,
         "train_samples": train_samples,
         "val_samples": val_samples,
         "parameters": sum(p.numel() for p in model.parameters()),

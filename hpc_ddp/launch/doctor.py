@@ -26,7 +26,6 @@ from hpc_ddp.runtime.place.plan import (
     micro_batch_size,
 )
 from hpc_ddp.runtime.safefiles import make_dirs, replace_bytes
-from hpc_ddp.trainer.config import Config
 
 
 def _check_master_resolves(plan: LaunchPlan) -> tuple[str, str]:
@@ -53,37 +52,49 @@ def _check_port_free(plan: LaunchPlan) -> tuple[str, str]:
     return "ok", f"port {env.master_port} is free on {env.hostname}"
 
 
+#: The built-in trainer's batch as its config sets it: (global batch, accumulation steps).
+TrainerBatch = tuple[int, int]
+
+
 def diagnose(
-    config: Config | RuntimeConfig, environ: Mapping[str, str], name: str = "doctor"
+    runtime: RuntimeConfig,
+    environ: Mapping[str, str],
+    name: str = "doctor",
+    batch: TrainerBatch | None = None,
 ) -> dict[str, Any]:
     """This rank's plan and checks as plain data (the plan errors become a failed check).
 
-    With the built-in trainer's config the global batch is checked too (``data.batch_size``);
-    a script's settings (a RuntimeConfig) have no batch to check: the script divides its own."""
-    from hpc_ddp.runtime.session.start import resolve_launch
+    ``batch``: the built-in trainer's (data.batch_size, train.grad_accum_steps), checked
+    against the world size; a script has no batch to check here: it divides its own."""
+    from hpc_ddp.runtime.session.joining import resolve_launch
 
-    trainer = config if isinstance(config, Config) else None
-    runtime = config.runtime if isinstance(config, Config) else config
-    micro = None
     try:
         plan = resolve_launch(runtime, str(runtime.run.name or name), environ)
-        if trainer is not None:
-            micro = micro_batch_size(
-                trainer.data.batch_size,
-                plan.dist_env.world_size,
-                trainer.train.grad_accum_steps,
-                ("data.batch_size", "train.grad_accum_steps"),
-            )
+        return plan_report(plan, batch)
     except HpcDdpError as error:
         return {"ok": False, "checks": [["FAIL", str(error)]]}
+
+
+def plan_report(plan: LaunchPlan, batch: TrainerBatch | None = None) -> dict[str, Any]:
+    """What ``hpc-ddp doctor`` and the trainer's ``--dry-run`` report of a resolved launch:
+    where this rank runs, what it drives, and the checks (each ["ok" | "warn" | "FAIL",
+    text]); a batch that does not divide over the ranks raises."""
     env = plan.dist_env
     checks = [["ok", f"launcher {env.launcher}: rank {env.rank} of {env.world_size}"]]
-    if trainer is not None:
+    micro = None
+    if batch is not None:
+        global_batch, accumulation = batch
+        micro = micro_batch_size(
+            global_batch,
+            env.world_size,
+            accumulation,
+            ("data.batch_size", "train.grad_accum_steps"),
+        )
         checks.append(
             [
                 "ok",
-                f"global batch {trainer.data.batch_size} = {env.world_size} ranks x "
-                f"{micro} x {trainer.train.grad_accum_steps} accumulation",
+                f"global batch {global_batch} = {env.world_size} ranks x {micro} x "
+                f"{accumulation} accumulation",
             ]
         )
     checks += [

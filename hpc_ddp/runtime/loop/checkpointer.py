@@ -1,6 +1,7 @@
 """What a checkpoint of a run holds, how every rank takes part in writing it, and how a
 resume puts it back: the one place for a checkpoint's contents (the files themselves are
-:mod:`hpc_ddp.runtime.checkpoint.files`)."""
+:mod:`hpc_ddp.runtime.checkpoint.files`, which one a run resumes from
+:mod:`hpc_ddp.runtime.checkpoint.loading`)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,18 @@ import torch.distributed as dist
 from hpc_ddp.runtime.checkpoint.buffers import own_buffers, restore_own_buffers
 from hpc_ddp.runtime.checkpoint.files import (
     FORMAT_VERSION,
+    Found,
     checkpoint_dir,
     save_checkpoint,
     saved_world_size,
 )
+from hpc_ddp.runtime.checkpoint.loading import (
+    Resumed,
+    restore_registered,
+    unregistered_state_hint,
+)
 from hpc_ddp.runtime.checkpoint.objects import object_kinds, plain_states, tensor_states
-from hpc_ddp.runtime.checkpoint.sharded import FOLDER_FORMAT, folder_state
+from hpc_ddp.runtime.checkpoint.sharded import FOLDER_FORMAT, folder_state, forget_metadata
 from hpc_ddp.runtime.checkpoint.state import (
     check_loadable,
     restore_rng,
@@ -30,6 +37,7 @@ from hpc_ddp.runtime.checkpoint.writer import FolderSaves
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
+from hpc_ddp.runtime.loop.data import seed_rank_streams
 from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.replicas import diverged_replicas, divergence_message
@@ -80,7 +88,7 @@ class Checkpointer:
         training ended with this checkpoint."""
         context = self.context
         check_loadable("run.state", context.values)
-        every = gather_object_to_main(self._own_state(), context.control_group)
+        every = gather_object_to_main(own_state(context, self.streams), context.control_group)
         metrics = self.metrics.saved()
         if not context.env.is_main:
             return {}
@@ -90,7 +98,7 @@ class Checkpointer:
             "objects": context.registry.state_dicts(),
             **{key: [own[key] for own in every] for key in ("rng", "per_rank", "buffers")},
             "streams": [own["streams"] for own in every] if has_streams else None,
-            **self._run_state(metrics, finished),
+            **run_state(context, self.position, metrics, finished),
         }
 
     def folder_contents(self, finished: bool = False) -> dict[str, Any]:
@@ -101,7 +109,7 @@ class Checkpointer:
         check_loadable("run.state", context.values)
         registry = context.registry
         kinds = object_kinds(registry.objects)
-        own = self._own_state()
+        own = own_state(context, self.streams)
         metrics = self.metrics.saved()
         run = None
         if context.env.is_main:
@@ -110,35 +118,10 @@ class Checkpointer:
                 "kinds": kinds,
                 "plain": plain_states(registry.objects, kinds),
                 "has_streams": own["streams"] is not None,
-                **self._run_state(metrics, finished),
+                **run_state(context, self.position, metrics, finished),
             }
         tensors = tensor_states(registry.objects, kinds, registry.wrappers)
         return folder_state(tensors, run, context.env.rank, own)
-
-    def _own_state(self) -> dict[str, Any]:
-        """This rank's own part of a checkpoint: its random streams, its batch state and its
-        objects registered per rank."""
-        return {
-            "rng": rng_state(self.context.device),
-            "streams": self.streams.own_state(),
-            "per_rank": self.context.registry.per_rank_states(),
-            "buffers": own_buffers(self.context.registry.wrappers),
-        }
-
-    def _run_state(self, metrics: Any, finished: bool) -> dict[str, Any]:
-        """What both formats keep of the run itself (rank 0's)."""
-        context = self.context
-        return {
-            "per_rank_names": sorted(context.registry.per_rank),
-            "values": dict(context.values),
-            **self.position.saved(),
-            "world_size": context.env.world_size,
-            "restart_count": context.env.restart_count,
-            "metrics": metrics,
-            "mlflow_run_id": context.tracker.run_id,
-            "fingerprint": context.fingerprint,
-            "finished": finished,
-        }
 
     def save(self, reason: str) -> None:
         """A checkpoint at the current step, unless one was written at it (every rank calls
@@ -165,7 +148,7 @@ class Checkpointer:
         context, position = self.context, self.position
         phases = {"replica_check": time.perf_counter()}
         check_per_rank_names(sorted(context.registry.per_rank), context.control_group)
-        self.check_replicas()
+        check_replicas(context, position)
         mode = context.config.checkpoint.save_mode
         if mode != "single_file":
             phases["gather_state"] = time.perf_counter()
@@ -204,28 +187,47 @@ class Checkpointer:
         if took > warning:
             get_logger().warning(over_budget(took, warning))
 
-    def restore(self, saved: dict[str, Any]) -> bool:
-        """Continue where ``saved`` left off: position, metric sums, plain values, the
-        batches' states and, when it was written by as many ranks, every rank's random
-        streams and its own DDP buffers (returns whether it did)."""
-        env = self.context.env
-        self.position.restore(saved, saved_world_size(saved))
+    def resume(self, found: Found | None) -> Resumed | None:
+        """Before training: put ``found`` back (the registered objects, the position, the
+        metric sums, the plain values, the batches' states and, when as many ranks wrote it,
+        every rank's random streams and DDP buffers), or seed each rank's own streams; refuse
+        a registered object whose state a resume could not load, and warn when nothing is."""
+        context = self.context
+        resumed, streams_restored = None, False
+        if found is not None:
+            resumed, streams_restored = self._load(found)
+        if context.config.checkpoint.enabled:
+            context.registry.check_loadable()
+        if not streams_restored:
+            seed_rank_streams(context.config.run.seed, context.env.rank, self.position.global_step)
+        hint = unregistered_state_hint(context.registry.objects)
+        if hint and context.config.checkpoint.enabled and context.env.is_main:
+            get_logger().warning(hint)
+        return resumed
+
+    def _load(self, found: Found) -> tuple[Resumed, bool]:
+        """``found`` put back; also whether its random streams fitted this world size."""
+        (path, saved), env, registry = found, self.context.env, self.context.registry
+        written_by = saved_world_size(saved)
+        registry.restore_per_rank(saved, path, written_by, env.rank, env.world_size)
+        restore_registered(registry, saved["objects"], path)
+        forget_metadata()
+        self.position.restore(saved, written_by)
         self.metrics.restore(saved["metrics"])
         self.context.values.update(saved.get("values") or {})
-        self.streams.restore(saved.get("streams"), saved_world_size(saved))
-        if len(saved["rng"]) != env.world_size:
-            return False
-        restore_rng(saved["rng"][env.rank], self.context.device)
-        restore_own_buffers(self.context.registry.wrappers, saved.get("buffers"), env.rank)
-        return True
-
-    def check_replicas(self) -> None:
-        """Compare every rank's weights with rank 0's; report the first divergence loudly."""
-        check_replicas(self.context, self.position)
+        self.streams.restore(saved.get("streams"), written_by)
+        streams_fit = len(saved["rng"]) == env.world_size
+        if streams_fit:
+            restore_rng(saved["rng"][env.rank], self.context.device)
+            restore_own_buffers(registry.wrappers, saved.get("buffers"), env.rank)
+        resumed = Resumed(path, self.position.global_step, written_by, bool(saved.get("finished")))
+        if env.is_main:  # every rank resumes from the same checkpoint: said once
+            say_resumed(resumed, self.position, env.world_size, streams_fit)
+        return resumed, streams_fit
 
 
 def check_replicas(context: RunContext, position: Position) -> None:
-    """See :meth:`Checkpointer.check_replicas`."""
+    """Compare every rank's weights with rank 0's; report the first divergence loudly."""
     for model in context.models():
         if holds_shards(model):
             continue  # each rank holds its own shard: there are no replicas
@@ -235,6 +237,50 @@ def check_replicas(context: RunContext, position: Position) -> None:
         position.replicas_diverged_at = position.global_step
         if context.env.is_main:
             get_logger().error(divergence_message(diverged, position.global_step))
+
+
+def own_state(context: RunContext, streams: StreamStates) -> dict[str, Any]:
+    """This rank's own part of a checkpoint: its random streams, its batch state and its
+    objects registered per rank."""
+    return {
+        "rng": rng_state(context.device),
+        "streams": streams.own_state(),
+        "per_rank": context.registry.per_rank_states(),
+        "buffers": own_buffers(context.registry.wrappers),
+    }
+
+
+def run_state(
+    context: RunContext, position: Position, metrics: Any, finished: bool
+) -> dict[str, Any]:
+    """What both formats keep of the run itself (rank 0's)."""
+    return {
+        "per_rank_names": sorted(context.registry.per_rank),
+        "values": dict(context.values),
+        **position.saved(),
+        "world_size": context.env.world_size,
+        "restart_count": context.env.restart_count,
+        "metrics": metrics,
+        "mlflow_run_id": context.tracker.run_id,
+        "fingerprint": context.fingerprint,
+        "finished": finished,
+    }
+
+
+def say_resumed(resumed: Resumed, position: Position, world_size: int, streams_fit: bool) -> None:
+    """Rank 0's lines on a resume: where it goes on, and what a changed world size loses."""
+    get_logger().info(
+        f"resumed from {resumed.path} at step {position.global_step} (epoch {position.epoch}, "
+        f"step {position.step_in_epoch} of the epoch)"
+    )
+    if not streams_fit:
+        get_logger().warning(
+            f"the world size changed: the checkpoint was written by {resumed.world_size} "
+            f"ranks, this run has {world_size}. The global batch, the order of the samples "
+            "and the metric sums go on exactly; each rank's own random streams (dropout, "
+            "augmentation in the main process) cannot, and are seeded anew from (run.seed, "
+            "rank, step), so such a run is not bitwise the one it continues"
+        )
 
 
 def over_budget(took_s: float, warning_s: float) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import random
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -44,6 +45,15 @@ def mixed_seed(*parts: int) -> int:
     """A 63-bit seed from several integers, the same in every process."""
     text = "/".join(str(part) for part in parts).encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1
+
+
+def seed_rank_streams(seed: int, rank: int, step: int) -> None:
+    """Each rank's own random streams (dropout, augmentation in the main process), from the
+    run's seed, the rank and the step: for a fresh run, and for one resumed on another
+    number of ranks, whose saved per-rank streams do not fit."""
+    rank_seed = mixed_seed(seed, rank, step)
+    torch.manual_seed(rank_seed)
+    random.seed(rank_seed)
 
 
 class ResumableDistributedSampler(DistributedSampler[Any]):

@@ -39,6 +39,23 @@ class Position:
             "train_time_s": self.train_time_s,
         }
 
+    def summary(self, global_batch_size: int) -> dict[str, Any]:
+        """What the run's summary says of where it ended (``global_batch_size``: samples per
+        optimizer step over all ranks)."""
+        samples = self.global_step * global_batch_size
+        return {
+            "resumed_from_step": self.resumed_from_step,
+            "resumed_from_world_size": self.resumed_from_world_size,
+            "epochs": self.epoch,
+            "global_step": self.global_step,
+            "samples_seen": samples,
+            "train_time_s": round(self.train_time_s, 3),
+            "samples_per_s": round(samples / max(1e-9, self.train_time_s), 1),
+            "replicas_in_sync": self.replicas_diverged_at is None,
+            "replicas_diverged_at": self.replicas_diverged_at,
+            "first_step_unix": self.first_step_unix,
+        }
+
     def restore(self, saved: Mapping[str, Any], world_size: int) -> None:
         """Continue at a checkpoint's numbers (written by ``world_size`` ranks)."""
         self.epoch = int(saved["epoch"])

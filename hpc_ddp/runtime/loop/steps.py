@@ -21,7 +21,7 @@ import torch
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import Progress
 from hpc_ddp.runtime.loop.cadence import Cadence
-from hpc_ddp.runtime.loop.checkpointer import Checkpointer
+from hpc_ddp.runtime.loop.checkpointer import Checkpointer, check_replicas
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Limits, Position
@@ -241,11 +241,7 @@ class StepLoop:
         """Whether the optimizer step about to be taken is one of every ``steps``, once per
         step whatever the accumulation; the stall watchdog then rests until the next
         micro-batch."""
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise HpcDdpError(
-                f"run.every({steps!r}): the period must be a whole number of steps >= 1",
-                "e.g. run.every(200)",
-            )
+        check_period(steps)
         due = self.position.global_step % steps == 0 and self._micro == 0
         if due and self._watchdog is not None:
             self._watchdog.rest()
@@ -266,12 +262,15 @@ class StepLoop:
 
     # -- ending ------------------------------------------------------------------------------
 
-    def finish(self) -> None:
-        """After the last step: the final checkpoint and replica check."""
+    def finish(self) -> dict[str, Any]:
+        """After the last step: the final checkpoint and replica check; what the run's
+        summary says of the loop."""
         self.metrics.publish()
         self.checkpointer.save("end of training")
         if self.position.last_checkpoint_step != self.position.global_step:
-            self.checkpointer.check_replicas()  # not checked by a save at this step
+            check_replicas(self.context, self.position)  # not checked by a save at this step
+        facts = self.position.summary(self.metrics.global_batch_size)
+        return {**facts, "last_checkpoint_save_s": dict(self.checkpointer.last_save_s)}
 
     def close(self, wait: bool = True) -> None:
         """End the progress display and (``wait``) finish the stop agreement in flight; after
@@ -281,6 +280,15 @@ class StepLoop:
             self._watchdog.close()
         if wait:
             self.stopper.close()
+
+
+def check_period(steps: object) -> None:
+    """Refuse a period of :meth:`StepLoop.every` that is not a whole number of steps."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise HpcDdpError(
+            f"run.every({steps!r}): the period must be a whole number of steps >= 1",
+            "e.g. run.every(200)",
+        )
 
 
 def no_step_refusal(loader: Any, accum: int, epoch: int) -> HpcDdpError:

@@ -9,6 +9,7 @@ import gc
 import os
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
 
 from hpc_ddp.runtime.errors import EXIT_FAILURE
@@ -20,7 +21,7 @@ from hpc_ddp.runtime.exits import (
     toolkit_frame,
 )
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.loop.steps import StepLoop
+from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.place.dist import shutdown_distributed
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.tracking.base import Tracker
@@ -32,11 +33,21 @@ WORKER_RELEASE_S = 0.05
 class Ending:
     """Ends a run once, whichever way it ends: finish, stop, an exception or exit."""
 
-    def __init__(self, signals: StopSignals, label: str, tracker: Tracker, loop: StepLoop) -> None:
+    def __init__(
+        self,
+        signals: StopSignals,
+        label: str,
+        tracker: Tracker,
+        close_loop: Callable[[bool], None],
+        position: Position,
+    ) -> None:
+        """``close_loop(wait)``: the loop's displays and stop agreement ended (waiting for
+        the agreement in flight only on a clean end); ``position``: the run's."""
         self.signals = signals
         self.label = label
         self.tracker = tracker
-        self.loop = loop
+        self.close_loop = close_loop
+        self.position = position
         self.done = False
 
     def __call__(self, status: str | None) -> None:
@@ -45,7 +56,7 @@ class Ending:
         self.done = True
         clean = status in (None, "FINISHED")
         try:
-            self.loop.close(wait=clean)
+            self.close_loop(clean)
             if status is not None:
                 self.tracker.finish(status)
             # Training froze every object alive at its start (gc.freeze): let the collector
@@ -101,7 +112,7 @@ def _at_exit() -> None:
     """A script that ended without run.finish() (or exited on its own) still ends its run."""
     while _ACTIVE:
         ending = _ACTIVE[-1]
-        completed = ending.loop.position.completed
+        completed = ending.position.completed
         get_logger().warning(
             "the script ended without run.finish(): no final checkpoint or summary.json. "
             "HINT: call run.finish() after training"

@@ -4,38 +4,38 @@ started again after it had finished, left as it was."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hpc_ddp.runtime.checkpoint.loading import Resumed
 from hpc_ddp.runtime.errors import AlreadyFinished
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
-from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.timeline import durations, process_resources, rank_spread
 from hpc_ddp.runtime.session.ending import Ending
-from hpc_ddp.runtime.session.resume import Resumed
 from hpc_ddp.runtime.session.summary import run_facts, write_summary
 from hpc_ddp.runtime.tracking.journal import JournalTracker
 
 
 def finish_run(
     context: RunContext,
-    loop: StepLoop,
+    finish_training: Callable[[], Mapping[str, Any]],
     ending: Ending,
     started: float,
     timeline: dict[str, float],
     summary: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
-    """The end of :meth:`hpc_ddp.Run.finish` (see there); the summary on every rank."""
+    """The end of :meth:`hpc_ddp.Run.finish` (see there); the summary on every rank.
+    ``finish_training``: the final checkpoint, returning what the loop says of the run."""
     phases = {"final_checkpoint": time.perf_counter()}
-    loop.finish()
+    loop_facts = finish_training()
     phases["summary"] = time.perf_counter()
-    if loop.position.first_step_unix is not None:
-        timeline.setdefault("first_step_unix", loop.position.first_step_unix)
+    if loop_facts["first_step_unix"] is not None:
+        timeline.setdefault("first_step_unix", loop_facts["first_step_unix"])
     spread = rank_spread(timeline, context.control_group)
     facts = {
-        **run_facts(context, loop, started, timeline),
+        **run_facts(context, loop_facts, started, timeline),
         "timeline_ranks": spread,
         **process_resources(),
         **(summary or {}),

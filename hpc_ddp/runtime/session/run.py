@@ -10,6 +10,7 @@ import torch
 
 from hpc_ddp.runtime.arguments import optional_whole_number, whole_number
 from hpc_ddp.runtime.checkpoint.files import Found
+from hpc_ddp.runtime.checkpoint.loading import Resumed
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
@@ -24,9 +25,8 @@ from hpc_ddp.runtime.session.buckets import check_registrable, settle_own_ddp
 from hpc_ddp.runtime.session.ending import Ending
 from hpc_ddp.runtime.session.finishing import end_already_finished, finish_run
 from hpc_ddp.runtime.session.models import ModelView
-from hpc_ddp.runtime.session.resume import Resumed, resume_run
 
-__all__ = ["Resumed", "Run"]
+__all__ = ["Run"]
 
 
 def nested_steps() -> HpcDdpError:
@@ -157,7 +157,7 @@ class Run(ModelView):
         :meth:`epochs` or :meth:`steps`). Returns what it resumed from."""
         if not self._resume_done:
             self._resume_done = True
-            self.resumed = resume_run(self._resume, self._context, self._loop)
+            self.resumed = self._loop.checkpointer.resume(self._resume)
             self._resume = None
         return self.resumed
 
@@ -304,7 +304,7 @@ class Run(ModelView):
             raise HpcDdpError("run.finish() was called twice", "call it once, after training")
         self._finished = True
         return finish_run(
-            self._context, self._loop, self._ending, self._started, self._timeline, summary
+            self._context, self._loop.finish, self._ending, self._started, self._timeline, summary
         )
 
     def close(self, status: str = "FAILED") -> None:

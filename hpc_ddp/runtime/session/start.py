@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
-import multiprocessing
 import os
 import random
-import socket
-import threading
 import time
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as torch_dist
 
 from hpc_ddp.runtime.arguments import optional_whole_number
-from hpc_ddp.runtime.checkpoint.files import prepare_checkpoint_dir, supersede
+from hpc_ddp.runtime.checkpoint.files import Found, supersede
 from hpc_ddp.runtime.checkpoint.fingerprint import check_resumable, fingerprint_of
-from hpc_ddp.runtime.checkpoint.writer import needs_own_group
+from hpc_ddp.runtime.checkpoint.loading import find_resume
 from hpc_ddp.runtime.config import (
     CheckpointConfig,
     DistConfig,
@@ -31,145 +25,47 @@ from hpc_ddp.runtime.config import (
     default_run_name,
     resolve_config,
 )
-from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.exits import leave, report_failure
-from hpc_ddp.runtime.logs import get_logger, setup_logging
+from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.timeline import mark, new_timeline
-from hpc_ddp.runtime.place.dist import init_distributed
-from hpc_ddp.runtime.place.env import (
-    DistEnv,
-    available_cpus,
-    detect_launcher,
-    export_dist_env,
-    needs_allocation_task_count,
-    resolve_dist_env,
-    with_agreed_elastic_restarts,
-)
-from hpc_ddp.runtime.place.limits import open_file_warning, open_files_needed, raise_open_file_limit
-from hpc_ddp.runtime.place.plan import (
-    LaunchPlan,
-    check_socket_interfaces,
-    gpu_binding_warning,
-    launch_lines,
-    make_launch_plan,
-    stale_spawn_world,
-    threads_per_rank,
-)
-from hpc_ddp.runtime.place.rundir import claim_run_dir
-from hpc_ddp.runtime.place.sharedfs import check_every_rank_sees
-from hpc_ddp.runtime.place.slurm import allocation_task_count
-from hpc_ddp.runtime.preempt.requeue import agent_signal_gap, check_job_signal
+from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.ending import Ending, end_active_run, install_excepthook, watch
-from hpc_ddp.runtime.session.resume import find_resume
-from hpc_ddp.runtime.session.run import Run
-from hpc_ddp.runtime.tracking.base import (
-    NullTracker,
-    Tracker,
+from hpc_ddp.runtime.session.joining import (
+    join_ranks,
+    refuse_a_start_that_cannot_join,
+    resolve_launch,
+    settle_rank,
 )
+from hpc_ddp.runtime.session.run import Run
+from hpc_ddp.runtime.tracking.base import NullTracker, Tracker
 from hpc_ddp.runtime.tracking.journal import STATUS_FILE
 from hpc_ddp.runtime.tracking.opening import open_tracker
 from hpc_ddp.runtime.tracking.worker import discard_prestarted
 
-__all__ = ["end_active_run", "resolve_launch", "start"]
+__all__ = ["end_active_run", "start"]
 
 
-def resolve_launch(settings: RuntimeConfig, name: str, environ: Mapping[str, str]) -> LaunchPlan:
-    """This rank's place, device and run directory, checked before any process group (the
-    one place that asks Slurm and torch what they see)."""
-    allocation_tasks = None
-    if needs_allocation_task_count(environ):
-        allocation_tasks = allocation_task_count(environ["SLURM_JOB_ID"])
-    dist_env = resolve_dist_env(
-        environ,
-        settings.dist.master_port,
-        single_run_id=time.strftime("single-%Y%m%d-%H%M%S"),
-        allocation_tasks=allocation_tasks,
+def _resume_point(plan: LaunchPlan, settings: RuntimeConfig, group: Any | None) -> Found | None:
+    """The checkpoint this run resumes from (checkpoint.resume), else None; a run that
+    starts anew supersedes the checkpoints an earlier run of its id left."""
+    run_dir, dist_env, enabled = plan.run_dir, plan.dist_env, settings.checkpoint.enabled
+    if not settings.checkpoint.resume:
+        if dist_env.is_main and enabled:
+            supersede(run_dir)
+        return None
+    resume = find_resume(
+        run_dir, dist_env.rank, group, settings.checkpoint.start_fresh_if_unreadable
     )
-    check_job_signal(environ, settings.preempt.signal)
-    check_socket_interfaces(environ, [name for _index, name in socket.if_nameindex()])
-    cuda_count = torch.cuda.device_count() if settings.dist.device != "cpu" else 0
-    return make_launch_plan(settings.dist, settings.run, name, dist_env, cuda_count)
-
-
-def refuse_nested_start(environ: Mapping[str, str], initialized: bool, child: bool) -> None:
-    """Refuse a start that would not join the job it belongs to: a process group already up
-    (``init_process_group`` or an earlier :func:`start` not finished), or a
-    ``multiprocessing`` child with no launcher (``mp.spawn``), which would train alone at
-    world size 1."""
-    if initialized:
-        raise HpcDdpError(
-            "hpc_ddp.start() found a process group already initialized (your own "
-            "init_process_group, or an earlier start() whose run did not finish)",
-            "remove init_process_group: start() joins the ranks itself; call start() once "
-            "per run and end the run with run.finish() before starting another",
-        )
-    if child and detect_launcher(environ) == "single":
-        raise HpcDdpError(
-            "hpc_ddp.start() in a process started by multiprocessing (torch.multiprocessing"
-            ".spawn?) with no launcher: every such process would train alone at world size 1",
-            "replace mp.spawn(main, args=..., nprocs=N) with hpc_ddp.spawn(main, args=..., "
-            "nprocs=N), or launch the script with hpc-ddp local --nproc N",
-        )
-
-
-def _raise_open_file_limit(env: DistEnv) -> None:
-    """Enough descriptors for this rank's connections at this world size (see limits)."""
-    needed = open_files_needed(env.world_size, env.is_main)
-    soft, hard, enough = raise_open_file_limit(needed)
-    if not enough and env.is_main:
-        get_logger().warning(open_file_warning(env.world_size, needed, soft, hard))
-
-
-def _announce(plan: LaunchPlan, settings: RuntimeConfig, environ: Mapping[str, str]) -> None:
-    """One line per rank (where it runs, what it drives); the plan and warnings on rank 0."""
-    env, log = plan.dist_env, get_logger()
-    log.info(
-        f"host {env.hostname} node {env.node_rank}/{env.num_nodes} local_rank {env.local_rank}/"
-        f"{env.local_world_size} device {plan.device.device} threads {torch.get_num_threads()}"
-    )
-    if not env.is_main:
-        return
-    for line in launch_lines(plan):
-        log.info(line)
-    for warning in (
-        agent_signal_gap(env.launcher, environ, settings.preempt.signal),
-        gpu_binding_warning(env, plan.device),
-        stale_spawn_world(environ, env.world_size),
-    ):
-        if warning:
-            log.warning(warning)
-
-
-def _agree_on_elastic_restarts(
-    plan: LaunchPlan, group: Any, environ: Mapping[str, str]
-) -> LaunchPlan:
-    """The plan with torchrun's restart count that every rank agrees on (one all-reduce); rank
-    0 says when the workers were restarted."""
-    env = plan.dist_env
-    counts = torch.tensor([env.elastic_restarts], dtype=torch.int64)
-    if group is not None:
-        torch_dist.all_reduce(counts, op=torch_dist.ReduceOp.MAX, group=group)
-    agreed = with_agreed_elastic_restarts(env, int(counts.item()), environ)
-    if agreed.is_main and agreed.elastic_restarts:
+    if resume is None and enabled and dist_env.is_main and (run_dir / STATUS_FILE).exists():
         get_logger().warning(
-            f"torchrun restarted the workers ({agreed.elastic_restarts} time(s) in this "
-            "allocation, at most its --max-restarts): the run goes on from its newest checkpoint"
+            f"run {run_dir} ran before but left no checkpoint: it starts again at step 0, in "
+            "the same MLflow run. HINT: stop a run with Ctrl-C or a stop signal (it "
+            "checkpoints first), or set checkpoint.every_steps"
         )
-    return dataclasses.replace(plan, dist_env=agreed)
-
-
-def _set_threads(env: DistEnv, environ: Mapping[str, str]) -> None:
-    """Each rank's intra-op threads: OMP_NUM_THREADS when set (torch reads it), else the CPUs
-    Slurm gave the task, else this machine's CPUs shared by its ranks, as `hpc-ddp local` and
-    slurm/train.sh do; a bare `srun` or submitit task would otherwise take every core of the
-    node, and results would change with the thread count."""
-    if not environ.get("OMP_NUM_THREADS"):
-        share = threads_per_rank(available_cpus(), env.local_world_size)
-        torch.set_num_threads(env.cpus_per_task or share)
+    return resume
 
 
 def start(
@@ -208,97 +104,29 @@ def start(
     """
     started, entry_unix = time.perf_counter(), time.time()
     install_excepthook()
-    if threading.current_thread() is not threading.main_thread():
-        raise HpcDdpError(
-            f"hpc_ddp.start() called in thread {threading.current_thread().name!r}: stop "
-            "signals (preemption, Ctrl-C) reach the main thread only",
-            "call hpc_ddp.start() and run the training loop in the main thread",
-        )
-    log_interval = optional_whole_number(log_interval, "hpc_ddp.start(log_interval)")
     environment = os.environ if environ is None else environ
-    multiprocessing_child = multiprocessing.parent_process() is not None
-    group_up = torch_dist.is_available() and torch_dist.is_initialized()
-    try:
-        refuse_nested_start(
-            environment,
-            group_up,
-            multiprocessing_child,
-        )
-    except HpcDdpError as refused:
-        if not multiprocessing_child or group_up:
-            raise
-        # torch.multiprocessing.spawn would catch it and show its own traceback (exit 1); its
-        # children have no rank yet, so each is named by its process name.
-        leave(report_failure(refused, multiprocessing.current_process().name))
+    refuse_a_start_that_cannot_join(environment)
+    log_interval = optional_whole_number(log_interval, "hpc_ddp.start(log_interval)")
     sections = {"run": run, "dist": dist, "checkpoint": checkpoint, "preempt": preempt}
     settings = resolve_config(config, overrides, {**sections, "tracking": tracking}, environment)
     run_name = name or settings.run.name or default_run_name()
     plan = resolve_launch(settings, run_name, environment)
-    dist_env = plan.dist_env
-    if not (dist_env.is_main and settings.tracking.enabled):
+    if not (plan.dist_env.is_main and settings.tracking.enabled):
         discard_prestarted()
-    log = setup_logging(dist_env.rank, dist_env.world_size)
-    if export_env:
-        for variable, previous in export_dist_env(dist_env, os.environ).items():
-            log.debug(f"exported {variable}, replacing {previous!r}")
-    _set_threads(dist_env, environment)
-    _raise_open_file_limit(dist_env)
-    _announce(plan, settings, environment)
+    settle_rank(plan, settings, environment, export_env)
     preempt = settings.preempt
-    signals = StopSignals(preempt.signal, preempt.stop_on_sigterm, dist_env.is_main).install()
+    signals = StopSignals(preempt.signal, preempt.stop_on_sigterm, plan.dist_env.is_main).install()
     timeline = new_timeline(entry_unix)
     tracker: Tracker = NullTracker()
     try:
-        if dist_env.is_main:  # before the process group: a refusal costs no rendezvous
-            claim_run_dir(plan.run_dir)
-            if settings.checkpoint.enabled:
-                prepare_checkpoint_dir(plan.run_dir)
-        init_distributed(dist_env, plan.device, settings.dist, timeline)
-        # init_process_group wraps the excepthook in one that holds stderr in a buffer until
-        # the hook returns; ours ends the process first, so a refusal would print nothing.
-        install_excepthook()
-        mark(timeline, "dist_ready")
-        # Control messages (stop agreement, barriers) go over gloo on the CPU, so they never
-        # force a GPU synchronisation.
-        # Each with dist.timeout_s: a group made without one waits torch's 30 minutes.
-        limit = timedelta(seconds=settings.dist.timeout_s)
-        group = (
-            torch_dist.new_group(backend="gloo", timeout=limit) if dist_env.world_size > 1 else None
-        )
-        background_saves = settings.checkpoint.enabled and settings.checkpoint.save_mode == "async"
-        checkpoint_group = (
-            torch_dist.new_group(backend="gloo", timeout=limit)
-            if needs_own_group(dist_env.world_size, background_saves, plan.device.backend)
-            else None
-        )
-        mark(timeline, "control_group")
-        if dist_env.launcher == "torchelastic":
-            plan = _agree_on_elastic_restarts(plan, group, environment)
-            dist_env = plan.dist_env
-        if settings.checkpoint.enabled:  # the only files of the run every rank writes
-            check_every_rank_sees(plan.run_dir, dist_env.rank, group)
-        resume = None
-        if settings.checkpoint.resume:
-            resume = find_resume(
-                plan.run_dir,
-                dist_env.rank,
-                group,
-                settings.checkpoint.start_fresh_if_unreadable,
-            )
-            ran_before = dist_env.is_main and (plan.run_dir / STATUS_FILE).exists()
-            if resume is None and ran_before and settings.checkpoint.enabled:
-                log.warning(
-                    f"run {plan.run_dir} ran before but left no checkpoint: it starts again "
-                    "at step 0, in the same MLflow run. HINT: stop a run with Ctrl-C or a "
-                    "stop signal (it checkpoints first), or set checkpoint.every_steps"
-                )
-        elif dist_env.is_main and settings.checkpoint.enabled:
-            supersede(plan.run_dir)
+        joined = join_ranks(plan, settings, environment, timeline)
+        plan = joined.plan
+        resume = _resume_point(plan, settings, joined.control_group)
         values = fingerprint_of(fingerprint or {})
         if resume is not None:  # refused before MLflow reopens the run it names
             check_resumable(resume[1]["fingerprint"], values, resume[0])
         position = Position()
-        if dist_env.is_main:
+        if plan.dist_env.is_main:
             tracker = open_tracker(
                 settings,
                 plan,
@@ -312,8 +140,8 @@ def start(
         context = RunContext(
             config=settings,
             plan=plan,
-            control_group=group,
-            checkpoint_group=checkpoint_group,
+            control_group=joined.control_group,
+            checkpoint_group=joined.checkpoint_group,
             signals=signals,
             tracker=tracker,
             environ=environment,
@@ -321,7 +149,7 @@ def start(
             log_interval=log_interval,
         )
         loop = StepLoop(context, position)
-        ending = Ending(signals, str(dist_env.rank), tracker, loop)
+        ending = Ending(signals, str(plan.dist_env.rank), tracker, loop.close, position)
         handle = Run(context, loop, ending, resume, started, timeline)
         torch.manual_seed(settings.run.seed)  # the same initial weights on every rank
         random.seed(settings.run.seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,17 +15,19 @@ from torch import nn
 from hpc_ddp.runtime.checkpoint.files import write_atomically
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.replicas import weights_sha256
-from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.session.models import whole_weights
 from hpc_ddp.runtime.shards import holds_shards
 
 
 def run_facts(
-    context: RunContext, loop: StepLoop, started: float, timeline: dict[str, float]
+    context: RunContext,
+    loop_facts: Mapping[str, Any],
+    started: float,
+    timeline: dict[str, float],
 ) -> dict[str, Any]:
-    """Where and how the run trained, identical on every rank but for timings."""
-    env, position = context.env, loop.position
-    samples = position.global_step * loop.metrics.global_batch_size
+    """Where and how the run trained, identical on every rank but for timings
+    (``loop_facts``: what the loop says of where it ended)."""
+    env = context.env
     models = context.models()
     return {
         "world_size": env.world_size,
@@ -34,26 +37,16 @@ def run_facts(
         "run_id": context.run_dir.name,
         "restart_count": env.restart_count,
         "elastic_restarts": env.elastic_restarts,
-        "resumed_from_step": position.resumed_from_step,
-        "resumed_from_world_size": position.resumed_from_world_size,
         "stopped_early": False,
         "device": str(context.device),
         "backend": context.plan.device.backend,
-        "epochs": position.epoch,
-        "global_step": position.global_step,
-        "samples_seen": samples,
+        **loop_facts,
         "wall_time_s": round(time.perf_counter() - started, 3),
-        "train_time_s": round(position.train_time_s, 3),
-        "samples_per_s": round(samples / max(1e-9, position.train_time_s), 1),
         "weights_sha256": _weights_sha256(context, models),
-        "replicas_in_sync": position.replicas_diverged_at is None,
-        "replicas_diverged_at": position.replicas_diverged_at,
         "torch_threads": torch.get_num_threads(),
-        "first_step_unix": position.first_step_unix,
         "mlflow_run_id": context.tracker.run_id,
         "tracking": context.tracker.status,
         "timeline": dict(timeline),
-        "last_checkpoint_save_s": dict(loop.checkpointer.last_save_s),
         "gpu_peak_memory_gb": _gpu_peak_memory_gb(context.device),
     }
 

@@ -28,13 +28,18 @@ from hpc_ddp.runtime.tracking.worker import (
 
 
 def start_tracker(
-    config: TrackingConfig, output_dir: str, record: RunRecord, run_dir: Path | None = None
+    config: TrackingConfig,
+    output_dir: str,
+    record: RunRecord,
+    run_dir: Path | None = None,
+    world_size: int = 1,
 ) -> Tracker:
     """An MLflow run (rank 0 only: other ranks use a NullTracker) driven from a child process
     started now (see tracking_worker), the run created or reopened on first use; a failing
     MLflow never stops training (see GuardedTracker). A ``record`` with a ``resume_run_id``
     continues that run. With ``run_dir``, a tracker that failed is tried again now and then:
-    the run's record is replayed into MLflow and tracking goes on."""
+    the run's record is replayed into MLflow and tracking goes on. ``world_size``: the
+    run's, for the tracking process's log lines."""
     if not config.enabled:
         return NullTracker()
     uri = tracking_uri(config, output_dir)
@@ -44,7 +49,6 @@ def start_tracker(
     worker = take_prestarted() or spawn_worker()
 
     def start() -> StoreTracker:
-        world_size = int(record.tags.get("hpc_ddp.world_size", "1"))
         return WorkerTracker(uri, config.experiment, artifacts, record, (0, world_size), worker)
 
     def recover() -> tuple[StoreTracker, set[tuple[str, int]]]:

@@ -70,7 +70,9 @@ def open_tracker(
         start_time_ms=int(entry_unix * 1000),
     )
     return JournalTracker(
-        start_tracker(settings.tracking, settings.run.output_dir, record, plan.run_dir),
+        start_tracker(
+            settings.tracking, settings.run.output_dir, record, plan.run_dir, env.world_size
+        ),
         plan.run_dir,
         progress,
         env.job_id,

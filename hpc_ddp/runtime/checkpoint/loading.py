@@ -1,10 +1,12 @@
-"""Which checkpoint a run resumes from, and how its random streams go on."""
+"""The way back from a checkpoint: which one a run resumes from (rank 0 chooses, the ranks
+check its checksums together), what the resume is told, and how the registered objects take
+their saved state. The run's own parts (position, metric sums, random streams) come back
+through :meth:`hpc_ddp.runtime.loop.checkpointer.Checkpointer.resume`."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import random
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,16 +23,11 @@ from hpc_ddp.runtime.checkpoint.files import (
     load_checkpoint,
     load_newest,
     remove_partial_writes,
-    saved_world_size,
 )
 from hpc_ddp.runtime.checkpoint.objects import restore_objects, restore_whole_states
-from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, check_share, forget_metadata
+from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, check_share
 from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.errors import HpcDdpError, error_line
-from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.loop.context import RunContext
-from hpc_ddp.runtime.loop.data import mixed_seed
-from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.place.dist import all_gather_object, broadcast_object, several_ranks
 from hpc_ddp.runtime.place.sharedfs import failed_ranks
 from hpc_ddp.runtime.shards import holds_shards
@@ -166,35 +163,6 @@ def refuse_unless_read_everywhere(path: Path, failures: list[str | None]) -> Non
     )
 
 
-def restore(found: Found, registry: Registry, loop: StepLoop) -> tuple[Resumed, bool]:
-    """Put the registered objects and the loop's position, metric sums and random streams
-    back as ``found`` has them; also says whether the streams fitted this world size."""
-    path, saved = found
-    env = loop.context.env
-    written_by = saved_world_size(saved)
-    registry.restore_per_rank(saved, path, written_by, env.rank, env.world_size)
-    restore_registered(registry, saved["objects"], path)
-    forget_metadata()
-    streams_restored = loop.checkpointer.restore(saved)
-    position = loop.position
-    if env.is_main:  # every rank resumes from the same checkpoint: said once
-        get_logger().info(
-            f"resumed from {path} at step {position.global_step} (epoch {position.epoch}, "
-            f"step {position.step_in_epoch} of the epoch)"
-        )
-    finished = bool(saved.get("finished"))
-    resumed = Resumed(path, position.global_step, saved_world_size(saved), finished)
-    if not streams_restored and loop.context.env.is_main:
-        get_logger().warning(
-            f"the world size changed: the checkpoint was written by {resumed.world_size} "
-            f"ranks, this run has {loop.context.env.world_size}. The global batch, the order "
-            "of the samples and the metric sums go on exactly; each rank's own random "
-            "streams (dropout, augmentation in the main process) cannot, and are seeded anew "
-            "from (run.seed, rank, step), so such a run is not bitwise the one it continues"
-        )
-    return resumed, streams_restored
-
-
 def restore_registered(registry: Registry, saved: Any, path: Path) -> None:
     """The registered objects as checkpoint ``path`` holds them (``saved``: its objects, of
     a folder or a single file)."""
@@ -206,32 +174,6 @@ def restore_registered(registry: Registry, saved: Any, path: Path) -> None:
         restore_whole_states(registry.objects, saved, path)
     else:
         registry.restore(saved, path)
-
-
-def seed_rank_streams(seed: int, rank: int, step: int) -> None:
-    """Each rank's own random streams (dropout, augmentation in the main process), from the
-    run's seed, the rank and the step: for a fresh run, and for one resumed on another
-    number of ranks, whose saved per-rank streams do not fit."""
-    rank_seed = mixed_seed(seed, rank, step)
-    torch.manual_seed(rank_seed)
-    random.seed(rank_seed)
-
-
-def resume_run(found: Found | None, context: RunContext, loop: StepLoop) -> Resumed | None:
-    """Before training: restore ``found`` (the registered objects, the position, the random
-    streams), or seed each rank's streams; refuse a registered object whose state a resume
-    could not load, and warn when nothing is registered."""
-    resumed, streams_restored = None, False
-    if found is not None:
-        resumed, streams_restored = restore(found, context.registry, loop)
-    if context.config.checkpoint.enabled:
-        context.registry.check_loadable()
-    if not streams_restored:
-        seed_rank_streams(context.config.run.seed, context.env.rank, loop.position.global_step)
-    hint = unregistered_state_hint(context.registry.objects)
-    if hint and context.config.checkpoint.enabled and context.env.is_main:
-        get_logger().warning(hint)
-    return resumed
 
 
 def unregistered_state_hint(registered: Mapping[str, object]) -> str | None:
