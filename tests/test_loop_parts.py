@@ -107,6 +107,54 @@ def test_the_position_saves_its_numbers_and_resumes_from_them() -> None:
     assert resumed.last_checkpoint_step == 47, "no second checkpoint at the step resumed from"
 
 
+def test_the_position_says_where_the_run_ended_for_its_summary() -> None:
+    position = Position(epoch=3, global_step=40, train_time_s=2.0, replicas_diverged_at=None)
+    position.restore({"epoch": 1, "step_in_epoch": 0, "global_step": 10, "train_time_s": 0.5}, 2)
+    position.global_step, position.train_time_s, position.first_step_unix = 40, 2.0, 123.0
+    facts = position.summary(global_batch_size=64)
+    assert facts == {
+        "resumed_from_step": 10,
+        "resumed_from_world_size": 2,
+        "epochs": 1,
+        "global_step": 40,
+        "samples_seen": 40 * 64,
+        "train_time_s": 2.0,
+        "samples_per_s": 1280.0,
+        "replicas_in_sync": True,
+        "replicas_diverged_at": None,
+        "first_step_unix": 123.0,
+    }
+
+
+def test_a_fresh_resume_seeds_each_ranks_own_streams_from_the_seed_rank_and_step(
+    tmp_path: Path,
+) -> None:
+    from hpc_ddp.runtime.loop.data import mixed_seed
+
+    context = context_in(tmp_path)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    context.registry.add({"model": model, "optimizer": optimizer})
+    _position, _streams, checkpointer = parts(context)
+    assert checkpointer.resume(None) is None, "nothing to resume from"
+    drawn = torch.rand(2)
+    torch.manual_seed(mixed_seed(context.config.run.seed, 0, 0))
+    assert torch.equal(drawn, torch.rand(2))
+
+
+def test_the_plan_report_checks_the_trainers_batch_against_the_ranks(tmp_path: Path) -> None:
+    from hpc_ddp.launch.doctor import plan_report
+
+    settings = RuntimeConfig(run=RunConfig(output_dir=str(tmp_path), id="plan"))
+    plan = resolve_launch(settings, "plan", {})
+    report = plan_report(plan, (64, 2))
+    assert report["ok"] and report["per_rank_batch"] == 32 and report["world_size"] == 1
+    assert ["ok", "global batch 64 = 1 ranks x 32 x 2 accumulation"] in report["checks"]
+    assert plan_report(plan)["per_rank_batch"] is None, "a script divides its own batch"
+    with pytest.raises(HpcDdpError, match=r"data\.batch_size"):
+        plan_report(plan, (63, 2))
+
+
 def test_the_cadence_keeps_what_is_set_and_measures_the_rest() -> None:
     fixed = Cadence(check_every=3, log_interval=7, group=None, is_main=False)
     assert fixed.calibrated and (fixed.check_every, fixed.log_interval) == (3, 7)
