@@ -16,8 +16,7 @@ import sys
 import tempfile
 from typing import Any
 
-from bench.harness import launch, median, write_result
-from bench.overhead import hpc_ddp_args, raw_args
+from bench.harness import hpc_ddp_args, launch, median, raw_args, write_result
 
 #: Large enough that the GPU's work, not Python, sets a step's time; the data loader has
 #: workers so that collating batches on the CPU overlaps the steps.
@@ -45,7 +44,7 @@ def gpu_facts() -> dict[str, Any] | None:
 
 
 def _hpc_ddp(model: dict[str, Any], extra: list[str]) -> list[str]:
-    """bench.overhead's arguments; a later override of the same key wins."""
+    """bench.harness's arguments; a later override of the same key wins."""
     return [
         *hpc_ddp_args(model["hidden"], model["samples"], model["epochs"]),
         f"data.batch_size={BATCH}",
@@ -56,7 +55,7 @@ def _hpc_ddp(model: dict[str, Any], extra: list[str]) -> list[str]:
 
 
 def _raw(model: dict[str, Any]) -> list[str]:
-    """bench.overhead's arguments; argparse keeps the last --batch."""
+    """bench.harness's arguments; argparse keeps the last --batch."""
     return [
         *raw_args(model["hidden"], model["samples"], model["epochs"]),
         "--batch",

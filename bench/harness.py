@@ -1,5 +1,6 @@
 """Shared by the benchmarks: start N local ranks exactly as `hpc-ddp local` does, read rank 0's
-JSON, take medians, and write results."""
+JSON, take medians, and write results; the models the overhead is measured on, and both
+sides' arguments for them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,49 @@ from hpc_ddp.launch.local import free_loopback_port, rank_environments
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
+
+#: The models the per-step overhead is measured on, with the hand-written loop
+#: (bench/raw_ddp.py) and the built-in trainer given the same model, data and batch.
+MODELS: dict[str, dict[str, Any]] = {
+    "compute_bound": {"hidden": [1024, 1024], "samples": 32768, "epochs": 3},
+    "tiny": {"hidden": [32], "samples": 131072, "epochs": 4},
+}
+BATCH = 256
+WORLD = 2
+
+
+def hpc_ddp_args(hidden: list[int], samples: int, epochs: int) -> list[str]:
+    return [
+        "--config",
+        "configs/synthetic.yaml",
+        f"model.hidden_sizes={hidden}",
+        f"data.num_samples={samples}",
+        f"data.batch_size={BATCH}",
+        f"train.epochs={epochs}",
+        "optim.name=sgd",
+        "optim.lr=0.05",
+        "optim.momentum=0.9",
+        "optim.weight_decay=0",
+        "optim.schedule=constant",
+        "optim.warmup_steps=0",
+        "optim.grad_clip_norm=null",
+        "tracking.enabled=false",
+        "checkpoint.enabled=false",
+        "run.output_dir=/tmp/hpc-ddp-bench",
+    ]
+
+
+def raw_args(hidden: list[int], samples: int, epochs: int) -> list[str]:
+    return [
+        "--hidden",
+        *map(str, hidden),
+        "--samples",
+        str(samples),
+        "--batch",
+        str(BATCH),
+        "--epochs",
+        str(epochs),
+    ]
 
 
 def base_environ() -> dict[str, str]:

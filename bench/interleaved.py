@@ -38,8 +38,16 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import hpc_ddp
-from bench.harness import launch, write_result
-from bench.overhead import BATCH, MODELS, WORLD
+from bench.harness import (
+    BATCH,
+    MODELS,
+    WORLD,
+    hpc_ddp_args,
+    launch,
+    median,
+    raw_args,
+    write_result,
+)
 from bench.raw_ddp import RawLoop, raw_model
 from hpc_ddp.trainer.datasets import synthetic_datasets
 
@@ -262,12 +270,36 @@ def measure(
     return {"rounds": rounds, "epoch_samples": EPOCH_SAMPLES[name], "accuracy": accuracy, **row}
 
 
+def separate_processes(repeats: int = 5) -> dict[str, Any]:
+    """The whole-process check: each side in its own pair of processes (the built-in trainer
+    against bench/raw_ddp.py), A/B alternating, medians. Too noisy to resolve 1%, it would
+    show what the paired method cannot: something outside the loop (a busy thread) slowing
+    training, which in one process slows both sides alike."""
+    results: dict[str, Any] = {"repeats": repeats}
+    for name, model in MODELS.items():
+        hpc, raw = [], []
+        for _ in range(repeats):
+            raw.append(launch(WORLD, "bench.raw_ddp", raw_args(**model))[0]["samples_per_s"])
+            hpc.append(launch(WORLD, "hpc_ddp.train", hpc_ddp_args(**model))[0]["samples_per_s"])
+        results[name] = {
+            "hidden": model["hidden"],
+            "raw_samples_per_s": raw,
+            "hpc_ddp_samples_per_s": hpc,
+            "raw_median": median(raw),
+            "hpc_ddp_median": median(hpc),
+            "ratio": median(hpc) / median(raw),
+        }
+        print(f"{name} (separate processes): ratio {median(hpc) / median(raw):.3f}", flush=True)
+    return results
+
+
 def run() -> dict[str, Any]:
     results: dict[str, Any] = {"world_size": WORLD, "global_batch": BATCH}
     for name, model in MODELS.items():
         results[name] = {"hidden": model["hidden"], **measure(name, ROUNDS[name])}
     results["control_tiny"] = measure("tiny", CONTROL_ROUNDS, control=True)
     results["tiny_train_accuracy"] = measure("tiny", CONTROL_ROUNDS, accuracy=True)
+    results["separate_processes"] = separate_processes()
     write_result("overhead_paired", results)
     return results
 

@@ -1,52 +1,46 @@
-"""`make bench`: every benchmark, then bench/README.md's tables from bench/results/*.json."""
+"""`make bench`: every benchmark of bench/catalogue.py (or those named: ``python -m
+bench.run_all overhead_paired startup``), then bench/README.md's sections from their results.
+
+A benchmark that needs the test Slurm cluster (`make cluster-up NODES=16`) runs when it
+answers, one that needs a GPU where one is visible; either runs when named."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-from bench import (
-    checkpoint_io,
-    checksum_cost,
-    data_memory,
-    gpu,
-    interleaved,
-    iterations,
-    lm,
-    overhead,
-    report,
-    scale,
-    sharded,
-    startup,
-    sweep_scale,
-    tracking_cost,
-)
+from bench import report
+from bench.catalogue import BENCHMARKS, Benchmark
 
 
-def main() -> None:
-    only = set(sys.argv[1:])
-    for name, module in (
-        ("checkpoint_io", checkpoint_io),
-        ("sharded", sharded),
-        ("checksum_cost", checksum_cost),
-        ("data_memory", data_memory),
-        ("startup", startup),
-        ("overhead", overhead),
-        ("overhead_paired", interleaved),
-        ("lm_paired", lm),
-        ("iterations_paired", iterations),
-        ("tracking_cost", tracking_cost),
-        ("sweep_scale", sweep_scale),
-    ):
-        if not only or name in only:
-            module.run()
-    # The scale figures need the test Slurm cluster (`make cluster-up NODES=16`).
-    if "scale" in only or (not only and scale.cluster_answers()):
-        scale.run()
-    # The GPU figures need a GPU: taken where one is visible, or when asked for by name.
-    if "gpu" in only or (not only and gpu.gpu_facts() is not None):
-        gpu.run()
+def available(benchmark: Benchmark) -> bool:
+    if benchmark.needs == "cluster":
+        from bench.scale import cluster_answers
+
+        return cluster_answers()
+    if benchmark.needs == "gpu":
+        from bench.gpu import gpu_facts
+
+        return gpu_facts() is not None
+    return True
+
+
+def main(names: list[str]) -> int:
+    known = {benchmark.name for benchmark in BENCHMARKS}
+    unknown = sorted(set(names) - known)
+    if unknown:
+        print(
+            f"bench.run_all: no benchmark named {', '.join(unknown)}\n"
+            f"HINT: one of {', '.join(sorted(known))}",
+            file=sys.stderr,
+        )
+        return 2
+    for benchmark in BENCHMARKS:
+        if benchmark.name in names or (not names and available(benchmark)):
+            importlib.import_module(benchmark.module).run()
     report.write_readme()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

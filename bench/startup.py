@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.harness import launch, median, write_result
-from bench.overhead import hpc_ddp_args, raw_args
+from bench.harness import hpc_ddp_args, launch, median, raw_args, write_result
 
 MODEL: dict[str, Any] = {"hidden": [256, 256], "samples": 8192, "epochs": 1}
 STAGES = ("entry_unix", "dist_ready_unix", "training_unix")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.report import _gpu, _gpu_sharded
+from bench.report_gpu import gpu_section, gpu_sharded_section
 from tests.helpers import REPO, clean_environ
 
 
@@ -29,7 +29,7 @@ def test_gpu_bench_without_a_gpu_says_so_and_exits_2(bench: str) -> None:
 
 
 def test_gpu_section_names_the_gpu_and_takes_medians() -> None:
-    section = _gpu(
+    section = gpu_section(
         {
             "gpu": "NVIDIA H100 80GB HBM3",
             "torch": "2.13.0+cu126",
@@ -76,11 +76,11 @@ def test_gpu_sharded_section_compares_the_language_model_runs() -> None:
                 "async_blocked_share": 0.06}]  # fmt: skip
     facts = {"gpu": "NVIDIA H200", "repeats": 2, "blocked": blocked}
     lm = [_language_model("ddp", 500000.0), _language_model("fsdp", 300000.0)]
-    section = _gpu_sharded({**facts, "lm": lm})
+    section = gpu_sharded_section({**facts, "lm": lm})
     assert "| 256 MB | 0.40 s | 1.70 s | 0.100 s | 6% |" in section
     assert "| fsdp | 300,000 | 2.5000 | 2.00 GB | 0.750 s |" in section
     assert "hooks cost 40% of the tokens/s" in section
-    missing = _gpu_sharded({**facts, "lm": None, "source": "the runs did not finish"})
+    missing = gpu_sharded_section({**facts, "lm": None, "source": "the runs did not finish"})
     assert "no figures yet: the runs did not finish." in missing
 
 
@@ -128,3 +128,25 @@ def test_scale_section_splits_start_up_into_phases_that_add_up() -> None:
     assert "| 4 | 0.50 | 5.50 | 0.50 | 0.50 | 2.00 | 0.25 | 9.2 |" in section
     stop_save_end = "| 1.5 | 2.0 | 0.10 = 0.01 / 0.02 / 0.03 / 0.04 | 0.16 = 0.10 / 0.01 / 0.05 |"
     assert f"| 4 {stop_save_end} 300 | 12 |" in section
+
+
+def test_one_list_names_every_benchmark_its_module_and_its_results() -> None:
+    """bench/catalogue.py is the one list `make bench` runs and the README is written from:
+    every module with a run() is on it once, and every results file belongs to one entry."""
+    import ast
+
+    from bench.catalogue import BENCHMARKS
+
+    names = [benchmark.name for benchmark in BENCHMARKS]
+    assert len(names) == len(set(names))
+    runnable = {
+        f"bench.{path.stem}"
+        for path in (REPO / "bench").glob("*.py")
+        if any(
+            isinstance(node, ast.FunctionDef) and node.name == "run"
+            for node in ast.parse(path.read_text()).body
+        )
+    }
+    assert runnable == {benchmark.module for benchmark in BENCHMARKS}
+    results = {path.stem for path in (REPO / "bench" / "results").glob("*.json")}
+    assert results <= set(names), results - set(names)
