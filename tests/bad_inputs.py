@@ -165,6 +165,9 @@ def _override_cases() -> list[Case]:
         "preempt.check_every_steps=0": "preempt.check_every_steps",
         "preempt.requeue_timeout_s=0": "preempt.requeue_timeout_s",
         "tracking.enabled=sometimes": "tracking.enabled",
+        "checks.min_free_gpu_memory=2": "checks.min_free_gpu_memory",
+        "checks.timeout_s=0": "checks.timeout_s",
+        "checks.min_allreduce_gbps=0": "checks.min_allreduce_gbps",
         "train.epochz=3": "unknown key 'train.epochz'",
         "nosection.key=1": "nosection",
         "train.epochs": "train.epochs",
@@ -549,6 +552,11 @@ CASES: list[Case] = [
 
 #: Faults survived, each with the test that inflicts it for real and what it asserts.
 FAULTS: list[tuple[str, str, str]] = [
+    ("a node's own health check (checks.command) fails", "every rank ends before the first "
+     "step, one line naming the host and the command's output, --exclude hinted, checks.json",
+     "test_checks.py::test_a_failing_site_check_ends_every_rank_before_training_naming_the_host"),
+    ("checkpoints that cannot fit the run directory's file system", "refused before the first "
+     "step with the free space and the estimate", "test_checks.py::test_checkpoints_that_cannot_fit_stop_the_run_before_its_first_step"),
     ("rank killed with kill -9 (Slurm)", "job ends (not after dist.timeout_s) naming the task; "
      "newest checkpoint loads", "test_slurm_fault_tolerance.py::test_kill_9_of_one_rank_ends_the_job_fast_and_the_checkpoint_loads"),
     ("a rank raises in the user's code", "job ends fast naming the rank, the user's frames "

@@ -154,7 +154,7 @@ def test_bad_settings_in_the_environment_name_the_variable(value: str) -> None:
     assert "HINT: set HPC_DDP_OVERRIDES to space-separated section.key=value" in str(caught.value)
 
 
-def test_text_settings_keep_what_was_written_where_yaml_would_read_a_number_or_boolean() -> None:
+def test_text_settings_keep_what_was_written_where_yaml_would_read_anything_but_text() -> None:
     from hpc_ddp.runtime.config import resolve_config
 
     ids = {value: resolve_config(None, [f"run.id={value}"], {}, {}).run.id for value in
@@ -164,6 +164,10 @@ def test_text_settings_keep_what_was_written_where_yaml_would_read_a_number_or_b
     assert resolve_config(None, [], {}, environ).run.name == "007"
     config = load_config(None, ["run.id=12", "train.epochs=3"])
     assert (config.run.id, config.train.epochs) == ("12", 3), "numbers stay numbers elsewhere"
+    command = "echo 'dimm 3: bad'; exit 3"  # YAML reads a mapping
+    assert load_config(None, [f"checks.command={command}"]).checks.command == command
+    assert resolve_config(None, ["checks.command=[a, b]"], {}, {}).checks.command == "[a, b]"
+    assert resolve_config(None, ["run.name=null"], {}, {}).run.name is None
 
 
 @pytest.mark.parametrize(

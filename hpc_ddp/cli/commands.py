@@ -271,7 +271,7 @@ def submit(args: argparse.Namespace) -> int:
 
 
 #: The sections of a script's own settings (the rest of its command line is its own).
-RUNTIME_SECTIONS = ("run.", "dist.", "checkpoint.", "preempt.", "tracking.")
+RUNTIME_SECTIONS = ("run.", "dist.", "checkpoint.", "preempt.", "tracking.", "checks.")
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -288,7 +288,8 @@ def doctor(args: argparse.Namespace) -> int:
         return print_report(diagnose(runtime, os.environ, Path(first).stem), json_dir, os.environ)
     from hpc_ddp.trainer.config import load_config
 
-    config = load_config(args.config, args.overrides)
+    config_file = find_config(args.config, Path.cwd()) if args.config else None
+    config = load_config(config_file, args.overrides)
     batch = (config.data.batch_size, config.train.grad_accum_steps)
     report = diagnose(config.runtime, os.environ, "doctor", batch)
     return print_report(report, json_dir, os.environ)

@@ -9,6 +9,7 @@ own per rank (``--json-dir``), whole at any size whatever merges the ranks' outp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -17,8 +18,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.runtime.config import RuntimeConfig
+from hpc_ddp.runtime.config import ChecksConfig, RuntimeConfig
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.place.checking import own_checks
 from hpc_ddp.runtime.place.plan import (
     LaunchPlan,
     describe_launch,
@@ -70,9 +72,29 @@ def diagnose(
 
     try:
         plan = resolve_launch(runtime, str(runtime.run.name or name), environ)
-        return plan_report(plan, batch)
+        report = plan_report(plan, batch)
     except HpcDdpError as error:
         return {"ok": False, "checks": [["FAIL", str(error)]]}
+    if runtime.checks.enabled:
+        report["checks"] += health_lines(plan, runtime.checks, environ)
+        report["ok"] = all(status != "FAIL" for status, _ in report["checks"])
+    return report
+
+
+def health_lines(
+    plan: LaunchPlan, settings: ChecksConfig, environ: Mapping[str, str]
+) -> list[list[str]]:
+    """The checks training runs before its first step, but the collective one (doctor starts
+    no process group); the run directory's write is tried in its nearest existing folder."""
+    probed = plan.run_dir
+    while not probed.is_dir() and probed != probed.parent:
+        probed = probed.parent
+    own = own_checks(dataclasses.replace(plan, run_dir=probed), settings, environ, False)
+    if own.findings:
+        return [["FAIL", finding.line()] for finding in own.findings]
+    took = ", ".join(f"{check} {seconds:.2f} s" for check, seconds in own.seconds.items())
+    return [["ok", f"checks before the first step passed ({took}; the collective path is "
+             "checked when training starts)"]]  # fmt: skip
 
 
 def plan_report(plan: LaunchPlan, batch: TrainerBatch | None = None) -> dict[str, Any]:

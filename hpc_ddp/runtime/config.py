@@ -1,7 +1,8 @@
 """The runtime's settings: the sections every run has, whatever it trains.
 
 ``run`` (identity and output), ``dist`` (process group and devices), ``checkpoint``,
-``preempt`` (stop signals and requeue) and ``tracking`` (MLflow). :func:`hpc_ddp.start`
+``preempt`` (stop signals and requeue), ``tracking`` (MLflow) and ``checks`` (before the
+first step). :func:`hpc_ddp.start`
 takes them as keyword arguments, a YAML file and/or dotted overrides; the built-in
 trainer's config adds its own sections to these (:mod:`hpc_ddp.trainer.config`).
 """
@@ -258,6 +259,51 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class ChecksConfig:
+    """Checks before the first step, on every rank: found in seconds and named by host."""
+
+    enabled: bool = setting(
+        True,
+        "Check each GPU (a product with a known result, free memory), the collective path "
+        "(an all-reduce of known values), the run directory (an fsynced write, room for "
+        "checkpoint.keep_last + 1 checkpoints) and checks.command before training; a failure "
+        "ends the job with one line per host. Their cost is said at start.",
+    )
+    command: str | None = setting(
+        None,
+        "A site's own node health check (a shell command, e.g. /etc/slurm/healthcheck.sh), run "
+        "once per node before training; a non-zero exit fails that node, its output quoted.",
+    )
+    timeout_s: float = setting(60.0, "Seconds checks.command may take before it fails its node.")
+    min_free_gpu_memory: float = setting(
+        0.5,
+        "Fraction of each GPU's memory that must be free at start: less means another process "
+        "holds it (a previous job's, say), and the GPU fails its check. 0 to 1.",
+    )
+    min_allreduce_gbps: float | None = setting(
+        None,
+        "Bandwidth floor of the collective path in GB/s (bus bandwidth of a 64 MB all-reduce, "
+        "timed after one warm-up); null: not measured.",
+    )
+
+    def __post_init__(self) -> None:
+        require(self.timeout_s > 0, "checks.timeout_s", self.timeout_s, "> 0")
+        require(
+            0 <= self.min_free_gpu_memory <= 1,
+            "checks.min_free_gpu_memory",
+            self.min_free_gpu_memory,
+            "0 to 1",
+        )
+        if self.min_allreduce_gbps is not None:
+            require(
+                self.min_allreduce_gbps > 0,
+                "checks.min_allreduce_gbps",
+                self.min_allreduce_gbps,
+                "> 0 or null",
+            )
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """The runtime sections of a run."""
 
@@ -266,6 +312,7 @@ class RuntimeConfig:
     tracking: TrackingConfig = section(TrackingConfig, "MLflow tracking.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
     preempt: PreemptConfig = section(PreemptConfig, "Preemption and requeue.")
+    checks: ChecksConfig = section(ChecksConfig, "Checks before the first step.")
 
     def __post_init__(self) -> None:
         if self.preempt.stop_at_step is not None and not self.checkpoint.enabled:
@@ -277,7 +324,13 @@ class RuntimeConfig:
 
 
 Section = (
-    Mapping[str, Any] | RunConfig | DistConfig | CheckpointConfig | PreemptConfig | TrackingConfig
+    Mapping[str, Any]
+    | RunConfig
+    | DistConfig
+    | CheckpointConfig
+    | PreemptConfig
+    | TrackingConfig
+    | ChecksConfig
 )
 
 

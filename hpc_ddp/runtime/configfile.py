@@ -205,11 +205,12 @@ def apply_overrides(
     text: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """``raw`` with each dotted ``section.key=value`` set (later ones win). Keys in ``text``
-    take the value as written when YAML would read a number or a boolean (``run.id=4211``,
-    ``run.id=off``)."""
+    take the value as written when YAML would read anything but text or null (a number, a
+    boolean, a mapping or a list: ``run.id=4211``, ``run.id=off``, ``checks.command=echo a:
+    b``)."""
     for override in overrides:
         name, key, value = parse_override(override, sections)
-        if f"{name}.{key}" in text and isinstance(value, bool | int | float):
+        if f"{name}.{key}" in text and value is not None and not isinstance(value, str):
             value = override.partition("=")[2].strip()
         current = raw.setdefault(name, {})
         if not isinstance(current, dict):

@@ -16,6 +16,7 @@ from hpc_ddp import HpcDdpError
 from hpc_ddp.runtime import configfile
 from hpc_ddp.runtime.config import (
     CheckpointConfig,
+    ChecksConfig,
     DistConfig,
     PreemptConfig,
     RunConfig,
@@ -208,6 +209,7 @@ class Config:
     tracking: TrackingConfig = section(TrackingConfig, "MLflow tracking.")
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
     preempt: PreemptConfig = section(PreemptConfig, "Preemption and requeue.")
+    checks: ChecksConfig = section(ChecksConfig, "Checks before the first step.")
 
     @property
     def runtime(self) -> RuntimeConfig:
@@ -218,6 +220,7 @@ class Config:
             tracking=self.tracking,
             checkpoint=self.checkpoint,
             preempt=self.preempt,
+            checks=self.checks,
         )
 
     def trainer_sections(self) -> dict[str, Any]:
@@ -238,6 +241,7 @@ RESUME_SAFE_PREFIXES = (
     "dist.",
     "checkpoint.",
     "preempt.",
+    "checks.",
     "run.output_dir",
     "run.id",
     "run.name",

@@ -27,6 +27,7 @@ from hpc_ddp.runtime.checkpoint.loading import (
     unregistered_state_hint,
 )
 from hpc_ddp.runtime.checkpoint.objects import object_kinds, plain_states, tensor_states
+from hpc_ddp.runtime.checkpoint.room import check_room
 from hpc_ddp.runtime.checkpoint.sharded import FOLDER_FORMAT, folder_state, forget_metadata
 from hpc_ddp.runtime.checkpoint.state import (
     check_loadable,
@@ -198,6 +199,10 @@ class Checkpointer:
             resumed, streams_restored = self._load(found)
         if context.config.checkpoint.enabled:
             context.registry.check_loadable()
+            if context.config.checks.enabled:
+                keep_last = context.config.checkpoint.keep_last
+                check_room(context.run_dir, context.registry.objects, keep_last,
+                           context.env.is_main, context.control_group)  # fmt: skip
         if not streams_restored:
             seed_rank_streams(context.config.run.seed, context.env.rank, self.position.global_step)
         hint = unregistered_state_hint(context.registry.objects)

@@ -26,6 +26,7 @@ MARKS = (
     "rendezvous",
     "dist_ready",
     "control_group",
+    "checked",
     "started",
     "training",
     "first_step",

@@ -17,6 +17,7 @@ from hpc_ddp.runtime.checkpoint.fingerprint import check_resumable, fingerprint_
 from hpc_ddp.runtime.checkpoint.loading import find_resume
 from hpc_ddp.runtime.config import (
     CheckpointConfig,
+    ChecksConfig,
     DistConfig,
     PreemptConfig,
     RunConfig,
@@ -30,6 +31,7 @@ from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.timeline import mark, new_timeline
+from hpc_ddp.runtime.place.checking import check_before_training
 from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.ending import Ending, end_active_run, install_excepthook, watch
@@ -78,6 +80,7 @@ def start(
     checkpoint: Mapping[str, Any] | CheckpointConfig | None = None,
     preempt: Mapping[str, Any] | PreemptConfig | None = None,
     tracking: Mapping[str, Any] | TrackingConfig | None = None,
+    checks: Mapping[str, Any] | ChecksConfig | None = None,
     params: Mapping[str, Any] | None = None,
     fingerprint: Mapping[str, Any] | None = None,
     log_interval: int | None = None,
@@ -94,7 +97,7 @@ def start(
     starts lazily on rank 0 only.
 
     Settings: ``config`` (a RuntimeConfig or a YAML file of the sections run, dist,
-    checkpoint, preempt, tracking), then the sections as keyword arguments (a dict of keys,
+    checkpoint, preempt, tracking, checks), then the sections as keyword arguments (a dict of keys,
     or the section's dataclass), then dotted ``overrides`` such as ``checkpoint.every_steps=100``.
     ``name``: the run's name (default ``run.name``, else the script's name). ``params``:
     your hyper-parameters, logged to MLflow. ``fingerprint``: values a resume must find
@@ -107,8 +110,9 @@ def start(
     environment = os.environ if environ is None else environ
     refuse_a_start_that_cannot_join(environment)
     log_interval = optional_whole_number(log_interval, "hpc_ddp.start(log_interval)")
-    sections = {"run": run, "dist": dist, "checkpoint": checkpoint, "preempt": preempt}
-    settings = resolve_config(config, overrides, {**sections, "tracking": tracking}, environment)
+    sections = {"run": run, "dist": dist, "checkpoint": checkpoint, "preempt": preempt,
+                "tracking": tracking, "checks": checks}  # fmt: skip
+    settings = resolve_config(config, overrides, sections, environment)
     run_name = name or settings.run.name or default_run_name()
     plan = resolve_launch(settings, run_name, environment)
     if not (plan.dist_env.is_main and settings.tracking.enabled):
@@ -121,6 +125,9 @@ def start(
     try:
         joined = join_ranks(plan, settings, environment, timeline)
         plan = joined.plan
+        if settings.checks.enabled:  # before anything of the run is read or opened
+            check_before_training(plan, settings.checks, environment, joined.control_group)
+            mark(timeline, "checked")
         resume = _resume_point(plan, settings, joined.control_group)
         values = fingerprint_of(fingerprint or {})
         if resume is not None:  # refused before MLflow reopens the run it names

@@ -1,0 +1,134 @@
+"""The checks before the first step, on every rank at once (see :mod:`.health`): each rank
+runs its own, the findings are gathered, rank 0 says what they cost and records them in the
+run directory (checks.json), and a failure ends every rank with one line per host."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from hpc_ddp.runtime.config import ChecksConfig
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.place.dist import all_gather_object
+from hpc_ddp.runtime.place.health import (
+    Finding,
+    allreduce_gbps,
+    bandwidth_findings,
+    collective_findings,
+    command_findings,
+    device_findings,
+    storage_findings,
+    timed,
+)
+from hpc_ddp.runtime.place.plan import LaunchPlan
+from hpc_ddp.runtime.safefiles import replace_bytes
+
+#: Where the run directory keeps the last attempt's checks.
+RECORD = "checks.json"
+
+
+@dataclass(frozen=True)
+class RankChecks:
+    """What one rank found (nothing: it passed) and what each of its checks took."""
+
+    rank: int
+    host: str
+    findings: tuple[Finding, ...] = ()
+    seconds: dict[str, float] = field(default_factory=dict)
+    allreduce_gbps: float | None = None
+
+
+def own_checks(
+    plan: LaunchPlan, settings: ChecksConfig, environ: Mapping[str, str], collective: bool
+) -> RankChecks:
+    """This rank's checks: its devices; the run directory and checks.command once per node
+    (local rank 0); with ``collective`` (a process group is up), the collective path."""
+    env, seconds = plan.dist_env, dict[str, float]()
+    findings = timed(seconds, "devices", device_findings, plan.device.devices,
+                     settings.min_free_gpu_memory)  # fmt: skip
+    if env.local_rank == 0:
+        findings += timed(seconds, "storage", storage_findings, plan.run_dir, env.rank)
+        if settings.command:
+            findings += timed(seconds, "command", command_findings, settings.command,
+                              settings.timeout_s, environ)  # fmt: skip
+    gbps = None
+    if collective and env.world_size > 1:
+        device = torch.device(plan.device.device)
+        path = timed(seconds, "collective", collective_findings, env.rank, env.world_size, device)
+        findings += path
+        # Every rank saw the same gathered values, so all of them time the all-reduce or none.
+        if settings.min_allreduce_gbps is not None and not path:
+            began = time.perf_counter()
+            gbps = allreduce_gbps(env.world_size, device)
+            seconds["bandwidth"] = round(time.perf_counter() - began, 3)
+    # Slurm's name for the node, which --exclude takes, where it differs from the hostname.
+    host = environ.get("SLURMD_NODENAME") or env.hostname
+    return RankChecks(env.rank, host, tuple(findings), seconds, gbps)
+
+
+def failure_lines(every: Sequence[RankChecks]) -> list[str]:
+    """One line per host that failed a check: its ranks, and each finding once."""
+    hosts: dict[str, tuple[list[int], list[str]]] = {}
+    for checks in every:
+        if not checks.findings:
+            continue
+        ranks, lines = hosts.setdefault(checks.host, ([], []))
+        ranks.append(checks.rank)
+        lines += [line for line in map(Finding.line, checks.findings) if line not in lines]
+    return [
+        f"{host} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}): "
+        + "; ".join(lines)
+        for host, (ranks, lines) in hosts.items()
+    ]
+
+
+def cost_line(every: Sequence[RankChecks]) -> str:
+    """What the checks cost, the slowest rank's seconds per check."""
+    slowest: dict[str, float] = {}
+    for checks in every:
+        for name, seconds in checks.seconds.items():
+            slowest[name] = max(slowest.get(name, 0.0), seconds)
+    parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in slowest.items())
+    speeds = [checks.allreduce_gbps for checks in every if checks.allreduce_gbps is not None]
+    measured = f"; all-reduce {min(speeds):.1f} GB/s" if speeds else ""
+    hosts = len({checks.host for checks in every})
+    return f"{len(every)} rank(s) on {hosts} host(s): {parts}{measured}"
+
+
+def check_before_training(
+    plan: LaunchPlan,
+    settings: ChecksConfig,
+    environ: Mapping[str, str],
+    control_group: Any | None,
+) -> list[RankChecks]:
+    """Every rank's checks, gathered on every rank (a collective); rank 0 says their cost and
+    records them in the run directory; a failure anywhere raises on every rank, naming each
+    failed host (checks.min_allreduce_gbps applies to the slowest rank's figure)."""
+    own = own_checks(plan, settings, environ, collective=True)
+    every = all_gather_object(own, control_group)
+    speeds = [checks.allreduce_gbps for checks in every if checks.allreduce_gbps is not None]
+    floor = settings.min_allreduce_gbps
+    bandwidth = bandwidth_findings(min(speeds), floor) if speeds and floor else []
+    lines = failure_lines(every) + [f"all ranks: {finding.line()}" for finding in bandwidth]
+    if plan.dist_env.is_main:
+        record = {"passed": not lines, "failures": lines, "ranks": [asdict(c) for c in every]}
+        replace_bytes(plan.run_dir / RECORD, (json.dumps(record, indent=1) + "\n").encode())
+        if not lines:
+            get_logger().info(f"checks passed: {cost_line(every)}")
+    if lines:
+        hosts = sorted({line.split(" ", 1)[0] for line in lines if not line.startswith("all")})
+        raise HpcDdpError(
+            f"checks before the first step failed on {len(lines)} host(s):\n  "
+            + "\n  ".join(lines),
+            (f"leave the host(s) out: sbatch --exclude={','.join(hosts)} (and tell the "
+             "admins); " if hosts else "")
+            + f"{plan.run_dir / RECORD} has every rank's results; checks.enabled=false "
+            "skips the checks",
+        )  # fmt: skip
+    return every
