@@ -34,6 +34,7 @@ RESUMABLE = [*MID_EPOCH_STOPPABLE, "model.dropout=0.1", "tracking.enabled=false"
 def test_one_rank_trains_on_the_gpu_over_nccl_in_bf16(tmp_path: Path) -> None:
     result = run_local(1, tmp_path, [*SMALL, "train.precision=bf16", "run.id=bf16"])
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "checks passed: 1 rank(s) on 1 host(s): devices" in result.stderr, "on the GPU"
     facts = read_summary(tmp_path, "synthetic-mlp", "bf16")
     assert facts["backend"] == "nccl" and facts["device"] == "cuda:0", facts
     assert facts["global_step"] == 128 and facts["replicas_in_sync"] is True
@@ -85,3 +86,14 @@ def test_fsdp_in_bf16_with_background_saves_resumes_on_the_gpu(tmp_path: Path) -
     _stop_step, expected, actual = stopped_and_rerun(tmp_path, fsdp)
     assert actual["device"] == "cuda:0" and actual["backend"] == "nccl"
     assert actual["weights_sha256"] == expected["weights_sha256"]
+
+
+def test_the_gpu_passes_its_checks_and_one_another_process_crowds_is_named() -> None:
+    """The checks before the first step on a real GPU: known products in float32 and
+    bfloat16, and free memory (a floor above what is free stands for another process)."""
+    from hpc_ddp.runtime.place.health import device_findings
+
+    assert device_findings(["cuda:0"], min_free=0.5) == []
+    (crowded,) = device_findings(["cuda:0"], min_free=1.0)
+    assert crowded.check == "gpu cuda:0" and "GiB in use before training" in crowded.seen
+    assert crowded.expected == "at least 100% free (checks.min_free_gpu_memory)"

@@ -393,3 +393,31 @@ def test_training_in_an_interactive_pty_shell_fails_fast(
     assert "interactive `srun --pty` shell" in result.stdout
     assert "inside Slurm job" in result.stdout and "of 2 tasks" in result.stdout
     assert "HINT: from this shell run `srun --overlap --ntasks=2" in result.stdout
+
+
+def test_a_node_failing_the_sites_health_check_ends_the_job_before_training_named(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """checks.command runs once on each of 3 nodes; the one it fails on is named (by Slurm's
+    node name, which --exclude takes) with the command's output, before any step."""
+    work = prepare_workdir(tmp_path)
+    health = work / "health.sh"
+    health.write_text(
+        '#!/bin/sh\nif [ "$SLURMD_NODENAME" = node2 ]; then\n'
+        '  echo "ECC errors on GPU 1"; exit 1\nfi\n'
+    )
+    job = slurm.sbatch(
+        ["--nodes=3", "--ntasks-per-node=1", TRAIN, "configs/synthetic.yaml",
+         f"run.output_dir={work / 'runs'}", f"checks.command=sh {health}", *SMALL],
+        work,
+    )  # fmt: skip
+    state = slurm.wait(job)
+    log = (work / f"hpc-ddp-{job}.out").read_text()
+    assert state.startswith("FAILED"), (state, log[-3000:])
+    assert f"node2 (rank 1): checks.command: `sh {health}` exited with 1: ECC errors on GPU 1" in (
+        log
+    ), log[-3000:]
+    assert "HINT: leave the host(s) out: sbatch --exclude=node2" in log
+    record = json.loads(next((work / "runs").glob(f"*/{job}/checks.json")).read_text())
+    assert [rank["findings"] != [] for rank in record["ranks"]] == [False, True, False]
+    assert not list((work / "runs").glob(f"*/{job}/checkpoints/step-*")), "no step trained"
