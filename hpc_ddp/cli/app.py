@@ -82,6 +82,15 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--time", default="01:00:00", help="time limit (default 01:00:00)")
     parser.add_argument("--partition", default=None, help="Slurm partition")
+    parser.add_argument(
+        "--slurm",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other sbatch option, e.g. --slurm account=lab --slurm qos=high --slurm "
+        "exclusive (repeat it); wins over the site profile (slurm/site.yaml, "
+        "~/.config/hpc_ddp/site.yaml)",
+    )
 
 
 def _init(args: argparse.Namespace) -> int:

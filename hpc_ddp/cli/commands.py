@@ -203,10 +203,12 @@ def render(args: argparse.Namespace) -> int:
 def job_request(
     args: argparse.Namespace, program: Program, log_dir: Path, **launch: Any
 ) -> RenderRequest:
-    """What a job script is rendered from: the job's size from ``args`` (render, init),
-    ``program``, its log folder and ``launch`` (job name, launcher, signal)."""
+    """What a job script is rendered from: the job's size and sbatch options from ``args``
+    (render, init, sweep submit), ``program``, its log folder and ``launch`` (job name,
+    launcher, signal)."""
     from hpc_ddp.launch.sbatch import RenderRequest
 
+    options = sbatch_options(args)
     return RenderRequest(
         arguments=tuple(program.template_args()),
         nodes=args.nodes,
@@ -216,8 +218,19 @@ def job_request(
         time=args.time,
         partition=args.partition,
         log_dir=str(log_dir),
+        sbatch_options=tuple(options.items()),
         **launch,
     )
+
+
+def sbatch_options(args: argparse.Namespace) -> dict[str, str | None]:
+    """The job's other sbatch options: the site profiles', then --slurm's; checked with this
+    cluster's sbatch where there is one."""
+    from hpc_ddp.launch.slurmoptions import check_with_sbatch, job_options
+
+    options = job_options(getattr(args, "slurm", []), Path.cwd(), os.environ)
+    check_with_sbatch(options, os.environ)
+    return options
 
 
 def write_job_script(output: Path, script: str) -> None:
@@ -260,6 +273,7 @@ def submit(args: argparse.Namespace) -> int:
         cpus_per_task=args.cpus_per_task,
         cluster=args.cluster,
         folder=args.folder,
+        sbatch=sbatch_options(args),
     )
     print(f"submitted job {job.job_id} (logs in {args.folder})", file=sys.stderr)
     if args.no_wait:

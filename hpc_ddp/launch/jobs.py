@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.launch.importable import check_importable
 from hpc_ddp.launch.program import Program, program_from, run_program
+from hpc_ddp.launch.slurmoptions import api_options
 from hpc_ddp.runtime.errors import CONSEQUENTIAL_FAILURE_MARKERS, HpcDdpError, Stopped
 from hpc_ddp.runtime.place.slurm import time_to_minutes
 
@@ -146,6 +147,7 @@ def submit(
     folder: str | Path = "logs/submitit",
     name: str = "hpc-ddp",
     slurm_parameters: Mapping[str, Any] | None = None,
+    sbatch: Mapping[str, str | int | bool | None] | None = None,
 ) -> Any:
     """Submit a job whose every task runs ``target``; returns the submitit Job
     (``hpc_ddp.wait(job)``: every rank's result).
@@ -155,8 +157,10 @@ def submit(
     "3e-4"]``, ``["-m", "pkg.train"]``; more arguments in ``args``), or a YAML config of
     the built-in trainer (with dotted ``overrides``). One task per GPU: ``tasks_per_node``
     defaults to ``gpus_per_node`` (1 without GPUs). ``cluster``: None detects Slurm,
-    "local" runs on this machine, "slurm" insists on Slurm. Everything is checked here,
-    before anything is queued.
+    "local" runs on this machine, "slurm" insists on Slurm. ``sbatch``: any other sbatch
+    option (``{"account": "lab", "exclusive": True}``), over the site profile's
+    (slurm/site.yaml, ~/.config/hpc_ddp/site.yaml); ``slurm_parameters``: submitit's own
+    ``slurm_*`` parameters. Everything is checked here, before anything is queued.
     """
     import submitit
 
@@ -185,6 +189,10 @@ def submit(
         if partition:
             parameters["slurm_partition"] = partition
         parameters.update({f"slurm_{k}": v for k, v in (slurm_parameters or {}).items()})
+        options = api_options(sbatch, Path.cwd(), os.environ)
+        if options:  # submitit writes True as a flag
+            additional = {name: True if value is None else value for name, value in options.items()}
+            parameters["slurm_additional_parameters"] = additional
     elif nodes > 1:
         raise HpcDdpError(
             f"nodes={nodes} needs Slurm, but submitit chose the {executor.cluster!r} executor",

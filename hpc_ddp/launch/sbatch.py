@@ -56,6 +56,9 @@ class RenderRequest:
     #: create it); relative paths are resolved against the directory sbatch is called from.
     #: None: that directory itself, as the templates have it.
     log_dir: str | None = None
+    #: Any other sbatch options (name without dashes: value, None for a flag), checked by
+    #: :mod:`hpc_ddp.launch.slurmoptions`; written after the time limit.
+    sbatch_options: tuple[tuple[str, str | None], ...] = ()
 
 
 def template_path(launcher: str = "srun") -> Path:
@@ -193,6 +196,14 @@ def render_sbatch(template: str, request: RenderRequest) -> str:
         )
     if request.log_dir is not None:
         text = _set_log_dir(text, request.log_dir)
+    if request.sbatch_options:
+        # sbatch reads a directive's value as a shell word: one with spaces is quoted.
+        lines = "".join(
+            f"\n#SBATCH --{name}" + ("" if value is None else f"={shlex.quote(value)}")
+            for name, value in request.sbatch_options
+        )
+        text = re.sub(r"^(#SBATCH --time=.*)$", lambda match: match.group(1) + lines, text,
+                      count=1, flags=re.MULTILINE)  # fmt: skip
     arguments = [_check_shell_value(item, "argument") for item in request.arguments]
     if len(_DEFAULT_ARGS_LINE.findall(text)) != 1:
         raise HpcDdpError(

@@ -87,6 +87,7 @@ def submit_sweep(
     time: str = "01:00:00",
     partition: str | None = None,
     output_dir: str | Path = "runs",
+    sbatch: Mapping[str, str | int | bool | None] | None = None,
 ) -> Sweep:
     """Submit ``program`` once per combination of ``grid``, row of ``zip`` and entry of
     ``tasks``, as Slurm job arrays of at most ``concurrency`` running tasks; each task is a
@@ -97,10 +98,12 @@ def submit_sweep(
     task calls with ``kwargs`` and the task's own keyword arguments, as submitit's
     ``map_array`` does (``Sweep.results()`` holds what rank 0 returned). Keys are the
     program's options (``"lr"`` or ``"--lr"``; a callable's keyword arguments) or dotted
-    hpc_ddp settings (``"run.seed"``)."""
+    hpc_ddp settings (``"run.seed"``). ``sbatch``: any other sbatch option of the arrays
+    (``{"account": "lab"}``), over the site profile's (slurm/site.yaml)."""
     import shlex
 
     from hpc_ddp.launch.sbatch import RenderRequest
+    from hpc_ddp.launch.slurmoptions import api_options
     from hpc_ddp.sweep.calls import CallableProgram, argument_text
     from hpc_ddp.sweep.programs import SweepProgram, sweep_program
     from hpc_ddp.sweep.spec import command_line_key, spec_from_dict
@@ -144,5 +147,6 @@ def submit_sweep(
         cpus_per_task=cpus_per_task,
         time=time,
         partition=partition,
+        sbatch_options=tuple(api_options(sbatch, Path.cwd(), os.environ).items()),
     )
     return Sweep(submit(spec, parsed, request, Path(output_dir), os.environ, print))

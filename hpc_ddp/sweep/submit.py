@@ -80,7 +80,7 @@ def submit_sweep(
     sweep_dir = _sweep_dir(output_dir, spec.name)
     # Refused here, not once the record is written (a sweep there could not be resubmitted).
     try:
-        _array_script(RenderRequest(arguments=(), **_job_fields(job)), spec.name, sweep_dir, 0)
+        _array_script(job_from(_job_fields(job)), spec.name, sweep_dir, 0)
     except HpcDdpError as refused:
         if "log folder" not in refused.message:
             raise
@@ -127,6 +127,13 @@ def _job_fields(job: RenderRequest) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(job).items() if k != "arguments"}
 
 
+def job_from(fields: Mapping[str, Any]) -> RenderRequest:
+    """The job the record keeps (JSON's lists back to the request's pairs; a record written
+    before sbatch options were kept has none)."""
+    options = tuple((name, value) for name, value in fields.get("sbatch_options", ()))
+    return RenderRequest(arguments=(), **{**fields, "sbatch_options": options})
+
+
 def _make_parent(
     sweep_dir: Path,
     tracking: Mapping[str, Any],
@@ -159,7 +166,7 @@ def _submit(
     """Render and sbatch the arrays that run ``tasks``, each after the one before, so the
     sweep's concurrency holds across them."""
     data = manifest.read_manifest(sweep_dir)
-    job = RenderRequest(arguments=(), **data["job"])
+    job = job_from(data["job"])
     split = arrays.split_into_arrays(tasks, max_size)
     if len(split) > 1:
         say(

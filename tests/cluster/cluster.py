@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import getpass
 import os
 import shutil
 import signal
@@ -271,6 +272,28 @@ def port_open(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
+#: An account besides root's, as a site's accounting has them: a job can ask for it with
+#: --account (tests/test_sbatch_options.py).
+ACCOUNT = "lab"
+
+
+def add_account(environment: dict[str, str]) -> None:
+    """The account :data:`ACCOUNT` with this user in it, once."""
+    accounts = run(
+        ["sacctmgr", "-n", "-P", "list", "account", "format=account"],
+        env=environment,
+        capture_output=True,
+    ).stdout.split()
+    if ACCOUNT in accounts:
+        return
+    for command in (
+        ["sacctmgr", "-i", "add", "account", ACCOUNT, f"cluster={CLUSTER_NAME}"],
+        ["sacctmgr", "-i", "add", "user", getpass.getuser(), f"account={ACCOUNT}",
+         f"cluster={CLUSTER_NAME}"],
+    ):  # fmt: skip
+        run(command, env=environment, stdout=subprocess.DEVNULL)
+
+
 def start_slurm(layout: Layout) -> None:
     environment = client_env(layout)
     if not read_pid(layout.pid_file("slurmdbd")):
@@ -288,6 +311,7 @@ def start_slurm(layout: Layout) -> None:
             env=environment,
             stdout=subprocess.DEVNULL,
         )
+    add_account(environment)
     if not read_pid(layout.pid_file("slurmctld")):
         run(
             in_private_namespace(layout, ["slurmctld", "-f", str(layout.slurm_conf), "-c"]),
