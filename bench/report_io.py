@@ -66,6 +66,8 @@ def data_memory_section(data: dict[str, Any]) -> str:
 
 
 def checks_section(data: dict[str, Any]) -> str:
+    if not data["cpu"]:
+        return ""
     lines = [
         "## 8. Checks before the first step: their cost at start",
         "",

@@ -228,7 +228,7 @@ CASES: list[Case] = [
         "qos=a\nb",
         "--config",
         "configs/synthetic.yaml",
-        says="holds a line break or NUL",
+        says="holds a line break, NUL or backslash",
     ),
     cli("render", "--time", "0", says="time='0' is not accepted"),
     cli("render", "--time", "25:99:99:99", says="is not accepted"),

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_ddp.runtime.checkpoint.room import check_room, estimated_checkpoint_bytes, room_refusal
+from hpc_ddp.runtime.checkpoint.room import (
+    check_room,
+    checkpoints_to_come,
+    estimated_checkpoint_bytes,
+    room_refusal,
+)
 from hpc_ddp.runtime.config import ChecksConfig
 from hpc_ddp.runtime.errors import EXIT_USER_ERROR, HpcDdpError
 from hpc_ddp.runtime.place.checking import RankChecks, cost_line, failure_lines
@@ -26,6 +31,7 @@ from hpc_ddp.runtime.place.health import (
     product_findings,
     reference_finding,
     storage_findings,
+    timed,
 )
 from tests.helpers import REPO, clean_environ, run_local
 
@@ -51,8 +57,27 @@ def test_a_seeded_product_off_its_reference_fails_beyond_the_dtypes_tolerance() 
     assert reference_finding(float("nan"), "gpu cuda:1", torch.float32), "NaN is no pass"
 
 
-def test_the_cpu_computes_its_known_products() -> None:
-    assert product_findings(torch.device("cpu"), torch.float32, 256) == []
+def test_the_cpu_computes_its_known_products_at_full_precision_whatever_the_script_set() -> None:
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # a script's TF32 or bf16 passes
+    try:
+        assert product_findings(torch.device("cpu"), torch.float32, 256) == []
+        assert torch.get_float32_matmul_precision() == "medium", "the script's setting is back"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_a_check_that_raises_is_a_finding_so_every_rank_reaches_the_gather() -> None:
+    def crowded() -> list[Finding]:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 MiB")
+
+    seconds: dict[str, float] = {}
+    (finding,) = timed(seconds, "devices", crowded)
+    assert finding.line() == (
+        "devices: OutOfMemoryError: CUDA out of memory. Tried to allocate 16.00 MiB; expected "
+        "the check to run without an error"
+    )
+    assert "devices" in seconds
 
 
 def test_the_run_directory_takes_a_write_that_reaches_the_disk(tmp_path: Path) -> None:
@@ -72,9 +97,10 @@ def test_failures_are_one_line_per_host_with_its_ranks_and_each_finding_once() -
     assert failure_lines(every) == [
         "node2 (ranks 1, 2): checks.command: `health` exited with 1: dimm 3; expected exit 0"
     ]
-    assert cost_line(every) == (
+    assert cost_line(every, None) == (
         "3 rank(s) on 2 host(s): devices 0.30 s, storage 0.01 s, command 1.50 s"
     )
+    assert cost_line(every[:1], 12.5).endswith("; all-reduce 12.5 GB/s")
 
 
 def test_a_checkpoint_is_estimated_with_the_optimizer_state_it_will_hold() -> None:
@@ -87,6 +113,9 @@ def test_a_checkpoint_is_estimated_with_the_optimizer_state_it_will_hold() -> No
     adam.step()
     stepped = estimated_checkpoint_bytes({"optimizer": adam})
     assert stepped == 2 * 440 + 2 * 4, "two moments and a step count per parameter"
+    tied = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    tied[1].weight = tied[0].weight  # one 160-byte matrix under two names
+    assert estimated_checkpoint_bytes({"model": tied}) == 160
 
 
 class Huge:
@@ -103,12 +132,13 @@ def test_checkpoints_that_would_not_fit_are_refused_before_the_first_step(tmp_pa
     assert room_refusal(tmp_path, each=10**9, count=4, free=4 * 10**9) is None
     refusal = room_refusal(tmp_path, each=10**9, count=4, free=10**9)
     assert refusal is not None
-    assert (
-        "has 1.00 GB free; checkpoint.keep_last + 1 = 4 checkpoints of about 1.00 GB"
-        in (refusal.message)
-        and "need 4.00 GB" in refusal.message
-    )
-    with pytest.raises(HpcDdpError, match=r"4 checkpoints of about 40000\.00 GB"):
+    assert "has 1.00 GB free; 4 more checkpoint(s) of about 1.00 GB each" in refusal.message
+    assert "need 4.00 GB" in refusal.message
+    assert checkpoints_to_come(keep_last=3, kept=0) == 4
+    assert checkpoints_to_come(keep_last=3, kept=3) == 1, "a resumed run adds one at a time"
+    resumed = room_refusal(tmp_path, each=10**9, count=1, free=10**8, kept=3)
+    assert resumed is not None and "3 already kept there" in resumed.message
+    with pytest.raises(HpcDdpError, match=r"4 more checkpoint\(s\) of about 40000\.00 GB"):
         check_room(tmp_path, {"model": Huge()}, keep_last=3, is_main=True, group=None)
     check_room(tmp_path, {"model": torch.nn.Linear(2, 2)}, keep_last=3, is_main=True, group=None)
 
@@ -153,7 +183,7 @@ def test_a_failing_site_check_ends_every_rank_before_training_naming_the_host(
 def test_checkpoints_that_cannot_fit_stop_the_run_before_its_first_step(tmp_path: Path) -> None:
     too_many = run_local(2, tmp_path, [*SMALL, "run.id=full", "checkpoint.keep_last=1000000000"])
     assert too_many.returncode == EXIT_USER_ERROR, too_many.stderr[-3000:]
-    assert "checkpoint.keep_last + 1 = 1000000001 checkpoints of about" in too_many.stderr
+    assert "1000000001 more checkpoint(s) of about" in too_many.stderr
     assert not list(tmp_path.glob("*/full/checkpoints/step-*"))
     unchecked = run_local(
         1, tmp_path, [*SMALL, "run.id=unchecked", "checkpoint.keep_last=1000000000",

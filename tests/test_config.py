@@ -168,6 +168,9 @@ def test_text_settings_keep_what_was_written_where_yaml_would_read_anything_but_
     assert load_config(None, [f"checks.command={command}"]).checks.command == command
     assert resolve_config(None, ["checks.command=[a, b]"], {}, {}).checks.command == "[a, b]"
     assert resolve_config(None, ["run.name=null"], {}, {}).run.name is None
+    negated = "! grep -q bad /proc/driver"  # a YAML tag would take the "!" away
+    assert resolve_config(None, [f"checks.command={negated}"], {}, {}).checks.command == negated
+    assert resolve_config(None, ['tracking.experiment="x y"'], {}, {}).tracking.experiment == "x y"
 
 
 @pytest.mark.parametrize(

@@ -95,5 +95,6 @@ def test_the_gpu_passes_its_checks_and_one_another_process_crowds_is_named() -> 
 
     assert device_findings(["cuda:0"], min_free=0.5) == []
     (crowded,) = device_findings(["cuda:0"], min_free=1.0)
-    assert crowded.check == "gpu cuda:0" and "GiB in use before training" in crowded.seen
+    assert crowded.check == "gpu cuda:0"
+    assert "GiB held by other processes before training" in crowded.seen
     assert crowded.expected == "at least 100% free (checks.min_free_gpu_memory)"

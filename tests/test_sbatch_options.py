@@ -44,6 +44,10 @@ def test_command_line_options_are_read_as_sbatch_writes_them() -> None:
         from_words(["acc ount=lab"])
     with pytest.raises(HpcDdpError, match="line break"):
         from_words(["comment=a\n#SBATCH --nodes=99"])
+    with pytest.raises(HpcDdpError, match="backslash"):
+        from_words(["comment=a\\b"])
+    with pytest.raises(HpcDdpError, match=r"long name .*account=lab \(not A=lab\)"):
+        from_words(["A=lab"])
 
 
 def test_the_projects_profile_wins_over_yours_and_the_command_line_over_both(

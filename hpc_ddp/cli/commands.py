@@ -273,7 +273,10 @@ def submit(args: argparse.Namespace) -> int:
         cpus_per_task=args.cpus_per_task,
         cluster=args.cluster,
         folder=args.folder,
-        sbatch=sbatch_options(args),
+        sbatch={
+            name: True if value is None else value  # a flag
+            for name, value in sbatch_options(args).items()
+        },
     )
     print(f"submitted job {job.job_id} (logs in {args.folder})", file=sys.stderr)
     if args.no_wait:

@@ -191,8 +191,11 @@ def submit(
         parameters.update({f"slurm_{k}": v for k, v in (slurm_parameters or {}).items()})
         options = api_options(sbatch, Path.cwd(), os.environ)
         if options:  # submitit writes True as a flag
-            additional = {name: True if value is None else value for name, value in options.items()}
-            parameters["slurm_additional_parameters"] = additional
+            given = dict(parameters.get("slurm_additional_parameters") or {})
+            given.update(
+                {name: True if value is None else value for name, value in options.items()}
+            )
+            parameters["slurm_additional_parameters"] = given
     elif nodes > 1:
         raise HpcDdpError(
             f"nodes={nodes} needs Slurm, but submitit chose the {executor.cluster!r} executor",

@@ -47,7 +47,7 @@ OWN_OPTIONS = {
     "requeue": "nothing: the job script requeues itself after a stop",
     "array": "hpc-ddp sweep submit",
 }
-_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]*")
+_KEY = re.compile(r"[A-Za-z][A-Za-z0-9-]+")
 #: An sbatch option: its name and its value (None: a flag such as --exclusive).
 Options = dict[str, str | None]
 
@@ -58,7 +58,8 @@ def option(key: str, value: Any, source: str) -> tuple[str, str | None]:
     if not _KEY.fullmatch(name):
         raise HpcDdpError(
             f"{source}: {key!r} is not an sbatch option name",
-            "write it as sbatch does, without the dashes: account=lab, qos=high, exclusive",
+            "write sbatch's long name without the dashes: account=lab (not A=lab), qos=high, "
+            "exclusive",
         )
     if name in OWN_OPTIONS:
         raise HpcDdpError(
@@ -66,9 +67,10 @@ def option(key: str, value: Any, source: str) -> tuple[str, str | None]:
             f"use {OWN_OPTIONS[name]} instead",
         )
     text = None if value is None or value is True else str(value)
-    if text is not None and (any(char in text for char in "\n\r\0") or not text.strip()):
+    if text is not None and (any(char in text for char in "\n\r\0\\") or not text.strip()):
         raise HpcDdpError(
-            f"{source}: --{name}={text!r} is empty or holds a line break or NUL",
+            f"{source}: --{name}={text!r} is empty or holds a line break, NUL or backslash "
+            "(an #SBATCH line would not keep it)",
             f"give --{name} one line of text, e.g. --slurm {name}=VALUE",
         )
     return name, text

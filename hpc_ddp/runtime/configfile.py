@@ -205,13 +205,15 @@ def apply_overrides(
     text: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """``raw`` with each dotted ``section.key=value`` set (later ones win). Keys in ``text``
-    take the value as written when YAML would read anything but text or null (a number, a
-    boolean, a mapping or a list: ``run.id=4211``, ``run.id=off``, ``checks.command=echo a:
-    b``)."""
+    take the value as written unless it is quoted or null (``run.id=4211``, ``run.id=off``,
+    ``checks.command=echo a: b`` and ``checks.command=! grep -q x f`` stay text)."""
     for override in overrides:
         name, key, value = parse_override(override, sections)
-        if f"{name}.{key}" in text and value is not None and not isinstance(value, str):
-            value = override.partition("=")[2].strip()
+        written = override.partition("=")[2].strip()
+        # Quotes are YAML's to take off; anything else it would read into something other
+        # than the text written (a number, a mapping, a tag such as `! grep`) stays as written.
+        if f"{name}.{key}" in text and value is not None and written[:1] not in ("'", '"'):
+            value = written
         current = raw.setdefault(name, {})
         if not isinstance(current, dict):
             current = raw[name] = {}

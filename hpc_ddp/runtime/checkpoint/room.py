@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hpc_ddp.runtime.checkpoint.files import checkpoint_dir, list_checkpoints
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.place.dist import broadcast_object
@@ -19,17 +20,31 @@ from hpc_ddp.runtime.place.dist import broadcast_object
 _MOMENTS = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adagrad": 1}
 
 
-def _tensor_bytes(values: Iterable[Any]) -> int:
-    """Bytes of the tensors in a state_dict's (nested) values; a DTensor's whole size."""
+def _tensor_bytes(values: Iterable[Any], seen: set[Any] | None = None) -> int:
+    """Bytes of the tensors in a state_dict's (nested) values, a storage shared by several
+    (tied weights) once; a DTensor's whole size."""
+    seen = set() if seen is None else seen
     total = 0
     for value in values:
         if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
+            where = _storage_of(value)
+            if where is None or where not in seen:
+                total += value.numel() * value.element_size()
+                seen.add(where)
         elif isinstance(value, Mapping):
-            total += _tensor_bytes(value.values())
+            total += _tensor_bytes(value.values(), seen)
         elif isinstance(value, list | tuple):
-            total += _tensor_bytes(value)
+            total += _tensor_bytes(value, seen)
     return total
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """Where a plain tensor's bytes are (None: no address to compare, a meta tensor or a
+    DTensor, each counted)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.is_meta:
+        return None
+    address = tensor.untyped_storage().data_ptr()
+    return (address, int(tensor.storage_offset()), tensor.numel()) if address else None
 
 
 def _moments(optimizer: torch.optim.Optimizer) -> int:
@@ -63,15 +78,26 @@ def _size(count: int | float) -> str:
     return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
 
 
-def room_refusal(run_dir: Path, each: int, count: int, free: int) -> HpcDdpError | None:
-    """A refusal when ``free`` bytes cannot hold ``count`` checkpoints of ``each`` bytes."""
+def checkpoints_to_come(keep_last: int, kept: int) -> int:
+    """How many more checkpoints the disk must hold at once: keep_last + 1 (the newest is
+    written before the oldest goes), less those a resumed run already keeps there."""
+    return max(1, keep_last + 1 - kept)
+
+
+def room_refusal(
+    run_dir: Path, each: int, count: int, free: int, kept: int = 0
+) -> HpcDdpError | None:
+    """A refusal when ``free`` bytes cannot hold ``count`` more checkpoints of ``each``
+    bytes (``kept``: those already there)."""
     needed = each * count
     if free >= needed:
         return None
+    already = f", {kept} already kept there" if kept else ""
     return HpcDdpError(
-        f"the file system of {run_dir} has {_size(free)} free; checkpoint.keep_last + 1 = "
-        f"{count} checkpoints of about {_size(each)} each (the registered objects, an "
-        f"optimizer's state as it will be after its first step) need {_size(needed)}",
+        f"the file system of {run_dir} has {_size(free)} free; {count} more checkpoint(s) of "
+        f"about {_size(each)} each (checkpoint.keep_last + 1 at once{already}; the registered "
+        f"objects, an optimizer's state as it will be after its first step) need "
+        f"{_size(needed)}",
         "free space there, keep fewer checkpoints (checkpoint.keep_last), or set "
         "run.output_dir on a larger file system; checks.enabled=false skips the check",
     )
@@ -85,12 +111,14 @@ def check_room(
     refusal = None
     if is_main:
         each = estimated_checkpoint_bytes(objects)
+        kept = len(list_checkpoints(checkpoint_dir(run_dir)))
+        count = checkpoints_to_come(keep_last, kept)
         stat = os.statvfs(run_dir)
-        error = room_refusal(run_dir, each, keep_last + 1, stat.f_bavail * stat.f_frsize)
+        error = room_refusal(run_dir, each, count, stat.f_bavail * stat.f_frsize, kept)
         refusal = (error.message, error.hint) if error else None
         if error is None:
             get_logger().info(
-                f"room for {keep_last + 1} checkpoints of about {_size(each)}: "
+                f"room for {count} more checkpoint(s) of about {_size(each)}: "
                 f"{_size(stat.f_bavail * stat.f_frsize)} free"
             )
     refusal = broadcast_object(refusal, group)

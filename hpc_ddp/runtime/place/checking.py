@@ -5,7 +5,6 @@ run directory (checks.json), and a failure ends every rank with one line per hos
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,7 +14,7 @@ import torch
 from hpc_ddp.runtime.config import ChecksConfig
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.place.dist import all_gather_object
+from hpc_ddp.runtime.place.dist import all_gather_object, broadcast_object
 from hpc_ddp.runtime.place.health import (
     Finding,
     allreduce_gbps,
@@ -41,35 +40,44 @@ class RankChecks:
     host: str
     findings: tuple[Finding, ...] = ()
     seconds: dict[str, float] = field(default_factory=dict)
-    allreduce_gbps: float | None = None
 
 
 def own_checks(
-    plan: LaunchPlan, settings: ChecksConfig, environ: Mapping[str, str], collective: bool
+    plan: LaunchPlan,
+    settings: ChecksConfig,
+    environ: Mapping[str, str],
+    collective: bool,
+    shared_run_dir: bool = True,
 ) -> RankChecks:
-    """This rank's checks: its devices; the run directory and checks.command once per node
-    (local rank 0); with ``collective`` (a process group is up), the collective path."""
+    """This rank's checks: its devices; checks.command once per node (local rank 0), and the
+    run directory there too (``shared_run_dir``: every node writes it, as with checkpoints;
+    else rank 0 only); with ``collective`` (a process group is up), the collective path."""
     env, seconds = plan.dist_env, dict[str, float]()
     findings = timed(seconds, "devices", device_findings, plan.device.devices,
                      settings.min_free_gpu_memory)  # fmt: skip
-    if env.local_rank == 0:
+    if env.local_rank == 0 and (shared_run_dir or env.is_main):
         findings += timed(seconds, "storage", storage_findings, plan.run_dir, env.rank)
-        if settings.command:
-            findings += timed(seconds, "command", command_findings, settings.command,
-                              settings.timeout_s, environ)  # fmt: skip
-    gbps = None
+    if env.local_rank == 0 and settings.command:
+        findings += timed(seconds, "command", command_findings, settings.command,
+                          settings.timeout_s, environ)  # fmt: skip
     if collective and env.world_size > 1:
         device = torch.device(plan.device.device)
-        path = timed(seconds, "collective", collective_findings, env.rank, env.world_size, device)
-        findings += path
-        # Every rank saw the same gathered values, so all of them time the all-reduce or none.
-        if settings.min_allreduce_gbps is not None and not path:
-            began = time.perf_counter()
-            gbps = allreduce_gbps(env.world_size, device)
-            seconds["bandwidth"] = round(time.perf_counter() - began, 3)
+        findings += timed(seconds, "collective", collective_findings, env.rank, env.world_size,
+                          device)  # fmt: skip
     # Slurm's name for the node, which --exclude takes, where it differs from the hostname.
     host = environ.get("SLURMD_NODENAME") or env.hostname
-    return RankChecks(env.rank, host, tuple(findings), seconds, gbps)
+    return RankChecks(env.rank, host, tuple(findings), seconds)
+
+
+def measured_gbps(plan: LaunchPlan, every: Sequence[RankChecks], group: Any | None) -> float | None:
+    """The collective path's bandwidth, timed by every rank once all passed the collective
+    check (they all know so from the gather), rank 0's figure for all."""
+    if plan.dist_env.world_size == 1:
+        return None
+    if any(f.check == "collective" for checks in every for f in checks.findings):
+        return None
+    gbps = allreduce_gbps(plan.dist_env.world_size, torch.device(plan.device.device))
+    return float(broadcast_object(gbps, group))
 
 
 def failure_lines(every: Sequence[RankChecks]) -> list[str]:
@@ -88,15 +96,14 @@ def failure_lines(every: Sequence[RankChecks]) -> list[str]:
     ]
 
 
-def cost_line(every: Sequence[RankChecks]) -> str:
+def cost_line(every: Sequence[RankChecks], gbps: float | None) -> str:
     """What the checks cost, the slowest rank's seconds per check."""
     slowest: dict[str, float] = {}
     for checks in every:
         for name, seconds in checks.seconds.items():
             slowest[name] = max(slowest.get(name, 0.0), seconds)
     parts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in slowest.items())
-    speeds = [checks.allreduce_gbps for checks in every if checks.allreduce_gbps is not None]
-    measured = f"; all-reduce {min(speeds):.1f} GB/s" if speeds else ""
+    measured = f"; all-reduce {gbps:.1f} GB/s" if gbps is not None else ""
     hosts = len({checks.host for checks in every})
     return f"{len(every)} rank(s) on {hosts} host(s): {parts}{measured}"
 
@@ -106,28 +113,31 @@ def check_before_training(
     settings: ChecksConfig,
     environ: Mapping[str, str],
     control_group: Any | None,
+    shared_run_dir: bool = True,
 ) -> list[RankChecks]:
     """Every rank's checks, gathered on every rank (a collective); rank 0 says their cost and
     records them in the run directory; a failure anywhere raises on every rank, naming each
-    failed host (checks.min_allreduce_gbps applies to the slowest rank's figure)."""
-    own = own_checks(plan, settings, environ, collective=True)
+    failed host (checks.min_allreduce_gbps: rank 0's timing, the same verdict on all)."""
+    own = own_checks(plan, settings, environ, True, shared_run_dir)
     every = all_gather_object(own, control_group)
-    speeds = [checks.allreduce_gbps for checks in every if checks.allreduce_gbps is not None]
     floor = settings.min_allreduce_gbps
-    bandwidth = bandwidth_findings(min(speeds), floor) if speeds and floor else []
-    lines = failure_lines(every) + [f"all ranks: {finding.line()}" for finding in bandwidth]
+    gbps = measured_gbps(plan, every, control_group) if floor is not None else None
+    lines = failure_lines(every)
+    hosts = [line.split(" ", 1)[0] for line in lines]
+    if gbps is not None and floor is not None:
+        lines += [f"all ranks: {finding.line()}" for finding in bandwidth_findings(gbps, floor)]
     if plan.dist_env.is_main:
-        record = {"passed": not lines, "failures": lines, "ranks": [asdict(c) for c in every]}
+        record = {"passed": not lines, "failures": lines, "allreduce_gbps": gbps,
+                  "ranks": [asdict(checks) for checks in every]}  # fmt: skip
         replace_bytes(plan.run_dir / RECORD, (json.dumps(record, indent=1) + "\n").encode())
         if not lines:
-            get_logger().info(f"checks passed: {cost_line(every)}")
+            get_logger().info(f"checks passed: {cost_line(every, gbps)}")
     if lines:
-        hosts = sorted({line.split(" ", 1)[0] for line in lines if not line.startswith("all")})
+        where = f"{len(hosts)} host(s)" if hosts else "the collective path"
         raise HpcDdpError(
-            f"checks before the first step failed on {len(lines)} host(s):\n  "
-            + "\n  ".join(lines),
-            (f"leave the host(s) out: sbatch --exclude={','.join(hosts)} (and tell the "
-             "admins); " if hosts else "")
+            f"checks before the first step failed on {where}:\n  " + "\n  ".join(lines),
+            (f"leave the host(s) out: sbatch --exclude={','.join(sorted(hosts))} (and tell "
+             "the admins); " if hosts else "")
             + f"{plan.run_dir / RECORD} has every rank's results; checks.enabled=false "
             "skips the checks",
         )  # fmt: skip

@@ -126,7 +126,8 @@ def start(
         joined = join_ranks(plan, settings, environment, timeline)
         plan = joined.plan
         if settings.checks.enabled:  # before anything of the run is read or opened
-            check_before_training(plan, settings.checks, environment, joined.control_group)
+            check_before_training(plan, settings.checks, environment, joined.control_group,
+                                  shared_run_dir=settings.checkpoint.enabled)  # fmt: skip
             mark(timeline, "checked")
         resume = _resume_point(plan, settings, joined.control_group)
         values = fingerprint_of(fingerprint or {})
