@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,10 +115,12 @@ def check_before_training(
     environ: Mapping[str, str],
     control_group: Any | None,
     shared_run_dir: bool = True,
-) -> list[RankChecks]:
-    """Every rank's checks, gathered on every rank (a collective); rank 0 says their cost and
-    records them in the run directory; a failure anywhere raises on every rank, naming each
-    failed host (checks.min_allreduce_gbps: rank 0's timing, the same verdict on all)."""
+) -> dict[str, Any]:
+    """Every rank's checks, gathered on every rank (a collective); rank 0 says their cost. A
+    failure anywhere is recorded in the run directory and raises on every rank, naming each
+    failed host (checks.min_allreduce_gbps: rank 0's timing, the same verdict on all). What
+    passed is returned, for :func:`record_checks` once the run knows it will train (a
+    finished run started again is left as it was)."""
     own = own_checks(plan, settings, environ, True, shared_run_dir)
     every = all_gather_object(own, control_group)
     floor = settings.min_allreduce_gbps
@@ -126,13 +129,13 @@ def check_before_training(
     hosts = [line.split(" ", 1)[0] for line in lines]
     if gbps is not None and floor is not None:
         lines += [f"all ranks: {finding.line()}" for finding in bandwidth_findings(gbps, floor)]
-    if plan.dist_env.is_main:
-        record = {"passed": not lines, "failures": lines, "allreduce_gbps": gbps,
-                  "ranks": [asdict(checks) for checks in every]}  # fmt: skip
-        replace_bytes(plan.run_dir / RECORD, (json.dumps(record, indent=1) + "\n").encode())
-        if not lines:
-            get_logger().info(f"checks passed: {cost_line(every, gbps)}")
+    record = {"passed": not lines, "failures": lines, "allreduce_gbps": gbps,
+              "ranks": [asdict(checks) for checks in every]}  # fmt: skip
+    if plan.dist_env.is_main and not lines:
+        get_logger().info(f"checks passed: {cost_line(every, gbps)}")
     if lines:
+        if plan.dist_env.is_main:
+            record_checks(plan.run_dir, record)
         where = f"{len(hosts)} host(s)" if hosts else "the collective path"
         raise HpcDdpError(
             f"checks before the first step failed on {where}:\n  " + "\n  ".join(lines),
@@ -141,4 +144,9 @@ def check_before_training(
             + f"{plan.run_dir / RECORD} has every rank's results; checks.enabled=false "
             "skips the checks",
         )  # fmt: skip
-    return every
+    return record
+
+
+def record_checks(run_dir: Path, record: Mapping[str, Any]) -> None:
+    """The attempt's checks in ``run_dir/checks.json`` (rank 0's to write)."""
+    replace_bytes(run_dir / RECORD, (json.dumps(record, indent=1) + "\n").encode())

@@ -31,7 +31,7 @@ from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.timeline import mark, new_timeline
-from hpc_ddp.runtime.place.checking import check_before_training
+from hpc_ddp.runtime.place.checking import check_before_training, record_checks
 from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.ending import Ending, end_active_run, install_excepthook, watch
@@ -125,11 +125,16 @@ def start(
     try:
         joined = join_ranks(plan, settings, environment, timeline)
         plan = joined.plan
+        checks = None
         if settings.checks.enabled:  # before anything of the run is read or opened
-            check_before_training(plan, settings.checks, environment, joined.control_group,
-                                  shared_run_dir=settings.checkpoint.enabled)  # fmt: skip
+            shared = settings.checkpoint.enabled
+            group = joined.control_group
+            checks = check_before_training(plan, settings.checks, environment, group, shared)
             mark(timeline, "checked")
         resume = _resume_point(plan, settings, joined.control_group)
+        finished_before = resume is not None and bool(resume[1].get("finished"))
+        if checks is not None and plan.dist_env.is_main and not finished_before:
+            record_checks(plan.run_dir, checks)
         values = fingerprint_of(fingerprint or {})
         if resume is not None:  # refused before MLflow reopens the run it names
             check_resumable(resume[1]["fingerprint"], values, resume[0])
