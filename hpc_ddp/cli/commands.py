@@ -223,6 +223,13 @@ def job_request(
     )
 
 
+def slurm_words(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """--slurm's options (None: a flag)."""
+    from hpc_ddp.launch.slurmoptions import from_words
+
+    return list(from_words(args.slurm).items())
+
+
 def sbatch_options(args: argparse.Namespace) -> dict[str, str | None]:
     """The job's other sbatch options: the site profiles', then --slurm's; checked with this
     cluster's sbatch where there is one."""
@@ -273,10 +280,8 @@ def submit(args: argparse.Namespace) -> int:
         cpus_per_task=args.cpus_per_task,
         cluster=args.cluster,
         folder=args.folder,
-        sbatch={
-            name: True if value is None else value  # a flag
-            for name, value in sbatch_options(args).items()
-        },
+        # submit() adds the site profiles and checks the whole with sbatch: only --slurm here.
+        sbatch={name: True if value is None else value for name, value in slurm_words(args)},
     )
     print(f"submitted job {job.job_id} (logs in {args.folder})", file=sys.stderr)
     if args.no_wait:
