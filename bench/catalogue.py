@@ -10,7 +10,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from bench.report_gpu import GPU_NOTE, gpu_section, gpu_sharded_section
-from bench.report_io import checkpoint_section, checks_section, data_memory_section
+from bench.report_io import (
+    checkpoint_section,
+    checks_section,
+    data_memory_section,
+    requeue_section,
+)
 from bench.report_scale import scale_section, tracking_section
 from bench.report_sharded import checksum_section, sharded_section
 from bench.report_steps import (
@@ -49,6 +54,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("tracking_cost", "bench.tracking_cost", tracking_section),
     Benchmark("sweep_scale", "bench.sweep_scale", sweep_section),
     Benchmark("checks_cost", "bench.checks_cost", checks_section),
+    Benchmark("requeue_cost", "bench.requeue_cost", requeue_section, needs="cluster"),
     Benchmark("gpu", "bench.gpu", gpu_section, needs="gpu", absent=GPU_NOTE),
     Benchmark("gpu_sharded", "bench.gpu_sharded", gpu_sharded_section, needs="gpu"),
 )

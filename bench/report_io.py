@@ -104,3 +104,25 @@ def checks_section(data: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines) + "\n"
+
+
+def requeue_section(data: dict[str, Any]) -> str:
+    seconds, median = data["seconds"], data["median_s"]
+    return (
+        "## 9. A failed node to the next attempt, against a plain requeue\n\n"
+        "`python -m bench.requeue_cost` on the test Slurm cluster (3 nodes; a job of 2 nodes, "
+        "one task each, the built-in trainer): seconds from a node failing the checks "
+        "(recorded in excluded_hosts.json) to the next attempt's first finished step, on the "
+        "other two nodes; and from a plain requeue's stop (`preempt.stop_at_step`, its "
+        "checkpoint on disk) to the resumed attempt's first finished step. "
+        f"Medians of {data['repeats']} runs.\n\n"
+        "| path | median s | each run s |\n|---|---:|---|\n"
+        f"| node failure: requeued held, ExcNodeList updated, released | "
+        f"{median['node_failure']:.1f} | {', '.join(map(str, seconds['node_failure']))} |\n"
+        f"| plain `scontrol requeue` | {median['plain_requeue']:.1f} | "
+        f"{', '.join(map(str, seconds['plain_requeue']))} |\n\n"
+        "Both are mostly Slurm's own wait before a requeued job may start again (about 10 s on "
+        "the test cluster, whose credentials expire after 10 s; about 150 s with Slurm's defaults "
+        "there) and the attempt's start-up; leaving a node out adds three `scontrol` "
+        "calls.\n\n"
+    )

@@ -404,29 +404,54 @@ def test_training_in_an_interactive_pty_shell_fails_fast(
     assert "HINT: from this shell run `srun --overlap --ntasks=2" in result.stdout
 
 
-def test_a_node_failing_the_sites_health_check_ends_the_job_before_training_named(
+def test_a_node_failing_the_sites_health_check_is_left_out_and_the_job_requeued(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    """checks.command runs once on each of 3 nodes; the one it fails on is named (by Slurm's
-    node name, which --exclude takes) with the command's output, before any step."""
+    """checks.command runs once on each node of a 2-node job; it fails on the allocation's
+    last node whenever that node is in the job. The attempt stops before any step, names the
+    node (by Slurm's name, which --exclude takes) with the command's output, leaves it out of
+    the job (ExcNodeList) and requeues; the next attempt runs on the other two and ends with
+    the weights of a run that never met the bad node."""
     work = prepare_workdir(tmp_path)
-    health = work / "health.sh"
+    health, bad = work / "health.sh", work / "bad-node"
+    # The first attempt picks its last node as the bad one, the same on every node.
     health.write_text(
-        '#!/bin/sh\nif [ "$SLURMD_NODENAME" = node2 ]; then\n'
+        f"#!/bin/sh\nif [ ! -f {bad} ]; then\n"
+        f'  scontrol show hostnames "$SLURM_JOB_NODELIST" | tail -n 1 > {bad}.$$ && '
+        f"mv {bad}.$$ {bad}\nfi\n"
+        f'if [ "$SLURMD_NODENAME" = "$(cat {bad})" ]; then\n'
         '  echo "ECC errors on GPU 1"; exit 1\nfi\n'
     )
     job = slurm.sbatch(
-        ["--nodes=3", "--ntasks-per-node=1", TRAIN, "configs/synthetic.yaml",
-         f"run.output_dir={work / 'runs'}", f"checks.command=sh {health}", *SMALL],
+        ["--nodes=2", "--ntasks-per-node=1", TRAIN, "configs/synthetic.yaml",
+         f"run.output_dir={work / 'runs'}", f"checks.command=sh {health}",
+         "tracking.enabled=false", *SMALL],
         work,
     )  # fmt: skip
-    state = slurm.wait(job)
+    state = slurm.wait(job, timeout=300)
     log = (work / f"hpc-ddp-{job}.out").read_text()
-    assert state.startswith("FAILED"), (state, log[-3000:])
-    assert f"node2 (rank 1): checks.command: `sh {health}` exited with 1: ECC errors on GPU 1" in (
+    assert state == "COMPLETED", (state, log[-3000:])
+    node = bad.read_text().strip()
+    assert f"{node} (rank 1): checks.command: `sh {health}` exited with 1: ECC errors on GPU 1" in (
         log
     ), log[-3000:]
-    assert "HINT: leave the host(s) out: sbatch --exclude=node2" in log
-    record = json.loads(next((work / "runs").glob(f"*/{job}/checks.json")).read_text())
-    assert [rank["findings"] != [] for rank in record["ranks"]] == [False, True, False]
-    assert not list((work / "runs").glob(f"*/{job}/checkpoints/step-*")), "no step trained"
+    assert f"left {node} out of job {job} (ExcNodeList: {node}) and requeued it" in log
+    assert "node failure 1 of preempt.max_node_failures=2" in log
+    assert slurm.job_field(job, "ExcNodeList") == node and slurm.job_field(job, "Restarts") == "1"
+    ran_on = slurm.run(["scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")], work)
+    assert node not in ran_on.stdout.split() and len(ran_on.stdout.split()) == 2
+    run_dir = next((work / "runs").glob(f"*/{job}"))
+    failures = json.loads((run_dir / "excluded_hosts.json").read_text())
+    assert [(f["hosts"], f["restart_count"], f["requeued"]) for f in failures] == [
+        ([node], 0, True)
+    ]
+    assert json.loads((run_dir / "checks.json").read_text())["passed"], "the second attempt's"
+    listed = slurm.run([sys.executable, "-m", "hpc_ddp", "runs", str(work / "runs")], work)
+    assert f"synthetic-mlp/{job}: attempt 0: left out {node}: {node} (rank 1): checks.command" in (
+        listed.stdout
+    ), listed.stdout
+    summary = read_summary(work / "runs")
+    assert (summary["restart_count"], summary["resumed_from_step"]) == (1, None)
+    reference = run_local(2, tmp_path / "reference", [*SMALL, "tracking.enabled=false"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert summary["weights_sha256"] == read_summary(tmp_path / "reference")["weights_sha256"]

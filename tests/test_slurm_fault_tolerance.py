@@ -168,6 +168,54 @@ def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
     assert steps == list(range(8, 1201, 8)), "0 steps lost or repeated"
 
 
+def minutes_from_now(run_time: str, minutes: int) -> int:
+    """A time limit (whole minutes) ``minutes`` beyond a job's RunTime ("[D-]HH:MM:SS")."""
+    days, _, clock = run_time.rpartition("-")
+    hours, mins, secs = (int(part) for part in clock.split(":"))
+    elapsed = ((int(days or 0) * 24 + hours) * 60 + mins) * 60 + secs
+    return -(-elapsed // 60) + minutes
+
+
+def test_a_job_with_no_warning_signal_stops_before_a_limit_shortened_while_it_runs(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """A job script with no --signal: rank 0 reads the job's end (squeue); `scontrol update
+    TimeLimit` brings it within preempt.end_margin_s while the job trains; the ranks stop
+    with a checkpoint and requeue, and the job (its limit raised again) ends with the
+    weights of an uninterrupted run."""
+    work = prepare_workdir(tmp_path / "slurm")
+    lines = Path(TRAIN).read_text().splitlines()
+    (work / "no-signal.sh").write_text(
+        "\n".join(line for line in lines if not line.startswith("#SBATCH --signal")) + "\n"
+    )
+    end = ["preempt.end_margin_s=200", "preempt.end_check_every_s=1", "preempt.max_requeues=10"]
+    job = slurm.sbatch(
+        ["--nodes=1", "--time=10", str(work / "no-signal.sh"), "configs/synthetic.yaml",
+         f"run.output_dir={work / 'runs'}", "tracking.enabled=false", *end, *LONG],
+        work,
+    )  # fmt: skip
+    log_path = work / f"hpc-ddp-{job}.out"
+    log = slurm.wait_for_log(log_path, r"\[rank 0/2\] INFO epoch 0 step (4\d|[5-9]\d|1\d\d)/1200")
+    assert re.search(r"the job ends at \S+ \(in \d+ s\): the ranks stop with a checkpoint", log)
+    # 60 to 180 s from now: within the 200 s margin (+ the save and checks), so it stops.
+    short = minutes_from_now(slurm.job_field(job, "RunTime"), 2)
+    update = ["scontrol", "update", f"JobId={job}"]
+    assert slurm.run([*update, f"TimeLimit={short}"], work).returncode == 0
+    slurm.wait_for_log(log_path, f"requeued job {job}", timeout=120)
+    # A requeued attempt would stop at once under the short limit: give it the long one.
+    assert slurm.run([*update, "TimeLimit=10"], work).returncode == 0
+    state = slurm.wait(job, timeout=300)
+    log = log_path.read_text()
+    assert state == "COMPLETED", log[-4000:]
+    assert "the job's end moved" in log and "stopping before the job's time limit" in log
+    assert "SIGUSR1" not in log and "signal 10" not in log, "no warning signal came"
+    first_stop = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert 40 <= first_stop < 1200
+    summary = read_summary(work / "runs")
+    assert summary["restart_count"] >= 1 and summary["global_step"] == 1200
+    assert summary["weights_sha256"] == uninterrupted_weights(tmp_path, LONG)
+
+
 def test_a_script_rendered_for_usr2_stops_on_usr2_and_requeues(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:

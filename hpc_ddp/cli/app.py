@@ -332,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     except HpcDdpError as error:
         print(f"hpc-ddp {args.command}: error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     except BrokenPipeError:  # `hpc-ddp runs | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

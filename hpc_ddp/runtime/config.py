@@ -199,6 +199,23 @@ class PreemptConfig:
         3, "Requeue only while SLURM_RESTART_COUNT is below this; then stop after the checkpoint."
     )
     requeue_timeout_s: float = setting(60.0, "Seconds `scontrol requeue` may take.")
+    max_attempts_without_progress: int = setting(
+        3,
+        "A Slurm job whose last this-many attempts ended without moving the checkpoint "
+        "forward (preempted or killed before their first save) ends with exit code 7 instead "
+        "of training again. 0: no limit.",
+    )
+    requeue_delay_s: float = setting(
+        0.0,
+        "After hosts failed the checks, the requeued job may start again only this many "
+        "seconds later (its begin time): time for the site to drain them.",
+    )
+    max_node_failures: int = setting(
+        2,
+        "Hosts failing the checks before the first step are left out of the job "
+        "(ExcNodeList) and the job requeued, this many times (apart from max_requeues); "
+        "then the job ends with exit code 6, naming every host it left out.",
+    )
     warning_s: float = setting(
         120.0,
         "Seconds between the warning signal and the kill (`--signal=USR1@120`): a checkpoint "
@@ -212,6 +229,24 @@ class PreemptConfig:
         "(every step until then).",
     )
 
+    stop_before_end: bool = setting(
+        True,
+        "In a Slurm job, rank 0 reads the job's end (its time limit, re-read every "
+        "end_check_every_s so a requeue or `scontrol update TimeLimit` is seen) and stops "
+        "with a checkpoint and requeue early enough for the save (measured), two stop checks "
+        "and end_margin_s: no warning signal needed. With one, the earlier stop wins.",
+    )
+    end_margin_s: float = setting(
+        60.0,
+        "Seconds kept free before the job's end beyond the measured save and stop checks "
+        "(the requeue, the ranks' exit, a slow file system).",
+    )
+    end_check_every_s: float | None = setting(
+        300.0,
+        "Seconds between rank 0's reads of the job's end (`squeue`, in the background; a "
+        "time limit changed by `scontrol update` is seen within this long, and many jobs "
+        "reading more often load slurmctld); null: read once at the start.",
+    )
     stop_at_step: int | None = setting(
         None,
         "Rehearse a preemption: after this optimizer step, checkpoint and stop as the warning "
@@ -222,6 +257,19 @@ class PreemptConfig:
 
     def __post_init__(self) -> None:
         require(self.max_requeues >= 0, "preempt.max_requeues", self.max_requeues, ">= 0")
+        require(
+            self.max_attempts_without_progress >= 0,
+            "preempt.max_attempts_without_progress",
+            self.max_attempts_without_progress,
+            ">= 0",
+        )
+        require(self.requeue_delay_s >= 0, "preempt.requeue_delay_s", self.requeue_delay_s, ">= 0")
+        require(
+            self.max_node_failures >= 0,
+            "preempt.max_node_failures",
+            self.max_node_failures,
+            ">= 0",
+        )
         if self.stop_at_step is not None:
             require(self.stop_at_step >= 1, "preempt.stop_at_step", self.stop_at_step, ">= 1")
         if self.check_every_steps is not None:
@@ -235,6 +283,14 @@ class PreemptConfig:
             self.requeue_timeout_s > 0, "preempt.requeue_timeout_s", self.requeue_timeout_s, "> 0"
         )
         require(self.warning_s > 0, "preempt.warning_s", self.warning_s, "> 0")
+        require(self.end_margin_s >= 0, "preempt.end_margin_s", self.end_margin_s, ">= 0")
+        if self.end_check_every_s is not None:
+            require(
+                self.end_check_every_s > 0,
+                "preempt.end_check_every_s",
+                self.end_check_every_s,
+                "> 0 or null",
+            )
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,12 @@ EXIT_PEER_LOST = 4
 #: No training step finished for ``dist.stall_timeout_s``: the rank wrote its threads'
 #: stacks to its log and ended the job (:mod:`hpc_ddp.runtime.preempt.watchdog`).
 EXIT_STALLED = 5
+#: Hosts failed the checks ``preempt.max_node_failures`` times: the job is not requeued
+#: again, and the line names every host it left out.
+EXIT_NODES_FAILED = 6
+#: The job's last ``preempt.max_attempts_without_progress`` attempts ended without moving
+#: the checkpoint forward: it ends instead of training again.
+EXIT_NO_PROGRESS = 7
 
 #: What gloo and NCCL say when the other end of a collective has gone (crashed, killed).
 PEER_LOST_MARKERS = (
@@ -55,13 +61,14 @@ class HpcDdpError(Exception):
     """A problem with the user's input or environment that the user can fix.
 
     The entry points print it as ``error: <message>`` followed by ``HINT: <hint>`` and exit
-    with code 2, without a traceback.
+    with ``exit_code`` (2), without a traceback.
     """
 
-    def __init__(self, message: str, hint: str = "") -> None:
+    def __init__(self, message: str, hint: str = "", exit_code: int = EXIT_USER_ERROR) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        self.exit_code = exit_code
 
     def __str__(self) -> str:
         if self.hint:

@@ -20,7 +20,6 @@ from typing import NoReturn
 from hpc_ddp.runtime.errors import (
     EXIT_FAILURE,
     EXIT_PEER_LOST,
-    EXIT_USER_ERROR,
     HpcDdpError,
     lost_peer,
 )
@@ -70,12 +69,12 @@ def toolkit_frame(path: str) -> bool:
 def report_failure(
     error: BaseException, label: str, hidden: Callable[[str], bool] | None = None
 ) -> int:
-    """Print what ends this rank and return its exit code: 2 and one line for an
+    """Print what ends this rank and return its exit code: its own (2) and one line for an
     HpcDdpError, 4 and one line when another rank went away, 130 for Ctrl-C, else 1 and the
     traceback (without the leading frames ``hidden`` names)."""
     if isinstance(error, HpcDdpError):
         print(f"[rank {label}] error: {error}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return error.exit_code
     if isinstance(error, KeyboardInterrupt):
         print(f"[rank {label}] interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.preempt.node_record import left_out_lines, node_failures
 from hpc_ddp.runtime.tracking.journal import STATUS_FILE, pid_alive, read_metrics, read_status
 
 #: Interval metrics that describe speed, not the model.
@@ -34,6 +35,8 @@ class RunView:
     train: dict[str, float | None] = field(default_factory=dict)
     #: The newest value of each validation metric (names starting with "val").
     val: dict[str, float | None] = field(default_factory=dict)
+    #: Hosts that failed the checks and were left out of the job, one line per failure.
+    left_out: tuple[str, ...] = ()
 
 
 def is_validation(name: str) -> bool:
@@ -94,6 +97,7 @@ def load_run(path: Path) -> RunView | None:
         updated=float(updated) if isinstance(updated, int | float) else 0.0,
         train=train,
         val=val,
+        left_out=tuple(left_out_lines(node_failures(path))),
     )
 
 
@@ -157,8 +161,8 @@ def _age(seconds: float) -> str:
 
 
 def format_runs(runs: Iterable[RunView], now: float | None = None) -> str:
-    """A table, one run per line."""
-    now = time.time() if now is None else now
+    """A table, one run per line; then the hosts each run left out, and why."""
+    runs, now = list(runs), time.time() if now is None else now
     header = ("RUN", "STATE", "STEP", "EPOCH", "ATTEMPTS", "UPDATED", "TRAIN", "VAL")
     rows = [
         (
@@ -178,4 +182,6 @@ def format_runs(runs: Iterable[RunView], now: float | None = None) -> str:
     for row in [header, *rows]:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
         lines.append("  ".join([*cells, row[-1]]).rstrip())
+    for run in runs:
+        lines += [f"{run.name}/{run.run_id}: {line}" for line in run.left_out]
     return "\n".join(lines)

@@ -278,8 +278,7 @@ class StepLoop:
         self.metrics.progress.close()
         if self._watchdog is not None:
             self._watchdog.close()
-        if wait:
-            self.stopper.close()
+        self.stopper.close(wait)
 
 
 def check_period(steps: object) -> None:

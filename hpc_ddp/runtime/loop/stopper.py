@@ -1,6 +1,6 @@
 """The stop all ranks agree on: every few steps the ranks exchange whether a stop signal
-came (and whether a save is due by time); after the SAME step they checkpoint, requeue if
-asked and allowed, and end the run."""
+came or the job's end is near (and whether a save is due by time); after the SAME step they
+checkpoint, requeue if asked and allowed, and end the run."""
 
 from __future__ import annotations
 
@@ -16,7 +16,10 @@ from hpc_ddp.runtime.loop.checkpointer import Checkpointer
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.place.dist import broadcast_object
-from hpc_ddp.runtime.preempt.requeue import requeue_job
+from hpc_ddp.runtime.preempt.job_end import StopBeforeEnd, job_end_for
+from hpc_ddp.runtime.preempt.node_record import requeues_for_nodes
+from hpc_ddp.runtime.preempt.progress import no_progress_refusal, record_attempt
+from hpc_ddp.runtime.preempt.requeue import requeue_job, requeue_target
 from hpc_ddp.runtime.preempt.signals import StepAgreement
 
 
@@ -42,18 +45,50 @@ class Stopper:
         self.position = position
         self.checkpointer = checkpointer
         self._agreement: StepAgreement | None = None
+        self._before_end: StopBeforeEnd | None = None
 
     def begin(self) -> None:
-        """Before the first step: the agreement's background exchange."""
+        """Before the first step: the agreement's background exchange; on rank 0 of a Slurm
+        job, the job's end and when the stop before it will come."""
         several = self.context.env.world_size > 1
         self._agreement = StepAgreement(self.context.control_group if several else None)
+        preempt = self.context.config.preempt
+        if requeue_target(self.context.environ) and self.context.config.checkpoint.enabled:
+            self._refuse_a_stalled_job()
+        job_end = job_end_for(self.context.environ, preempt) if self.context.env.is_main else None
+        if job_end is not None:
+            self._before_end = StopBeforeEnd(job_end.start(), self._save_s, preempt.end_margin_s)
+            self._before_end.say_when()
 
     def decide(self) -> tuple[bool, bool]:
-        """(stop, save now), the same on every rank: a stop signal on any rank stops all;
-        rank 0's clock decides a save by ``checkpoint.every_minutes``."""
+        """(stop, save now), the same on every rank: a stop signal on any rank, or rank 0
+        seeing the job's end near, stops all; rank 0's clock decides a save by
+        ``checkpoint.every_minutes``."""
         if self._agreement is None:
             return False, False
-        return self._agreement.exchange(self.context.signals.requested, self._save_due())
+        stop = self.context.signals.requested
+        if not stop and self._before_end is not None and self._before_end.due():
+            self.context.signals.rehearse()  # the warning signal's stop: requeue included
+            stop = True
+        return self._agreement.exchange(stop, self._save_due())
+
+    def _refuse_a_stalled_job(self) -> None:
+        """Rank 0 records this attempt of the Slurm job and where it resumed; every rank ends
+        when the attempts before it made no progress (preempt.max_attempts_without_progress)."""
+        context, refusal = self.context, None
+        if context.env.is_main:
+            start_step = self.position.resumed_from_step or 0
+            attempts = record_attempt(context.run_dir, context.env.restart_count, start_step)
+            limit = context.config.preempt.max_attempts_without_progress
+            refusal = no_progress_refusal(attempts, limit)
+        refusal = broadcast_object(refusal, context.control_group)
+        if refusal is not None:
+            raise refusal
+
+    def _save_s(self) -> float | None:
+        """What the last save took (a stop's save writes in full), or None before one."""
+        saves, written = self.checkpointer.last_save_s, self.checkpointer.folders.last_write_s
+        return max(sum(saves.values()), written or 0.0) if saves else None
 
     def rehearsal_due(self) -> bool:
         """Whether this step is ``preempt.stop_at_step``: every rank knows so at the same step,
@@ -85,9 +120,9 @@ class Stopper:
         if context.env.is_main:
             if context.signals.wants_requeue:
                 context.tracker.suspend()  # before requeueing: Slurm ends this step right after
-                requeued = requeue_job(
-                    context.environ, context.env.restart_count, context.config.preempt
-                )
+                # Requeues that left failed hosts out have a budget of their own.
+                restarts = context.env.restart_count - requeues_for_nodes(context.run_dir)
+                requeued = requeue_job(context.environ, restarts, context.config.preempt)
             if not requeued:
                 context.tracker.finish("KILLED")
         # Every rank learns the outcome before exiting, so none exits early and takes the
@@ -111,8 +146,10 @@ class Stopper:
                 get_logger().warning(stopped)
         raise Stopped(position.global_step, requeued, context.run_dir.name)
 
-    def close(self) -> None:
-        """Finish the exchange in flight (only on a clean end: after a failure a peer may be
-        gone)."""
-        if self._agreement is not None:
+    def close(self, wait: bool = True) -> None:
+        """Stop reading the job's end; (``wait``) finish the exchange in flight (only on a
+        clean end: after a failure a peer may be gone)."""
+        if self._before_end is not None:
+            self._before_end.close()
+        if wait and self._agreement is not None:
             self._agreement.close()

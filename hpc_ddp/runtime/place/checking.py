@@ -1,6 +1,7 @@
 """The checks before the first step, on every rank at once (see :mod:`.health`): each rank
 runs its own, the findings are gathered, rank 0 says what they cost and records them in the
-run directory (checks.json), and a failure ends every rank with one line per host."""
+run directory (checks.json); a failure is answered by the caller (a requeue without the failed
+hosts, or one line per host)."""
 
 from __future__ import annotations
 
@@ -116,11 +117,12 @@ def check_before_training(
     control_group: Any | None,
     shared_run_dir: bool = True,
 ) -> dict[str, Any]:
-    """Every rank's checks, gathered on every rank (a collective); rank 0 says their cost. A
-    failure anywhere is recorded in the run directory and raises on every rank, naming each
-    failed host (checks.min_allreduce_gbps: rank 0's timing, the same verdict on all). What
-    passed is returned, for :func:`record_checks` once the run knows it will train (a
-    finished run started again is left as it was)."""
+    """Every rank's checks, gathered on every rank (a collective); rank 0 says their cost. The
+    record says the same on every rank: ``failures`` (one line per failed host, and the
+    bandwidth floor: rank 0's timing), the failed ``hosts``, every rank's results. A failure
+    is recorded in the run directory at once (see :func:`checks_refusal`); what passed is
+    recorded by :func:`record_checks` once the run knows it will train (a finished run
+    started again is left as it was)."""
     own = own_checks(plan, settings, environ, True, shared_run_dir)
     every = all_gather_object(own, control_group)
     floor = settings.min_allreduce_gbps
@@ -129,22 +131,26 @@ def check_before_training(
     hosts = [line.split(" ", 1)[0] for line in lines]
     if gbps is not None and floor is not None:
         lines += [f"all ranks: {finding.line()}" for finding in bandwidth_findings(gbps, floor)]
-    record = {"passed": not lines, "failures": lines, "allreduce_gbps": gbps,
+    record = {"passed": not lines, "failures": lines, "hosts": hosts, "allreduce_gbps": gbps,
               "ranks": [asdict(checks) for checks in every]}  # fmt: skip
-    if plan.dist_env.is_main and not lines:
-        get_logger().info(f"checks passed: {cost_line(every, gbps)}")
-    if lines:
-        if plan.dist_env.is_main:
+    if plan.dist_env.is_main:
+        if lines:
             record_checks(plan.run_dir, record)
-        where = f"{len(hosts)} host(s)" if hosts else "the collective path"
-        raise HpcDdpError(
-            f"checks before the first step failed on {where}:\n  " + "\n  ".join(lines),
-            (f"leave the host(s) out: sbatch --exclude={','.join(sorted(hosts))} (and tell "
-             "the admins); " if hosts else "")
-            + f"{plan.run_dir / RECORD} has every rank's results; checks.enabled=false "
-            "skips the checks",
-        )  # fmt: skip
+        else:
+            get_logger().info(f"checks passed: {cost_line(every, gbps)}")
     return record
+
+
+def checks_refusal(record: Mapping[str, Any], run_dir: Path) -> HpcDdpError:
+    """The refusal of failed checks: one line per failed host, the hosts to leave out."""
+    hosts, lines = record["hosts"], record["failures"]
+    where = f"{len(hosts)} host(s)" if hosts else "the collective path"
+    return HpcDdpError(
+        f"checks before the first step failed on {where}:\n  " + "\n  ".join(lines),
+        (f"leave the host(s) out: sbatch --exclude={','.join(sorted(hosts))} (and tell "
+         "the admins); " if hosts else "")
+        + f"{run_dir / RECORD} has every rank's results; checks.enabled=false skips the checks",
+    )  # fmt: skip
 
 
 def record_checks(run_dir: Path, record: Mapping[str, Any]) -> None:

@@ -95,7 +95,8 @@ class StopSignals:
             ignore_until_exit(signum)
 
     def rehearse(self) -> None:
-        """Record the warning signal as if it had arrived (``preempt.stop_at_step``)."""
+        """Record the warning signal as if it had arrived (``preempt.stop_at_step``, or the
+        job's end near without one)."""
         self.received.add(self.warning)
 
     @property

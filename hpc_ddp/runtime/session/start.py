@@ -33,6 +33,7 @@ from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.timeline import mark, new_timeline
 from hpc_ddp.runtime.place.checking import check_before_training, record_checks
 from hpc_ddp.runtime.place.plan import LaunchPlan
+from hpc_ddp.runtime.preempt.exclusion import answer_failed_checks
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.ending import Ending, end_active_run, install_excepthook, watch
 from hpc_ddp.runtime.session.joining import (
@@ -130,6 +131,8 @@ def start(
             shared = settings.checkpoint.enabled
             group = joined.control_group
             checks = check_before_training(plan, settings.checks, environment, group, shared)
+            if checks["failures"]:
+                answer_failed_checks(checks, plan, preempt, environment, group, signals)
             mark(timeline, "checked")
         resume = _resume_point(plan, settings, joined.control_group)
         finished_before = resume is not None and bool(resume[1].get("finished"))

@@ -1,0 +1,141 @@
+"""A host that failed the checks is left out of the job's next attempt: rank 0 records it in
+the run directory (``excluded_hosts.json``), adds it to the job's ``ExcNodeList`` and requeues,
+within ``preempt.max_node_failures`` (a budget of its own, apart from
+``preempt.max_requeues``); past it the job ends with :data:`EXIT_NODES_FAILED`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from hpc_ddp.runtime.config import PreemptConfig
+from hpc_ddp.runtime.errors import EXIT_NODES_FAILED, HpcDdpError, Stopped
+from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.place.checking import checks_refusal
+from hpc_ddp.runtime.place.dist import broadcast_object
+from hpc_ddp.runtime.place.plan import LaunchPlan
+from hpc_ddp.runtime.place.slurm import job_allows_requeue, job_field, show_job
+from hpc_ddp.runtime.preempt.node_record import RECORD, excluded_hosts, node_failures
+from hpc_ddp.runtime.preempt.requeue import requeue_target
+from hpc_ddp.runtime.preempt.signals import StopSignals
+from hpc_ddp.runtime.safefiles import replace_bytes
+
+
+def with_hosts(excluded: str | None, hosts: Sequence[str]) -> str:
+    """An ExcNodeList value: the job's own exclusions (Slurm's "(null)": none) and ``hosts``."""
+    kept = [] if excluded in (None, "", "(null)") else [str(excluded)]
+    return ",".join([*kept, *hosts])
+
+
+def _scontrol(*words: str, timeout_s: float) -> str | None:
+    """Run scontrol; None when it worked, else what went wrong. SIGTERM is ignored in it:
+    Slurm sends the step SIGTERM as the requeue ends it, and the calls after must finish."""
+    try:
+        result = subprocess.run(["scontrol", *words], capture_output=True, text=True,
+                                timeout=timeout_s, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return str(error)
+    return None if result.returncode == 0 else result.stderr.strip() or f"exit {result.returncode}"
+
+
+def requeue_without(
+    job: str, hosts: Sequence[str], timeout_s: float, delay_s: float = 0.0
+) -> str | None:
+    """Requeue ``job`` held, add ``hosts`` to its ExcNodeList (Slurm changes it only while the
+    job waits) and, with ``delay_s``, its begin time, then release it; None when done, else
+    what failed."""
+    excluded = job_field(show_job(job, timeout_s), "ExcNodeList")
+    later = [f"StartTime=now+{round(delay_s)}"] if delay_s >= 1 else []
+    # An ignored SIGTERM stays ignored in the scontrol processes started from here on.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for words in (("requeuehold", job),
+                  ("update", f"JobId={job}", f"ExcNodeList={with_hosts(excluded, hosts)}",
+                   *later),
+                  ("release", job)):  # fmt: skip
+        failed = _scontrol(*words, timeout_s=timeout_s)
+        if failed is not None:
+            return f"scontrol {' '.join(words)}: {failed}"
+    return None
+
+
+def leave_out(
+    hosts: Sequence[str],
+    why: Sequence[str],
+    run_dir: Path,
+    environ: Mapping[str, str],
+    config: PreemptConfig,
+) -> tuple[str, str]:
+    """Rank 0: record the failed ``hosts`` and requeue the job without them, within the
+    budget. Returns (outcome, line): "requeued", "exhausted", or "refused" (not requeued:
+    the checks' refusal stands)."""
+    job = requeue_target(environ)
+    if job is None or not config.requeue:
+        return "refused", ""
+    failures = node_failures(run_dir)
+    failure = {"hosts": list(hosts), "why": list(why), "at_unix": round(time.time(), 3),
+               "restart_count": int(environ.get("SLURM_RESTART_COUNT", "0") or 0),
+               "requeued": False}  # fmt: skip
+    failures.append(failure)
+    replace_bytes(run_dir / RECORD, (json.dumps(failures, indent=1) + "\n").encode())
+    every = ", ".join(excluded_hosts(failures))
+    if len(failures) > config.max_node_failures:
+        return "exhausted", (
+            f"node failures: {len(failures)}, more than preempt.max_node_failures="
+            f"{config.max_node_failures}: not requeueing again; "
+            f"the job left out {every}"
+        )
+    if not job_allows_requeue(job, config.requeue_timeout_s):
+        return "refused", f"not requeueing: job {job} does not allow requeue (sbatch --requeue)"
+    failed = requeue_without(job, hosts, config.requeue_timeout_s, config.requeue_delay_s)
+    if failed is not None:
+        return "refused", f"could not requeue without {', '.join(hosts)}: {failed}"
+    failure["requeued"] = True
+    replace_bytes(run_dir / RECORD, (json.dumps(failures, indent=1) + "\n").encode())
+    return "requeued", (
+        f"left {', '.join(hosts)} out of job {job} (ExcNodeList: {every}) and requeued it "
+        f"(node failure {len(failures)} of preempt.max_node_failures="
+        f"{config.max_node_failures}); {run_dir / RECORD} says why"
+    )
+
+
+def answer_failed_checks(
+    record: Mapping[str, Any],
+    plan: LaunchPlan,
+    config: PreemptConfig,
+    environ: Mapping[str, str],
+    group: Any | None,
+    signals: StopSignals,
+) -> NoReturn:
+    """Failed checks, on every rank: in a Slurm job that allows it, the failed hosts are left
+    out and the job requeued (every rank ends with 0); past the budget the job ends with
+    EXIT_NODES_FAILED; else the checks' refusal (one line per host)."""
+    refusal = checks_refusal(record, plan.run_dir)
+    hosts = list(record["hosts"])
+    # The requeue's SIGTERM must not cut the ranks' exit short: the handlers from before the
+    # start come back first, so the start's own restore on the way out changes nothing.
+    signals.restore()
+    signals.ignore_from_now_on()
+    answer = ("refused", "")
+    if plan.dist_env.is_main and hosts and requeue_target(environ) and config.requeue:
+        get_logger().warning(refusal.message)
+        answer = leave_out(hosts, record["failures"], plan.run_dir, environ, config)
+    outcome, line = broadcast_object(answer, group)
+    if outcome == "requeued":
+        if plan.dist_env.is_main:
+            get_logger().info(line)
+        raise Stopped(0, True, plan.run_dir.name)
+    if outcome == "exhausted":
+        raise HpcDdpError(
+            line,
+            "have the hosts repaired (tell the admins), or raise preempt.max_node_failures; "
+            f"{plan.run_dir / RECORD} lists each failure",
+            exit_code=EXIT_NODES_FAILED,
+        )
+    if plan.dist_env.is_main and line:
+        get_logger().warning(line)
+    raise refusal

@@ -1,0 +1,64 @@
+"""The attempts of a requeued job and the step each resumed from (``attempts.json`` in the run
+directory, rank 0's): attempts that end without moving the checkpoint forward (preempted or
+killed before their first save) are counted, and past
+``preempt.max_attempts_without_progress`` in a row the job ends instead of training again.
+Standard library only."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.runtime.errors import EXIT_NO_PROGRESS, HpcDdpError
+from hpc_ddp.runtime.safefiles import replace_bytes
+
+RECORD = "attempts.json"
+
+
+def record_attempt(run_dir: Path, restart_count: int, from_step: int) -> list[dict[str, Any]]:
+    """Add this attempt (``restart_count``, resumed ``from_step``) to the record and return
+    every attempt's; an attempt torchrun restarted in its allocation replaces its entry."""
+    try:
+        attempts = json.loads((run_dir / RECORD).read_text())
+    except (OSError, ValueError):
+        attempts = []
+    if not isinstance(attempts, list):
+        attempts = []
+    entry = {"restart_count": restart_count, "from_step": from_step}
+    if attempts and attempts[-1].get("restart_count") == restart_count:
+        attempts[-1] = entry
+    else:
+        attempts.append(entry)
+    replace_bytes(run_dir / RECORD, (json.dumps(attempts, indent=1) + "\n").encode())
+    return attempts
+
+
+def attempts_without_progress(attempts: Sequence[Mapping[str, Any]]) -> int:
+    """How many attempts in a row before the last one ended where they began (the next one
+    resumed from the same step)."""
+    steps = [int(attempt["from_step"]) for attempt in attempts]
+    count = 0
+    for earlier, later in zip(reversed(steps[:-1]), reversed(steps[1:]), strict=True):
+        if later > earlier:
+            break
+        count += 1
+    return count
+
+
+def no_progress_refusal(attempts: Sequence[Mapping[str, Any]], limit: int) -> HpcDdpError | None:
+    """The end of a job whose last ``limit`` attempts made no progress, or None."""
+    stalled = attempts_without_progress(attempts)
+    if limit == 0 or stalled < limit:
+        return None
+    step = attempts[-1]["from_step"]
+    return HpcDdpError(
+        f"the last {stalled} attempts of this job ended without moving the checkpoint past step "
+        f"{step} (preempt.max_attempts_without_progress={limit}): not training again",
+        "see why in the job's log (each attempt's last lines: preempted or killed before its "
+        "first save?); checkpoint more often (checkpoint.every_steps) or raise "
+        "preempt.max_attempts_without_progress (0: no limit), then submit with run.id=<this "
+        "run's id> to continue",
+        exit_code=EXIT_NO_PROGRESS,
+    )
