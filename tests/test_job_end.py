@@ -152,16 +152,48 @@ def stopper_in_a_job(tmp_path: Path, seconds_left: int, margin_s: float) -> Stop
     return Stopper(context, position, checkpointer)
 
 
-def test_the_job_near_its_end_stops_as_on_the_warning_signal_with_no_signal(
+def test_a_job_whose_end_is_too_near_at_the_start_trains_on_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Stopping at once would requeue the job into the same too-short limit, again and again:
+    the stop is left to Slurm's signals."""
     stopper = stopper_in_a_job(tmp_path, seconds_left=100, margin_s=200.0)
     with caplog.at_level(logging.INFO, logger="hpc_ddp"):
         stopper.begin()
-        assert stopper.decide() == (True, False)
+        assert stopper.decide() == (False, False)
     assert "the ranks stop with a checkpoint and requeue once about 230 s" in caplog.text
+    assert "sooner than a stop needs" in caplog.text and "HINT: ask for a longer --time" in (
+        caplog.text
+    )
+    assert not stopper.context.signals.requested
+    stopper.close()
+
+
+def test_the_watch_arms_again_when_the_end_moves_and_stops_as_the_warning_signal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock, answers = Clock(), [100.0, 100.0, 3000.0, 80.0]
+    job_end = JobEnd(lambda: answers.pop(0), every_s=None, clock=clock).start()
+    watch = StopBeforeEnd(job_end, lambda: None, margin_s=60.0, clock=clock)
+    with caplog.at_level(logging.INFO, logger="hpc_ddp"):
+        assert not watch.due(), "too near at the first check: left to the signals"
+        clock.now += 1
+        assert not watch.due(), "the same end"
+        job_end.refresh()  # 100 s left: the same end as before
+        assert not watch.due()
+        job_end.refresh()  # the limit raised
+        assert not watch.due()
+        job_end.refresh()  # and shortened again: the stop is due now
+        assert watch.due()
     assert "stopping before the job's time limit" in caplog.text
-    assert stopper.context.signals.wants_requeue, "a requeue, as the warning signal asks"
+
+
+def test_the_stopper_stops_on_the_jobs_end_as_on_the_warning_signal(tmp_path: Path) -> None:
+    stopper = stopper_in_a_job(tmp_path, seconds_left=100_000, margin_s=60.0)
+    stopper.begin()
+    assert stopper.decide() == (False, False)
+    stopper.context.signals.rehearse()  # what the watch does when the stop is due
+    assert stopper.decide() == (True, False) and stopper.context.signals.wants_requeue
     stopper.position.global_step = 5
     with pytest.raises(Stopped) as stopped:
         stopper.stop()

@@ -442,14 +442,13 @@ def test_a_node_failing_the_sites_health_check_is_left_out_and_the_job_requeued(
     assert node not in ran_on.stdout.split() and len(ran_on.stdout.split()) == 2
     run_dir = next((work / "runs").glob(f"*/{job}"))
     failures = json.loads((run_dir / "excluded_hosts.json").read_text())
-    assert [(f["hosts"], f["restart_count"], f["requeued"]) for f in failures] == [
-        ([node], 0, True)
+    assert [(f["job"], f["hosts"], f["restart_count"], f["requeued"]) for f in failures] == [
+        (job, [node], 0, True)
     ]
     assert json.loads((run_dir / "checks.json").read_text())["passed"], "the second attempt's"
     listed = slurm.run([sys.executable, "-m", "hpc_ddp", "runs", str(work / "runs")], work)
-    assert f"synthetic-mlp/{job}: attempt 0: left out {node}: {node} (rank 1): checks.command" in (
-        listed.stdout
-    ), listed.stdout
+    shown = f"synthetic-mlp/{job}: job {job} attempt 0: {node} failed the checks ({node} (rank 1)"
+    assert shown in listed.stdout and "left out, the job requeued" in listed.stdout, listed.stdout
     summary = read_summary(work / "runs")
     assert (summary["restart_count"], summary["resumed_from_step"]) == (1, None)
     reference = run_local(2, tmp_path / "reference", [*SMALL, "tracking.enabled=false"])

@@ -78,7 +78,8 @@ class Stopper:
         context, refusal = self.context, None
         if context.env.is_main:
             start_step = self.position.resumed_from_step or 0
-            attempts = record_attempt(context.run_dir, context.env.restart_count, start_step)
+            job = requeue_target(context.environ)
+            attempts = record_attempt(context.run_dir, job, context.env.restart_count, start_step)
             limit = context.config.preempt.max_attempts_without_progress
             refusal = no_progress_refusal(attempts, limit)
         refusal = broadcast_object(refusal, context.control_group)
@@ -121,7 +122,8 @@ class Stopper:
             if context.signals.wants_requeue:
                 context.tracker.suspend()  # before requeueing: Slurm ends this step right after
                 # Requeues that left failed hosts out have a budget of their own.
-                restarts = context.env.restart_count - requeues_for_nodes(context.run_dir)
+                job = requeue_target(context.environ)
+                restarts = context.env.restart_count - requeues_for_nodes(context.run_dir, job)
                 requeued = requeue_job(context.environ, restarts, context.config.preempt)
             if not requeued:
                 context.tracker.finish("KILLED")

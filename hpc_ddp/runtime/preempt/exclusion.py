@@ -1,7 +1,9 @@
 """A host that failed the checks is left out of the job's next attempt: rank 0 records it in
 the run directory (``excluded_hosts.json``), adds it to the job's ``ExcNodeList`` and requeues,
 within ``preempt.max_node_failures`` (a budget of its own, apart from
-``preempt.max_requeues``); past it the job ends with :data:`EXIT_NODES_FAILED`."""
+``preempt.max_requeues``); past it the job ends with :data:`EXIT_NODES_FAILED`. Only hosts
+that failed a check of their own (devices, the site's command) and not every host of the job
+are left out: a shared file system or the collective path is no one host's fault."""
 
 from __future__ import annotations
 
@@ -20,21 +22,36 @@ from hpc_ddp.runtime.place.checking import checks_refusal
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.place.slurm import job_allows_requeue, job_field, show_job
-from hpc_ddp.runtime.preempt.node_record import RECORD, excluded_hosts, node_failures
+from hpc_ddp.runtime.preempt.node_record import RECORD, excluded_hosts, node_failures, of_job
 from hpc_ddp.runtime.preempt.requeue import requeue_target
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.safefiles import replace_bytes
 
+#: Checks whose failure is not one host's: the run directory (shared), the collective path.
+SHARED_CHECKS = frozenset({"storage", "collective", "collective bandwidth"})
 
-def with_hosts(excluded: str | None, hosts: Sequence[str]) -> str:
+
+def hosts_to_leave_out(record: Mapping[str, Any]) -> list[str]:
+    """The hosts a check of their own failed on ([] when none, or when every host of the
+    job did: then the fault is not in the hosts)."""
+    ranks = record["ranks"]
+    failed = [
+        str(checks["host"])
+        for checks in ranks
+        if any(finding["check"] not in SHARED_CHECKS for finding in checks["findings"])
+    ]
+    hosts = list(dict.fromkeys(failed))
+    return hosts if len(hosts) < len({checks["host"] for checks in ranks}) else []
+
+
+def with_hosts(excluded: str, hosts: Sequence[str]) -> str:
     """An ExcNodeList value: the job's own exclusions (Slurm's "(null)": none) and ``hosts``."""
-    kept = [] if excluded in (None, "", "(null)") else [str(excluded)]
+    kept = [] if excluded in ("", "(null)") else [excluded]
     return ",".join([*kept, *hosts])
 
 
 def _scontrol(*words: str, timeout_s: float) -> str | None:
-    """Run scontrol; None when it worked, else what went wrong. SIGTERM is ignored in it:
-    Slurm sends the step SIGTERM as the requeue ends it, and the calls after must finish."""
+    """Run scontrol; None when it worked, else what went wrong."""
     try:
         result = subprocess.run(["scontrol", *words], capture_output=True, text=True,
                                 timeout=timeout_s, check=False)  # fmt: skip
@@ -48,19 +65,28 @@ def requeue_without(
 ) -> str | None:
     """Requeue ``job`` held, add ``hosts`` to its ExcNodeList (Slurm changes it only while the
     job waits) and, with ``delay_s``, its begin time, then release it; None when done, else
-    what failed."""
+    what failed. Once held, the job is always released, so no failure leaves it waiting."""
     excluded = job_field(show_job(job, timeout_s), "ExcNodeList")
+    if excluded is None:
+        return f"scontrol show job {job} did not answer: its own exclusions are unknown"
     later = [f"StartTime=now+{round(delay_s)}"] if delay_s >= 1 else []
-    # An ignored SIGTERM stays ignored in the scontrol processes started from here on.
+    # Slurm sends the step SIGTERM as the requeue ends it: the scontrol processes started
+    # from here on inherit SIG_IGN and finish.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    for words in (("requeuehold", job),
-                  ("update", f"JobId={job}", f"ExcNodeList={with_hosts(excluded, hosts)}",
-                   *later),
-                  ("release", job)):  # fmt: skip
-        failed = _scontrol(*words, timeout_s=timeout_s)
-        if failed is not None:
-            return f"scontrol {' '.join(words)}: {failed}"
-    return None
+    failed = _scontrol("requeuehold", job, timeout_s=timeout_s)
+    if failed is not None:
+        return f"scontrol requeuehold {job}: {failed}"
+    update = ("update", f"JobId={job}", f"ExcNodeList={with_hosts(excluded, hosts)}", *later)
+    failed = _scontrol(*update, timeout_s=timeout_s)
+    released = _scontrol("release", job, timeout_s=timeout_s)
+    if released is not None:
+        get_logger().error(f"job {job} stays held: scontrol release failed: {released}; run "
+                           f"`scontrol release {job}`")  # fmt: skip
+    return None if failed is None else f"scontrol {' '.join(update)}: {failed} (requeued as it was)"
+
+
+def _write(run_dir: Path, failures: Sequence[Mapping[str, Any]]) -> None:
+    replace_bytes(run_dir / RECORD, (json.dumps(list(failures), indent=1) + "\n").encode())
 
 
 def leave_out(
@@ -77,17 +103,21 @@ def leave_out(
     if job is None or not config.requeue:
         return "refused", ""
     failures = node_failures(run_dir)
-    failure = {"hosts": list(hosts), "why": list(why), "at_unix": round(time.time(), 3),
+    failure = {"job": job, "hosts": list(hosts), "why": list(why),
+               "at_unix": round(time.time(), 3),
                "restart_count": int(environ.get("SLURM_RESTART_COUNT", "0") or 0),
                "requeued": False}  # fmt: skip
-    failures.append(failure)
-    replace_bytes(run_dir / RECORD, (json.dumps(failures, indent=1) + "\n").encode())
-    every = ", ".join(excluded_hosts(failures))
-    if len(failures) > config.max_node_failures:
+    try:
+        _write(run_dir, [*failures, failure])
+    except OSError as error:
+        return "refused", f"not requeueing: {run_dir / RECORD} cannot be written: {error}"
+    earlier = [earlier for earlier in of_job(failures, job) if earlier.get("requeued")]
+    if len(earlier) >= config.max_node_failures:
+        left_out = excluded_hosts(earlier)
         return "exhausted", (
-            f"node failures: {len(failures)}, more than preempt.max_node_failures="
-            f"{config.max_node_failures}: not requeueing again; "
-            f"the job left out {every}"
+            f"node failures of job {job}: {len(earlier) + 1}, more than "
+            f"preempt.max_node_failures={config.max_node_failures}: not requeueing again; "
+            f"left out before: {', '.join(left_out) or 'none'}; failed now: {', '.join(hosts)}"
         )
     if not job_allows_requeue(job, config.requeue_timeout_s):
         return "refused", f"not requeueing: job {job} does not allow requeue (sbatch --requeue)"
@@ -95,10 +125,14 @@ def leave_out(
     if failed is not None:
         return "refused", f"could not requeue without {', '.join(hosts)}: {failed}"
     failure["requeued"] = True
-    replace_bytes(run_dir / RECORD, (json.dumps(failures, indent=1) + "\n").encode())
+    try:
+        _write(run_dir, [*failures, failure])
+    except OSError as error:
+        get_logger().warning(f"{run_dir / RECORD} cannot be written: {error}")
+    every = ", ".join(excluded_hosts([*earlier, failure]))
     return "requeued", (
         f"left {', '.join(hosts)} out of job {job} (ExcNodeList: {every}) and requeued it "
-        f"(node failure {len(failures)} of preempt.max_node_failures="
+        f"(node failure {len(earlier) + 1} of preempt.max_node_failures="
         f"{config.max_node_failures}); {run_dir / RECORD} says why"
     )
 
@@ -111,17 +145,20 @@ def answer_failed_checks(
     group: Any | None,
     signals: StopSignals,
 ) -> NoReturn:
-    """Failed checks, on every rank: in a Slurm job that allows it, the failed hosts are left
-    out and the job requeued (every rank ends with 0); past the budget the job ends with
-    EXIT_NODES_FAILED; else the checks' refusal (one line per host)."""
+    """Failed checks, on every rank: in a Slurm job that allows it, the hosts that failed a
+    check of their own are left out and the job requeued (every rank ends with 0); past the
+    budget the job ends with EXIT_NODES_FAILED; else the checks' refusal (one line per
+    host). Every rank decides alike from the record and the environment."""
     refusal = checks_refusal(record, plan.run_dir)
-    hosts = list(record["hosts"])
+    hosts = hosts_to_leave_out(record)
+    if not (hosts and requeue_target(environ) and config.requeue):
+        raise refusal
     # The requeue's SIGTERM must not cut the ranks' exit short: the handlers from before the
     # start come back first, so the start's own restore on the way out changes nothing.
     signals.restore()
     signals.ignore_from_now_on()
     answer = ("refused", "")
-    if plan.dist_env.is_main and hosts and requeue_target(environ) and config.requeue:
+    if plan.dist_env.is_main:
         get_logger().warning(refusal.message)
         answer = leave_out(hosts, record["failures"], plan.run_dir, environ, config)
     outcome, line = broadcast_object(answer, group)

@@ -138,7 +138,10 @@ class JobEnd:
     def _keep_reading(self) -> None:
         assert self._every_s is not None
         while not self._closed.wait(self._every_s):
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception as error:  # a reader's fault must not end the re-reads
+                get_logger().warning(f"reading the job's end failed: {error}")
 
     def close(self) -> None:
         self._closed.set()
@@ -146,7 +149,10 @@ class JobEnd:
 
 class StopBeforeEnd:
     """Rank 0's watch on the job's end: when the stop will come, and whether it is due now
-    (the time left is what a stop needs: ``save_s()``, two checks, ``margin_s``)."""
+    (the time left is what a stop needs: ``save_s()``, two of the longest gaps between stop
+    checks seen after the first, ``margin_s``). An end already nearer than that at the first
+    check is left to Slurm's signals (a stop at once would only requeue the job again and
+    again); a later move of the end arms the watch again."""
 
     def __init__(
         self,
@@ -159,7 +165,9 @@ class StopBeforeEnd:
         self._save_s = save_s
         self._margin_s = margin_s
         self._clock = clock
-        self._last_check = clock()
+        self._last_check: float | None = None
+        self._longest_gap = 0.0
+        self._end_too_near: float | None = None
 
     def say_when(self) -> None:
         """The run's line on the job's end and when the stop will come."""
@@ -176,14 +184,24 @@ class StopBeforeEnd:
 
     def due(self) -> bool:
         """Whether the stop must begin now (said once when it must); called at each stop
-        check, whose spacing it measures."""
-        now = self._clock()
-        period, self._last_check = now - self._last_check, now
-        left = self.job_end.left()
-        if left is None:
+        check, whose spacing it measures (the first gap holds the warm-up: not counted)."""
+        now, first = self._clock(), self._last_check is None
+        if self._last_check is not None:
+            self._longest_gap = max(self._longest_gap, now - self._last_check)
+        self._last_check = now
+        left, end = self.job_end.left(), self.job_end.end
+        if left is None or end == self._end_too_near:
             return False
-        needed = stop_time(self._save_s(), period, self._margin_s)
+        needed = stop_time(self._save_s(), self._longest_gap, self._margin_s)
         if left > needed.seconds:
+            return False
+        if first:
+            self._end_too_near = end
+            get_logger().warning(
+                f"the job ends in {left:.0f} s, sooner than a stop needs ({needed.reason()}): "
+                "training goes on and Slurm's warning signal or SIGTERM stops it. HINT: ask "
+                "for a longer --time, or lower preempt.end_margin_s"
+            )
             return False
         get_logger().warning(
             f"stopping before the job's time limit: it ends at {wall_time(left)} (in "
@@ -208,7 +226,9 @@ def job_end_for(environ: Mapping[str, str], config: PreemptConfig) -> JobEnd | N
     first = [left_from_environ(environ, time.time())]
 
     def read_left() -> float | None:
-        from_environ = first.pop() if first else None
-        return from_environ if from_environ is not None else squeue_time_left(job)
+        if first:  # at the start, which the ranks wait for: the environment, or a quick ask
+            from_environ = first.pop()
+            return from_environ if from_environ is not None else squeue_time_left(job, 5.0)
+        return squeue_time_left(job)
 
     return JobEnd(read_left, config.end_check_every_s)

@@ -17,22 +17,31 @@ from hpc_ddp.runtime.safefiles import replace_bytes
 RECORD = "attempts.json"
 
 
-def record_attempt(run_dir: Path, restart_count: int, from_step: int) -> list[dict[str, Any]]:
-    """Add this attempt (``restart_count``, resumed ``from_step``) to the record and return
-    every attempt's; an attempt torchrun restarted in its allocation replaces its entry."""
+def record_attempt(
+    run_dir: Path, job: str | None, restart_count: int, from_step: int
+) -> list[dict[str, Any]]:
+    """Add this attempt of ``job`` (``restart_count``, resumed ``from_step``) to the record
+    and return ``job``'s attempts (a run resubmitted with its run.id is another job); an
+    attempt torchrun restarted in its allocation replaces its entry. A record that cannot
+    be written is left as it was (the count is then this attempt's alone)."""
     try:
         attempts = json.loads((run_dir / RECORD).read_text())
     except (OSError, ValueError):
         attempts = []
     if not isinstance(attempts, list):
         attempts = []
-    entry = {"restart_count": restart_count, "from_step": from_step}
-    if attempts and attempts[-1].get("restart_count") == restart_count:
+    attempts = [entry for entry in attempts if isinstance(entry, dict) and "from_step" in entry]
+    entry = {"job": job, "restart_count": restart_count, "from_step": from_step}
+    last = attempts[-1] if attempts else {}
+    if (last.get("job"), last.get("restart_count")) == (job, restart_count):
         attempts[-1] = entry
     else:
         attempts.append(entry)
-    replace_bytes(run_dir / RECORD, (json.dumps(attempts, indent=1) + "\n").encode())
-    return attempts
+    try:
+        replace_bytes(run_dir / RECORD, (json.dumps(attempts, indent=1) + "\n").encode())
+    except OSError:
+        return [entry]
+    return [attempt for attempt in attempts if attempt.get("job") == job]
 
 
 def attempts_without_progress(attempts: Sequence[Mapping[str, Any]]) -> int:
