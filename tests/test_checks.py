@@ -9,6 +9,7 @@ wrong entry). tests/test_gpu.py runs them on a real GPU."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,9 @@ from hpc_ddp.runtime.checkpoint.room import (
     checkpoints_to_come,
     estimated_checkpoint_bytes,
     room_refusal,
+    room_warning,
 )
+from hpc_ddp.runtime.checkpoint.writer import FolderSaves
 from hpc_ddp.runtime.config import ChecksConfig
 from hpc_ddp.runtime.errors import EXIT_USER_ERROR, HpcDdpError
 from hpc_ddp.runtime.place.checking import RankChecks, cost_line, failure_lines
@@ -141,6 +144,28 @@ def test_checkpoints_that_would_not_fit_are_refused_before_the_first_step(tmp_pa
     with pytest.raises(HpcDdpError, match=r"4 more checkpoint\(s\) of about 40000\.00 GB"):
         check_room(tmp_path, {"model": Huge()}, keep_last=3, is_main=True, group=None)
     check_room(tmp_path, {"model": torch.nn.Linear(2, 2)}, keep_last=3, is_main=True, group=None)
+
+
+def test_the_first_checkpoint_is_measured_on_disk_against_the_room_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert room_warning("step-000000010", each=10**9, free=3 * 10**9, keep_last=3, kept=1) is None
+    short = room_warning("step-000000010", each=10**9, free=2 * 10**9, keep_last=3, kept=1)
+    assert short is not None
+    assert short.startswith("checkpoint step-000000010 measured 1.00 GB on disk; the file system")
+    assert "the 3 checkpoint(s) to come at once (checkpoint.keep_last + 1, 1 kept now)" in short
+    assert "need 3.00 GB: a later save will fail. HINT: free space there" in short
+    # A real folder save: the first is measured (a keep_last no disk holds: the warning), once.
+    saves = FolderSaves(tmp_path / "checkpoints", 10**12, None, True, measure_room_once=True)
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp"):
+        saves.write({"weights": torch.ones(1000)}, 10, "periodic", background=False)
+        saves.write({"weights": torch.ones(1000)}, 20, "periodic", background=False)
+    warnings = [r.message for r in caplog.records if "measured" in r.message]
+    assert len(warnings) == 1 and warnings[0].startswith("checkpoint step-000000010 measured")
+    quiet = FolderSaves(tmp_path / "other", 1, None, True, measure_room_once=True)
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp"):
+        quiet.write({"weights": torch.ones(1000)}, 10, "periodic", background=False)
+    assert len([r for r in caplog.records if "measured" in r.message]) == 1, "room: no warning"
 
 
 def test_the_checks_settings_are_checked() -> None:

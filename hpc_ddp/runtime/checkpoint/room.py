@@ -1,6 +1,6 @@
 """Whether the run directory's file system has room for the checkpoints a run keeps, checked
 before the first step from the registered objects (a full disk found at the first save has
-already cost the steps before it)."""
+already cost the steps before it), and again with the first checkpoint's measured size."""
 
 from __future__ import annotations
 
@@ -124,3 +124,29 @@ def check_room(
     refusal = broadcast_object(refusal, group)
     if refusal is not None:
         raise HpcDdpError(*refusal)
+
+
+def room_warning(name: str, each: int, free: int, keep_last: int, kept: int) -> str | None:
+    """A warning when ``free`` bytes cannot hold the checkpoints still to come at once, each
+    of ``each`` bytes as checkpoint ``name`` measured (``kept``: those now on disk)."""
+    count = checkpoints_to_come(keep_last, kept)
+    if free >= each * count:
+        return None
+    return (
+        f"checkpoint {name} measured {_size(each)} on disk; the file system has {_size(free)} "
+        f"free, and the {count} checkpoint(s) to come at once (checkpoint.keep_last + 1, "
+        f"{kept} kept now) need {_size(each * count)}: a later save will fail. HINT: free "
+        "space there, keep fewer checkpoints (checkpoint.keep_last), or set run.output_dir on a "
+        "larger file system"
+    )
+
+
+def measure_room(folder: Path, keep_last: int) -> None:
+    """After a run's first checkpoint folder: its size on disk against the free space (rank
+    0's; says so once when the checkpoints to come will not fit)."""
+    each = sum(entry.stat().st_size for entry in os.scandir(folder) if entry.is_file())
+    stat = os.statvfs(folder)
+    kept = len(list_checkpoints(folder.parent))
+    warning = room_warning(folder.name, each, stat.f_bavail * stat.f_frsize, keep_last, kept)
+    if warning is not None:
+        get_logger().warning(warning)

@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hpc_ddp.runtime.checkpoint.files import prune_older, unwritable, writing_mark
+from hpc_ddp.runtime.checkpoint.room import measure_room
 from hpc_ddp.runtime.checkpoint.sharded import (
     is_complete,
     new_stager,
@@ -53,11 +54,20 @@ class FolderSaves:
     method). A background save must be waited for before the next save, a stop or the end:
     :meth:`write` and :meth:`wait` do."""
 
-    def __init__(self, directory: Path, keep_last: int, group: Any | None, is_main: bool) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        keep_last: int,
+        group: Any | None,
+        is_main: bool,
+        measure_room_once: bool = False,
+    ) -> None:
         self.directory = directory
         self.keep_last = keep_last
         self.group = group
         self.is_main = is_main
+        #: Measure the first checkpoint on disk against the free space (checks.enabled).
+        self.measure_room_once = measure_room_once
         self.pending: Pending | None = None
         #: The copier of background saves, kept for its buffers (made at the first one;
         #: never kept where torch empties it after a copy).
@@ -143,6 +153,9 @@ class FolderSaves:
             get_logger().info(
                 f"checkpoint ({reason}) step {step}: {folder} ({self.last_write_s:.2f} s)"
             )
+            if self.measure_room_once:
+                self.measure_room_once = False
+                measure_room(folder, self.keep_last)
 
     def _refusal(self, folder: Path, error: BaseException) -> HpcDdpError:
         """The failure of a save on any rank, as every rank reports it; rank 0 removes what

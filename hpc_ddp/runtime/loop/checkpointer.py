@@ -78,6 +78,7 @@ class Checkpointer:
             context.config.checkpoint.keep_last,
             context.checkpoint_group or context.control_group,
             context.env.is_main,
+            measure_room_once=context.config.checks.enabled,
         )
         self._budget_said = False
         #: Seconds of the last save by phase (replica check, state gather, rank 0's write,
