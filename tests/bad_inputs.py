@@ -573,8 +573,12 @@ FAULTS: list[tuple[str, str, str]] = [
      "test_checks.py::test_a_failing_site_check_ends_every_rank_before_training_naming_the_host"),
     ("checkpoints that cannot fit the run directory's file system", "refused before the first "
      "step with the free space and the estimate", "test_checks.py::test_checkpoints_that_cannot_fit_stop_the_run_before_its_first_step"),
-    ("rank killed with kill -9 (Slurm)", "job ends (not after dist.timeout_s) naming the task; "
-     "newest checkpoint loads", "test_slurm_fault_tolerance.py::test_kill_9_of_one_rank_ends_the_job_fast_and_the_checkpoint_loads"),
+    ("rank killed with kill -9 (Slurm)", "the step ends at once (not after dist.timeout_s) "
+     "naming the task; its node is left out (ExcNodeList) and the job requeued; it resumes "
+     "from the newest checkpoint on the other nodes, bitwise equal to a run never killed",
+     "test_slurm_fault_tolerance.py::test_a_rank_killed_on_one_node_leaves_it_out_and_the_job_resumes_on_the_others"),
+    ("an operation with no deterministic kernel under run.deterministic=true", "every rank "
+     "ends with torch's error, the user's frames and a HINT, exit code 2", "test_user_script.py::test_run_deterministic_refuses_an_operation_without_a_deterministic_kernel"),
     ("a rank raises in the user's code", "job ends fast naming the rank, the user's frames "
      "shown, MLflow FAILED", "test_user_script.py::test_an_error_in_the_users_code_shows_their_frames_and_the_rank"),
     ("kill -9 during a checkpoint write (folder and single file)", "previous checkpoint kept "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -67,6 +68,17 @@ def _nudge_bias(linear: nn.Linear) -> None:
 def failing_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
     """Rank 1 raises on its 4th forward pass, while rank 0 goes on into the next all-reduce."""
     return _FaultOnRankOne(num_features, num_classes, 4, _raise)
+
+
+def _kill_in_the_first_attempt(linear: nn.Linear) -> None:
+    if "SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    """Rank 1 of a Slurm job's first attempt is killed (SIGKILL, as by a failing host) on its
+    12th forward pass; elsewhere a plain linear model."""
+    return _FaultOnRankOne(num_features, num_classes, 12, _kill_in_the_first_attempt)
 
 
 def not_a_module(config: Any, num_features: int, num_classes: int) -> object:

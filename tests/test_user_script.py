@@ -213,6 +213,25 @@ def test_an_error_in_the_users_code_shows_their_frames_and_the_rank(tmp_path: Pa
     assert [run.info.status for run in client.search_runs([experiment.experiment_id])] == ["FAILED"]
 
 
+@pytest.mark.e2e
+def test_run_deterministic_refuses_an_operation_without_a_deterministic_kernel(
+    tmp_path: Path,
+) -> None:
+    """Tensor.put_ has no deterministic kernel (on CPU too): with run.deterministic=true every
+    rank ends with torch's error, the user's frames and a HINT; without it the script trains."""
+    common = [FAULTS, "put", f"run.output_dir={tmp_path}", "tracking.enabled=false"]
+    plain = run_local_program(2, [*common, "run.id=plain"])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    result = run_local_program(2, [*common, "run.id=deterministic", "run.deterministic=true"])
+    assert result.returncode == 2, result.stderr[-3000:]
+    failure = result.stderr[result.stderr.index("] failed:") :]
+    assert "put_ does not have a deterministic implementation" in failure, failure
+    assert "scatter_the_counts" in failure
+    assert "HINT: run.deterministic=true asks every operation for a deterministic kernel" in (
+        failure
+    )
+
+
 def run_faults(arguments: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     """faults.py as plain `python`: errors come through the excepthook."""
     return run_python([FAULTS, *arguments, f"run.output_dir={tmp_path}", "tracking.enabled=false"])

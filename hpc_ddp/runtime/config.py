@@ -53,6 +53,13 @@ class RunConfig:
         "Run directory name under output_dir/name. Default: the Slurm job id (stable across "
         "requeues), the local launcher's run id, or a timestamp.",
     )
+    deterministic: bool = setting(
+        False,
+        "Deterministic kernels, set before the model is built: torch.use_deterministic_"
+        "algorithms, cuBLAS's fixed workspace (CUBLAS_WORKSPACE_CONFIG=:4096:8), cuDNN without "
+        "autotuning. Two runs of one command then end bitwise equal; an operation with no "
+        "deterministic kernel ends the run with torch's error and a HINT.",
+    )
 
     def __post_init__(self) -> None:
         require(0 <= self.seed < 2**63, "run.seed", self.seed, "0 to 2**63-1")

@@ -23,6 +23,27 @@ EXIT_NODES_FAILED = 6
 #: The job's last ``preempt.max_attempts_without_progress`` attempts ended without moving
 #: the checkpoint forward: it ends instead of training again.
 EXIT_NO_PROGRESS = 7
+#: The rank's device failed (an uncorrectable ECC error, a GPU gone from the bus, NCCL's
+#: system error): the batch script of slurm/train.sh then leaves the rank's host out of the
+#: job and requeues it, as for a rank killed by a signal it did not ask for.
+EXIT_DEVICE_ERROR = 8
+
+#: What CUDA and NCCL say when the hardware, not the program, failed. An illegal memory
+#: access or a device-side assert is left out: those are most often the program's own.
+DEVICE_ERROR_MARKERS = (
+    "uncorrectable ECC error",
+    "ECC error encountered",
+    "GPU has fallen off the bus",
+    "CUDA-capable device(s) is/are busy or unavailable",
+    "unspecified launch failure",
+    "unhandled system error",
+    "unhandled cuda error",
+    "ncclSystemError",
+    "ncclUnhandledCudaError",
+)
+
+#: torch's words for an operation with no deterministic kernel under run.deterministic.
+NO_DETERMINISTIC_KERNEL = "does not have a deterministic implementation"
 
 #: What gloo and NCCL say when the other end of a collective has gone (crashed, killed).
 PEER_LOST_MARKERS = (
@@ -43,18 +64,30 @@ CONSEQUENTIAL_FAILURE_MARKERS = (
 )
 
 
-def lost_peer(error: BaseException) -> str | None:
-    """The line of ``error`` (or of an exception it came from) that says another rank went
-    away, or None."""
+def _line_with(error: BaseException, markers: tuple[str, ...]) -> str | None:
+    """The first line of ``error`` (or of an exception it came from) holding one of
+    ``markers``, or None."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         for line in str(current).splitlines():
-            if any(marker in line for marker in PEER_LOST_MARKERS):
+            if any(marker in line for marker in markers):
                 return line
         current = current.__cause__ or current.__context__
     return None
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The line of ``error`` (or of an exception it came from) that says another rank went
+    away, or None."""
+    return _line_with(error, PEER_LOST_MARKERS)
+
+
+def device_failure(error: BaseException) -> str | None:
+    """The line of ``error`` (or of an exception it came from) that says this rank's device
+    or its link failed, or None."""
+    return _line_with(error, DEVICE_ERROR_MARKERS)
 
 
 class HpcDdpError(Exception):

@@ -18,9 +18,13 @@ from types import FrameType, TracebackType
 from typing import NoReturn
 
 from hpc_ddp.runtime.errors import (
+    EXIT_DEVICE_ERROR,
     EXIT_FAILURE,
     EXIT_PEER_LOST,
+    EXIT_USER_ERROR,
+    NO_DETERMINISTIC_KERNEL,
     HpcDdpError,
+    device_failure,
     lost_peer,
 )
 
@@ -70,8 +74,10 @@ def report_failure(
     error: BaseException, label: str, hidden: Callable[[str], bool] | None = None
 ) -> int:
     """Print what ends this rank and return its exit code: its own (2) and one line for an
-    HpcDdpError, 4 and one line when another rank went away, 130 for Ctrl-C, else 1 and the
-    traceback (without the leading frames ``hidden`` names)."""
+    HpcDdpError, 4 and one line when another rank went away, 130 for Ctrl-C, 8 and the
+    traceback when the device failed, 2 and the traceback with a HINT for an operation with
+    no deterministic kernel under run.deterministic, else 1 and the traceback (without the
+    leading frames ``hidden`` names)."""
     if isinstance(error, HpcDdpError):
         print(f"[rank {label}] error: {error}", file=sys.stderr)
         return error.exit_code
@@ -91,6 +97,16 @@ def report_failure(
         )
         return EXIT_PEER_LOST
     text = user_traceback(error, hidden or (lambda _path: False))
+    if NO_DETERMINISTIC_KERNEL in str(error):
+        print(f"[rank {label}] failed:\n{text}HINT: run.deterministic=true asks every "
+              "operation for a deterministic kernel and torch has none for this one: replace "
+              "the operation, or set run.deterministic=false", file=sys.stderr)  # fmt: skip
+        return EXIT_USER_ERROR
+    device = device_failure(error)
+    if device:
+        print(f"[rank {label}] device failed ({device[:300]}): this host is left out of a "
+              f"requeued Slurm job\n{text}", file=sys.stderr, end="")  # fmt: skip
+        return EXIT_DEVICE_ERROR
     print(f"[rank {label}] failed:\n{text}", file=sys.stderr, end="")
     return EXIT_FAILURE
 

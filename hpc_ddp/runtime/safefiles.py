@@ -5,10 +5,11 @@ and their names (job ids) are predictable."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 #: New files: the owner writes, others may read (less where the umask says less).
 FILE_MODE = 0o644
@@ -47,6 +48,23 @@ def replace_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def read_records(path: Path, key: str) -> list[dict[str, Any]]:
+    """The JSON list of records in ``path`` that hold ``key``, in order; [] when the file is
+    missing, unreadable or not a list (a record is best effort, never a reason to stop)."""
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(records, list):
+        return []
+    return [record for record in records if isinstance(record, dict) and key in record]
+
+
+def write_records(path: Path, records: list[Any]) -> None:
+    """Replace ``path`` with ``records`` as an indented JSON list."""
+    replace_bytes(path, (json.dumps(records, indent=1) + "\n").encode())
 
 
 def open_append(path: Path) -> IO[str]:

@@ -19,9 +19,8 @@ from hpc_ddp.runtime.errors import HpcDdpError
 
 #: Slurm's default MaxArraySize (used when `scontrol show config` cannot be read).
 DEFAULT_MAX_ARRAY_SIZE = 1001
-_SRUN_LINE = (
-    'srun --kill-on-bad-exit=1 --label "${blocked_until_held[@]}" "$python" "${program[@]}"\n'
-)
+_SRUN = 'srun --kill-on-bad-exit=1 --label "${blocked_until_held[@]}" "$python" "${program[@]}"'
+_SRUN_LINE = _SRUN + " || status=$?\n"
 
 
 @dataclass(frozen=True)
@@ -114,9 +113,10 @@ def job_script(request: RenderRequest, sweep_dir: Path, offset: int) -> str:
 # the attempt began tells its run's record from an earlier attempt's.
 set +e
 began=$(date +%s.%N)
-{_SRUN_LINE.strip()}
+{_SRUN}
 status=$?
 set -e
+rm -f "$HPC_DDP_STEP_HANDOFF"
 "$python" {quoted} --ended "$status" --began "$began"
 exit "$status"
 """

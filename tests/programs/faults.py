@@ -6,6 +6,7 @@ python faults.py extra      registers one object more than regression.py-like ru
 python faults.py bad-config passes a setting hpc_ddp does not know
 python faults.py sleep      rank 1 sleeps forever in the user's own code at its 3rd step
 python faults.py stuck-worker  rank 1's DataLoader worker hangs on a sample at its 3rd step
+python faults.py put       every rank calls Tensor.put_ (no deterministic kernel) at its 3rd step
 python faults.py none       trains without a fault
 """
 
@@ -28,6 +29,11 @@ def check_the_batch(step: int, rank: int) -> None:
 def wait_for_a_lock_that_never_comes(step: int, rank: int) -> None:
     if rank == 1 and step == 3:
         time.sleep(3600)
+
+
+def scatter_the_counts(step: int) -> None:
+    if step == 3:
+        torch.zeros(4).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
 
 
 class HangingDataset(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
@@ -71,6 +77,8 @@ def main() -> None:
         for features, target in run.steps(loader):
             if fault == "raise":
                 check_the_batch(run.global_step, run.rank)
+            if fault == "put":
+                scatter_the_counts(run.global_step)
             if fault == "sleep":
                 wait_for_a_lock_that_never_comes(run.global_step, run.rank)
             loss = nn.functional.mse_loss(model(features), target)

@@ -80,4 +80,19 @@ echo "job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}: ${args[*]}"
 # starts with its task's rank ("3: "); srun passes a task's output on in pieces of 1 KB, and
 # a longer line from one rank would otherwise be cut into another's. Each rank starts with
 # the stop signals blocked until its first line holds them (job-body.sh).
-srun --kill-on-bad-exit=1 --label "${blocked_until_held[@]}" "$python" "${program[@]}"
+#
+# A rank lost to its host (killed by a signal it did not ask for, or its device failed) then
+# leaves that host out of the job, which is requeued to go on from its last checkpoint
+# (preempt.max_node_failures): rank 0 tells where the run keeps its record in the file below,
+# and python -m hpc_ddp.launch.step_failure reads srun's lines of this attempt in the log.
+export HPC_DDP_STEP_HANDOFF=${TMPDIR:-/tmp}/hpc-ddp-step-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}.json
+log_from=$(stat -L -c %s "/proc/$$/fd/2" 2>/dev/null || echo 0)
+status=0
+srun --kill-on-bad-exit=1 --label "${blocked_until_held[@]}" "$python" "${program[@]}" || status=$?
+if ((status != 0)); then
+    answered=0
+    "$python" -m hpc_ddp.launch.step_failure "$status" "$log_from" || answered=$?
+    status=$answered
+fi
+rm -f "$HPC_DDP_STEP_HANDOFF"
+exit "$status"

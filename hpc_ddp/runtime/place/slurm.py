@@ -1,7 +1,7 @@
 """Slurm's notations (host lists, tasks-per-node), the rendezvous port, and job queries.
 
 Nothing here reads the environment; every function takes its inputs as arguments. Only
-:func:`show_job` talks to Slurm (``scontrol``), and the caller decides when.
+:func:`ask_slurm` talks to Slurm (``scontrol``, ``squeue``), and the caller decides when.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import itertools
 import math
 import re
 import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from hpc_ddp.runtime.errors import HpcDdpError
 
@@ -176,20 +178,34 @@ def derive_master_port(job_id: int, step_id: int = 0) -> int:
     return PORT_BASE + (job_id % job_slots) * PORT_STEP_SLOTS + step_id % PORT_STEP_SLOTS
 
 
+@dataclass(frozen=True)
+class SlurmAnswer:
+    """What a Slurm client printed, and what went wrong (None when it exited 0)."""
+
+    output: str
+    failure: str | None
+
+
+def ask_slurm(words: Sequence[str], timeout_s: float) -> SlurmAnswer:
+    """Run a Slurm client (``words[0]``: scontrol, squeue) for at most ``timeout_s``; a missing
+    client or a timeout is a failure, not an exception."""
+    try:
+        result = subprocess.run(
+            list(words), capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return SlurmAnswer("", str(error))
+    failure = (
+        None if result.returncode == 0 else result.stderr.strip() or f"exit {result.returncode}"
+    )
+    return SlurmAnswer(result.stdout, failure)
+
+
 def show_job(job_id: str, timeout_s: float) -> str | None:
     """``scontrol show job -o <job_id>``: the job's one-line record; None when Slurm cannot
     be asked (no scontrol, a timeout) or does not know the job."""
-    try:
-        result = subprocess.run(
-            ["scontrol", "show", "job", "-o", job_id],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return result.stdout if result.returncode == 0 and result.stdout.strip() else None
+    answer = ask_slurm(["scontrol", "show", "job", "-o", job_id], timeout_s)
+    return answer.output if answer.failure is None and answer.output.strip() else None
 
 
 def job_field(record: str | None, name: str) -> str | None:

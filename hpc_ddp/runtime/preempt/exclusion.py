@@ -7,9 +7,7 @@ are left out: a shared file system or the collective path is no one host's fault
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -21,11 +19,11 @@ from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.place.checking import checks_refusal
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.place.plan import LaunchPlan
-from hpc_ddp.runtime.place.slurm import job_allows_requeue, job_field, show_job
+from hpc_ddp.runtime.place.slurm import ask_slurm, job_allows_requeue, job_field, show_job
 from hpc_ddp.runtime.preempt.node_record import RECORD, excluded_hosts, node_failures, of_job
 from hpc_ddp.runtime.preempt.requeue import requeue_target
 from hpc_ddp.runtime.preempt.signals import StopSignals
-from hpc_ddp.runtime.safefiles import replace_bytes
+from hpc_ddp.runtime.safefiles import write_records
 
 #: Checks whose failure is not one host's: the run directory (shared), the collective path.
 SHARED_CHECKS = frozenset({"storage", "collective", "collective bandwidth"})
@@ -52,12 +50,7 @@ def with_hosts(excluded: str, hosts: Sequence[str]) -> str:
 
 def _scontrol(*words: str, timeout_s: float) -> str | None:
     """Run scontrol; None when it worked, else what went wrong."""
-    try:
-        result = subprocess.run(["scontrol", *words], capture_output=True, text=True,
-                                timeout=timeout_s, check=False)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return str(error)
-    return None if result.returncode == 0 else result.stderr.strip() or f"exit {result.returncode}"
+    return ask_slurm(["scontrol", *words], timeout_s).failure
 
 
 def requeue_without(
@@ -85,30 +78,28 @@ def requeue_without(
     return None if failed is None else f"scontrol {' '.join(update)}: {failed} (requeued as it was)"
 
 
-def _write(run_dir: Path, failures: Sequence[Mapping[str, Any]]) -> None:
-    replace_bytes(run_dir / RECORD, (json.dumps(list(failures), indent=1) + "\n").encode())
-
-
 def leave_out(
     hosts: Sequence[str],
     why: Sequence[str],
     run_dir: Path,
     environ: Mapping[str, str],
     config: PreemptConfig,
+    event: str = "failed the checks",
 ) -> tuple[str, str]:
-    """Rank 0: record the failed ``hosts`` and requeue the job without them, within the
-    budget. Returns (outcome, line): "requeued", "exhausted", or "refused" (not requeued:
-    the checks' refusal stands)."""
+    """Rank 0, or the batch script after a lost rank (``event`` says which): record the
+    failed ``hosts`` and requeue the job without them, within the budget. Returns (outcome,
+    line): "requeued", "exhausted", or "refused" (not requeued: the failure's own ending
+    stands)."""
     job = requeue_target(environ)
     if job is None or not config.requeue:
         return "refused", ""
     failures = node_failures(run_dir)
-    failure = {"job": job, "hosts": list(hosts), "why": list(why),
+    failure = {"job": job, "hosts": list(hosts), "event": event, "why": list(why),
                "at_unix": round(time.time(), 3),
                "restart_count": int(environ.get("SLURM_RESTART_COUNT", "0") or 0),
                "requeued": False}  # fmt: skip
     try:
-        _write(run_dir, [*failures, failure])
+        write_records(run_dir / RECORD, [*failures, failure])
     except OSError as error:
         return "refused", f"not requeueing: {run_dir / RECORD} cannot be written: {error}"
     earlier = [earlier for earlier in of_job(failures, job) if earlier.get("requeued")]
@@ -126,7 +117,7 @@ def leave_out(
         return "refused", f"could not requeue without {', '.join(hosts)}: {failed}"
     failure["requeued"] = True
     try:
-        _write(run_dir, [*failures, failure])
+        write_records(run_dir / RECORD, [*failures, failure])
     except OSError as error:
         get_logger().warning(f"{run_dir / RECORD} cannot be written: {error}")
     every = ", ".join(excluded_hosts([*earlier, failure]))

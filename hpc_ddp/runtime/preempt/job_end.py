@@ -5,7 +5,6 @@ site sends a warning signal, and after ``scontrol update TimeLimit`` too."""
 from __future__ import annotations
 
 import re
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 
 from hpc_ddp.runtime.config import PreemptConfig
 from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.place.slurm import ask_slurm
 from hpc_ddp.runtime.preempt.requeue import requeue_target
 
 #: What a save not measured yet is assumed to take.
@@ -46,18 +46,9 @@ def left_from_environ(environ: Mapping[str, str], now_unix: float) -> float | No
 def squeue_time_left(job: str, timeout_s: float = SQUEUE_TIMEOUT_S) -> float | None:
     """Seconds before Slurm ends ``job`` (its time limit as it is now), or None when squeue
     does not answer or the job has no limit."""
-    try:
-        result = subprocess.run(
-            ["squeue", "--noheader", "--jobs", job, "--format", "%L"],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = result.stdout.strip().splitlines()
-    return parse_time_left(lines[0]) if result.returncode == 0 and lines else None
+    answer = ask_slurm(["squeue", "--noheader", "--jobs", job, "--format", "%L"], timeout_s)
+    lines = answer.output.strip().splitlines()
+    return parse_time_left(lines[0]) if answer.failure is None and lines else None
 
 
 @dataclass(frozen=True)
@@ -223,11 +214,13 @@ def job_end_for(environ: Mapping[str, str], config: PreemptConfig) -> JobEnd | N
     job = requeue_target(environ)
     if job is None or not config.stop_before_end:
         return None
-    first = [left_from_environ(environ, time.time())]
+    from_environ = left_from_environ(environ, time.time())
+    started = False
 
     def read_left() -> float | None:
-        if first:  # at the start, which the ranks wait for: the environment, or a quick ask
-            from_environ = first.pop()
+        nonlocal started
+        if not started:  # at the start, which the ranks wait for: the environment, or a quick ask
+            started = True
             return from_environ if from_environ is not None else squeue_time_left(job, 5.0)
         return squeue_time_left(job)
 

@@ -4,10 +4,11 @@ without them. Standard library only: `hpc-ddp runs` reads it without torch."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from hpc_ddp.runtime.safefiles import read_records
 
 #: Where the run directory keeps each node failure: its hosts, why, and the attempt.
 RECORD = "excluded_hosts.json"
@@ -16,17 +17,8 @@ RECORD = "excluded_hosts.json"
 def node_failures(run_dir: Path) -> list[dict[str, Any]]:
     """The node failures recorded in ``run_dir``, oldest first ([] when none or unreadable;
     an entry that is not a record of hosts is left out)."""
-    try:
-        failures = json.loads((run_dir / RECORD).read_text())
-    except (OSError, ValueError):
-        return []
-    if not isinstance(failures, list):
-        return []
-    return [
-        failure
-        for failure in failures
-        if isinstance(failure, dict) and isinstance(failure.get("hosts"), list)
-    ]
+    failures = read_records(run_dir / RECORD, "hosts")
+    return [failure for failure in failures if isinstance(failure["hosts"], list)]
 
 
 def of_job(failures: Sequence[Mapping[str, Any]], job: str | None) -> list[Mapping[str, Any]]:
@@ -57,7 +49,7 @@ def left_out_lines(failures: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line per node failure: the job and attempt, the hosts, why, and what was done."""
     return [
         f"job {failure.get('job', '?')} attempt {failure.get('restart_count', '?')}: "
-        f"{', '.join(map(str, failure['hosts']))} failed the checks "
+        f"{', '.join(map(str, failure['hosts']))} {failure.get('event', 'failed the checks')} "
         f"({'; '.join(failure.get('why', [])) or 'no reason kept'}): "
         + ("left out, the job requeued" if failure.get("requeued") else "not left out")
         for failure in failures

@@ -6,13 +6,12 @@ Standard library only."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import EXIT_NO_PROGRESS, HpcDdpError
-from hpc_ddp.runtime.safefiles import replace_bytes
+from hpc_ddp.runtime.safefiles import read_records, write_records
 
 RECORD = "attempts.json"
 
@@ -24,13 +23,7 @@ def record_attempt(
     and return ``job``'s attempts (a run resubmitted with its run.id is another job); an
     attempt torchrun restarted in its allocation replaces its entry. A record that cannot
     be written is left as it was (the count is then this attempt's alone)."""
-    try:
-        attempts = json.loads((run_dir / RECORD).read_text())
-    except (OSError, ValueError):
-        attempts = []
-    if not isinstance(attempts, list):
-        attempts = []
-    attempts = [entry for entry in attempts if isinstance(entry, dict) and "from_step" in entry]
+    attempts = read_records(run_dir / RECORD, "from_step")
     entry = {"job": job, "restart_count": restart_count, "from_step": from_step}
     last = attempts[-1] if attempts else {}
     if (last.get("job"), last.get("restart_count")) == (job, restart_count):
@@ -38,7 +31,7 @@ def record_attempt(
     else:
         attempts.append(entry)
     try:
-        replace_bytes(run_dir / RECORD, (json.dumps(attempts, indent=1) + "\n").encode())
+        write_records(run_dir / RECORD, attempts)
     except OSError:
         return [entry]
     return [attempt for attempt in attempts if attempt.get("job") == job]

@@ -3,13 +3,12 @@ the one the ranks (and torchrun's agent) handle."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Mapping
 
 from hpc_ddp.runtime.config import PreemptConfig
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.place.slurm import job_allows_requeue, quoted
+from hpc_ddp.runtime.place.slurm import ask_slurm, job_allows_requeue, quoted
 
 
 def agent_signal_gap(launcher: str, environ: Mapping[str, str], warning_signal: str) -> str | None:
@@ -79,19 +78,9 @@ def requeue_job(environ: Mapping[str, str], restart_count: int, config: PreemptC
     if not job_allows_requeue(target, config.requeue_timeout_s):
         log.warning(f"not requeueing: job {target} does not allow requeue (submit with --requeue)")
         return False
-    try:
-        result = subprocess.run(
-            ["scontrol", "requeue", target],
-            capture_output=True,
-            text=True,
-            timeout=config.requeue_timeout_s,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired) as error:
-        log.error(f"scontrol requeue {target} failed: {error}")
-        return False
-    if result.returncode != 0:
-        log.error(f"scontrol requeue {target} failed: {result.stderr.strip()}")
+    failure = ask_slurm(["scontrol", "requeue", target], config.requeue_timeout_s).failure
+    if failure is not None:
+        log.error(f"scontrol requeue {target} failed: {failure}")
         return False
     log.info(f"requeued job {target} (attempt {restart_count + 1} of {config.max_requeues})")
     return True

@@ -158,6 +158,24 @@ def _agree_on_elastic_restarts(
     return dataclasses.replace(plan, dist_env=agreed)
 
 
+#: The cuBLAS workspace torch documents for deterministic results (CUDA 10.2 and later).
+CUBLAS_DETERMINISTIC = ":4096:8"
+
+
+def _use_deterministic_kernels() -> None:
+    """run.deterministic, before any CUDA work of the run (the checks' included): cuBLAS reads
+    its workspace setting from the process's environment, so it goes into os.environ (a value
+    of the user's own is kept)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    get_logger().debug(
+        "run.deterministic: deterministic algorithms, CUBLAS_WORKSPACE_CONFIG="
+        f"{os.environ['CUBLAS_WORKSPACE_CONFIG']}, cuDNN deterministic without autotuning"
+    )
+
+
 def _set_threads(env: DistEnv, environ: Mapping[str, str]) -> None:
     """Each rank's intra-op threads: OMP_NUM_THREADS when set (torch reads it), else the CPUs
     Slurm gave the task, else this machine's CPUs shared by its ranks, as `hpc-ddp local` and
@@ -172,13 +190,15 @@ def settle_rank(
     plan: LaunchPlan, settings: RuntimeConfig, environ: Mapping[str, str], export_env: bool
 ) -> None:
     """This rank on its machine: its log lines, the launcher's variables for code that reads
-    them, its threads, enough open files, and what it says of where it runs."""
+    them, its threads and kernels, enough open files, and what it says of where it runs."""
     dist_env = plan.dist_env
     log = setup_logging(dist_env.rank, dist_env.world_size)
     if export_env:
         for variable, previous in export_dist_env(dist_env, os.environ).items():
             log.debug(f"exported {variable}, replacing {previous!r}")
     _set_threads(dist_env, environ)
+    if settings.run.deterministic:
+        _use_deterministic_kernels()
     _raise_open_file_limit(dist_env)
     _announce(plan, settings, environ)
 

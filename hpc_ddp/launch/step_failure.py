@@ -1,0 +1,74 @@
+"""After srun's step failed, in slurm/train.sh's batch script: a rank lost to its host (see
+:mod:`hpc_ddp.runtime.preempt.lost_rank`) leaves that host out of the job, which is requeued
+to go on from its last checkpoint, within ``preempt.max_node_failures``.
+
+    python -m hpc_ddp.launch.step_failure STATUS LOG_FROM
+
+STATUS is srun's exit status and LOG_FROM the size of the job's log (this process's stderr)
+before srun started; the exit status is 0 once requeued, EXIT_NODES_FAILED past the budget,
+else STATUS."""
+
+from __future__ import annotations
+
+import os
+import stat
+import sys
+from collections.abc import Mapping, Sequence
+
+from hpc_ddp.runtime.errors import EXIT_NODES_FAILED
+
+#: How much of the log's end is read: srun's lines come after the ranks' last words.
+TAIL_BYTES = 8 << 20
+
+
+def attempt_lines(log_from: int) -> list[str]:
+    """The lines this attempt added to the job's log, its end only; [] when stderr is not a
+    file (a log sent elsewhere names no task)."""
+    try:
+        if not stat.S_ISREG(os.fstat(2).st_mode):
+            return []
+        with open("/proc/self/fd/2", "rb") as log:
+            end = log.seek(0, os.SEEK_END)
+            log.seek(max(log_from, end - TAIL_BYTES, 0))
+            return log.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def answer(status: int, lines: Sequence[str], environ: Mapping[str, str]) -> int:
+    """Leave the lost rank's host out and requeue; the batch script's exit status."""
+    from hpc_ddp.runtime.preempt.lost_rank import lost_rank, read_handoff
+
+    lost = lost_rank(lines)
+    if lost is None:
+        return status
+    handoff = read_handoff(environ)
+    if handoff is None:
+        print(f"hpc-ddp: {lost.why}; rank 0 said nothing of its run, so {lost.host} is not "
+              "left out and the job not requeued", file=sys.stderr)  # fmt: skip
+        return status
+    from hpc_ddp.runtime.preempt.exclusion import leave_out
+
+    run_dir, config = handoff
+    outcome, line = leave_out([lost.host], [lost.why], run_dir, environ, config, "lost a rank")
+    if line:
+        print(f"hpc-ddp: {lost.why}: {line}", file=sys.stderr)
+    if outcome == "exhausted":
+        print("HINT: have the hosts repaired (tell the admins), or raise "
+              "preempt.max_node_failures", file=sys.stderr)  # fmt: skip
+        return EXIT_NODES_FAILED
+    return 0 if outcome == "requeued" else status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if len(words) != 2 or not all(word.isdigit() for word in words):
+        print(f"usage: python -m hpc_ddp.launch.step_failure STATUS LOG_FROM (got {words})",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    status, log_from = int(words[0]), int(words[1])
+    return answer(status, attempt_lines(log_from), os.environ)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

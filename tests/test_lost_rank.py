@@ -1,0 +1,130 @@
+"""A rank lost to its host, in this process: which of srun's task endings blame the host,
+the rank's own report of a failed device, rank 0's hand-off to the batch script, and the
+batch script's answer where nothing is to be left out. Leaving the host out and the requeue
+need scontrol: test_slurm_fault_tolerance.py runs them on the real test cluster."""
+
+from __future__ import annotations
+
+import io
+from contextlib import redirect_stderr
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.launch.step_failure import answer
+from hpc_ddp.runtime.config import PreemptConfig
+from hpc_ddp.runtime.errors import EXIT_DEVICE_ERROR, EXIT_FAILURE
+from hpc_ddp.runtime.exits import report_failure
+from hpc_ddp.runtime.preempt.lost_rank import (
+    HANDOFF_VARIABLE,
+    LostRank,
+    lost_rank,
+    read_handoff,
+    write_handoff,
+)
+from hpc_ddp.runtime.preempt.node_record import left_out_lines
+
+STEP_ENDED_BY_SRUN = [
+    "srun: launch/slurm: _step_signal: Terminating StepId=185.0",
+    "0: slurmstepd-node1: error: *** STEP 185.0 ON node1 CANCELLED AT 2026-11-27T18:59:30 ***",
+    "srun: error: node2: task 2: Terminated",
+    "srun: error: node1: tasks 0-1: Terminated",
+    "srun: Force Terminated StepId=185.0",
+]
+
+
+@pytest.mark.parametrize(
+    ("first", "lost"),
+    [
+        ("srun: error: node2: task 3: Killed",
+         LostRank("node2", "task 3 on node2 was killed by SIGKILL")),
+        ("srun: error: gpu-07: tasks 4-5: Segmentation fault (core dumped)",
+         LostRank("gpu-07", "tasks 4-5 on gpu-07 was killed by SIGSEGV")),
+        ("srun: error: node2: task 1: Bus error",
+         LostRank("node2", "task 1 on node2 was killed by SIGBUS")),
+        (f"srun: error: node3: task 0: Exited with exit code {EXIT_DEVICE_ERROR}",
+         LostRank("node3", "task 0 on node3 reported a failed device")),
+        ("srun: error: node2: task 3: Exited with exit code 1", None),
+        ("srun: error: node2: task 3: Exited with exit code 3", None),
+        ("srun: error: node2: task 3: Terminated", None),
+        ("srun: error: node2: task 3: Interrupt", None),
+    ],
+)  # fmt: skip
+def test_only_the_first_tasks_ending_of_the_hosts_kind_blames_its_host(
+    first: str, lost: LostRank | None
+) -> None:
+    lines = ["1: epoch 0 step 12/32 train_loss 2.3", first, *STEP_ENDED_BY_SRUN]
+    assert lost_rank(lines) == lost
+
+
+def test_an_out_of_memory_kill_or_a_step_with_no_ending_blames_no_host() -> None:
+    oom = "slurmstepd: error: Detected 1 oom_kill event in StepId=185.0. Some of the step "
+    assert lost_rank(["srun: error: node2: task 3: Killed", oom + "tasks have been killed"]) is None
+    assert lost_rank(["1: a line of the program", *STEP_ENDED_BY_SRUN[:2]]) is None
+    # Endings after the first follow from it: srun's SIGTERM of the step's other tasks.
+    later = [
+        "srun: error: node1: task 0: Exited with exit code 1",
+        "srun: error: node2: task 1: Killed",
+    ]
+    assert lost_rank(later) is None
+
+
+def test_a_device_error_ends_the_rank_with_its_own_exit_code_and_traceback() -> None:
+    def step() -> None:
+        raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+
+    # The device's words may sit in an exception the user's code raised from it.
+    stderr = io.StringIO()
+    try:
+        try:
+            step()
+        except RuntimeError as cause:
+            raise ValueError("the step failed") from cause
+    except ValueError as error:
+        with redirect_stderr(stderr):
+            assert report_failure(error, "1") == EXIT_DEVICE_ERROR
+    assert "[rank 1] device failed (CUDA error: uncorrectable ECC error encountered)" in (
+        stderr.getvalue()
+    )
+    assert "in step" in stderr.getvalue() and "ValueError: the step failed" in stderr.getvalue()
+    with redirect_stderr(io.StringIO()):
+        assert report_failure(RuntimeError("CUDA error: device-side assert triggered"), "1") == (
+            EXIT_FAILURE
+        )
+
+
+def test_rank_0_hands_the_run_and_its_settings_to_the_batch_script(tmp_path: Path) -> None:
+    config = PreemptConfig(max_node_failures=5, requeue_delay_s=30.0)
+    environ = {HANDOFF_VARIABLE: str(tmp_path / "handoff.json")}
+    write_handoff(environ, tmp_path / "run", config)
+    assert read_handoff(environ) == (tmp_path / "run", config)
+    assert read_handoff({}) is None
+    assert read_handoff({HANDOFF_VARIABLE: str(tmp_path / "none.json")}) is None
+    (tmp_path / "handoff.json").write_text('{"run_dir": "x"}')
+    assert read_handoff(environ) is None
+    write_handoff({}, tmp_path / "run", config)  # no file asked for: nothing written
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["handoff.json"]
+
+
+def test_the_batch_script_keeps_sruns_status_when_no_host_is_to_blame(tmp_path: Path) -> None:
+    killed = ["srun: error: node2: task 1: Killed", *STEP_ENDED_BY_SRUN]
+    stderr = io.StringIO()
+    with redirect_stderr(stderr):
+        assert answer(143, ["srun: error: node2: task 1: Exited with exit code 1"], {}) == 143
+        assert stderr.getvalue() == ""
+        # Killed, but rank 0 never said where the run is (it died before training began).
+        environ = {"SLURM_JOB_ID": "185", HANDOFF_VARIABLE: str(tmp_path / "none.json")}
+        assert answer(137, killed, environ) == 137
+    assert stderr.getvalue() == (
+        "hpc-ddp: task 1 on node2 was killed by SIGKILL; rank 0 said nothing of its run, so "
+        "node2 is not left out and the job not requeued\n"
+    )
+
+
+def test_runs_says_a_host_lost_a_rank() -> None:
+    failure = {"job": "185", "restart_count": 0, "hosts": ["node2"], "event": "lost a rank",
+               "why": ["task 1 on node2 was killed by SIGKILL"], "requeued": True}  # fmt: skip
+    assert left_out_lines([failure]) == [
+        "job 185 attempt 0: node2 lost a rank (task 1 on node2 was killed by SIGKILL): "
+        "left out, the job requeued"
+    ]
