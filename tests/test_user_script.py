@@ -5,6 +5,7 @@ loss, its own scheduler and state) on real local gloo ranks through `hpc-ddp loc
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 import shutil
@@ -230,6 +231,40 @@ def test_run_deterministic_refuses_an_operation_without_a_deterministic_kernel(
     assert "HINT: run.deterministic=true asks every operation for a deterministic kernel" in (
         failure
     )
+
+
+@pytest.mark.e2e
+def test_a_resume_of_an_edited_script_says_what_changed_or_is_refused(tmp_path: Path) -> None:
+    """The script stopped at step 5 (a checkpoint, as on a preemption) is edited, then run
+    again: the resume warns, naming the script's new sha256; with run.on_code_change=refuse
+    it ends before training. provenance.json keeps each attempt."""
+    script = tmp_path / "train.py"
+    shutil.copy(FAULTS, script)
+    common = [str(script), "none", f"run.output_dir={tmp_path / 'runs'}", "run.id=edited",
+              "tracking.enabled=false"]  # fmt: skip
+    first = run_local_program(2, [*common, "preempt.stop_at_step=5"])
+    assert first.returncode == EXIT_STOPPED, first.stderr[-3000:]
+    before = hashlib.sha256(script.read_bytes()).hexdigest()
+    script.write_text(script.read_text() + "# an edit between attempts\n")
+    after = hashlib.sha256(script.read_bytes()).hexdigest()
+    refused = run_local_program(2, [*common, "run.on_code_change=refuse"])
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    change = f"the script's contents (sha256): {before} -> {after}"
+    assert change in refused.stderr and "HINT: put the code back as it was" in refused.stderr
+    resumed = run_local_program(2, common)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert change in resumed.stderr and "at step 5 (epoch 0" in resumed.stderr, resumed.stderr[
+        -3000:
+    ]
+    run_dir = tmp_path / "runs" / "faults" / "edited"
+    attempts = json.loads((run_dir / "provenance.json").read_text())
+    assert [attempt["script_sha256"] for attempt in attempts] == [before, after]
+    assert {attempt["script"] for attempt in attempts} == {str(script)}
+    assert attempts[0]["torch"] == torch.__version__ and attempts[0]["packages"]
+    listed = run_python(["-m", "hpc_ddp", "runs", str(run_dir)])
+    assert listed.returncode == 0, listed.stderr
+    shown = re.findall(r"attempt (\d) \(.*\): train\.py sha256 (\w+), commit none", listed.stdout)
+    assert shown == [("1", before[:12]), ("2", after[:12])], listed.stdout
 
 
 def run_faults(arguments: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -219,7 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     _command(commands, "port", cmd.port, "print this job's rendezvous port")
 
     runs = _command(commands, "runs", results.runs, "list runs: state, step, newest metrics")
-    runs.add_argument("output_dir", nargs="?", default="runs", help="run.output_dir (runs)")
+    runs.add_argument(
+        "output_dir",
+        nargs="?",
+        default="runs",
+        help="run.output_dir (runs); or one run (its directory, or NAME/ID under runs): its "
+        "line and each attempt's code and environment",
+    )
     plot = _command(commands, "plot", results.plot, "write a PNG of a run's curves (matplotlib)")
     plot.add_argument("run", help="a run directory, or NAME/ID or ID as `hpc-ddp runs` shows")
     plot.add_argument("--output-dir", default="runs", help="where to look for NAME/ID (runs)")

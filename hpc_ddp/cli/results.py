@@ -8,8 +8,21 @@ from pathlib import Path
 
 
 def runs(args: argparse.Namespace) -> int:
-    from hpc_ddp.view.runs import find_runs, format_runs
+    from hpc_ddp.runtime.errors import HpcDdpError
+    from hpc_ddp.runtime.tracking.journal import STATUS_FILE
+    from hpc_ddp.view.runs import find_run, find_runs, format_run, format_runs
 
+    given = Path(args.output_dir)
+    if (given / STATUS_FILE).is_file() or (not given.exists() and Path("runs").is_dir()):
+        try:  # a run directory, or NAME/ID or ID under ./runs
+            run = find_run(args.output_dir, Path("runs"))
+        except HpcDdpError as error:
+            raise HpcDdpError(
+                f"no such directory: {given}, and {error.message}",
+                "pass the run.output_dir your runs write to (default: runs), or one run as NAME/ID",
+            ) from None
+        print(format_run(run))
+        return 0
     damaged: list[str] = []
     found = find_runs(Path(args.output_dir), damaged)
     print(format_runs(found) if found else f"no runs in {args.output_dir}")

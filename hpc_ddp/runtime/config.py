@@ -53,6 +53,12 @@ class RunConfig:
         "Run directory name under output_dir/name. Default: the Slurm job id (stable across "
         "requeues), the local launcher's run id, or a timestamp.",
     )
+    on_code_change: Literal["warn", "refuse"] = setting(
+        "warn",
+        "A resumed attempt whose script, git commit, uncommitted changes, versions or packages "
+        "differ from the attempt before (provenance.json in the run directory): warn names "
+        "what changed; refuse ends the attempt with that line.",
+    )
     deterministic: bool = setting(
         False,
         "Deterministic kernels, set before the model is built: torch.use_deterministic_"

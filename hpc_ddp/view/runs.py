@@ -11,7 +11,14 @@ from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.preempt.node_record import left_out_lines, node_failures
-from hpc_ddp.runtime.tracking.journal import STATUS_FILE, pid_alive, read_metrics, read_status
+from hpc_ddp.runtime.safefiles import read_records
+from hpc_ddp.runtime.tracking.journal import (
+    PROVENANCE_FILE,
+    STATUS_FILE,
+    pid_alive,
+    read_metrics,
+    read_status,
+)
 
 #: Interval metrics that describe speed, not the model.
 NOT_CURVES = {"samples_per_s", "steps_per_s", "lr"}
@@ -37,6 +44,8 @@ class RunView:
     val: dict[str, float | None] = field(default_factory=dict)
     #: Hosts that failed the checks and were left out of the job, one line per failure.
     left_out: tuple[str, ...] = ()
+    #: Each attempt's code and environment, one line each (provenance.json).
+    code: tuple[str, ...] = ()
 
 
 def is_validation(name: str) -> bool:
@@ -98,7 +107,38 @@ def load_run(path: Path) -> RunView | None:
         train=train,
         val=val,
         left_out=tuple(left_out_lines(node_failures(path))),
+        code=tuple(code_lines(read_records(path / PROVENANCE_FILE, "python"))),
     )
+
+
+def _short(value: Any) -> str:
+    return str(value)[:12] if value else "none"
+
+
+def code_line(number: int, attempt: dict[str, Any]) -> str:
+    """An attempt's code and environment: when, the script and its sha256, the commit (and
+    its uncommitted changes), the versions."""
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(attempt.get("at_unix", 0)))
+    job = f", job {attempt['job']}" if attempt.get("job") else ""
+    commit = _short(attempt.get("git_commit"))
+    if attempt.get("git_dirty"):
+        commit += f" + uncommitted {_short(attempt.get('git_diff_sha256'))}"
+    script = Path(str(attempt.get("script"))).name
+    return (
+        f"attempt {number} ({when}{job}): {script} sha256 {_short(attempt.get('script_sha256'))}"
+        f", commit {commit}, python {attempt.get('python')}, torch {attempt.get('torch')}, "
+        f"{len(attempt.get('packages', []))} packages"
+    )
+
+
+def code_lines(attempts: Iterable[dict[str, Any]]) -> list[str]:
+    """One :func:`code_line` per attempt, oldest first."""
+    return [code_line(number, attempt) for number, attempt in enumerate(attempts, 1)]
+
+
+def format_run(run: RunView, now: float | None = None) -> str:
+    """`hpc-ddp runs NAME/ID`: the run's line, its failed hosts, and each attempt's code."""
+    return "\n".join([format_runs([run], now), *(f"  {line}" for line in run.code)])
 
 
 def find_runs(output_dir: Path, damaged: list[str] | None = None) -> list[RunView]:

@@ -46,6 +46,7 @@ from hpc_ddp.runtime.session.run import Run
 from hpc_ddp.runtime.tracking.base import NullTracker, Tracker
 from hpc_ddp.runtime.tracking.journal import STATUS_FILE
 from hpc_ddp.runtime.tracking.opening import open_tracker
+from hpc_ddp.runtime.tracking.provenance import agree_on_code
 from hpc_ddp.runtime.tracking.worker import discard_prestarted
 
 __all__ = ["end_active_run", "start"]
@@ -141,6 +142,10 @@ def start(
         values = fingerprint_of(fingerprint or {})
         if resume is not None:  # refused before MLflow reopens the run it names
             check_resumable(resume[1]["fingerprint"], values, resume[0])
+        if not finished_before:
+            resumed, on_change = resume is not None, settings.run.on_code_change
+            main, group = plan.dist_env.is_main, joined.control_group
+            agree_on_code(plan.run_dir, main, resumed, on_change, environment, group)
         position = Position()
         if plan.dist_env.is_main:
             tracker = open_tracker(

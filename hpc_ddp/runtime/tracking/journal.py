@@ -36,6 +36,8 @@ from hpc_ddp.runtime.tracking.base import Tracker
 STATUS_FILE = "status.json"
 METRICS_FILE = "metrics.jsonl"
 TRACKING_FILE = "tracking.json"
+#: Each attempt's code and environment (:mod:`hpc_ddp.runtime.tracking.provenance`).
+PROVENANCE_FILE = "provenance.json"
 
 #: What a tracker's final status means for the run.
 END_STATES = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "stopped"}

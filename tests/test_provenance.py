@@ -1,0 +1,61 @@
+"""The code and environment of each attempt (provenance.json), in this process: what a
+resume compares and names, the warning and the refusal, and the record kept. The records'
+git and package parts on real ranks: test_user_script.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpc_ddp.runtime.tracking.provenance import RECORD, check_code, environment_of, what_changed
+
+ATTEMPT: dict[str, Any] = {
+    "script": "/home/me/train.py", "script_sha256": "a" * 64, "git_commit": "c1", "git_dirty":
+    False, "git_diff_sha256": None, "python": "3.11.2", "torch": "2.13.0", "cuda": None,
+    "nccl": None, "hpc_ddp": "0.1.0", "packages": ["numpy==2.1.0", "torch==2.13.0"],
+}  # fmt: skip
+
+
+def test_a_resume_names_every_difference_of_code_versions_and_packages() -> None:
+    now = {**ATTEMPT, "script_sha256": "b" * 64, "torch": "2.14.0",
+           "packages": ["numpy==2.2.0", "torch==2.14.0", "tqdm==4.0"]}  # fmt: skip
+    assert what_changed(ATTEMPT, ATTEMPT) == []
+    assert what_changed(ATTEMPT, now) == [
+        f"the script's contents (sha256): {'a' * 64} -> {'b' * 64}",
+        "torch: 2.13.0 -> 2.14.0",
+        "packages: numpy==2.2.0, torch==2.14.0, tqdm==4.0 installed, numpy==2.1.0, "
+        "torch==2.13.0 gone",
+    ]
+
+
+def test_a_changed_resume_warns_or_is_refused_and_every_attempt_is_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    edited = {**ATTEMPT, "git_dirty": True, "git_diff_sha256": "d" * 64}
+    assert check_code(tmp_path, ATTEMPT, False, "refuse") is None  # a first attempt
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp"):
+        assert check_code(tmp_path, edited, True, "warn") is None
+    assert caplog.messages == [
+        "this attempt resumes a run whose last attempt ran other code or another environment: "
+        f"the uncommitted changes (sha256 of git diff HEAD): None -> {'d' * 64} "
+        "(run.on_code_change=refuse refuses this)"
+    ]
+    refusal = check_code(tmp_path, ATTEMPT, True, "refuse")
+    assert refusal is not None and refusal.exit_code == 2
+    assert f"uncommitted changes (sha256 of git diff HEAD): {'d' * 64} -> None" in str(refusal)
+    assert "git checkout c1" in str(refusal) and "run.on_code_change=warn" in str(refusal)
+    kept = json.loads((tmp_path / RECORD).read_text())
+    assert [attempt["git_diff_sha256"] for attempt in kept] == [None, "d" * 64]
+    # Started afresh (no resume), nothing is compared.
+    assert check_code(tmp_path, {**ATTEMPT, "python": "3.12.0"}, False, "refuse") is None
+
+
+def test_the_environment_names_this_process_versions_and_packages() -> None:
+    environment = environment_of()
+    assert environment["torch"] == __import__("torch").__version__
+    assert any(package.startswith("torch==") for package in environment["packages"])
+    assert environment["packages"] == sorted(environment["packages"])
