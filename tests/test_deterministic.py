@@ -15,16 +15,17 @@ import torch
 from hpc_ddp.runtime.config import RuntimeConfig, resolve_config
 from hpc_ddp.runtime.errors import EXIT_FAILURE, EXIT_USER_ERROR
 from hpc_ddp.runtime.exits import report_failure
-from hpc_ddp.runtime.session import joining
+from hpc_ddp.runtime.session.joining import use_deterministic_kernels
 
 
 @pytest.fixture
 def kernels_restored() -> Iterator[None]:
     cudnn = torch.backends.cudnn
     before = (torch.are_deterministic_algorithms_enabled(), cudnn.deterministic,
-              cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))  # fmt: skip
+              cudnn.benchmark, os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+              torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
     yield
-    torch.use_deterministic_algorithms(before[0])
+    torch.use_deterministic_algorithms(before[0], warn_only=before[4])
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[1], before[2]
     if before[3] is None:
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
@@ -42,12 +43,12 @@ def test_deterministic_kernels_are_set_and_a_users_cublas_workspace_kept(
     kernels_restored: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
-    joining._use_deterministic_kernels()
+    use_deterministic_kernels()
     assert torch.are_deterministic_algorithms_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
-    joining._use_deterministic_kernels()
+    use_deterministic_kernels()
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
     with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
         torch.zeros(4).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))

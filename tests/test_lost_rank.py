@@ -6,6 +6,8 @@ need scontrol: test_slurm_fault_tolerance.py runs them on the real test cluster.
 from __future__ import annotations
 
 import io
+import os
+import signal
 from contextlib import redirect_stderr
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from hpc_ddp.runtime.preempt.lost_rank import (
     write_handoff,
 )
 from hpc_ddp.runtime.preempt.node_record import left_out_lines
+from hpc_ddp.runtime.preempt.requeue import requeue_job
 
 STEP_ENDED_BY_SRUN = [
     "srun: launch/slurm: _step_signal: Terminating StepId=185.0",
@@ -39,7 +42,8 @@ STEP_ENDED_BY_SRUN = [
         ("srun: error: node2: task 3: Killed",
          LostRank("node2", "task 3 on node2 was killed by SIGKILL")),
         ("srun: error: gpu-07: tasks 4-5: Segmentation fault (core dumped)",
-         LostRank("gpu-07", "tasks 4-5 on gpu-07 was killed by SIGSEGV")),
+         LostRank("gpu-07", "tasks 4-5 on gpu-07 were killed by SIGSEGV")),
+        ("srun: error: node2: task 1: Aborted (core dumped)", None),
         ("srun: error: node2: task 1: Bus error",
          LostRank("node2", "task 1 on node2 was killed by SIGBUS")),
         (f"srun: error: node3: task 0: Exited with exit code {EXIT_DEVICE_ERROR}",
@@ -67,6 +71,15 @@ def test_an_out_of_memory_kill_or_a_step_with_no_ending_blames_no_host() -> None
         "srun: error: node2: task 1: Killed",
     ]
     assert lost_rank(later) is None
+
+
+def test_a_rank_that_only_lost_its_peer_is_passed_over_and_srun_found_mid_line() -> None:
+    # The peer's ending may reach srun first; a rank's last words may lack a newline.
+    lines = ["srun: error: node1: task 0: Exited with exit code 4",
+             "1: partial outputsrun: error: node2: task 1: Killed"]  # fmt: skip
+    assert lost_rank(lines) == LostRank("node2", "task 1 on node2 was killed by SIGKILL")
+    memory = "slurmstepd: error: Exceeded job memory limit"
+    assert lost_rank([*lines, memory]) is None
 
 
 def test_a_device_error_ends_the_rank_with_its_own_exit_code_and_traceback() -> None:
@@ -102,6 +115,13 @@ def test_rank_0_hands_the_run_and_its_settings_to_the_batch_script(tmp_path: Pat
     assert read_handoff({HANDOFF_VARIABLE: str(tmp_path / "none.json")}) is None
     (tmp_path / "handoff.json").write_text('{"run_dir": "x"}')
     assert read_handoff(environ) is None
+    (tmp_path / "handoff.json").write_text('{"run_dir": "x", "preempt": {"max_node_failures": -1}}')
+    assert read_handoff(environ) is None  # settings no run would start with
+    (tmp_path / "handoff.json").unlink()
+    write_handoff(environ, tmp_path / "run", config)
+    (tmp_path / "link.json").symlink_to(tmp_path / "handoff.json")
+    assert read_handoff({HANDOFF_VARIABLE: str(tmp_path / "link.json")}) is None
+    (tmp_path / "link.json").unlink()
     write_handoff({}, tmp_path / "run", config)  # no file asked for: nothing written
     assert sorted(path.name for path in tmp_path.iterdir()) == ["handoff.json"]
 
@@ -117,7 +137,8 @@ def test_the_batch_script_keeps_sruns_status_when_no_host_is_to_blame(tmp_path: 
         assert answer(137, killed, environ) == 137
     assert stderr.getvalue() == (
         "hpc-ddp: task 1 on node2 was killed by SIGKILL; rank 0 said nothing of its run, so "
-        "node2 is not left out and the job not requeued\n"
+        "node2 is not left out and the job not requeued\nHINT: a rank lost before training "
+        "began ends the job; resubmit it with --exclude=node2\n"
     )
 
 
@@ -128,3 +149,25 @@ def test_runs_says_a_host_lost_a_rank() -> None:
         "job 185 attempt 0: node2 lost a rank (task 1 on node2 was killed by SIGKILL): "
         "left out, the job requeued"
     ]
+
+
+@pytest.mark.e2e
+def test_scontrol_requeue_outlives_the_sigterm_its_requeue_sends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slurm sends the step SIGTERM as `scontrol requeue` ends it; the scontrol that rank 0
+    started must still report. A stand-in scontrol (no Slurm here) sends itself that SIGTERM
+    before it answers: started with SIGTERM at its default it would die, and the requeue
+    would count as failed."""
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(
+        '#!/bin/sh\nif [ "$1" = show ]; then echo "JobId=7 Requeue=1 Restarts=0"; exit 0; fi\n'
+        'kill -TERM $$\necho "requeue $2" > "$(dirname "$0")/requeued"\n'
+    )
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    before = signal.getsignal(signal.SIGTERM)
+    with redirect_stderr(io.StringIO()):
+        assert requeue_job({"SLURM_JOB_ID": "7"}, 0, PreemptConfig())
+    assert (tmp_path / "requeued").read_text() == "requeue 7\n"
+    assert signal.getsignal(signal.SIGTERM) == before

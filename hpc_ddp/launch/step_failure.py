@@ -45,7 +45,8 @@ def answer(status: int, lines: Sequence[str], environ: Mapping[str, str]) -> int
     handoff = read_handoff(environ)
     if handoff is None:
         print(f"hpc-ddp: {lost.why}; rank 0 said nothing of its run, so {lost.host} is not "
-              "left out and the job not requeued", file=sys.stderr)  # fmt: skip
+              "left out and the job not requeued\nHINT: a rank lost before training began "
+              f"ends the job; resubmit it with --exclude={lost.host}", file=sys.stderr)  # fmt: skip
         return status
     from hpc_ddp.runtime.preempt.exclusion import leave_out
 
@@ -67,7 +68,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     status, log_from = int(words[0]), int(words[1])
-    return answer(status, attempt_lines(log_from), os.environ)
+    try:
+        return answer(status, attempt_lines(log_from), os.environ)
+    except Exception as error:  # the job's own status must stand
+        print(f"hpc-ddp: the failed step was not answered ({type(error).__name__}: {error}); "
+              f"the job ends with srun's status {status}", file=sys.stderr)  # fmt: skip
+        return status
 
 
 if __name__ == "__main__":

@@ -29,16 +29,15 @@ EXIT_NO_PROGRESS = 7
 EXIT_DEVICE_ERROR = 8
 
 #: What CUDA and NCCL say when the hardware, not the program, failed. An illegal memory
-#: access or a device-side assert is left out: those are most often the program's own.
+#: access, a device-side assert or an unspecified launch failure is left out (most often a
+#: kernel of the program's own), and so is NCCL's system error (most often a setting that
+#: fails alike on every host).
 DEVICE_ERROR_MARKERS = (
     "uncorrectable ECC error",
     "ECC error encountered",
     "GPU has fallen off the bus",
     "CUDA-capable device(s) is/are busy or unavailable",
-    "unspecified launch failure",
-    "unhandled system error",
     "unhandled cuda error",
-    "ncclSystemError",
     "ncclUnhandledCudaError",
 )
 
@@ -82,6 +81,12 @@ def lost_peer(error: BaseException) -> str | None:
     """The line of ``error`` (or of an exception it came from) that says another rank went
     away, or None."""
     return _line_with(error, PEER_LOST_MARKERS)
+
+
+def no_deterministic_kernel(error: BaseException) -> str | None:
+    """torch's line (in ``error`` or an exception it came from) for an operation with no
+    deterministic kernel under run.deterministic, or None."""
+    return _line_with(error, (NO_DETERMINISTIC_KERNEL,))
 
 
 def device_failure(error: BaseException) -> str | None:

@@ -22,10 +22,10 @@ from hpc_ddp.runtime.errors import (
     EXIT_FAILURE,
     EXIT_PEER_LOST,
     EXIT_USER_ERROR,
-    NO_DETERMINISTIC_KERNEL,
     HpcDdpError,
     device_failure,
     lost_peer,
+    no_deterministic_kernel,
 )
 
 #: Exit code of a rank stopped with Ctrl-C (128 + SIGINT), as shells report it.
@@ -97,15 +97,15 @@ def report_failure(
         )
         return EXIT_PEER_LOST
     text = user_traceback(error, hidden or (lambda _path: False))
-    if NO_DETERMINISTIC_KERNEL in str(error):
+    if no_deterministic_kernel(error):
         print(f"[rank {label}] failed:\n{text}HINT: run.deterministic=true asks every "
               "operation for a deterministic kernel and torch has none for this one: replace "
               "the operation, or set run.deterministic=false", file=sys.stderr)  # fmt: skip
         return EXIT_USER_ERROR
     device = device_failure(error)
     if device:
-        print(f"[rank {label}] device failed ({device[:300]}): this host is left out of a "
-              f"requeued Slurm job\n{text}", file=sys.stderr, end="")  # fmt: skip
+        print(f"[rank {label}] device failed ({device[:300]}); under slurm/train.sh its host "
+              f"is left out and the job requeued\n{text}", file=sys.stderr, end="")  # fmt: skip
         return EXIT_DEVICE_ERROR
     print(f"[rank {label}] failed:\n{text}", file=sys.stderr, end="")
     return EXIT_FAILURE

@@ -113,10 +113,10 @@ def job_script(request: RenderRequest, sweep_dir: Path, offset: int) -> str:
 # the attempt began tells its run's record from an earlier attempt's.
 set +e
 began=$(date +%s.%N)
+unset HPC_DDP_STEP_HANDOFF  # a lost rank's host is not left out of a sweep's task yet
 {_SRUN}
 status=$?
 set -e
-rm -f "$HPC_DDP_STEP_HANDOFF"
 "$python" {quoted} --ended "$status" --began "$began"
 exit "$status"
 """

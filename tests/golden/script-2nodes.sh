@@ -90,6 +90,9 @@ log_from=$(stat -L -c %s "/proc/$$/fd/2" 2>/dev/null || echo 0)
 status=0
 srun --kill-on-bad-exit=1 --label "${blocked_until_held[@]}" "$python" "${program[@]}" || status=$?
 if ((status != 0)); then
+    # Its requeue sends this batch step SIGTERM: the script (and the helper with it) ignores
+    # it, so the job is never left held half-way; Slurm ends the step after KillWait anyway.
+    trap '' TERM
     answered=0
     "$python" -m hpc_ddp.launch.step_failure "$status" "$log_from" || answered=$?
     status=$answered

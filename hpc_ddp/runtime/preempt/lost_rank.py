@@ -1,9 +1,12 @@
 """A rank lost to its host. When srun's step fails, slurm/train.sh's batch script reads what
 srun said of each task's end and blames the host of the first task that ended when the
 ending is the host's kind: a signal the rank did not ask for (SIGKILL with no out-of-memory
-kill, SIGSEGV, SIGBUS, SIGABRT, SIGILL), or the rank's own report that its device failed
-(exit code EXIT_DEVICE_ERROR). The other ranks' endings follow from the first (srun ends the
-step with SIGTERM), and an exit code of the program's own is the program's fault.
+kill, SIGSEGV, SIGBUS, SIGILL), or the rank's own report that its device failed (exit code
+EXIT_DEVICE_ERROR). A rank that only lost its peer (EXIT_PEER_LOST) is passed over: its
+ending may reach srun before the cause's. The endings after the cause follow from it (srun
+ends the step with SIGTERM), and an exit code of the program's own is the program's fault.
+SIGABRT is not the host's: NCCL's watchdog aborts every rank of a collective that timed out,
+and torch's teardown may abort after an error of the program's.
 
 The batch script cannot know where the run keeps its record (the program's config decides),
 so rank 0 writes that, with the preempt settings, to the file HPC_DDP_STEP_HANDOFF names.
@@ -13,33 +16,35 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_ddp.runtime.config import PreemptConfig
-from hpc_ddp.runtime.errors import EXIT_DEVICE_ERROR
+from hpc_ddp.runtime.errors import EXIT_DEVICE_ERROR, EXIT_PEER_LOST, HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.safefiles import replace_bytes
 
 #: The file, named by the batch script, where rank 0 says where the run keeps its record.
 HANDOFF_VARIABLE = "HPC_DDP_STEP_HANDOFF"
 
-#: srun's line for tasks that ended: "srun: error: node2: task 3: Killed".
+#: srun's line for tasks that ended: "srun: error: node2: task 3: Killed" (anywhere in a
+#: line: a rank's last words without a newline may come before it).
 _TASK_ENDED = re.compile(
-    r"^srun: error: (?P<host>[^\s:]+): (?P<tasks>tasks? [0-9,\-\[\]]+): (?P<ending>.+?)\s*$"
+    r"srun: error: (?P<host>[^\s:]+): (?P<tasks>tasks? [0-9,\-\[\]]+): (?P<ending>.+?)\s*$"
 )
 #: strsignal()'s words, as srun prints them, for the signals that blame the host.
 _HOST_SIGNALS = {
     "Killed": "SIGKILL",
     "Segmentation fault": "SIGSEGV",
     "Bus error": "SIGBUS",
-    "Aborted": "SIGABRT",
     "Illegal instruction": "SIGILL",
 }
-#: slurmstepd's line when the step's memory limit killed a process: the program's fault.
-_OUT_OF_MEMORY = re.compile(r"oom[-_ ]kill", re.IGNORECASE)
+#: slurmstepd's lines when the job's memory limit killed a process: the program's fault.
+_OUT_OF_MEMORY = re.compile(r"oom[-_ ]kill|Exceeded (?:job|step) memory limit", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -53,16 +58,20 @@ class LostRank:
 def lost_rank(lines: Sequence[str]) -> LostRank | None:
     """The host to blame from the lines of a failed step's log (srun's and the ranks'), or
     None when the first task's ending is not the host's kind."""
-    endings = [match for match in map(_TASK_ENDED.match, lines) if match]
+    peer_lost = f"Exited with exit code {EXIT_PEER_LOST}"
+    endings = [
+        match for match in map(_TASK_ENDED.search, lines) if match and match["ending"] != peer_lost
+    ]
     if not endings:
         return None
     first = endings[0]
     ending = first["ending"].removesuffix(" (core dumped)")
     where = f"{first['tasks']} on {first['host']}"
+    were = "were" if first["tasks"].startswith("tasks") else "was"
     if ending in _HOST_SIGNALS:
         if ending == "Killed" and any(_OUT_OF_MEMORY.search(line) for line in lines):
             return None
-        return LostRank(first["host"], f"{where} was killed by {_HOST_SIGNALS[ending]}")
+        return LostRank(first["host"], f"{where} {were} killed by {_HOST_SIGNALS[ending]}")
     if ending == f"Exited with exit code {EXIT_DEVICE_ERROR}":
         return LostRank(first["host"], f"{where} reported a failed device")
     return None
@@ -82,12 +91,17 @@ def write_handoff(environ: Mapping[str, str], run_dir: Path, config: PreemptConf
 
 
 def read_handoff(environ: Mapping[str, str]) -> tuple[Path, PreemptConfig] | None:
-    """What rank 0 handed off this attempt, or None when it wrote nothing readable."""
+    """What rank 0 handed off this attempt, or None when it wrote nothing readable. The file
+    sits in a shared temporary folder under a name others can guess: one that is a link or
+    another user's is not trusted."""
     path = environ.get(HANDOFF_VARIABLE)
     if not path:
         return None
     try:
+        seen = os.lstat(path)
+        if not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.getuid():
+            return None
         handoff = json.loads(Path(path).read_text())
         return Path(handoff["run_dir"]), PreemptConfig(**handoff["preempt"])
-    except (OSError, ValueError, TypeError, KeyError):
+    except (OSError, ValueError, TypeError, KeyError, HpcDdpError):
         return None

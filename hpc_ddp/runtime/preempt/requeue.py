@@ -3,6 +3,8 @@ the one the ranks (and torchrun's agent) handle."""
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Mapping
 
 from hpc_ddp.runtime.config import PreemptConfig
@@ -62,6 +64,19 @@ def requeue_target(environ: Mapping[str, str]) -> str | None:
     return environ.get("SLURM_JOB_ID")
 
 
+def _requeue_outliving_its_sigterm(target: str, timeout_s: float) -> str | None:
+    """``scontrol requeue``; None when it worked. Slurm sends the step SIGTERM as the requeue
+    ends it, which would kill scontrol before it reports: it starts with SIGTERM ignored (the
+    requeue's own SIGTERM to this rank, while it waits, is then ignored too)."""
+    if threading.current_thread() is not threading.main_thread():
+        return ask_slurm(["scontrol", "requeue", target], timeout_s).failure
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        return ask_slurm(["scontrol", "requeue", target], timeout_s).failure
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
 def requeue_job(environ: Mapping[str, str], restart_count: int, config: PreemptConfig) -> bool:
     """Rank 0: requeue this Slurm job if allowed and within budget. True if it was requeued."""
     log = get_logger()
@@ -78,7 +93,7 @@ def requeue_job(environ: Mapping[str, str], restart_count: int, config: PreemptC
     if not job_allows_requeue(target, config.requeue_timeout_s):
         log.warning(f"not requeueing: job {target} does not allow requeue (submit with --requeue)")
         return False
-    failure = ask_slurm(["scontrol", "requeue", target], config.requeue_timeout_s).failure
+    failure = _requeue_outliving_its_sigterm(target, config.requeue_timeout_s)
     if failure is not None:
         log.error(f"scontrol requeue {target} failed: {failure}")
         return False

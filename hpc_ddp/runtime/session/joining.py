@@ -162,7 +162,7 @@ def _agree_on_elastic_restarts(
 CUBLAS_DETERMINISTIC = ":4096:8"
 
 
-def _use_deterministic_kernels() -> None:
+def use_deterministic_kernels() -> None:
     """run.deterministic, before any CUDA work of the run (the checks' included): cuBLAS reads
     its workspace setting from the process's environment, so it goes into os.environ (a value
     of the user's own is kept)."""
@@ -198,7 +198,7 @@ def settle_rank(
             log.debug(f"exported {variable}, replacing {previous!r}")
     _set_threads(dist_env, environ)
     if settings.run.deterministic:
-        _use_deterministic_kernels()
+        use_deterministic_kernels()
     _raise_open_file_limit(dist_env)
     _announce(plan, settings, environ)
 
