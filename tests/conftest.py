@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import REPO
 from tests.slurm_cluster import DEFAULT_CONF, SlurmCluster, cluster_unavailable_reason
 
 #: Set to 1 to run the tests marked slow (as ``--slow`` does).
@@ -134,6 +135,30 @@ def cancel_left_over_jobs(request: pytest.FixtureRequest) -> Iterator[None]:
     if "slurm" in request.fixturenames:
         cluster: SlurmCluster = request.getfixturevalue("slurm")
         cluster.cancel_all()
+
+
+#: Where a run lands when nothing says where: a test's runs belong in its tmp_path.
+DEFAULT_RUNS = REPO / "runs"
+
+
+def _default_runs() -> set[Path]:
+    return set(DEFAULT_RUNS.glob("*/*"))
+
+
+@pytest.fixture(autouse=True)
+def runs_stay_out_of_the_repository() -> Iterator[None]:
+    """A test whose run fell back to ./runs (a setting passed where nothing reads it) would
+    leave it in the repository, and a later test could read it as its own: that fails the
+    test, naming the run."""
+    before = _default_runs()
+    yield
+    left = sorted(_default_runs() - before)
+    if left:
+        pytest.fail(
+            f"this test left its run in the repository ({left[0].relative_to(REPO)}): give it "
+            "run.output_dir=<tmp_path> (`hpc-ddp local --set`, $HPC_DDP_OVERRIDES or start())",
+            pytrace=False,
+        )
 
 
 @pytest.fixture()

@@ -744,7 +744,12 @@ def test_processes_a_rank_started_end_with_the_ranks(tmp_path: Path) -> None:
     output pipe open, so the pipeline never returned; it ends with the ranks now. (The helper
     and rank 0 would hold the pipe for an hour: reading it to its end is the proof.)"""
     (tmp_path / "leaves.py").write_text(LEAVES_A_CHILD)
-    program = [str(tmp_path / "leaves.py"), str(tmp_path / "started"), f"run.output_dir={tmp_path}"]
+    program = [
+        "--set",
+        f"run.output_dir={tmp_path}",
+        str(tmp_path / "leaves.py"),
+        str(tmp_path / "started"),
+    ]
     command = [sys.executable, "-m", "hpc_ddp", "local", "--nproc", "2", *program]
     result = subprocess.run(
         command, cwd=REPO, env=clean_environ(), capture_output=True, text=True, timeout=240,

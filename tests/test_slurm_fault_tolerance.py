@@ -105,6 +105,8 @@ def preempt_and_wait(
     log = log_path.read_text()
     assert state == "COMPLETED", log[-4000:]
     assert f"requeued job {job}" in log
+    handoffs = Path(os.environ.get("TMPDIR", "/tmp")).glob(f"hpc-ddp-step-{job}-*")
+    assert not list(handoffs), "the batch script of each attempt removes its hand-off file"
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
     return job, log, stop_step
 

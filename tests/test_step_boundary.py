@@ -304,9 +304,9 @@ import sys, time
 import torch
 import hpc_ddp
 
-where = sys.argv[1]
+where, output = sys.argv[1:3]
 run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False},
-                    dist={"stall_timeout_s": 5, "timeout_s": 30})
+                    dist={"stall_timeout_s": 5, "timeout_s": 30}, run={"output_dir": output})
 for iter_num in run.iterations(max_steps=6):
     if run.every(3):
         if where == "evaluation" and iter_num == 3:
@@ -319,10 +319,10 @@ run.finish()
 
 
 @pytest.mark.e2e
-def test_the_stall_watchdog_rests_while_every_runs_and_watches_the_steps() -> None:
-    evaluated = run_script(WATCHED, "evaluation")
+def test_the_stall_watchdog_rests_while_every_runs_and_watches_the_steps(tmp_path: Path) -> None:
+    evaluated = run_script(WATCHED, "evaluation", str(tmp_path))
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert "RESULT 6" in evaluated.stdout and "stalled" not in evaluated.stderr
-    stalled = run_script(WATCHED, "step")
+    stalled = run_script(WATCHED, "step", str(tmp_path))
     assert stalled.returncode == 5, stalled.stderr[-3000:]
     assert "rank 0 stalled: no training step finished" in stalled.stderr

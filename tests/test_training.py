@@ -605,7 +605,9 @@ def test_a_local_runs_store_listens_on_loopback_only(tmp_path: Path) -> None:
     and is refused at 127.0.0.2 (an address of this host that a store listening on every
     interface would answer; loopback, so the test stays off the network)."""
     (tmp_path / "probe.py").write_text(STORE_PROBE)
-    result = run_local_program(2, [str(tmp_path / "probe.py"), f"run.output_dir={tmp_path}"])
+    result = run_local_program(
+        2, ["--set", f"run.output_dir={tmp_path}", str(tmp_path / "probe.py")]
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "STORE 127.0.0.1 reached" in result.stdout, result.stdout
     assert "STORE 127.0.0.2 refused" in result.stdout, result.stdout
@@ -613,10 +615,13 @@ def test_a_local_runs_store_listens_on_loopback_only(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("how", ["0", "3", "none", "os"])
 @pytest.mark.e2e
-def test_a_rank_that_leaves_the_loop_early_is_named_as_the_cause(how: str) -> None:
+def test_a_rank_that_leaves_the_loop_early_is_named_as_the_cause(how: str, tmp_path: Path) -> None:
     """The survivor exits 4 (lost contact); the launcher used to blame it and never named
     the rank that left."""
-    result = run_local_program(2, [str(REPO / "tests/programs/leaves_early.py"), how])
+    result = run_local_program(
+        2,
+        ["--set", f"run.output_dir={tmp_path}", str(REPO / "tests/programs/leaves_early.py"), how],
+    )
     assert result.returncode == EXIT_PEER_LOST, result.stderr[-3000:]
     code = "3" if how == "3" else "0"
     assert (

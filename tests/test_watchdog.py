@@ -252,12 +252,19 @@ def test_a_stall_timeout_that_is_not_positive_is_refused(value: str, tmp_path: P
 
 @pytest.mark.parametrize("stopped", [1, 0], ids=["rank-1", "rank-0-holding-the-store"])
 @pytest.mark.e2e
-def test_a_stall_report_names_the_rank_that_stopped_answering(stopped: int) -> None:
+def test_a_stall_report_names_the_rank_that_stopped_answering(stopped: int, tmp_path: Path) -> None:
     """A rank stopped with SIGSTOP makes no report of its own: the rank waiting for it in a
     collective fires, and its report names the stopped rank (or, when that rank holds the
     rendezvous store, says the store does not answer either)."""
     result = run_local_program(
-        2, [str(REPO / "tests/programs/stops_itself.py"), str(stopped)], timeout=120
+        2,
+        [
+            "--set",
+            f"run.output_dir={tmp_path}",
+            str(REPO / "tests/programs/stops_itself.py"),
+            str(stopped),
+        ],
+        timeout=120,
     )
     # The waiting rank waits inside torch: a consequence of the other's silence (exit 4).
     assert result.returncode == EXIT_PEER_LOST, result.stderr[-3000:]
