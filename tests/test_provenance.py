@@ -4,6 +4,7 @@ git and package parts on real ranks: test_user_script.py."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -11,7 +12,13 @@ from typing import Any
 
 import pytest
 
-from hpc_ddp.runtime.tracking.provenance import RECORD, check_code, environment_of, what_changed
+from hpc_ddp.runtime.tracking.provenance import (
+    RECORD,
+    AttemptCode,
+    check_code,
+    environment_of,
+    what_changed,
+)
 
 ATTEMPT: dict[str, Any] = {
     "script": "/home/me/train.py", "script_sha256": "a" * 64, "git_commit": "c1", "git_dirty":
@@ -59,3 +66,26 @@ def test_the_environment_names_this_process_versions_and_packages() -> None:
     assert environment["torch"] == __import__("torch").__version__
     assert any(package.startswith("torch==") for package in environment["packages"])
     assert environment["packages"] == sorted(environment["packages"])
+
+
+def test_mlflow_gets_the_attempts_code_as_tags_and_its_packages_and_diff_as_files() -> None:
+    """What MLflow shows of an attempt: its own source tags (the UI's), the script's hash,
+    the tree's state and the versions; unknown ones (no CUDA here) are left out."""
+    clean = AttemptCode(ATTEMPT, None, 0)
+    packages_sha256 = hashlib.sha256(b"numpy==2.1.0\ntorch==2.13.0").hexdigest()
+    assert clean.tags() == {
+        "mlflow.source.name": "/home/me/train.py",
+        "mlflow.source.git.commit": "c1",
+        "hpc_ddp.code.script_sha256": "a" * 64,
+        "hpc_ddp.code.git_dirty": "false",
+        "hpc_ddp.env.python": "3.11.2",
+        "hpc_ddp.env.torch": "2.13.0",
+        "hpc_ddp.env.hpc_ddp": "0.1.0",
+        "hpc_ddp.env.packages_sha256": packages_sha256,
+    }
+    assert clean.artifacts() == {
+        "provenance/attempt-0/packages.txt": "numpy==2.1.0\ntorch==2.13.0\n"
+    }
+    edited = AttemptCode({**ATTEMPT, "git_dirty": True}, "+x = 1\n", 2)
+    assert edited.tags()["hpc_ddp.code.git_dirty"] == "true"
+    assert edited.artifacts()["provenance/attempt-2/git.diff"] == "+x = 1\n"

@@ -233,15 +233,29 @@ def test_run_deterministic_refuses_an_operation_without_a_deterministic_kernel(
     )
 
 
+def commit_all(checkout: Path) -> str:
+    """A git checkout of ``checkout``'s files, committed; returns the commit."""
+    for words in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "the script as written"]):
+        git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost", "-C", str(checkout)]
+        subprocess.run([*git, *words], check=True, capture_output=True)
+    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True)
+    return done.stdout.decode().strip()
+
+
 @pytest.mark.e2e
 def test_a_resume_of_an_edited_script_says_what_changed_or_is_refused(tmp_path: Path) -> None:
-    """The script stopped at step 5 (a checkpoint, as on a preemption) is edited, then run
-    again: the resume warns, naming the script's new sha256; with run.on_code_change=refuse
-    it ends before training. provenance.json keeps each attempt."""
-    script = tmp_path / "train.py"
+    """The script (committed in a git checkout) stopped at step 5 (a checkpoint, as on a
+    preemption) is edited, then run again: the resume warns, naming the script's new
+    sha256; with run.on_code_change=refuse it ends before training. provenance.json keeps
+    each attempt, and MLflow's run has each attempt's code as tags, its packages and its
+    uncommitted diff as artifacts."""
+    checkout = tmp_path / "code"
+    checkout.mkdir()
+    script = checkout / "train.py"
     shutil.copy(FAULTS, script)
-    common = [str(script), "none", f"run.output_dir={tmp_path / 'runs'}", "run.id=edited",
-              "tracking.enabled=false"]  # fmt: skip
+    commit = commit_all(checkout)
+    output = tmp_path / "runs"
+    common = [str(script), "none", f"run.output_dir={output}", "run.id=edited"]
     first = run_local_program(2, [*common, "preempt.stop_at_step=5"])
     assert first.returncode == EXIT_STOPPED, first.stderr[-3000:]
     before = hashlib.sha256(script.read_bytes()).hexdigest()
@@ -256,15 +270,38 @@ def test_a_resume_of_an_edited_script_says_what_changed_or_is_refused(tmp_path: 
     assert change in resumed.stderr and "at step 5 (epoch 0" in resumed.stderr, resumed.stderr[
         -3000:
     ]
-    run_dir = tmp_path / "runs" / "faults" / "edited"
+    run_dir = output / "faults" / "edited"
     attempts = json.loads((run_dir / "provenance.json").read_text())
     assert [attempt["script_sha256"] for attempt in attempts] == [before, after]
+    assert [attempt["git_dirty"] for attempt in attempts] == [False, True]
     assert {attempt["script"] for attempt in attempts} == {str(script)}
     assert attempts[0]["torch"] == torch.__version__ and attempts[0]["packages"]
     listed = run_python(["-m", "hpc_ddp", "runs", str(run_dir)])
     assert listed.returncode == 0, listed.stderr
-    shown = re.findall(r"attempt (\d) \(.*\): train\.py sha256 (\w+), commit none", listed.stdout)
-    assert shown == [("1", before[:12]), ("2", after[:12])], listed.stdout
+    shown = re.findall(r"attempt (\d) \(.*\): train\.py sha256 (\w+), commit (\w+)", listed.stdout)
+    assert shown == [("1", before[:12], commit[:12]), ("2", after[:12], commit[:12])], listed.stdout
+
+    client = MlflowClient(tracking_uri=default_tracking_uri(output))
+    (run,) = client.search_runs(["1"])
+    tags = run.data.tags
+    assert (tags["mlflow.source.git.commit"], tags["mlflow.source.name"]) == (commit, str(script))
+    assert (tags["hpc_ddp.code.script_sha256"], tags["hpc_ddp.code.git_dirty"]) == (after, "true")
+    assert tags["hpc_ddp.env.torch"] == torch.__version__
+    assert (tags["hpc_ddp.attempt.0.script_sha256"], tags["hpc_ddp.attempt.1.script_sha256"]) == (
+        before,
+        after,
+    ), "the refused attempt never reached MLflow"
+    assert (tags["hpc_ddp.attempt.0.git_dirty"], tags["hpc_ddp.attempt.1.git_commit"]) == (
+        "false",
+        commit,
+    )
+    artifacts = Path(run.info.artifact_uri.removeprefix("file://")) / "provenance"
+    packages = (artifacts / "attempt-1" / "packages.txt").read_text().splitlines()
+    assert packages == attempts[1]["packages"] and f"torch=={torch.__version__}" in packages
+    diff = (artifacts / "attempt-1" / "git.diff").read_text()
+    assert "+# an edit between attempts" in diff
+    assert hashlib.sha256(diff.encode()).hexdigest() == attempts[1]["git_diff_sha256"]
+    assert not (artifacts / "attempt-0" / "git.diff").exists(), "a clean tree has no diff"
 
 
 def run_faults(arguments: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -142,10 +142,11 @@ def start(
         values = fingerprint_of(fingerprint or {})
         if resume is not None:  # refused before MLflow reopens the run it names
             check_resumable(resume[1]["fingerprint"], values, resume[0])
+        code = None
         if not finished_before:
             resumed, on_change = resume is not None, settings.run.on_code_change
             main, group = plan.dist_env.is_main, joined.control_group
-            agree_on_code(plan.run_dir, main, resumed, on_change, environment, group)
+            code = agree_on_code(plan.run_dir, main, resumed, on_change, environment, group)
         position = Position()
         if plan.dist_env.is_main:
             tracker = open_tracker(
@@ -157,6 +158,7 @@ def start(
                 lambda: (position.global_step, position.epoch),
                 lambda: position.resumed_from_step or 0,
                 entry_unix,
+                code,
             )
         context = RunContext(
             config=settings,

@@ -9,7 +9,6 @@ import contextlib
 import fcntl
 import re
 import socket
-import subprocess
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,23 +83,6 @@ class NullTracker:
 def default_tracking_uri(output_dir: str | Path) -> str:
     """The embedded SQLite store kept beside the runs: no server needed."""
     return f"sqlite:///{Path(output_dir).resolve() / DEFAULT_DB_NAME}"
-
-
-def git_commit(directory: str | Path = ".") -> str | None:
-    """The checked-out commit of the code being run, if it is a git checkout."""
-    try:
-        result = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=directory,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    commit = result.stdout.strip()
-    return commit if result.returncode == 0 and commit else None
 
 
 @dataclass(frozen=True)
@@ -184,7 +166,4 @@ def run_tags(
     }
     if resumed_world_size is not None and resumed_world_size != world_size:
         tags["hpc_ddp.world_size_change"] = f"{resumed_world_size} -> {world_size}"
-    commit = git_commit()
-    if commit:
-        tags["mlflow.source.git.commit"] = commit
     return tags

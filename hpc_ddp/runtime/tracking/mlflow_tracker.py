@@ -16,6 +16,13 @@ from hpc_ddp.runtime.tracking.base import (
     experiment_folder,
 )
 
+#: The run's code tags each attempt keeps a copy of, under hpc_ddp.attempt.N.<name>.
+ATTEMPT_CODE_TAGS = {
+    "git_commit": "mlflow.source.git.commit",
+    "git_dirty": "hpc_ddp.code.git_dirty",
+    "script_sha256": "hpc_ddp.code.script_sha256",
+}
+
 
 class MlflowTracker:
     """One MLflow run. Its calls block: GuardedTracker makes them on its own thread."""
@@ -63,6 +70,12 @@ class MlflowTracker:
             f"{self._attempt_prefix}.start_step": str(start_step),
             f"{self._attempt_prefix}.world_size": tags.get("hpc_ddp.world_size", ""),
             f"{self._attempt_prefix}.token": record.attempt_token,
+            # What each attempt ran: a requeue runs whatever is on disk when it starts.
+            **{
+                f"{self._attempt_prefix}.{name}": tags[key]
+                for name, key in ATTEMPT_CODE_TAGS.items()
+                if key in tags
+            },
             "hpc_ddp.attempts": str(attempt + 1),
         }
         # Params are written once: a resumed run may change harmless keys (e.g. epochs), and

@@ -21,6 +21,7 @@ from hpc_ddp.runtime.tracking.base import (
 from hpc_ddp.runtime.tracking.factory import start_tracker
 from hpc_ddp.runtime.tracking.journal import JournalTracker, read_tracked_run_id
 from hpc_ddp.runtime.tracking.membership import read_membership
+from hpc_ddp.runtime.tracking.provenance import AttemptCode
 
 
 def open_tracker(
@@ -32,6 +33,7 @@ def open_tracker(
     progress: Callable[[], tuple[int, int]],
     began_at: Callable[[], int],
     entry_unix: float,
+    code: AttemptCode | None,
 ) -> Tracker:
     """Rank 0's tracker: MLflow (in the background) behind the run's own record;
     ``progress`` gives the run's (global step, epoch) now, ``began_at`` the step it resumed
@@ -58,6 +60,7 @@ def open_tracker(
                 saved_world_size(saved) if saved else None,
             ),
             **(membership.tags() if membership else {}),
+            **(code.tags() if code else {}),
         },
         # One MLflow run per run id: the checkpoint's, else the one tracking.json names (a
         # checkpoint written while MLflow was still starting names none; a run stopped
@@ -69,7 +72,7 @@ def open_tracker(
         attempt_token=f"{env.hostname}:{os.getpid()}:{entry_unix:.0f}",
         start_time_ms=int(entry_unix * 1000),
     )
-    return JournalTracker(
+    tracker = JournalTracker(
         start_tracker(
             settings.tracking, settings.run.output_dir, record, plan.run_dir, env.world_size
         ),
@@ -80,6 +83,9 @@ def open_tracker(
         tracking_record(settings, record),
         began_at=began_at,
     )
+    for name, text in (code.artifacts() if code else {}).items():
+        tracker.log_text_artifact(name, text)
+    return tracker
 
 
 def tracking_record(settings: RuntimeConfig, record: RunRecord) -> dict[str, Any] | None:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,50 @@ COMPARED = {
 }
 #: Changed files or packages named in the warning; the rest are counted.
 NAMED = 5
+#: The largest uncommitted diff kept whole as a run artifact (its hash is always kept).
+MAX_DIFF_CHARS = 200_000
+#: The record's fields MLflow shows as tags (``hpc_ddp.code.*``, ``hpc_ddp.env.*``).
+CODE_TAGS = ("script_sha256", "git_dirty", "git_diff_sha256")
+ENVIRONMENT_TAGS = ("python", "torch", "cuda", "nccl", "hpc_ddp")
+
+
+@dataclass(frozen=True)
+class AttemptCode:
+    """Rank 0's record of this attempt's code and environment, for the run's tracker."""
+
+    record: Mapping[str, Any]
+    #: The uncommitted changes (``git diff HEAD``) when small enough to keep, else None.
+    diff: str | None
+    #: This attempt's place among the run's attempts in provenance.json (0 for the first).
+    index: int
+
+    def tags(self) -> dict[str, str]:
+        """MLflow tags: its own source tags (the UI shows them), then the script's hash, the
+        tree's state and the versions, and one hash of the installed packages."""
+        record = self.record
+        tags = {"mlflow.source.name": record.get("script"),
+                "mlflow.source.git.commit": record.get("git_commit"),
+                **{f"hpc_ddp.code.{key}": record.get(key) for key in CODE_TAGS},
+                **{f"hpc_ddp.env.{key}": record.get(key) for key in ENVIRONMENT_TAGS},
+                "hpc_ddp.env.packages_sha256": _sha256(
+                    "\n".join(record.get("packages", [])).encode())}  # fmt: skip
+        return {
+            key: str(value).lower() if isinstance(value, bool) else str(value)
+            for key, value in tags.items()
+            if value is not None
+        }
+
+    def artifacts(self) -> dict[str, str]:
+        """Run artifacts: the installed packages, and the uncommitted diff when kept."""
+        folder = f"provenance/attempt-{self.index}"
+        files = {
+            f"{folder}/packages.txt": "".join(
+                f"{line}\n" for line in self.record.get("packages", [])
+            )
+        }
+        if self.diff:
+            files[f"{folder}/git.diff"] = self.diff
+        return files
 
 
 def _sha256(data: bytes) -> str:
@@ -67,6 +112,11 @@ def running_script() -> Path | None:
 
 def code_of(script: Path | None) -> dict[str, Any]:
     """The script, its sha256, and the git state of the checkout it is in."""
+    return code_and_diff(script)[0]
+
+
+def code_and_diff(script: Path | None) -> tuple[dict[str, Any], str | None]:
+    """:func:`code_of`, and the uncommitted changes it hashed (None for a clean tree)."""
     try:
         digest = _sha256(script.read_bytes()) if script else None
     except OSError:
@@ -76,7 +126,7 @@ def code_of(script: Path | None) -> dict[str, Any]:
     diff = _git(directory, "diff", "HEAD") if commit else None
     return {"script": str(script) if script else None, "script_sha256": digest,
             "git_commit": commit, "git_dirty": bool(diff), "git_diff_sha256":
-            _sha256(diff.encode()) if diff else None}  # fmt: skip
+            _sha256(diff.encode()) if diff else None}, diff or None  # fmt: skip
 
 
 def environment_of() -> dict[str, Any]:
@@ -159,14 +209,19 @@ def agree_on_code(
     on_change: str,
     environ: Mapping[str, str],
     group: Any | None,
-) -> None:
-    """Every rank: rank 0 records this attempt's code and environment, and every rank ends
-    when rank 0 refuses the change."""
-    refusal = None
+) -> AttemptCode | None:
+    """Every rank: rank 0 records this attempt's code and environment (and returns it; the
+    other ranks None), and every rank ends when rank 0 refuses the change."""
+    refusal, attempt = None, None
     if is_main:
-        record = {**code_of(running_script()), **environment_of(),
+        code, diff = code_and_diff(running_script())
+        record = {**code, **environment_of(),
                   "job": environ.get("SLURM_JOB_ID"), "at_unix": round(time.time(), 3)}  # fmt: skip
+        index = len(read_records(run_dir / RECORD, "python"))
         refusal = check_code(run_dir, record, resumed, on_change)
+        kept = diff if diff is not None and len(diff) <= MAX_DIFF_CHARS else None
+        attempt = AttemptCode(record, kept, index)
     refusal = broadcast_object(refusal, group)
     if refusal is not None:
         raise refusal
+    return attempt
