@@ -99,6 +99,12 @@ def _init(args: argparse.Namespace) -> int:
     return init(args)
 
 
+def _check_resume(args: argparse.Namespace) -> int:
+    from hpc_ddp.cli.check_resume import check_resume
+
+    return check_resume(args)
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -217,6 +223,29 @@ def build_parser() -> argparse.ArgumentParser:
         "built-in trainer's dotted overrides (train.epochs=3)",
     )
     _command(commands, "port", cmd.port, "print this job's rendezvous port")
+
+    check = _command(
+        commands,
+        "check-resume",
+        _check_resume,
+        "prove a resume exact on your script: run it never stopped and stopped-then-resumed "
+        "on local ranks, and compare what both saved and logged",
+    )
+    check.add_argument("--nproc", type=_at_least(1), default=2, help="number of ranks (default 2)")
+    check.add_argument(
+        "--steps", type=_at_least(2), default=200, help="steps each run trains (default 200)"
+    )
+    check.add_argument(
+        "--stop-at", type=_at_least(1), default=None, help="the step to stop at (default: half)"
+    )
+    check.add_argument(
+        "--output-dir",
+        default=None,
+        help="keep the runs here (default: a temporary folder, kept only when they differ)",
+    )
+    check.add_argument("--set", dest="settings", action="append", default=[],
+                       metavar="KEY=VALUE", help="a dotted setting for the ranks")  # fmt: skip
+    _add_program_arguments(check)
 
     runs = _command(commands, "runs", results.runs, "list runs: state, step, newest metrics")
     runs.add_argument(

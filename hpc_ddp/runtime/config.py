@@ -66,9 +66,17 @@ class RunConfig:
         "autotuning. Two runs of one command then end bitwise equal; an operation with no "
         "deterministic kernel ends the run with torch's error and a HINT.",
     )
+    log_interval: int | None = setting(
+        None,
+        "Optimizer steps between progress lines and interval metrics where the script's "
+        "hpc_ddp.start(log_interval=...) gives none. null: about every 5 s of training "
+        "(measured, so the logged steps depend on the machine's pace).",
+    )
 
     def __post_init__(self) -> None:
         require(0 <= self.seed < 2**63, "run.seed", self.seed, "0 to 2**63-1")
+        if self.log_interval is not None:
+            require(self.log_interval >= 1, "run.log_interval", self.log_interval, ">= 1")
         require(bool(self.output_dir.strip()), "run.output_dir", self.output_dir, "a folder")
         if self.output_dir.startswith("~"):
             raise HpcDdpError(

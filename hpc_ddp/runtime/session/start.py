@@ -116,6 +116,7 @@ def start(
                 "tracking": tracking, "checks": checks}  # fmt: skip
     settings = resolve_config(config, overrides, sections, environment)
     run_name = name or settings.run.name or default_run_name()
+    log_interval = log_interval or settings.run.log_interval
     plan = resolve_launch(settings, run_name, environment)
     if not (plan.dist_env.is_main and settings.tracking.enabled):
         discard_prestarted()

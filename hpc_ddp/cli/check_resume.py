@@ -1,0 +1,121 @@
+"""``hpc-ddp check-resume``: proves a resume exact on the user's own script. It runs the script
+on local ranks twice for the same steps, once never stopped and once stopped at a step (an
+agreed stop with a checkpoint, as on a preemption) and resumed, then compares what both
+saved and logged (:mod:`hpc_ddp.view.resume_check`)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from hpc_ddp.cli.commands import local_words, program_arguments
+from hpc_ddp.launch.program import DEFAULT_CONFIG, Program
+from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
+
+#: The exit code of a check that found a difference (bad input exits 2).
+EXIT_DIFFERS = 1
+
+
+def _launch(
+    args: argparse.Namespace, program: Program, settings: Sequence[str], folder: Path, phase: str
+) -> tuple[int, float]:
+    """``hpc-ddp local`` with the program, the user's settings and then ``settings`` (which
+    win), its output kept in ``folder/<phase>.log``: its exit code and how long it ran."""
+    words = local_words(args.nproc, [*args.settings, *settings], program)
+    command = [sys.executable, "-m", "hpc_ddp", "local", *words]
+    began = time.monotonic()
+    with open(folder / f"{phase}.log", "w") as log:
+        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    return code, time.monotonic() - began
+
+
+def _ran(code: int, phase: str, folder: Path, expected: tuple[int, ...]) -> None:
+    if code in expected:
+        return
+    tail = (folder / f"{phase}.log").read_text(errors="replace").splitlines()[-15:]
+    sys.stderr.write("".join(f"  {line}\n" for line in tail))
+    raise HpcDdpError(
+        f"the {phase} run exited with code {code} (its last lines are above; all of it in "
+        f"{folder / (phase + '.log')})",
+        "make the script run under `hpc-ddp local` first, then check its resume",
+    )
+
+
+def _run_dir(output: Path, run_id: str) -> Path:
+    found = sorted(output.glob(f"*/{run_id}"))
+    if not found:
+        raise HpcDdpError(
+            f"the {run_id} run left no run directory under {output}",
+            "the script must call hpc_ddp.start() and register what it trains",
+        )
+    return found[0]
+
+
+def check_resume(args: argparse.Namespace) -> int:
+    from hpc_ddp.view.resume_check import (
+        differences,
+        logged_after,
+        metric_differences,
+        saved_state,
+        verdict,
+    )
+
+    program = program_arguments(args, default_config=DEFAULT_CONFIG)
+    program.check()  # a missing script or module is named before any run
+    if args.stop_at is not None and args.stop_at >= args.steps:
+        raise HpcDdpError(
+            f"--stop-at {args.stop_at} is not before the end of the check (--steps {args.steps})",
+            f"stop at a step below --steps, e.g. --stop-at {args.steps // 2}",
+        )
+    keep = args.output_dir is not None
+    folder = Path(args.output_dir or tempfile.mkdtemp(prefix="hpc-ddp-check-resume-")).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    output = folder / "runs"
+    # Interval metrics at every step: the logged steps then do not depend on the pace.
+    common = [f"run.output_dir={output}", "tracking.enabled=false", "checkpoint.enabled=true",
+              "run.log_interval=1"]  # fmt: skip
+    steps = args.steps
+    ended = (0, EXIT_STOPPED)
+    straight_settings = [*common, "run.id=straight", f"preempt.stop_at_step={steps}"]
+    code, straight_s = _launch(args, program, straight_settings, folder, "straight")
+    _ran(code, "straight", folder, ended)
+    straight_step, straight = saved_state(_run_dir(output, "straight"))
+    stop = args.stop_at or max(1, straight_step // 2)
+    if stop >= straight_step:
+        raise HpcDdpError(
+            f"the script trained {straight_step} step(s) without a stop: none is left to stop at "
+            f"step {stop}",
+            "give a --stop-at below that, or let the script train more steps",
+        )
+    resumed_settings = [*common, "run.id=resumed"]
+    code, stopped_s = _launch(args, program, [*resumed_settings, f"preempt.stop_at_step={stop}"],
+                              folder, "stopped")  # fmt: skip
+    _ran(code, "stopped", folder, (EXIT_STOPPED,))
+    code, resumed_s = _launch(args, program, [*resumed_settings, f"preempt.stop_at_step={steps}"],
+                              folder, "resumed")  # fmt: skip
+    _ran(code, "resumed", folder, ended)
+    resumed_dir = _run_dir(output, "resumed")
+    resumed_step, resumed = saved_state(resumed_dir)
+    found = differences(straight, resumed)
+    logged = metric_differences(
+        logged_after(_run_dir(output, "straight"), stop), logged_after(resumed_dir, stop)
+    )
+    answer = verdict(found, logged, resumed_step, stop)
+    cost = straight_s + stopped_s + resumed_s
+    print(f"check-resume: {answer.what}")
+    if not answer.exact:
+        for difference in found[:8]:
+            print(f"  {difference.key}: {difference.straight} never stopped, "
+                  f"{difference.resumed} resumed")  # fmt: skip
+        print(f"  HINT: {answer.hint}")
+        print(f"  the runs and their logs are kept in {folder}")
+    elif not keep:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"  (3 runs on {args.nproc} local ranks took {cost:.0f} s)")
+    return 0 if answer.exact else EXIT_DIFFERS

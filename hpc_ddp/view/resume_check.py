@@ -1,0 +1,207 @@
+"""What ``hpc-ddp check-resume`` compares: two runs of one script at the same step, one never
+stopped and one stopped and resumed, read from their newest checkpoints (every registered
+object's tensors and state, the random streams, the data position, the metric sums) and from
+the metrics each logged after the stop; and what a difference most likely means."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from hpc_ddp.runtime.checkpoint.files import list_checkpoints
+from hpc_ddp.runtime.checkpoint.sharded import full_tensors, read_blobs, read_metadata
+from hpc_ddp.runtime.tracking.journal import read_metrics
+
+#: What may differ between two runs that computed the same: times, ids, how they started.
+NOT_COMPARED = ("run.train_time_s", "run.mlflow_run_id", "run.restart_count", "run.finished")
+#: Metrics that measure the machine, not the training.
+TIMED_METRIC_WORDS = ("per_s", "time", "_s_", "seconds", "throughput", "memory")
+
+
+class Difference(NamedTuple):
+    """One saved value that differs: its dotted place and the two values, shortly."""
+
+    key: str
+    straight: str
+    resumed: str
+
+
+class Verdict(NamedTuple):
+    """The comparison's answer: exact, or what differs, its likely cause and the fix."""
+
+    exact: bool
+    what: str
+    hint: str
+
+
+def _flat(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _flat(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _flat(item, f"{prefix}[{index}]")
+    else:
+        yield prefix, value
+
+
+def saved_state(run_dir: Path) -> tuple[int, dict[str, Any]]:
+    """The newest checkpoint of ``run_dir``: its step, and everything in it by dotted key
+    (``objects.model.weight``, ``run.plain.optimizer.param_groups[0].lr``, ``rank.1.rng``)."""
+    folders = list_checkpoints(run_dir / "checkpoints")
+    if not folders:
+        raise FileNotFoundError(f"{run_dir} has no checkpoint")
+    folder = folders[0]
+    world_size = int(read_blobs(folder, ["run"])["run"]["world_size"])
+    blobs = read_blobs(folder, ["run", *(f"rank.{rank}" for rank in range(world_size))])
+    state = dict(_flat(blobs, ""))
+    names = {key.split(".")[1] for key in read_metadata(folder).state_dict_metadata
+             if key.startswith("objects.")}  # fmt: skip
+    for name in sorted(names):
+        for key, tensor in full_tensors(folder, name).items():
+            state[f"objects.{name}.{key}"] = tensor
+    return int(blobs["run"]["global_step"]), state
+
+
+def _same(first: Any, second: Any) -> bool:
+    if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
+        return (
+            isinstance(first, torch.Tensor)
+            and isinstance(second, torch.Tensor)
+            and first.shape == second.shape
+            and first.dtype == second.dtype
+            and torch.equal(first, second)
+        )
+    if isinstance(first, float) and isinstance(second, float):
+        return first == second or (math.isnan(first) and math.isnan(second))
+    return bool(first == second)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor{list(value.shape)} sum {value.double().sum().item():.6g}"
+    return repr(value)[:60]
+
+
+def differences(straight: Mapping[str, Any], resumed: Mapping[str, Any]) -> list[Difference]:
+    """Each compared key whose value differs (or that one run lacks), in the saved order."""
+    found = []
+    for key in [*straight, *(key for key in resumed if key not in straight)]:
+        if key.startswith(NOT_COMPARED):
+            continue
+        if key not in straight or key not in resumed:
+            shown = [_short(run[key]) if key in run else "(none)" for run in (straight, resumed)]
+            found.append(Difference(key, *shown))
+        elif not _same(straight[key], resumed[key]):
+            found.append(Difference(key, _short(straight[key]), _short(resumed[key])))
+    return found
+
+
+def _is_timed(name: str) -> bool:
+    return any(word in name for word in TIMED_METRIC_WORDS)
+
+
+def logged_after(run_dir: Path, step: int) -> dict[tuple[int, str], float | None]:
+    """The metrics a run logged from ``step`` on (its own record's points, by the step they
+    were logged at), by (step, name); timings left out."""
+    points: dict[tuple[int, str], float | None] = {}
+    for entry in read_metrics(run_dir):
+        at = int(entry.get("step", -1))
+        if at < step:
+            continue
+        for name, value in dict(entry.get("metrics", {})).items():
+            if not _is_timed(name):
+                points[(at, name)] = value
+    return points
+
+
+def metric_differences(
+    straight: Mapping[tuple[int, str], float | None],
+    resumed: Mapping[tuple[int, str], float | None],
+) -> list[tuple[int, str]]:
+    """The (step, metric) points logged differently (or by one run only), in step order."""
+    keys = sorted(set(straight) | set(resumed))
+    return [key for key in keys if straight.get(key, "none") != resumed.get(key, "none")]
+
+
+def _optimizer_setting(key: str) -> tuple[str, str, str] | None:
+    """(object, group, setting) for ``run.plain.<object>.param_groups[<i>].<setting>``."""
+    parts = key.split(".")
+    if len(parts) == 5 and parts[:2] == ["run", "plain"] and parts[3].startswith("param_groups["):
+        return parts[2], parts[3].removeprefix("param_groups"), parts[4]
+    return None
+
+
+def verdict(
+    state_differences: Sequence[Difference],
+    metrics_differ: Sequence[tuple[int, str]],
+    steps: int,
+    stopped_at: int,
+) -> Verdict:
+    """What the differences most likely mean, the likeliest cause first."""
+    shown = f"{steps} steps, stopped at {stopped_at}"
+    if not state_differences and not metrics_differ:
+        return Verdict(True, f"resume is exact for this script ({shown})", "")
+    keys = [difference.key for difference in state_differences]
+    for difference in state_differences:
+        setting = _optimizer_setting(difference.key)
+        if setting is not None and setting[2] != "params":
+            name, group, word = setting
+            scheduler = "a learning-rate scheduler is not registered" if word in (
+                "lr", "initial_lr") else f"what sets {word} is not registered"  # fmt: skip
+            return Verdict(
+                False,
+                f"the optimizer's param_groups{group}['{word}'] differs after the resume "
+                f"({difference.straight} never stopped, {difference.resumed} resumed; {shown}): "
+                f"{scheduler}",
+                f"register it beside the optimizer: run.register(..., {name}={name}, "
+                "scheduler=scheduler)",
+            )
+    position = [key for key in keys if key in ("run.global_step", "run.epoch", "run.step_in_epoch")]
+    if position:
+        return Verdict(
+            False,
+            f"the data position differs after the resume ({', '.join(position)}; {shown})",
+            "loop with run.steps(...)/run.iterations(...) or run.epochs(...) over run.train_loader"
+            ": they resume the position",
+        )
+    streams = [key for key in keys if key.startswith("rank.") and ".rng" in key]
+    if streams and len(streams) == len(keys):
+        return Verdict(
+            False,
+            f"only the random streams differ after the resume ({streams[0]}; {shown}): the "
+            "script draws random numbers that the resume does not replay",
+            "draw them from a generator you register (run.register(gen=generator)) or from "
+            "the sample and step",
+        )
+    # The run's metric sums are what the script logged: alone, they are a logged difference.
+    states = [found for found in state_differences if not found.key.startswith("run.metrics.")]
+    if states:
+        first = states[0]
+        logged = f"; the first logged difference is at step {metrics_differ[0][0]}" if (
+            metrics_differ) else ""  # fmt: skip
+        return Verdict(
+            False,
+            f"{first.key} differs after the resume ({first.straight} never stopped, "
+            f"{first.resumed} resumed; {len(states)} saved value(s) differ{logged}; {shown}), "
+            "but no registered setting, position or random stream does: the data order "
+            "differs, or state the script keeps is not registered",
+            "take batches from run.train_loader (a DataLoader with its own generator or "
+            "sampler restarts its order on a resume), and register every object with a "
+            "state_dict() that training changes (EMA copy, GradScaler, second optimizer)",
+        )
+    if metrics_differ:
+        step, name = metrics_differ[0]
+        where = f"the logged metric {name} differs at step {step} after the resume"
+    else:
+        where = f"the logged sums of {state_differences[0].key.removeprefix('run.metrics.')} differ"
+    return Verdict(
+        False,
+        f"{where}, but every saved "
+        f"state is equal ({shown}): the script keeps an unregistered counter or total",
+        "keep it in run.state (run.state['seen'] = ...), or register an object holding it",
+    )

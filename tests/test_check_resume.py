@@ -1,0 +1,75 @@
+"""`hpc-ddp check-resume` on real local ranks: a script per mistake that breaks a resume, each
+named with its likely cause (exit 1), and scripts whose resume is exact (exit 0): the
+README's, the three examples, a clean one."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO, clean_environ
+from tests.test_first_hour import readme_script
+
+MISTAKES = str(REPO / "tests" / "programs" / "resume_mistakes.py")
+
+
+def check_resume(*arguments: str, cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "check-resume", *arguments],
+        cwd=cwd, env=clean_environ(), capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mistake", "named"),
+    [
+        ("scheduler", "the optimizer's param_groups[0]['lr'] differs after the resume (0.045000"),
+        ("counter", "the logged metric interval/seen differs at step 21 after the resume"),
+        ("loader", "objects.model.weight differs after the resume"),
+    ],
+)
+@pytest.mark.e2e
+def test_a_mistake_that_breaks_the_resume_is_found_and_named(
+    mistake: str, named: str, tmp_path: Path
+) -> None:
+    result = check_resume(
+        "--steps", "40", "--stop-at", "20", "--output-dir", str(tmp_path), MISTAKES, mistake
+    )
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    verdict = result.stdout.splitlines()[0]
+    assert verdict.startswith(f"check-resume: {named}"), result.stdout
+    causes = {
+        "scheduler": "a learning-rate scheduler is not registered",
+        "counter": "the script keeps an unregistered counter or total",
+        "loader": "the data order differs, or state the script keeps is not registered",
+    }
+    assert verdict.endswith(causes[mistake]), verdict
+    assert "  HINT: " in result.stdout and f"kept in {tmp_path}" in result.stdout
+    assert sorted(path.name for path in tmp_path.glob("*.log")) == [
+        "resumed.log", "stopped.log", "straight.log"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "program",
+    [
+        [MISTAKES, "clean"],
+        ["train.py"],  # the README's
+        [str(REPO / "examples" / "tutorial" / "with_hpc_ddp.py"), "5", "2"],
+        [str(REPO / "examples" / "digits_cnn" / "train.py")],
+        [str(REPO / "examples" / "lm" / "train.py")],
+    ],
+    ids=["clean", "readme", "tutorial", "digits_cnn", "lm"],
+)
+@pytest.mark.e2e
+def test_a_script_that_resumes_exactly_passes_the_check(program: list[str], tmp_path: Path) -> None:
+    (tmp_path / "train.py").write_text(readme_script())
+    result = check_resume("--steps", "30", *program, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert result.stdout.startswith(
+        "check-resume: resume is exact for this script (30 steps, stopped at 15)\n"
+    ), result.stdout
+    assert not list(tmp_path.glob("runs")), "the check's runs are its own, removed when exact"

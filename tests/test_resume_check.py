@@ -1,0 +1,70 @@
+"""What `hpc-ddp check-resume` makes of two runs' saved state and logged metrics, in this
+process: which values count as different, and the likely cause it names for each kind of
+difference. The command on real ranks, with a script per mistake: test_check_resume.py."""
+
+from __future__ import annotations
+
+import torch
+
+from hpc_ddp.view.resume_check import Difference, differences, metric_differences, verdict
+
+SAVED = {
+    "objects.model.weight": torch.ones(2, 2),
+    "run.plain.optimizer.param_groups[0].lr": 0.045,
+    "run.plain.optimizer.param_groups[0].params[0]": 0,
+    "run.global_step": 40,
+    "run.train_time_s": 1.5,
+    "run.metrics.epoch.loss.total": torch.tensor(3.0),
+    "rank.0.rng.torch": torch.arange(4),
+    "run.values.best": float("nan"),
+}
+
+
+def test_only_values_that_differ_count_and_times_and_ids_do_not() -> None:
+    same = {**SAVED, "objects.model.weight": torch.ones(2, 2), "run.train_time_s": 9.0}
+    assert differences(SAVED, same) == [], "equal tensors, NaN equal to NaN, times ignored"
+    other = {**SAVED, "objects.model.weight": torch.ones(2, 3), "rank.1.rng.torch": torch.ones(1)}
+    del other["run.global_step"]
+    assert [found.key for found in differences(SAVED, other)] == [
+        "objects.model.weight",
+        "run.global_step",
+        "rank.1.rng.torch",
+    ]
+    assert differences(SAVED, other)[1] == Difference("run.global_step", "40", "(none)")
+
+
+def test_each_kind_of_difference_names_its_likely_cause() -> None:
+    exact = verdict([], [], 40, 20)
+    assert exact.exact and exact.what == "resume is exact for this script (40 steps, stopped at 20)"
+
+    weights = Difference("objects.model.weight", "a", "b")
+    learning_rate = Difference("run.plain.optimizer.param_groups[0].lr", "0.045", "0.05")
+    scheduler = verdict([weights, learning_rate], [(21, "interval/loss")], 40, 20)
+    assert not scheduler.exact
+    assert scheduler.what.startswith("the optimizer's param_groups[0]['lr'] differs after")
+    assert scheduler.what.endswith("a learning-rate scheduler is not registered")
+    assert "scheduler=scheduler" in scheduler.hint
+
+    position = verdict([Difference("run.step_in_epoch", "3", "0")], [], 40, 20)
+    assert position.what.startswith("the data position differs after the resume")
+
+    streams = verdict([Difference("rank.1.rng.torch", "a", "b")], [], 40, 20)
+    assert "only the random streams differ" in streams.what
+
+    order = verdict([Difference("run.metrics.epoch.loss.total", "1", "2"), weights],
+                    [(21, "interval/loss")], 40, 20)  # fmt: skip
+    assert order.what.startswith("objects.model.weight differs after the resume")
+    assert "the first logged difference is at step 21" in order.what
+    assert "the data order differs" in order.what and "run.train_loader" in order.hint
+
+    counter = verdict([Difference("run.metrics.epoch.seen.total", "1", "2")],
+                      [(21, "interval/seen")], 40, 20)  # fmt: skip
+    assert counter.what.startswith("the logged metric interval/seen differs at step 21")
+    assert counter.what.endswith("the script keeps an unregistered counter or total")
+
+
+def test_logged_points_differ_by_value_or_by_being_logged_once() -> None:
+    straight = {(21, "interval/loss"): 0.5, (22, "interval/loss"): 0.25}
+    assert metric_differences(straight, dict(straight)) == []
+    assert metric_differences(straight, {(21, "interval/loss"): 0.5}) == [(22, "interval/loss")]
+    assert metric_differences({(21, "x"): None}, {(21, "x"): 1.0}) == [(21, "x")]
