@@ -525,3 +525,50 @@ def test_a_module_is_looked_for_as_python_m_does_from_the_launch_directory(
         check_module_runs("otherlab.train", tmp_path)
     assert str(project) not in sys.path
     sys.modules.pop("mylab", None)  # found as python -m finds it: imported
+
+
+@pytest.mark.e2e
+def test_a_snapshot_copies_the_checkouts_code_as_it_is_on_disk_and_the_job_runs_it(
+    tmp_path: Path,
+) -> None:
+    """render --snapshot in a git checkout: tracked files with their uncommitted changes and
+    untracked ones are copied, git-ignored ones are not; the copy says which commit it came
+    from, and the job script runs the copy's script."""
+    from tests.test_user_script import commit_all
+
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "model.py").write_text("WIDTH = 8\n")
+    (project / ".gitignore").write_text("data/\n")
+    commit = commit_all(project)
+    (project / "model.py").write_text("WIDTH = 16\n")  # uncommitted
+    (project / "train.py").write_text("import model\n")  # untracked
+    (project / "data" / "big.bin").write_text("data\n")  # ignored
+    rendered = subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "render", "--snapshot", "-o", "job.sh", "train.py",
+         "--lr", "1"],
+        cwd=project, env=clean_environ(), capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    (copy,) = (project / "logs" / "snapshots").iterdir()
+    assert f"copied the code into {copy}: every attempt of the job runs that copy" in (
+        rendered.stderr
+    )
+    files = sorted(str(path.relative_to(copy)) for path in copy.rglob("*") if path.is_file())
+    assert files == [".gitignore", "hpc-ddp-snapshot.json", "model.py", "train.py"]
+    assert (copy / "model.py").read_text() == "WIDTH = 16\n"
+    source = json.loads((copy / "hpc-ddp-snapshot.json").read_text())
+    assert (source["source"], source["git_commit"], source["git_dirty"]) == (
+        str(project),
+        commit,
+        True,
+    )
+    assert f"DEFAULT_ARGS=({copy / 'train.py'} --lr 1)" in (project / "job.sh").read_text()
+
+    module = subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "render", "--snapshot", "-m", "json.tool"],
+        cwd=project, env=clean_environ(), capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert module.returncode == 2
+    assert "--snapshot copies a script's code, and this job runs -m json.tool" in module.stderr
+    assert "HINT: start your code as a script" in module.stderr

@@ -181,3 +181,59 @@ def test_a_rendered_job_submitted_from_elsewhere_writes_its_log(
     assert state == "COMPLETED", log.read_text()[-3000:]
     assert '"global_step": 20' in log.read_text(), "rank 0's RESULT line"
     assert not (elsewhere / "logs").exists()
+
+
+VERSIONED = """
+import hashlib, json, sys
+import torch
+import hpc_ddp
+
+VERSION = 1
+run = hpc_ddp.start(tracking={"enabled": False}, preempt={"stop_at_step": 10},
+                    run={"output_dir": sys.argv[1], "id": "snapshot"})
+model = run.wrap(torch.nn.Linear(2, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+run.register(model=model, optimizer=optimizer)
+for _ in run.iterations(20):
+    model(torch.ones(4, 2)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+if run.rank == 0:
+    print(f"VERSION {VERSION} ended at step {run.global_step}", flush=True)
+run.finish()
+"""
+
+
+def test_a_snapshot_job_runs_the_submitted_code_after_an_edit_and_through_a_requeue(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """render --snapshot, then the script is edited on disk: the job, requeued at step 10
+    (preempt.stop_at_step, as a preemption), runs the submitted code in both attempts, and
+    each attempt's record names the snapshot and the commit it was taken from."""
+    from tests.test_user_script import commit_all
+
+    project = tmp_path / "project"
+    project.mkdir()
+    script = project / "train.py"
+    script.write_text(VERSIONED)
+    commit = commit_all(project)
+    rendered = subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "render", "--snapshot", "--nodes", "1",
+         "--gpus-per-node", "0", "--tasks-per-node", "2", "-o", "job.sh", "train.py",
+         str(project / "runs")],
+        cwd=project, env=clean_environ(), capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert rendered.returncode == 0, rendered.stderr
+    script.write_text(VERSIONED.replace("VERSION = 1", "VERSION = 2"))  # edited after submission
+    job = slurm.sbatch([str(project / "job.sh")], project)
+    state = slurm.wait(job, timeout=300)
+    log = (project / "logs" / f"hpc-ddp-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    assert slurm.job_field(job, "Restarts") == "1", log[-3000:]
+    assert "0: VERSION 1 ended at step 20" in log and "VERSION 2" not in log, log[-3000:]
+    assert "ran other code" not in log
+    (copy,) = (project / "logs" / "snapshots").iterdir()
+    attempts = json.loads((project / "runs" / "train" / "snapshot" / "provenance.json").read_text())
+    assert [attempt["script"] for attempt in attempts] == [str(copy / "train.py")] * 2
+    assert [attempt["git_commit"] for attempt in attempts] == [commit] * 2
+    assert [attempt["snapshot"] for attempt in attempts] == [str(copy)] * 2

@@ -34,6 +34,11 @@ PROGRAM_HELP = (
     "module, or the built-in trainer: a .yaml config (or --config) and dotted overrides"
 )
 
+SNAPSHOT_HELP = (
+    "copy your script's code now (its git checkout's files as they are on disk, or its "
+    "folder) and run that copy, so every requeued attempt runs the code submitted"
+)
+
 
 def _add_program_arguments(parser: argparse.ArgumentParser, dry_run: bool = False) -> None:
     parser.add_argument(
@@ -195,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder for the job's log, created now and written as an absolute path "
         "(default ./logs)",
     )
+    render.add_argument("--snapshot", action="store_true", help=SNAPSHOT_HELP)
     _add_program_arguments(render)
 
     submit = _command(commands, "submit", cmd.submit, "submit through submitit and wait")
@@ -207,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     submit.add_argument("--folder", default="logs/submitit", help="submitit's log folder")
     submit.add_argument("--no-wait", action="store_true", help="print the job id and return")
+    submit.add_argument("--snapshot", action="store_true", help=SNAPSHOT_HELP)
     _add_program_arguments(submit)
 
     doctor = _command(commands, "doctor", cmd.doctor, "print each rank's plan and checks")

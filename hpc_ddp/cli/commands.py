@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpc_ddp.cli.snapshot import snapshot_if_asked
 from hpc_ddp.launch.program import DEFAULT_CONFIG, Program, program_from
 from hpc_ddp.launch.shipped import find_config
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -179,6 +180,7 @@ def render(args: argparse.Namespace) -> int:
             f"cannot create the job's log folder {log_dir}: {error.strerror}",
             "pass --log-dir with a folder you can write, e.g. --log-dir ~/logs",
         ) from None
+    program = snapshot_if_asked(args.snapshot, program, log_dir / "snapshots")
     request = job_request(
         args,
         program,
@@ -265,6 +267,7 @@ def submit(args: argparse.Namespace) -> int:
     from hpc_ddp.launch.jobs import submit, wait
 
     program = program_arguments(args, default_config=DEFAULT_CONFIG)
+    program = snapshot_if_asked(args.snapshot, program, Path(args.folder).resolve() / "snapshots")
     target: str | list[str] = program.template_args()
     overrides: list[str] = []
     if program.kind == "builtin":

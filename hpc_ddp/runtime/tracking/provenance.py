@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import json
 import platform
 import subprocess
 import sys
@@ -17,8 +18,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
@@ -44,6 +43,8 @@ COMPARED = {
 }
 #: Changed files or packages named in the warning; the rest are counted.
 NAMED = 5
+#: What a snapshot of the code (render/submit --snapshot) says of its source, at its root.
+SNAPSHOT_FILE = "hpc-ddp-snapshot.json"
 #: The largest uncommitted diff kept whole as a run artifact (its hash is always kept).
 MAX_DIFF_CHARS = 200_000
 #: The record's fields MLflow shows as tags (``hpc_ddp.code.*``, ``hpc_ddp.env.*``).
@@ -121,6 +122,11 @@ def code_and_diff(script: Path | None) -> tuple[dict[str, Any], str | None]:
         digest = _sha256(script.read_bytes()) if script else None
     except OSError:
         digest = None
+    # A copy taken at submission (often under the checkout's logs/): the checkout's state
+    # when it was taken, not the checkout's now.
+    source = snapshot_source(script) if script else None
+    if source is not None:
+        return {"script": str(script), "script_sha256": digest, **source}, None
     directory = script.parent if script else Path.cwd()
     commit = (_git(directory, "rev-parse", "HEAD") or "").strip() or None
     diff = _git(directory, "diff", "HEAD") if commit else None
@@ -129,8 +135,25 @@ def code_and_diff(script: Path | None) -> tuple[dict[str, Any], str | None]:
             _sha256(diff.encode()) if diff else None}, diff or None  # fmt: skip
 
 
+def snapshot_source(script: Path) -> dict[str, Any] | None:
+    """The git state a snapshot holding ``script`` was taken from (its SNAPSHOT_FILE), and
+    the snapshot's folder; None outside a snapshot."""
+    for folder in script.parents:
+        marker = folder / SNAPSHOT_FILE
+        if marker.is_file():
+            try:
+                taken = json.loads(marker.read_text())
+            except (OSError, ValueError):
+                return None
+            keys = ("git_commit", "git_dirty", "git_diff_sha256")
+            return {**{key: taken.get(key) for key in keys}, "snapshot": str(folder)}
+    return None
+
+
 def environment_of() -> dict[str, Any]:
     """The versions that decide what a step computes, and every installed package."""
+    import torch
+
     packages = sorted(
         f"{dist.metadata['Name']}=={dist.version}" for dist in importlib.metadata.distributions()
     )
