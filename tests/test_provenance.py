@@ -70,7 +70,8 @@ def test_the_environment_names_this_process_versions_and_packages() -> None:
 
 def test_mlflow_gets_the_attempts_code_as_tags_and_its_packages_and_diff_as_files() -> None:
     """What MLflow shows of an attempt: its own source tags (the UI's), the script's hash,
-    the tree's state and the versions; unknown ones (no CUDA here) are left out."""
+    the tree's state and the versions; an unknown one (no CUDA here) is empty, so that it
+    replaces what an earlier attempt of the run set."""
     clean = AttemptCode(ATTEMPT, None, 0)
     packages_sha256 = hashlib.sha256(b"numpy==2.1.0\ntorch==2.13.0").hexdigest()
     assert clean.tags() == {
@@ -78,8 +79,11 @@ def test_mlflow_gets_the_attempts_code_as_tags_and_its_packages_and_diff_as_file
         "mlflow.source.git.commit": "c1",
         "hpc_ddp.code.script_sha256": "a" * 64,
         "hpc_ddp.code.git_dirty": "false",
+        "hpc_ddp.code.git_diff_sha256": "",
         "hpc_ddp.env.python": "3.11.2",
         "hpc_ddp.env.torch": "2.13.0",
+        "hpc_ddp.env.cuda": "",
+        "hpc_ddp.env.nccl": "",
         "hpc_ddp.env.hpc_ddp": "0.1.0",
         "hpc_ddp.env.packages_sha256": packages_sha256,
     }

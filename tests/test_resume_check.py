@@ -4,8 +4,12 @@ difference. The command on real ranks, with a script per mistake: test_check_res
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
+from hpc_ddp.cli.app import main
 from hpc_ddp.view.resume_check import Difference, differences, metric_differences, verdict
 
 SAVED = {
@@ -68,3 +72,25 @@ def test_logged_points_differ_by_value_or_by_being_logged_once() -> None:
     assert metric_differences(straight, dict(straight)) == []
     assert metric_differences(straight, {(21, "interval/loss"): 0.5}) == [(22, "interval/loss")]
     assert metric_differences({(21, "x"): None}, {(21, "x"): 1.0}) == [(21, "x")]
+
+
+def test_a_folder_holding_an_earlier_checks_runs_is_refused_before_any_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second check in the same --output-dir would resume the first one's runs."""
+    (tmp_path / "train.py").write_text("import hpc_ddp\n")
+    (tmp_path / "check" / "runs" / "train" / "straight").mkdir(parents=True)
+    arguments = [
+        "check-resume",
+        "--output-dir",
+        str(tmp_path / "check"),
+        str(tmp_path / "train.py"),
+    ]
+    assert main(arguments) == 2
+    error = capsys.readouterr().err
+    assert f"--output-dir {tmp_path / 'check'} holds the runs of an earlier check" in error
+    assert "HINT: pass a new folder, or remove that one" in error
+    assert (
+        main(["check-resume", "--steps", "10", "--stop-at", "10", str(tmp_path / "train.py")]) == 2
+    )
+    assert "--stop-at 10 is not before the end of the check (--steps 10)" in capsys.readouterr().err

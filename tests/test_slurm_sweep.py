@@ -163,6 +163,8 @@ def test_a_sweep_runs_two_at_a_time_survives_a_preemption_and_resumes_its_failed
     assert [task["state"] for task in data["tasks"]] == ["finished"] * 6
     assert data["tasks"][4]["settings"] == {"--lr": "0.05"}
     assert len(data["arrays"]) == 2 and data["arrays"][1]["tasks"] == [4]
+    # The job script ends with the task's own status (a set -u trap once turned it into 1).
+    assert slurm.wait(str(data["arrays"][1]["job_id"]), timeout=60) == "COMPLETED"
     assert summary(sweep_dir, 4)["weights_sha256"] == twin["weights_sha256"]
     assert "6 finished" in hpc_ddp(slurm, work, "sweep", "status", str(sweep_dir)).stdout
 

@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 
 from hpc_ddp.cli import commands as cmd
 from hpc_ddp.cli import results
+from hpc_ddp.cli.check_resume import add_arguments as add_check_resume_arguments
+from hpc_ddp.cli.check_resume import check_resume
 from hpc_ddp.cli.sweeps import add_sweep_commands, split_sweep_program
 from hpc_ddp.launch.shipped import EXAMPLES
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -102,12 +104,6 @@ def _init(args: argparse.Namespace) -> int:
     from hpc_ddp.cli.project import init
 
     return init(args)
-
-
-def _check_resume(args: argparse.Namespace) -> int:
-    from hpc_ddp.cli.check_resume import check_resume
-
-    return check_resume(args)
 
 
 def _version() -> str:
@@ -234,24 +230,11 @@ def build_parser() -> argparse.ArgumentParser:
     check = _command(
         commands,
         "check-resume",
-        _check_resume,
+        check_resume,
         "prove a resume exact on your script: run it never stopped and stopped-then-resumed "
         "on local ranks, and compare what both saved and logged",
     )
-    check.add_argument("--nproc", type=_at_least(1), default=2, help="number of ranks (default 2)")
-    check.add_argument(
-        "--steps", type=_at_least(2), default=200, help="steps each run trains (default 200)"
-    )
-    check.add_argument(
-        "--stop-at", type=_at_least(1), default=None, help="the step to stop at (default: half)"
-    )
-    check.add_argument(
-        "--output-dir",
-        default=None,
-        help="keep the runs here (default: a temporary folder, kept only when they differ)",
-    )
-    check.add_argument("--set", dest="settings", action="append", default=[],
-                       metavar="KEY=VALUE", help="a dotted setting for the ranks")  # fmt: skip
+    add_check_resume_arguments(check, _at_least)
     _add_program_arguments(check)
 
     runs = _command(commands, "runs", results.runs, "list runs: state, step, newest metrics")

@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from hpc_ddp.cli.commands import local_words, program_arguments
 from hpc_ddp.launch.program import DEFAULT_CONFIG, Program
@@ -57,7 +58,69 @@ def _run_dir(output: Path, run_id: str) -> Path:
     return found[0]
 
 
+def add_arguments(parser: argparse.ArgumentParser, whole_number: Any) -> None:
+    """check-resume's options (``whole_number(minimum)``: app.py's argparse type)."""
+    parser.add_argument(
+        "--nproc", type=whole_number(1), default=2, help="number of ranks (default 2)"
+    )
+    parser.add_argument(
+        "--steps", type=whole_number(2), default=200, help="steps each run trains (default 200)"
+    )
+    parser.add_argument(
+        "--stop-at", type=whole_number(1), default=None, help="the step to stop at (default: half)"
+    )
+    parser.add_argument(
+        "--output-dir",
+        default=None,
+        help="keep the runs in this new folder (default: a temporary one, kept only when they "
+        "differ)",
+    )
+    parser.add_argument("--set", dest="settings", action="append", default=[],
+                        metavar="KEY=VALUE", help="a dotted setting for the ranks")  # fmt: skip
+
+
+def _check_folder(output_dir: str | None) -> Path:
+    """The check's own folder: a new temporary one, or ``output_dir`` without earlier runs
+    (a run found there would be resumed instead of started)."""
+    if output_dir is None:
+        return Path(tempfile.mkdtemp(prefix="hpc-ddp-check-resume-"))
+    folder = Path(output_dir).resolve()
+    if (folder / "runs").exists():
+        raise HpcDdpError(
+            f"--output-dir {folder} holds the runs of an earlier check, which would be resumed",
+            "pass a new folder, or remove that one",
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise HpcDdpError(
+            f"cannot create --output-dir {folder}: {error.strerror}",
+            "pass a folder you can write",
+        ) from None
+    return folder
+
+
 def check_resume(args: argparse.Namespace) -> int:
+    program = program_arguments(args, default_config=DEFAULT_CONFIG)
+    program.check()  # a missing script or module is named before any run
+    if args.stop_at is not None and args.stop_at >= args.steps:
+        raise HpcDdpError(
+            f"--stop-at {args.stop_at} is not before the end of the check (--steps {args.steps})",
+            f"stop at a step below --steps, e.g. --stop-at {args.steps // 2}",
+        )
+    folder = _check_folder(args.output_dir)
+    try:
+        exact = _compare_runs(args, program, folder)
+    except BaseException:
+        print(f"check-resume: its runs and their logs are kept in {folder}", file=sys.stderr)
+        raise
+    if exact and args.output_dir is None:
+        shutil.rmtree(folder, ignore_errors=True)
+    return 0 if exact else EXIT_DIFFERS
+
+
+def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> bool:
+    """The three runs in ``folder`` and their comparison, printed; whether it was exact."""
     from hpc_ddp.view.resume_check import (
         differences,
         logged_after,
@@ -66,26 +129,23 @@ def check_resume(args: argparse.Namespace) -> int:
         verdict,
     )
 
-    program = program_arguments(args, default_config=DEFAULT_CONFIG)
-    program.check()  # a missing script or module is named before any run
-    if args.stop_at is not None and args.stop_at >= args.steps:
-        raise HpcDdpError(
-            f"--stop-at {args.stop_at} is not before the end of the check (--steps {args.steps})",
-            f"stop at a step below --steps, e.g. --stop-at {args.steps // 2}",
-        )
-    keep = args.output_dir is not None
-    folder = Path(args.output_dir or tempfile.mkdtemp(prefix="hpc-ddp-check-resume-")).resolve()
-    folder.mkdir(parents=True, exist_ok=True)
     output = folder / "runs"
-    # Interval metrics at every step: the logged steps then do not depend on the pace.
+    # On CPU (the same kernels in every run), and interval metrics at every step where the
+    # script sets no cadence, so the logged steps do not depend on the machine's pace.
     common = [f"run.output_dir={output}", "tracking.enabled=false", "checkpoint.enabled=true",
-              "run.log_interval=1"]  # fmt: skip
+              "run.log_interval=1", "dist.device=cpu"]  # fmt: skip
     steps = args.steps
     ended = (0, EXIT_STOPPED)
     straight_settings = [*common, "run.id=straight", f"preempt.stop_at_step={steps}"]
     code, straight_s = _launch(args, program, straight_settings, folder, "straight")
     _ran(code, "straight", folder, ended)
     straight_step, straight = saved_state(_run_dir(output, "straight"))
+    if straight_step == 0:
+        raise HpcDdpError(
+            "the script trained without counting a step: no stop can land in it",
+            "loop with run.steps(...), run.iterations(...) or run.epochs(...): they count "
+            "the steps, stop between them and resume the position",
+        )
     stop = args.stop_at or max(1, straight_step // 2)
     if stop >= straight_step:
         raise HpcDdpError(
@@ -107,7 +167,6 @@ def check_resume(args: argparse.Namespace) -> int:
         logged_after(_run_dir(output, "straight"), stop), logged_after(resumed_dir, stop)
     )
     answer = verdict(found, logged, resumed_step, stop)
-    cost = straight_s + stopped_s + resumed_s
     print(f"check-resume: {answer.what}")
     if not answer.exact:
         for difference in found[:8]:
@@ -115,7 +174,6 @@ def check_resume(args: argparse.Namespace) -> int:
                   f"{difference.resumed} resumed")  # fmt: skip
         print(f"  HINT: {answer.hint}")
         print(f"  the runs and their logs are kept in {folder}")
-    elif not keep:
-        shutil.rmtree(folder, ignore_errors=True)
+    cost = straight_s + stopped_s + resumed_s
     print(f"  (3 runs on {args.nproc} local ranks took {cost:.0f} s)")
-    return 0 if answer.exact else EXIT_DIFFERS
+    return answer.exact

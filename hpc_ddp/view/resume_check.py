@@ -14,12 +14,13 @@ import torch
 
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints
 from hpc_ddp.runtime.checkpoint.sharded import full_tensors, read_blobs, read_metadata
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.tracking.journal import read_metrics
 
 #: What may differ between two runs that computed the same: times, ids, how they started.
 NOT_COMPARED = ("run.train_time_s", "run.mlflow_run_id", "run.restart_count", "run.finished")
-#: Metrics that measure the machine, not the training.
-TIMED_METRIC_WORDS = ("per_s", "time", "_s_", "seconds", "throughput", "memory")
+#: The metrics hpc_ddp logs that measure the machine's pace, not the training.
+TIMED_METRICS = ("interval/samples_per_s", "interval/steps_per_s")
 
 
 class Difference(NamedTuple):
@@ -54,7 +55,11 @@ def saved_state(run_dir: Path) -> tuple[int, dict[str, Any]]:
     (``objects.model.weight``, ``run.plain.optimizer.param_groups[0].lr``, ``rank.1.rng``)."""
     folders = list_checkpoints(run_dir / "checkpoints")
     if not folders:
-        raise FileNotFoundError(f"{run_dir} has no checkpoint")
+        raise HpcDdpError(
+            f"the run in {run_dir} saved no checkpoint, so there is nothing to compare",
+            "register what the script trains (run.register(model=..., optimizer=...)) and "
+            "leave checkpoint.enabled on",
+        )
     folder = folders[0]
     world_size = int(read_blobs(folder, ["run"])["run"]["world_size"])
     blobs = read_blobs(folder, ["run", *(f"rank.{rank}" for rank in range(world_size))])
@@ -69,13 +74,13 @@ def saved_state(run_dir: Path) -> tuple[int, dict[str, Any]]:
 
 def _same(first: Any, second: Any) -> bool:
     if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
-        return (
-            isinstance(first, torch.Tensor)
-            and isinstance(second, torch.Tensor)
-            and first.shape == second.shape
-            and first.dtype == second.dtype
-            and torch.equal(first, second)
-        )
+        if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
+            return False
+        if first.shape != second.shape or first.dtype != second.dtype:
+            return False
+        if first.is_floating_point() or first.is_complex():  # NaN where both have NaN
+            return bool(((first == second) | (first.isnan() & second.isnan())).all())
+        return torch.equal(first, second)
     if isinstance(first, float) and isinstance(second, float):
         return first == second or (math.isnan(first) and math.isnan(second))
     return bool(first == second)
@@ -101,10 +106,6 @@ def differences(straight: Mapping[str, Any], resumed: Mapping[str, Any]) -> list
     return found
 
 
-def _is_timed(name: str) -> bool:
-    return any(word in name for word in TIMED_METRIC_WORDS)
-
-
 def logged_after(run_dir: Path, step: int) -> dict[tuple[int, str], float | None]:
     """The metrics a run logged from ``step`` on (its own record's points, by the step they
     were logged at), by (step, name); timings left out."""
@@ -114,7 +115,7 @@ def logged_after(run_dir: Path, step: int) -> dict[tuple[int, str], float | None
         if at < step:
             continue
         for name, value in dict(entry.get("metrics", {})).items():
-            if not _is_timed(name):
+            if name not in TIMED_METRICS:
                 points[(at, name)] = value
     return points
 

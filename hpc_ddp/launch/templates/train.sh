@@ -86,7 +86,7 @@ echo "job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}: ${args[*]}"
 # (preempt.max_node_failures): rank 0 tells where the run keeps its record in the file below,
 # and python -m hpc_ddp.launch.step_failure reads srun's lines of this attempt in the log.
 export HPC_DDP_STEP_HANDOFF=${TMPDIR:-/tmp}/hpc-ddp-step-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}.json
-trap 'rm -f "$HPC_DDP_STEP_HANDOFF"' EXIT  # also when a preemption's requeue ends the script
+trap 'rm -f -- "${HPC_DDP_STEP_HANDOFF:-}"' EXIT  # also when a preemption's requeue ends it
 log_from=$(stat -L -c %s "/proc/$$/fd/2" 2>/dev/null || echo 0)
 status=0
 srun --kill-on-bad-exit=1 --label "${blocked_until_held[@]}" "$python" "${program[@]}" || status=$?

@@ -64,7 +64,9 @@ class AttemptCode:
 
     def tags(self) -> dict[str, str]:
         """MLflow tags: its own source tags (the UI shows them), then the script's hash, the
-        tree's state and the versions, and one hash of the installed packages."""
+        tree's state and the versions, and one hash of the installed packages. An unknown
+        value is an empty tag: MLflow keeps a tag an earlier attempt set until it is
+        written again."""
         record = self.record
         tags = {"mlflow.source.name": record.get("script"),
                 "mlflow.source.git.commit": record.get("git_commit"),
@@ -73,9 +75,12 @@ class AttemptCode:
                 "hpc_ddp.env.packages_sha256": _sha256(
                     "\n".join(record.get("packages", [])).encode())}  # fmt: skip
         return {
-            key: str(value).lower() if isinstance(value, bool) else str(value)
+            key: ""
+            if value is None
+            else str(value).lower()
+            if isinstance(value, bool)
+            else str(value)
             for key, value in tags.items()
-            if value is not None
         }
 
     def artifacts(self) -> dict[str, str]:
@@ -127,8 +132,13 @@ def code_and_diff(script: Path | None) -> tuple[dict[str, Any], str | None]:
     source = snapshot_source(script) if script else None
     if source is not None:
         return {"script": str(script), "script_sha256": digest, **source}, None
+    # The script's checkout, else the one it is started from (the built-in trainer's code
+    # is installed; its configs are the launching checkout's).
     directory = script.parent if script else Path.cwd()
     commit = (_git(directory, "rev-parse", "HEAD") or "").strip() or None
+    if commit is None and directory != Path.cwd():
+        directory = Path.cwd()
+        commit = (_git(directory, "rev-parse", "HEAD") or "").strip() or None
     diff = _git(directory, "diff", "HEAD") if commit else None
     return {"script": str(script) if script else None, "script_sha256": digest,
             "git_commit": commit, "git_dirty": bool(diff), "git_diff_sha256":
