@@ -643,3 +643,21 @@ def test_a_run_stopped_on_4_ranks_resumes_on_2_and_on_3_with_the_same_global_ord
     assert tags["hpc_ddp.world_size_change"] == "4 -> 2"
     attempts = (tags["hpc_ddp.attempt.0.world_size"], tags["hpc_ddp.attempt.1.world_size"])
     assert attempts == ("4", "2")
+
+
+@pytest.mark.e2e
+def test_run_deterministic_two_runs_with_dataloader_workers_end_bitwise_equal(
+    tmp_path: Path,
+) -> None:
+    """digits_cnn (augmentation in 2 DataLoader workers per rank) twice with
+    run.deterministic=true: the same weights, bit for bit."""
+    program = [str(REPO / "examples" / "digits_cnn" / "train.py"), "--epochs", "1",
+               "--workers", "2"]  # fmt: skip
+    sums = []
+    for run_id in ("first", "second"):
+        settings = [f"--set=run.output_dir={tmp_path}", f"--set=run.id={run_id}",
+                    "--set=run.deterministic=true", "--set=tracking.enabled=false"]  # fmt: skip
+        result = run_local_program(2, [*settings, *program])
+        assert result.returncode == 0, result.stderr[-3000:]
+        sums.append(read_summary(tmp_path, run_id=run_id)["weights_sha256"])
+    assert sums[0] is not None and sums[0] == sums[1]
