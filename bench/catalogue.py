@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from bench.report_gpu import GPU_NOTE, gpu_section, gpu_sharded_section
+from bench.report_gpu import GPU_NOTE, deterministic_section, gpu_section, gpu_sharded_section
 from bench.report_io import (
     checkpoint_section,
     checks_section,
@@ -57,4 +57,5 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("requeue_cost", "bench.requeue_cost", requeue_section, needs="cluster"),
     Benchmark("gpu", "bench.gpu", gpu_section, needs="gpu", absent=GPU_NOTE),
     Benchmark("gpu_sharded", "bench.gpu_sharded", gpu_sharded_section, needs="gpu"),
+    Benchmark("deterministic_cost", "bench.deterministic_cost", deterministic_section, needs="gpu"),
 )

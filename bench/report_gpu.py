@@ -85,3 +85,30 @@ def gpu_sharded_section(data: dict[str, Any]) -> str:
             f"The DDP and FSDP2 language-model runs have no figures yet: {data['source']}.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def deterministic_section(data: dict[str, Any]) -> str:
+    default, deterministic = data["default"], data["deterministic"]
+    runs = data["runs"]
+    per_run = ", ".join(
+        f"{row['tokens_per_s']:,.0f}" for pair in zip(*runs.values(), strict=True) for row in pair
+    )
+    equal = {True: "bitwise equal", False: "not equal"}
+    return "\n".join([
+        "",
+        f"### run.deterministic=true on the GPU ({data['gpu']}, torch {data['torch']}, "
+        f"{data['repeats']} alternating runs per side, medians)",
+        "",
+        "`examples/lm/train.py` (" + " ".join(data["lm_args"]) + ") on one local rank, bf16 "
+        "autocast: its embedding's backward is one of the kernels CUDA sums with atomics.",
+        "",
+        "| kernels | tokens/s | final weights of its runs |",
+        "|---|---:|---|",
+        f"| default | {default['tokens_per_s']:,.0f} | {equal[default['runs_bitwise_equal']]} |",
+        f"| run.deterministic=true | {deterministic['tokens_per_s']:,.0f} | "
+        f"{equal[deterministic['runs_bitwise_equal']]} |",
+        "",
+        f"Cost: {100 * data['cost']:.0f}% of the tokens/s (runs in order, alternating default "
+        f"and deterministic: {per_run}; the first run pays CUDA's warm-up). "
+        "tests/test_gpu.py pins the equality on a smaller model.",
+    ]) + "\n"  # fmt: skip

@@ -15,7 +15,7 @@ import torch
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from tests.helpers import RESUMABLE as MID_EPOCH_STOPPABLE
-from tests.helpers import read_summary, run_local
+from tests.helpers import clean_environ, read_summary, run_local, run_local_program
 
 pytestmark = [
     pytest.mark.e2e,
@@ -98,3 +98,23 @@ def test_the_gpu_passes_its_checks_and_one_another_process_crowds_is_named() -> 
     assert crowded.check == "gpu cuda:0"
     assert "GiB held by other processes before training" in crowded.seen
     assert crowded.expected == "at least 100% free (checks.min_free_gpu_memory)"
+
+
+def test_two_deterministic_runs_of_the_language_model_end_bitwise_equal_on_the_gpu(
+    tmp_path: Path,
+) -> None:
+    """run.deterministic=true on CUDA: bf16 autocast, dropout, and an embedding whose backward
+    CUDA otherwise sums with atomics; two runs of the same command end with the same weights."""
+    from tests.examples import LM, settings
+
+    hashes = []
+    for run_id in ("first", "second"):
+        environment = clean_environ(**settings(
+            tmp_path, run_id, "run.deterministic=true", "tracking.enabled=false"
+        ))  # fmt: skip
+        result = run_local_program(1, LM.command("--dropout", "0.1"), environment=environment)
+        assert result.returncode == 0, result.stderr[-3000:]
+        summary = read_summary(tmp_path, "lm", run_id)
+        assert summary["device"] == "cuda:0", summary
+        hashes.append(summary["weights_sha256"])
+    assert hashes[0] == hashes[1]
