@@ -29,11 +29,15 @@ def printed(output: str, tag: str) -> dict[str, Any]:
 
 
 #: (ranks, global batch, the step stopped after): 320 images, 2 epochs; each stop lands in
-#: the second epoch, after the StepLR's first decay.
-CASES = [(2, 16, 30), (3, 24, 19)]
+#: the second epoch, after the StepLR's first decay. 3 ranks pins what 2 do and more (a sum
+#: over ranks whose order matters), so 2 run with --slow only.
+CASES = [
+    pytest.param(2, 16, 30, id="2-ranks", marks=pytest.mark.slow),
+    pytest.param(3, 24, 19, id="3-ranks"),
+]
 
 
-@pytest.mark.parametrize(("ranks", "batch", "stop_at"), CASES, ids=["2-ranks", "3-ranks"])
+@pytest.mark.parametrize(("ranks", "batch", "stop_at"), CASES)
 def test_the_converted_imagenet_script_resumes_bitwise(
     ranks: int, batch: int, stop_at: int, tmp_path: Path
 ) -> None:

@@ -4,8 +4,9 @@ this machine: a second physical host cannot exist here).
 A 6-task sweep of a user's script (tests/programs/regression.py, 2 ranks per task) with
 concurrency 2: one task preempted with ``scancel --signal=USR1 JOB_TASK`` (requeued alone,
 resumed bitwise equal to its uninterrupted twin), one task whose learning rate makes the
-script fail, resumed with the setting fixed; one MLflow parent with one child per task. And a
-sweep larger than the cluster's MaxArraySize (8), submitted from Python as two arrays.
+script fail, resumed with the setting fixed; every task runs the copy of the code taken at
+submission (--snapshot); one MLflow parent with one child per task. And a sweep larger than the
+cluster's MaxArraySize (8), submitted from Python as two arrays.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def test_a_sweep_runs_two_at_a_time_survives_a_preemption_and_resumes_its_failed
         "sweep",
         "submit",
         "sweep.yaml",
+        "--snapshot",
         "--nodes=1",
         "--tasks-per-node=2",
         "--cpus-per-task=1",
@@ -166,6 +168,15 @@ def test_a_sweep_runs_two_at_a_time_survives_a_preemption_and_resumes_its_failed
     # The job script ends with the task's own status (a set -u trap once turned it into 1).
     assert slurm.wait(str(data["arrays"][1]["job_id"]), timeout=60) == "COMPLETED"
     assert summary(sweep_dir, 4)["weights_sha256"] == twin["weights_sha256"]
+    # --snapshot: every task, its requeues and the resubmitted one ran the copy taken at
+    # submission (of this checkout), which the record names.
+    (copy,) = (work / "logs" / "snapshots").iterdir()
+    snapshot_program = str(copy / "tests" / "programs" / "regression.py")
+    assert data["program"]["name"] == snapshot_program
+    for task in range(6):
+        ran = json.loads((sweep_dir / f"task-{task:03d}" / "provenance.json").read_text())
+        assert {attempt["script"] for attempt in ran} == {snapshot_program}, task
+        assert {attempt["snapshot"] for attempt in ran} == {str(copy)}, task
     assert "6 finished" in hpc_ddp(slurm, work, "sweep", "status", str(sweep_dir)).stdout
 
     client = MlflowClient(f"sqlite:///{work / 'runs' / 'mlflow.db'}")

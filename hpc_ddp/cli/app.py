@@ -27,6 +27,7 @@ from hpc_ddp.cli import commands as cmd
 from hpc_ddp.cli import results
 from hpc_ddp.cli.check_resume import add_arguments as add_check_resume_arguments
 from hpc_ddp.cli.check_resume import check_resume
+from hpc_ddp.cli.snapshot import SNAPSHOT_HELP
 from hpc_ddp.cli.sweeps import add_sweep_commands, split_sweep_program
 from hpc_ddp.launch.shipped import EXAMPLES
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -34,11 +35,6 @@ from hpc_ddp.runtime.errors import HpcDdpError
 PROGRAM_HELP = (
     "what every rank runs: your script and its arguments (train.py --lr 3e-4), -m and a "
     "module, or the built-in trainer: a .yaml config (or --config) and dotted overrides"
-)
-
-SNAPSHOT_HELP = (
-    "copy your script's code now (its git checkout's files as they are on disk, or its "
-    "folder) and run that copy, so every requeued attempt runs the code submitted"
 )
 
 

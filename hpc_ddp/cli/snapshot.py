@@ -21,6 +21,11 @@ from pathlib import Path
 from hpc_ddp.launch.program import Program
 from hpc_ddp.runtime.errors import HpcDdpError
 
+#: The --snapshot option's help, the same for render, submit and sweep submit.
+SNAPSHOT_HELP = (
+    "copy your script's code now (its git checkout's files as they are on disk, or its "
+    "folder) and run that copy, so every requeued attempt runs the code submitted"
+)
 #: The most a snapshot may copy.
 MAX_BYTES = 200 * 1024 * 1024
 #: Folders a copy of a script's folder leaves out.

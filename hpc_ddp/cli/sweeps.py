@@ -1,6 +1,7 @@
 """`hpc-ddp sweep`: many runs of one program as Slurm job arrays (see hpc_ddp.sweep).
 
 hpc-ddp sweep submit SWEEP.yaml --concurrency 4 --nodes 1 --gpus-per-node 4 -- train.py --epochs 5
+hpc-ddp sweep submit SWEEP.yaml --snapshot -- train.py    every task runs a copy taken now
 hpc-ddp sweep submit --name lr --grid lr=0.1,0.01 --grid run.seed=1,2 -- train.py
 hpc-ddp sweep status runs/lr       the tasks, best first
 hpc-ddp sweep resume runs/lr       resubmit the tasks that did not finish (--set KEY=VALUE)
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.cli.snapshot import SNAPSHOT_HELP
 from hpc_ddp.runtime.errors import HpcDdpError
 
 AddCommand = Callable[..., argparse.ArgumentParser]
@@ -44,6 +46,7 @@ def add_sweep_commands(
     submit.add_argument(
         "--output-dir", default=None, help="run.output_dir of the tasks (default: runs)"
     )
+    submit.add_argument("--snapshot", action="store_true", help=SNAPSHOT_HELP)
     add_job_arguments(submit)
     submit.set_defaults(program=[])
     submit.epilog = "After the options: -- and what every task runs (train.py --epochs 5)."
@@ -105,12 +108,15 @@ def _spec(args: argparse.Namespace) -> Any:
 
 def submit_command(args: argparse.Namespace) -> int:
     from hpc_ddp.cli.commands import check_builtin, job_request, warning_signal
+    from hpc_ddp.cli.snapshot import snapshot_if_asked
     from hpc_ddp.sweep.programs import runtime_settings, sweep_program
     from hpc_ddp.sweep.submit import submit_sweep
 
     spec = _spec(args)
     program = sweep_program(args.program)
     config = check_builtin(program)
+    # Every task, its requeues and a `sweep resume` run the copy: the record names it.
+    program = snapshot_if_asked(args.snapshot, program, Path("logs").resolve() / "snapshots")
     request = job_request(args, program, Path("logs"), signal=warning_signal(None, config))
     output_dir = args.output_dir or runtime_settings(program, os.environ).run.output_dir
     sweep_dir = submit_sweep(spec, program, request, Path(output_dir), os.environ)
