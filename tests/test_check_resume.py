@@ -77,3 +77,25 @@ def test_a_script_that_resumes_exactly_passes_the_check(program: list[str], tmp_
         "check-resume: resume is exact for this script (30 steps, stopped at 15)\n"
     ), result.stdout
     assert not list(tmp_path.glob("runs")), "the check's runs are its own, removed when exact"
+
+
+@pytest.mark.e2e
+def test_a_resume_on_another_number_of_ranks_is_checked_within_the_tolerance(
+    tmp_path: Path,
+) -> None:
+    """--world-size-change 1: stopped on 2 ranks, resumed on 1; the metric sums differ in their
+    last bits (summed in another order), which the tolerance allows; the runs on 2 ranks and
+    on 1 are in their logs."""
+    result = check_resume(
+        "--steps", "40", "--stop-at", "20", "--world-size-change", "1",
+        "--output-dir", str(tmp_path), MISTAKES, "clean",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert result.stdout.startswith(
+        "check-resume: resume on another number of ranks holds for this script (40 steps, "
+        "stopped at 20, resumed on 1 rank(s) instead of 2, within rtol 0.001, atol 1e-05)\n"
+    ), result.stdout
+    assert "(3 runs on 2 and 1 local ranks took" in result.stdout
+    assert "[rank 1/2]" in (tmp_path / "stopped.log").read_text()
+    resumed = (tmp_path / "resumed.log").read_text()
+    assert "[rank 0/1]" in resumed and "[rank 1/" not in resumed

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from hpc_ddp.cli.app import main
-from hpc_ddp.view.resume_check import Difference, differences, metric_differences, verdict
+from hpc_ddp.view.resume_check import (
+    Difference,
+    Tolerance,
+    differences,
+    metric_differences,
+    verdict,
+)
 
 SAVED = {
     "objects.model.weight": torch.ones(2, 2),
@@ -74,6 +80,46 @@ def test_logged_points_differ_by_value_or_by_being_logged_once() -> None:
     assert metric_differences({(21, "x"): None}, {(21, "x"): 1.0}) == [(21, "x")]
 
 
+def test_a_resume_on_another_number_of_ranks_is_compared_within_the_tolerance() -> None:
+    """--world-size-change: floating-point values within rtol/atol are equal; integers, the
+    position and optimizer settings stay exact; each rank's streams and the number of ranks
+    are not compared (they cannot carry over)."""
+    tolerance = Tolerance(rtol=1e-3, atol=1e-6)
+    near = {
+        **SAVED,
+        "objects.model.weight": torch.ones(2, 2) * (1 + 5e-4),
+        "run.metrics.epoch.loss.total": torch.tensor(3.001),
+        "rank.0.rng.torch": torch.arange(4) + 1,
+        "rank.2.rng.torch": torch.arange(4),
+        "run.world_size": 3,
+    }
+    assert [found.key for found in differences(SAVED, near)][:2] == [
+        "objects.model.weight",
+        "run.metrics.epoch.loss.total",
+    ], "bitwise by default"
+    assert differences(SAVED, near, tolerance) == []
+    far = {**near, "objects.model.weight": torch.ones(2, 2) * 1.01, "run.global_step": 41}
+    assert [found.key for found in differences(SAVED, far, tolerance)] == [
+        "objects.model.weight",
+        "run.global_step",
+    ]
+    straight = {(21, "interval/loss"): 0.5, (22, "interval/loss"): None}
+    close = {(21, "interval/loss"): 0.5002, (22, "interval/loss"): None}
+    assert metric_differences(straight, close) == [(21, "interval/loss")]
+    assert metric_differences(straight, close, tolerance) == []
+    assert metric_differences(straight, {(21, "interval/loss"): 0.51}, tolerance) == [
+        (21, "interval/loss"),
+        (22, "interval/loss"),
+    ]
+    across = "resumed on 1 rank(s) instead of 2, within rtol 0.001, atol 1e-06"
+    assert str(tolerance) == "rtol 0.001, atol 1e-06"
+    held = verdict([], [], 40, 20, across)
+    assert held.exact and held.what == (
+        f"resume on another number of ranks holds for this script (40 steps, stopped at 20, "
+        f"{across})"
+    )
+
+
 def test_a_folder_holding_an_earlier_checks_runs_is_refused_before_any_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -94,3 +140,5 @@ def test_a_folder_holding_an_earlier_checks_runs_is_refused_before_any_run(
         main(["check-resume", "--steps", "10", "--stop-at", "10", str(tmp_path / "train.py")]) == 2
     )
     assert "--stop-at 10 is not before the end of the check (--steps 10)" in capsys.readouterr().err
+    assert main(["check-resume", "--world-size-change", "2", str(tmp_path / "train.py")]) == 2
+    assert "--world-size-change 2 is the --nproc the check starts on" in capsys.readouterr().err

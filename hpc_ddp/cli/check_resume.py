@@ -24,11 +24,17 @@ EXIT_DIFFERS = 1
 
 
 def _launch(
-    args: argparse.Namespace, program: Program, settings: Sequence[str], folder: Path, phase: str
+    args: argparse.Namespace,
+    program: Program,
+    settings: Sequence[str],
+    folder: Path,
+    phase: str,
+    nproc: int | None = None,
 ) -> tuple[int, float]:
-    """``hpc-ddp local`` with the program, the user's settings and then ``settings`` (which
-    win), its output kept in ``folder/<phase>.log``: its exit code and how long it ran."""
-    words = local_words(args.nproc, [*args.settings, *settings], program)
+    """``hpc-ddp local`` on ``nproc`` ranks (default --nproc) with the program, the user's
+    settings and then ``settings`` (which win), its output kept in ``folder/<phase>.log``:
+    its exit code and how long it ran."""
+    words = local_words(nproc or args.nproc, [*args.settings, *settings], program)
     command = [sys.executable, "-m", "hpc_ddp", "local", *words]
     began = time.monotonic()
     with open(folder / f"{phase}.log", "w") as log:
@@ -75,6 +81,27 @@ def add_arguments(parser: argparse.ArgumentParser, whole_number: Any) -> None:
         help="keep the runs in this new folder (default: a temporary one, kept only when they "
         "differ)",
     )
+    parser.add_argument(
+        "--world-size-change",
+        type=whole_number(1),
+        default=None,
+        metavar="N",
+        help="resume on N ranks instead of --nproc, compared within --rtol/--atol instead of "
+        "bitwise (the sums over ranks change order); each rank's random streams are not "
+        "compared (they are seeded anew)",
+    )
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-3,
+        help="with --world-size-change: relative tolerance (default 1e-3)",
+    )
+    parser.add_argument(
+        "--atol",
+        type=float,
+        default=1e-5,
+        help="with --world-size-change: absolute tolerance (default 1e-5)",
+    )
     parser.add_argument("--set", dest="settings", action="append", default=[],
                         metavar="KEY=VALUE", help="a dotted setting for the ranks")  # fmt: skip
 
@@ -108,6 +135,11 @@ def check_resume(args: argparse.Namespace) -> int:
             f"--stop-at {args.stop_at} is not before the end of the check (--steps {args.steps})",
             f"stop at a step below --steps, e.g. --stop-at {args.steps // 2}",
         )
+    if args.world_size_change == args.nproc:
+        raise HpcDdpError(
+            f"--world-size-change {args.world_size_change} is the --nproc the check starts on",
+            "resume on another number of ranks, or leave the option out for a bitwise check",
+        )
     folder = _check_folder(args.output_dir)
     try:
         exact = _compare_runs(args, program, folder)
@@ -122,6 +154,7 @@ def check_resume(args: argparse.Namespace) -> int:
 def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> bool:
     """The three runs in ``folder`` and their comparison, printed; whether it was exact."""
     from hpc_ddp.view.resume_check import (
+        Tolerance,
         differences,
         logged_after,
         metric_differences,
@@ -157,16 +190,22 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
     code, stopped_s = _launch(args, program, [*resumed_settings, f"preempt.stop_at_step={stop}"],
                               folder, "stopped")  # fmt: skip
     _ran(code, "stopped", folder, (EXIT_STOPPED,))
+    resumed_on = args.world_size_change or args.nproc
     code, resumed_s = _launch(args, program, [*resumed_settings, f"preempt.stop_at_step={steps}"],
-                              folder, "resumed")  # fmt: skip
+                              folder, "resumed", resumed_on)  # fmt: skip
     _ran(code, "resumed", folder, ended)
     resumed_dir = _run_dir(output, "resumed")
     resumed_step, resumed = saved_state(resumed_dir)
-    found = differences(straight, resumed)
+    tolerance, across = None, ""
+    if args.world_size_change:
+        tolerance = Tolerance(args.rtol, args.atol)
+        across = f"resumed on {resumed_on} rank(s) instead of {args.nproc}, within {tolerance}"
+    found = differences(straight, resumed, tolerance)
     logged = metric_differences(
-        logged_after(_run_dir(output, "straight"), stop), logged_after(resumed_dir, stop)
-    )
-    answer = verdict(found, logged, resumed_step, stop)
+        logged_after(_run_dir(output, "straight"), stop), logged_after(resumed_dir, stop),
+        tolerance,
+    )  # fmt: skip
+    answer = verdict(found, logged, resumed_step, stop, across)
     print(f"check-resume: {answer.what}")
     if not answer.exact:
         for difference in found[:8]:
@@ -175,5 +214,6 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
         print(f"  HINT: {answer.hint}")
         print(f"  the runs and their logs are kept in {folder}")
     cost = straight_s + stopped_s + resumed_s
-    print(f"  (3 runs on {args.nproc} local ranks took {cost:.0f} s)")
+    ranks = f"{args.nproc}" if resumed_on == args.nproc else f"{args.nproc} and {resumed_on}"
+    print(f"  (3 runs on {ranks} local ranks took {cost:.0f} s)")
     return answer.exact

@@ -21,6 +21,20 @@ from hpc_ddp.runtime.tracking.journal import read_metrics
 NOT_COMPARED = ("run.train_time_s", "run.mlflow_run_id", "run.restart_count", "run.finished")
 #: The metrics hpc_ddp logs that measure the machine's pace, not the training.
 TIMED_METRICS = ("interval/samples_per_s", "interval/steps_per_s")
+#: What a resume on another number of ranks cannot carry over: each rank's own random
+#: streams (seeded anew) and the number of ranks itself.
+NOT_COMPARED_ACROSS_SIZES = ("rank.", "run.world_size", "run.resumed_from_world_size")
+
+
+class Tolerance(NamedTuple):
+    """How far two floating-point values may be apart and count as equal (torch.isclose's
+    rtol and atol): a resume on another number of ranks sums in another order."""
+
+    rtol: float
+    atol: float
+
+    def __str__(self) -> str:
+        return f"rtol {self.rtol:g}, atol {self.atol:g}"
 
 
 class Difference(NamedTuple):
@@ -72,17 +86,23 @@ def saved_state(run_dir: Path) -> tuple[int, dict[str, Any]]:
     return int(blobs["run"]["global_step"]), state
 
 
-def _same(first: Any, second: Any) -> bool:
+def _same(first: Any, second: Any, tolerance: Tolerance | None = None) -> bool:
     if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
         if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
             return False
         if first.shape != second.shape or first.dtype != second.dtype:
             return False
+        if tolerance is not None and first.is_floating_point():
+            return torch.allclose(first.double(), second.double(), *tolerance, equal_nan=True)
         if first.is_floating_point() or first.is_complex():  # NaN where both have NaN
             return bool(((first == second) | (first.isnan() & second.isnan())).all())
         return torch.equal(first, second)
     if isinstance(first, float) and isinstance(second, float):
-        return first == second or (math.isnan(first) and math.isnan(second))
+        if math.isnan(first) and math.isnan(second):
+            return True
+        if tolerance is not None:
+            return abs(first - second) <= tolerance.atol + tolerance.rtol * abs(second)
+        return first == second
     return bool(first == second)
 
 
@@ -92,16 +112,21 @@ def _short(value: Any) -> str:
     return repr(value)[:60]
 
 
-def differences(straight: Mapping[str, Any], resumed: Mapping[str, Any]) -> list[Difference]:
-    """Each compared key whose value differs (or that one run lacks), in the saved order."""
+def differences(
+    straight: Mapping[str, Any], resumed: Mapping[str, Any], tolerance: Tolerance | None = None
+) -> list[Difference]:
+    """Each compared key whose value differs (or that one run lacks), in the saved order;
+    with a ``tolerance`` (a resume on another number of ranks), floating-point values within
+    it are equal and what cannot carry over is not compared."""
+    skipped = NOT_COMPARED if tolerance is None else NOT_COMPARED + NOT_COMPARED_ACROSS_SIZES
     found = []
     for key in [*straight, *(key for key in resumed if key not in straight)]:
-        if key.startswith(NOT_COMPARED):
+        if key.startswith(skipped):
             continue
         if key not in straight or key not in resumed:
             shown = [_short(run[key]) if key in run else "(none)" for run in (straight, resumed)]
             found.append(Difference(key, *shown))
-        elif not _same(straight[key], resumed[key]):
+        elif not _same(straight[key], resumed[key], tolerance):
             found.append(Difference(key, _short(straight[key]), _short(resumed[key])))
     return found
 
@@ -123,10 +148,16 @@ def logged_after(run_dir: Path, step: int) -> dict[tuple[int, str], float | None
 def metric_differences(
     straight: Mapping[tuple[int, str], float | None],
     resumed: Mapping[tuple[int, str], float | None],
+    tolerance: Tolerance | None = None,
 ) -> list[tuple[int, str]]:
     """The (step, metric) points logged differently (or by one run only), in step order."""
-    keys = sorted(set(straight) | set(resumed))
-    return [key for key in keys if straight.get(key, "none") != resumed.get(key, "none")]
+    return [
+        key
+        for key in sorted(set(straight) | set(resumed))
+        if key not in straight
+        or key not in resumed
+        or not _same(straight[key], resumed[key], tolerance)
+    ]
 
 
 def _optimizer_setting(key: str) -> tuple[str, str, str] | None:
@@ -142,10 +173,17 @@ def verdict(
     metrics_differ: Sequence[tuple[int, str]],
     steps: int,
     stopped_at: int,
+    across_sizes: str = "",
 ) -> Verdict:
-    """What the differences most likely mean, the likeliest cause first."""
-    shown = f"{steps} steps, stopped at {stopped_at}"
+    """What the differences most likely mean, the likeliest cause first. ``across_sizes``
+    says how a resume on another number of ranks was compared ("" for a bitwise check)."""
+    shown = f"{steps} steps, stopped at {stopped_at}" + (
+        f", {across_sizes}" if across_sizes else ""
+    )
     if not state_differences and not metrics_differ:
+        if across_sizes:
+            return Verdict(True, f"resume on another number of ranks holds for this script "
+                           f"({shown})", "")  # fmt: skip
         return Verdict(True, f"resume is exact for this script ({shown})", "")
     keys = [difference.key for difference in state_differences]
     for difference in state_differences:

@@ -20,7 +20,7 @@ if mistake == "loader":
     shuffled = torch.Generator().manual_seed(1)
     loader = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True, generator=shuffled)
 else:
-    loader = run.train_loader(dataset, 4 * run.world_size)
+    loader = run.train_loader(dataset, 8)  # the global batch, at any number of ranks
 model = run.wrap(torch.nn.Linear(4, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
