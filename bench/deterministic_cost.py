@@ -47,6 +47,9 @@ def lm_run(mode: str, run_id: str, output_dir: Path) -> dict[str, Any]:
 
 
 def run(repeats: int = 2) -> dict[str, Any] | None:
+    if repeats < 2:
+        raise SystemExit("bench.deterministic_cost: error: REPEATS must be 2 or more (whether "
+                         "two runs end equal needs two runs)")  # fmt: skip
     facts = gpu_or_refusal("bench.deterministic_cost")
     if facts is None:
         return None

@@ -82,8 +82,8 @@ def test_logged_points_differ_by_value_or_by_being_logged_once() -> None:
 
 def test_a_resume_on_another_number_of_ranks_is_compared_within_the_tolerance() -> None:
     """--world-size-change: floating-point values within rtol/atol are equal; integers, the
-    position and optimizer settings stay exact; each rank's streams and the number of ranks
-    are not compared (they cannot carry over)."""
+    position, optimizer settings and metric counts stay exact; each rank's own state and the
+    number of ranks are not compared (they cannot carry over)."""
     tolerance = Tolerance(rtol=1e-3, atol=1e-6)
     near = {
         **SAVED,
@@ -98,11 +98,25 @@ def test_a_resume_on_another_number_of_ranks_is_compared_within_the_tolerance() 
         "run.metrics.epoch.loss.total",
     ], "bitwise by default"
     assert differences(SAVED, near, tolerance) == []
-    far = {**near, "objects.model.weight": torch.ones(2, 2) * 1.01, "run.global_step": 41}
-    assert [found.key for found in differences(SAVED, far, tolerance)] == [
+    far = {
+        **near,
+        "objects.model.weight": torch.ones(2, 2) * 1.01,
+        "run.plain.optimizer.param_groups[0].lr": 0.045 * (1 + 1e-6),
+        "run.global_step": 41,
+        "run.metrics.epoch.loss.count": torch.tensor(8008.0, dtype=torch.float64),
+        "run.values.best": float("inf"),
+    }
+    exact = {
+        **SAVED,
+        "run.metrics.epoch.loss.count": torch.tensor(8000.0, dtype=torch.float64),
+        "run.values.best": float("inf"),
+    }
+    assert [found.key for found in differences(exact, far, tolerance)] == [
         "objects.model.weight",
+        "run.plain.optimizer.param_groups[0].lr",
         "run.global_step",
-    ]
+        "run.metrics.epoch.loss.count",
+    ], "settings, counts and integers exact; inf equal to inf"
     straight = {(21, "interval/loss"): 0.5, (22, "interval/loss"): None}
     close = {(21, "interval/loss"): 0.5002, (22, "interval/loss"): None}
     assert metric_differences(straight, close) == [(21, "interval/loss")]
@@ -142,3 +156,9 @@ def test_a_folder_holding_an_earlier_checks_runs_is_refused_before_any_run(
     assert "--stop-at 10 is not before the end of the check (--steps 10)" in capsys.readouterr().err
     assert main(["check-resume", "--world-size-change", "2", str(tmp_path / "train.py")]) == 2
     assert "--world-size-change 2 is the --nproc the check starts on" in capsys.readouterr().err
+    script = str(tmp_path / "train.py")
+    assert main(["check-resume", "--rtol", "0.1", script]) == 2
+    assert "--rtol 0.1 without --world-size-change" in capsys.readouterr().err
+    assert main(["check-resume", "--world-size-change", "1", "--atol", "-1", script]) == 2
+    error = capsys.readouterr().err
+    assert "--atol -1.0 is not a tolerance" in error and "HINT: give a number >= 0" in error

@@ -170,7 +170,7 @@ def test_a_sweep_runs_two_at_a_time_survives_a_preemption_and_resumes_its_failed
     assert summary(sweep_dir, 4)["weights_sha256"] == twin["weights_sha256"]
     # --snapshot: every task, its requeues and the resubmitted one ran the copy taken at
     # submission (of this checkout), which the record names.
-    (copy,) = (work / "logs" / "snapshots").iterdir()
+    (copy,) = (sweep_dir / "snapshots").iterdir()
     snapshot_program = str(copy / "tests" / "programs" / "regression.py")
     assert data["program"]["name"] == snapshot_program
     for task in range(6):

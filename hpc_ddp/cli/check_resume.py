@@ -21,6 +21,8 @@ from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 
 #: The exit code of a check that found a difference (bad input exits 2).
 EXIT_DIFFERS = 1
+#: --world-size-change's default tolerance (torch.isclose's rtol and atol).
+RTOL, ATOL = 1e-3, 1e-5
 
 
 def _launch(
@@ -87,20 +89,20 @@ def add_arguments(parser: argparse.ArgumentParser, whole_number: Any) -> None:
         default=None,
         metavar="N",
         help="resume on N ranks instead of --nproc, compared within --rtol/--atol instead of "
-        "bitwise (the sums over ranks change order); each rank's random streams are not "
-        "compared (they are seeded anew)",
+        "bitwise (the sums over ranks change order); each rank's own state (its random "
+        "streams, seeded anew) is not compared",
     )
     parser.add_argument(
         "--rtol",
         type=float,
-        default=1e-3,
-        help="with --world-size-change: relative tolerance (default 1e-3)",
+        default=None,
+        help=f"with --world-size-change: relative tolerance (default {RTOL:g})",
     )
     parser.add_argument(
         "--atol",
         type=float,
-        default=1e-5,
-        help="with --world-size-change: absolute tolerance (default 1e-5)",
+        default=None,
+        help=f"with --world-size-change: absolute tolerance (default {ATOL:g})",
     )
     parser.add_argument("--set", dest="settings", action="append", default=[],
                         metavar="KEY=VALUE", help="a dotted setting for the ranks")  # fmt: skip
@@ -127,6 +129,20 @@ def _check_folder(output_dir: str | None) -> Path:
     return folder
 
 
+def _check_tolerance(args: argparse.Namespace) -> None:
+    given = [f"--{name} {value}" for name, value in (("rtol", args.rtol), ("atol", args.atol))
+             if value is not None]  # fmt: skip
+    if given and args.world_size_change is None:
+        raise HpcDdpError(
+            f"{' and '.join(given)} without --world-size-change: a resume on the same ranks "
+            "is compared bitwise",
+            "add --world-size-change N, or leave the tolerance out",
+        )
+    for text in given:
+        if not float(text.split()[1]) >= 0:  # negative, or NaN
+            raise HpcDdpError(f"{text} is not a tolerance", "give a number >= 0, e.g. 1e-4")
+
+
 def check_resume(args: argparse.Namespace) -> int:
     program = program_arguments(args, default_config=DEFAULT_CONFIG)
     program.check()  # a missing script or module is named before any run
@@ -135,6 +151,7 @@ def check_resume(args: argparse.Namespace) -> int:
             f"--stop-at {args.stop_at} is not before the end of the check (--steps {args.steps})",
             f"stop at a step below --steps, e.g. --stop-at {args.steps // 2}",
         )
+    _check_tolerance(args)
     if args.world_size_change == args.nproc:
         raise HpcDdpError(
             f"--world-size-change {args.world_size_change} is the --nproc the check starts on",
@@ -198,7 +215,9 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
     resumed_step, resumed = saved_state(resumed_dir)
     tolerance, across = None, ""
     if args.world_size_change:
-        tolerance = Tolerance(args.rtol, args.atol)
+        tolerance = Tolerance(
+            RTOL if args.rtol is None else args.rtol, ATOL if args.atol is None else args.atol
+        )
         across = f"resumed on {resumed_on} rank(s) instead of {args.nproc}, within {tolerance}"
     found = differences(straight, resumed, tolerance)
     logged = metric_differences(

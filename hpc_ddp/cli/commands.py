@@ -180,7 +180,10 @@ def render(args: argparse.Namespace) -> int:
             f"cannot create the job's log folder {log_dir}: {error.strerror}",
             "pass --log-dir with a folder you can write, e.g. --log-dir ~/logs",
         ) from None
-    program = snapshot_if_asked(args.snapshot, program, log_dir / "snapshots")
+    program = snapshot_if_asked(
+        args.snapshot, program, log_dir / "snapshots",
+        "pass --log-dir with a folder you can write (the snapshot goes into it)",
+    )  # fmt: skip
     request = job_request(
         args,
         program,
@@ -267,7 +270,10 @@ def submit(args: argparse.Namespace) -> int:
     from hpc_ddp.launch.jobs import submit, wait
 
     program = program_arguments(args, default_config=DEFAULT_CONFIG)
-    program = snapshot_if_asked(args.snapshot, program, Path(args.folder).resolve() / "snapshots")
+    program = snapshot_if_asked(
+        args.snapshot, program, Path(args.folder).resolve() / "snapshots",
+        "pass --folder with a folder you can write (the snapshot goes into it)",
+    )  # fmt: skip
     target: str | list[str] = program.template_args()
     overrides: list[str] = []
     if program.kind == "builtin":

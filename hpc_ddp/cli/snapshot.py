@@ -64,9 +64,9 @@ def _folder_files(root: Path) -> Iterator[Path]:
             yield (Path(folder) / name).relative_to(root)
 
 
-def take_snapshot(program: Program, into: Path) -> Program:
+def take_snapshot(program: Program, into: Path, hint: str) -> Program:
     """Copy the code ``program`` runs into a new folder under ``into``; the same program,
-    started from that copy."""
+    started from that copy. ``hint``: how to name a folder that can be written."""
     from hpc_ddp.runtime.tracking.provenance import SNAPSHOT_FILE, code_of  # imports torch
 
     if program.kind != "script":
@@ -97,17 +97,19 @@ def take_snapshot(program: Program, into: Path) -> Program:
         (copy / SNAPSHOT_FILE).write_text(json.dumps(source, indent=1) + "\n")
     except OSError as error:
         raise HpcDdpError(
-            f"cannot copy the code into {copy}: {error.strerror or error}",
-            "pass --log-dir with a folder you can write (the snapshot goes into it)",
+            f"cannot copy the code into {copy}: {error.strerror or error}", hint
         ) from None
     return Program("script", str(copy / script.relative_to(root)), program.args)
 
 
-def snapshot_if_asked(asked: bool, program: Program, into: Path) -> Program:
-    """``program`` started from a snapshot under ``into`` when ``asked``, said in one line."""
-    if not asked:
-        return program
-    copied = take_snapshot(program, into)
+def take_snapshot_saying(program: Program, into: Path, hint: str) -> Program:
+    """:func:`take_snapshot`, said in one line."""
+    copied = take_snapshot(program, into, hint)
     print(f"copied the code into {Path(copied.name).parent}: every attempt of the job runs "
           "that copy", file=sys.stderr)  # fmt: skip
     return copied
+
+
+def snapshot_if_asked(asked: bool, program: Program, into: Path, hint: str) -> Program:
+    """``program`` started from a snapshot under ``into`` when ``asked``, said in one line."""
+    return take_snapshot_saying(program, into, hint) if asked else program

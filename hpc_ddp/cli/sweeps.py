@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -108,18 +109,21 @@ def _spec(args: argparse.Namespace) -> Any:
 
 def submit_command(args: argparse.Namespace) -> int:
     from hpc_ddp.cli.commands import check_builtin, job_request, warning_signal
-    from hpc_ddp.cli.snapshot import snapshot_if_asked
+    from hpc_ddp.cli.snapshot import take_snapshot_saying
     from hpc_ddp.sweep.programs import runtime_settings, sweep_program
     from hpc_ddp.sweep.submit import submit_sweep
 
     spec = _spec(args)
     program = sweep_program(args.program)
     config = check_builtin(program)
-    # Every task, its requeues and a `sweep resume` run the copy: the record names it.
-    program = snapshot_if_asked(args.snapshot, program, Path("logs").resolve() / "snapshots")
     request = job_request(args, program, Path("logs"), signal=warning_signal(None, config))
     output_dir = args.output_dir or runtime_settings(program, os.environ).run.output_dir
-    sweep_dir = submit_sweep(spec, program, request, Path(output_dir), os.environ)
+    # Every task, its requeues and a `sweep resume` run the copy: the record names it.
+    hint = "set --output-dir to a folder you can write (the snapshot goes into the sweep's)"
+    snapshot = partial(take_snapshot_saying, hint=hint) if args.snapshot else None
+    sweep_dir = submit_sweep(
+        spec, program, request, Path(output_dir), os.environ, snapshot=snapshot
+    )
     print(f"sweep {spec.name}: {sweep_dir}  (hpc-ddp sweep status {sweep_dir})")
     return 0
 

@@ -37,6 +37,8 @@ from hpc_ddp.sweep.spec import (
 )
 
 Say = Callable[[str], None]
+#: Copies the program's code into a folder and returns the program started from the copy.
+Snapshot = Callable[[Program, Path], Program]
 
 
 def _sweep_dir(output_dir: Path, name: str) -> Path:
@@ -62,9 +64,11 @@ def submit_sweep(
     output_dir: Path,
     environ: Mapping[str, str] = os.environ,
     say: Say = print,
+    snapshot: Snapshot | None = None,
 ) -> Path:
     """Check everything, record the sweep, make its MLflow parent run and submit its
-    arrays; returns the sweep's folder."""
+    arrays; returns the sweep's folder. ``snapshot``, once every check passed, copies a
+    script's code into ``<sweep dir>/snapshots``: every task runs that copy."""
     program.check()
     tasks = expand(spec)
     swept = {key for task in tasks for key in task}
@@ -89,6 +93,8 @@ def submit_sweep(
             f"logs go there): {refused.message}",
             "give --output-dir a path of letters, digits and . _ - / only",
         ) from None
+    if snapshot is not None and isinstance(program, Program):
+        program = snapshot(program, sweep_dir / "snapshots")
     max_size = arrays.read_max_array_size(environ)
     tracking = None
     if settings.tracking.enabled:

@@ -21,9 +21,9 @@ from hpc_ddp.runtime.tracking.journal import read_metrics
 NOT_COMPARED = ("run.train_time_s", "run.mlflow_run_id", "run.restart_count", "run.finished")
 #: The metrics hpc_ddp logs that measure the machine's pace, not the training.
 TIMED_METRICS = ("interval/samples_per_s", "interval/steps_per_s")
-#: What a resume on another number of ranks cannot carry over: each rank's own random
-#: streams (seeded anew) and the number of ranks itself.
-NOT_COMPARED_ACROSS_SIZES = ("rank.", "run.world_size", "run.resumed_from_world_size")
+#: What a resume on another number of ranks cannot carry over: each rank's own state (its
+#: random streams, seeded anew, and what it registered per rank) and the number of ranks.
+NOT_COMPARED_ACROSS_SIZES = ("rank.", "run.world_size")
 
 
 class Tolerance(NamedTuple):
@@ -98,11 +98,11 @@ def _same(first: Any, second: Any, tolerance: Tolerance | None = None) -> bool:
             return bool(((first == second) | (first.isnan() & second.isnan())).all())
         return torch.equal(first, second)
     if isinstance(first, float) and isinstance(second, float):
-        if math.isnan(first) and math.isnan(second):
+        if first == second or (math.isnan(first) and math.isnan(second)):
             return True
         if tolerance is not None:
             return abs(first - second) <= tolerance.atol + tolerance.rtol * abs(second)
-        return first == second
+        return False
     return bool(first == second)
 
 
@@ -126,9 +126,17 @@ def differences(
         if key not in straight or key not in resumed:
             shown = [_short(run[key]) if key in run else "(none)" for run in (straight, resumed)]
             found.append(Difference(key, *shown))
-        elif not _same(straight[key], resumed[key], tolerance):
+        elif not _same(straight[key], resumed[key], _tolerance_for(key, tolerance)):
             found.append(Difference(key, _short(straight[key]), _short(resumed[key])))
     return found
+
+
+def _tolerance_for(key: str, tolerance: Tolerance | None) -> Tolerance | None:
+    """None (exact) for what another order of summing cannot change: an optimizer's settings
+    and the metric counts (a sample lost or seen twice on the new ranks)."""
+    if _optimizer_setting(key) is not None or key.endswith(".count"):
+        return None
+    return tolerance
 
 
 def logged_after(run_dir: Path, step: int) -> dict[tuple[int, str], float | None]:
