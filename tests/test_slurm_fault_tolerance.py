@@ -325,6 +325,13 @@ def test_torchrun_on_two_nodes_restarts_when_one_node_loses_a_rank(
 def test_time_limit_signal_checkpoints_and_a_resubmission_resumes(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
+    """A 1-minute job stops with a checkpoint before its limit, is not requeued
+    (preempt.max_requeues=0), and a resubmission with its run id resumes from that step.
+
+    Slurm sends --signal=USR1@50 from a timer it checks about every 30 s, later on a busy
+    machine (once not at all before the limit): rank 0's own reading of the job's end
+    (preempt.stop_before_end, no extra margin: a stop at about 30 s left) stops the job too,
+    and whichever comes first stops it, so the verdict does not wait on Slurm's timer."""
     work = prepare_workdir(tmp_path)
     common = [
         "configs/synthetic.yaml",
@@ -342,6 +349,7 @@ def test_time_limit_signal_checkpoints_and_a_resubmission_resumes(
             *common,
             "train.epochs=100000",
             "preempt.max_requeues=0",
+            "preempt.end_margin_s=0",
             "train.log_interval=100",
         ],
         work,
