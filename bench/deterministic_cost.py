@@ -10,15 +10,13 @@ kernels and with ``run.deterministic=true``, tokens/s and the final weights' sha
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.gpu import gpu_or_refusal
-from bench.harness import REPO, median, write_result
+from bench.harness import lm_example_summary, median, write_result
 
 LM_ARGS = ["--epochs", "1", "--batch", "64", "--context", "256", "--width", "512",
            "--layers", "8", "--heads", "8", "--dropout", "0.1", "--train-bytes", "4000000",
@@ -28,20 +26,9 @@ MODES = {"default": "false", "deterministic": "true"}
 
 def lm_run(mode: str, run_id: str, output_dir: Path) -> dict[str, Any]:
     """One run of examples/lm/train.py on one local rank; its tokens/s and final weights."""
-    program = ["examples/lm/train.py", *LM_ARGS, f"run.output_dir={output_dir}",
-               f"run.id={run_id}", f"run.deterministic={MODES[mode]}", "tracking.enabled=false",
-               "checkpoint.enabled=false"]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "hpc_ddp", "local", "--nproc", "1", *program],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"examples/lm/train.py ({mode}) failed:\n{done.stderr[-3000:]}")
-    (summary_file,) = output_dir.glob(f"*/{run_id}/summary.json")
-    summary = json.loads(summary_file.read_text())
+    settings = [f"run.deterministic={MODES[mode]}", "tracking.enabled=false",
+                "checkpoint.enabled=false"]  # fmt: skip
+    summary = lm_example_summary([*LM_ARGS, *settings], run_id, output_dir)
     return {key: summary.get(key) for key in ("tokens_per_s", "weights_sha256", "val_loss",
                                                 "global_step", "device")}  # fmt: skip
 

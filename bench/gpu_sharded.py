@@ -15,14 +15,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from bench.gpu import gpu_or_refusal
-from bench.harness import REPO, launch, write_result
+from bench.harness import REPO, launch, lm_example_summary, write_result
 
 SIZES_MB = (256, 1024, 2048, 4096)
 #: Larger than the example's default, so that the GPU's work and not Python sets the pace.
@@ -34,20 +33,7 @@ LM_SETTINGS = ["checkpoint.every_steps=100", "checkpoint.save_mode=async", "trac
 def lm_run(strategy: str, output_dir: Path) -> dict[str, Any]:
     """One run of examples/lm/train.py on one local rank; the facts of its summary.json."""
     flags = ["--fsdp"] if strategy == "fsdp" else []
-    program = ["examples/lm/train.py", *LM_ARGS, *flags, f"run.output_dir={output_dir}",
-               f"run.id={strategy}", *LM_SETTINGS]  # fmt: skip
-    done = subprocess.run(
-        [sys.executable, "-m", "hpc_ddp", "local", "--nproc", "1", *program],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"examples/lm/train.py ({strategy}) failed:\n{done.stderr[-3000:]}")
-    # The example names its experiment: its runs are under output_dir/<experiment>/<run id>.
-    (summary_file,) = output_dir.glob(f"*/{strategy}/summary.json")
-    summary = json.loads(summary_file.read_text())
+    summary = lm_example_summary([*LM_ARGS, *flags, *LM_SETTINGS], strategy, output_dir)
     keys = ("device", "backend", "global_step", "val_loss", "tokens_per_s", "parameters",
             "gpu_peak_memory_gb")  # fmt: skip
     # The summary holds the last save's phases (its final save, at once); their sum is what

@@ -135,3 +135,18 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **result}, indent=2, sort_keys=True) + "\n")
     return path
+
+
+def lm_example_summary(program_args: list[str], run_id: str, output_dir: Path) -> dict[str, Any]:
+    """examples/lm/train.py with ``program_args`` (its options and dotted settings) on one
+    local rank as ``run_id`` under ``output_dir``: its summary.json."""
+    done = subprocess.run(
+        [sys.executable, "-m", "hpc_ddp", "local", "--nproc", "1", "examples/lm/train.py",
+         *program_args, f"run.output_dir={output_dir}", f"run.id={run_id}"],
+        cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"examples/lm/train.py ({run_id}) failed:\n{done.stderr[-3000:]}")
+    # The example names its experiment: its runs are under output_dir/<experiment>/<run id>.
+    (summary_file,) = output_dir.glob(f"*/{run_id}/summary.json")
+    return json.loads(summary_file.read_text())  # type: ignore[no-any-return]
