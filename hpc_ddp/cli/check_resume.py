@@ -130,17 +130,19 @@ def _check_folder(output_dir: str | None) -> Path:
 
 
 def _check_tolerance(args: argparse.Namespace) -> None:
-    given = [f"--{name} {value}" for name, value in (("rtol", args.rtol), ("atol", args.atol))
-             if value is not None]  # fmt: skip
+    given = {f"--{name}": value for name, value in (("rtol", args.rtol), ("atol", args.atol))
+             if value is not None}  # fmt: skip
     if given and args.world_size_change is None:
+        named = " and ".join(f"{option} {value}" for option, value in given.items())
         raise HpcDdpError(
-            f"{' and '.join(given)} without --world-size-change: a resume on the same ranks "
-            "is compared bitwise",
+            f"{named} without --world-size-change: a resume on the same ranks is compared bitwise",
             "add --world-size-change N, or leave the tolerance out",
         )
-    for text in given:
-        if not float(text.split()[1]) >= 0:  # negative, or NaN
-            raise HpcDdpError(f"{text} is not a tolerance", "give a number >= 0, e.g. 1e-4")
+    for option, value in given.items():
+        if not value >= 0:  # negative, or NaN
+            raise HpcDdpError(
+                f"{option} {value} is not a tolerance", "give a number >= 0, e.g. 1e-4"
+            )
 
 
 def check_resume(args: argparse.Namespace) -> int:
