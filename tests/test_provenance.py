@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
+from hpc_ddp.runtime.safefiles import read_records
+from hpc_ddp.runtime.tracking import provenance
 from hpc_ddp.runtime.tracking.provenance import (
     RECORD,
     AttemptCode,
-    check_code,
     environment_of,
     what_changed,
 )
@@ -42,6 +43,11 @@ def test_a_resume_names_every_difference_of_code_versions_and_packages() -> None
 def test_a_changed_resume_warns_or_is_refused_and_every_attempt_is_kept(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    def check_code(run_dir: Path, now: dict[str, Any], resumed: bool, on_change: str) -> Any:
+        return provenance.check_code(
+            run_dir, read_records(run_dir / RECORD, "python"), now, resumed, on_change
+        )
+
     edited = {**ATTEMPT, "git_dirty": True, "git_diff_sha256": "d" * 64}
     assert check_code(tmp_path, ATTEMPT, False, "refuse") is None  # a first attempt
     with caplog.at_level(logging.WARNING, logger="hpc_ddp"):

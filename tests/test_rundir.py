@@ -17,6 +17,7 @@ import pytest
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.place.rundir import check_plain_name
+from hpc_ddp.runtime.safefiles import folder_made
 from tests.helpers import REPO, Lines, clean_environ, run_local_program, start_program
 
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
@@ -46,6 +47,19 @@ def test_plain_names_pass_as_they_are() -> None:
         assert check_plain_name(name, "run.id") == name
     with pytest.raises(HpcDdpError, match="HINT: use letters, digits"):
         check_plain_name("a b", "run.name")
+
+
+def test_a_folder_that_cannot_be_made_is_named_with_why_and_the_hint(tmp_path: Path) -> None:
+    """The one way the commands make a folder a person named (--log-dir, --output-dir)."""
+    assert folder_made(tmp_path / "a" / "b", "the log folder", "pass another") == tmp_path / "a/b"
+    assert (tmp_path / "a" / "b").is_dir()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(HpcDdpError) as refused:
+        folder_made(tmp_path / "file" / "logs", "the job's log folder", "pass --log-dir ...")
+    assert str(refused.value) == (
+        f"cannot create the job's log folder {tmp_path / 'file' / 'logs'}: Not a directory\n"
+        "HINT: pass --log-dir ..."
+    )
 
 
 @pytest.mark.e2e

@@ -18,6 +18,7 @@ from typing import Any
 from hpc_ddp.cli.commands import local_words, program_arguments
 from hpc_ddp.launch.program import DEFAULT_CONFIG, Program
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
+from hpc_ddp.runtime.safefiles import folder_made
 
 #: The exit code of a check that found a difference (bad input exits 2).
 EXIT_DIFFERS = 1
@@ -119,14 +120,7 @@ def _check_folder(output_dir: str | None) -> Path:
             f"--output-dir {folder} holds the runs of an earlier check, which would be resumed",
             "pass a new folder, or remove that one",
         )
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise HpcDdpError(
-            f"cannot create --output-dir {folder}: {error.strerror}",
-            "pass a folder you can write",
-        ) from None
-    return folder
+    return folder_made(folder, "--output-dir", "pass a folder you can write")
 
 
 def _check_tolerance(args: argparse.Namespace) -> None:

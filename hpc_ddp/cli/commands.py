@@ -15,6 +15,7 @@ from hpc_ddp.cli.snapshot import snapshot_if_asked
 from hpc_ddp.launch.program import DEFAULT_CONFIG, Program, program_from
 from hpc_ddp.launch.shipped import find_config
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.safefiles import folder_made
 
 if TYPE_CHECKING:
     from hpc_ddp.launch.sbatch import RenderRequest
@@ -172,14 +173,10 @@ def render(args: argparse.Namespace) -> int:
     config = check_builtin(program)
     # Slurm opens the job's log before the script runs and never creates its folder: name it
     # absolutely and create it now, so the job can be submitted from anywhere.
-    log_dir = Path(args.log_dir).resolve()
-    try:
-        log_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise HpcDdpError(
-            f"cannot create the job's log folder {log_dir}: {error.strerror}",
-            "pass --log-dir with a folder you can write, e.g. --log-dir ~/logs",
-        ) from None
+    log_dir = folder_made(
+        Path(args.log_dir).resolve(), "the job's log folder",
+        "pass --log-dir with a folder you can write, e.g. --log-dir ~/logs",
+    )  # fmt: skip
     program = snapshot_if_asked(
         args.snapshot, program, log_dir / "snapshots",
         "pass --log-dir with a folder you can write (the snapshot goes into it)",

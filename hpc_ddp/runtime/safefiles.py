@@ -11,6 +11,8 @@ import secrets
 from pathlib import Path
 from typing import IO, Any
 
+from hpc_ddp.runtime.errors import HpcDdpError
+
 #: New files: the owner writes, others may read (less where the umask says less).
 FILE_MODE = 0o644
 #: New folders: the same for folders.
@@ -27,6 +29,16 @@ def make_dirs(path: Path) -> None:
     for folder in reversed(missing):
         with contextlib.suppress(FileExistsError):  # made meanwhile by another rank or run
             folder.mkdir(mode=DIR_MODE)
+
+
+def folder_made(folder: Path, what: str, hint: str) -> Path:
+    """``folder`` made with its parents (kept where it exists), or the error a person
+    reads: ``what`` the folder is to them, why it cannot be made, and ``hint``."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise HpcDdpError(f"cannot create {what} {folder}: {error.strerror}", hint) from None
+    return folder
 
 
 def create_temporary(directory: Path, prefix: str) -> tuple[Path, int]:

@@ -75,8 +75,9 @@ def saved_state(run_dir: Path) -> tuple[int, dict[str, Any]]:
             "leave checkpoint.enabled on",
         )
     folder = folders[0]
-    world_size = int(read_blobs(folder, ["run"])["run"]["world_size"])
-    blobs = read_blobs(folder, ["run", *(f"rank.{rank}" for rank in range(world_size))])
+    blobs = read_blobs(folder, ["run"])
+    world_size = int(blobs["run"]["world_size"])
+    blobs.update(read_blobs(folder, [f"rank.{rank}" for rank in range(world_size)]))
     state = dict(_flat(blobs, ""))
     names = {key.split(".")[1] for key in read_metadata(folder).state_dict_metadata
              if key.startswith("objects.")}  # fmt: skip

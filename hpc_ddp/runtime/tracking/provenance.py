@@ -209,11 +209,14 @@ def _changed_files(before: Mapping[str, Any], now: Mapping[str, Any]) -> str:
 
 
 def check_code(
-    run_dir: Path, now: Mapping[str, Any], resumed: bool, on_change: str
+    run_dir: Path,
+    earlier: Sequence[Mapping[str, Any]],
+    now: Mapping[str, Any],
+    resumed: bool,
+    on_change: str,
 ) -> HpcDdpError | None:
-    """Rank 0: compare this attempt with the one before when it resumes, and record it; the
-    refusal under ``run.on_code_change=refuse``."""
-    earlier = read_records(run_dir / RECORD, "python")
+    """Rank 0: compare this attempt with the one before (``earlier``: the attempts recorded
+    so far) when it resumes, and record it; the refusal under ``run.on_code_change=refuse``."""
     changes = what_changed(earlier[-1], now) if resumed and earlier else []
     if changes:
         message = (
@@ -250,10 +253,10 @@ def agree_on_code(
         code, diff = code_and_diff(running_script())
         record = {**code, **environment_of(),
                   "job": environ.get("SLURM_JOB_ID"), "at_unix": round(time.time(), 3)}  # fmt: skip
-        index = len(read_records(run_dir / RECORD, "python"))
-        refusal = check_code(run_dir, record, resumed, on_change)
+        earlier = read_records(run_dir / RECORD, "python")
+        refusal = check_code(run_dir, earlier, record, resumed, on_change)
         kept = diff if diff is not None and len(diff) <= MAX_DIFF_CHARS else None
-        attempt = AttemptCode(record, kept, index)
+        attempt = AttemptCode(record, kept, len(earlier))
     refusal = broadcast_object(refusal, group)
     if refusal is not None:
         raise refusal
