@@ -12,7 +12,7 @@ from tests.helpers import REPO
 
 PACKAGE = REPO / "hpc_ddp"
 #: The runtime's rooms in the order they may import each other ("" is the shared leaves).
-ROOMS = ["", "place", "checkpoint", "tracking", "preempt", "loop", "session"]
+ROOMS = ["", "place", "checkpoint", "tracking", "monitor", "preempt", "loop", "session"]
 
 
 def module_name(path: Path) -> str:

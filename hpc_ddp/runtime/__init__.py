@@ -7,6 +7,7 @@ in this list):
   ``DistEnv``, Slurm's notation, the launch plan, the device, the run directory.
 - ``checkpoint/``: what a checkpoint holds of the user's objects and the files on disk.
 - ``tracking/``: MLflow on rank 0, its background process, the run's own record and replay.
+- ``monitor/``: where the run's time goes (each rank's wait for data, per interval).
 - ``preempt/``: stop signals, the job's requeue, the stall watchdog.
 - ``loop/``: the step boundary as named parts: the loop that counts, the stopper that
   decides with the other ranks, the checkpointer that owns what a checkpoint holds, interval

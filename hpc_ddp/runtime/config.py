@@ -1,8 +1,8 @@
 """The runtime's settings: the sections every run has, whatever it trains.
 
 ``run`` (identity and output), ``dist`` (process group and devices), ``checkpoint``,
-``preempt`` (stop signals and requeue), ``tracking`` (MLflow) and ``checks`` (before the
-first step). :func:`hpc_ddp.start`
+``preempt`` (stop signals and requeue), ``tracking`` (MLflow), ``checks`` (before the
+first step) and ``monitor`` (where the time goes). :func:`hpc_ddp.start`
 takes them as keyword arguments, a YAML file and/or dotted overrides; the built-in
 trainer's config adds its own sections to these (:mod:`hpc_ddp.trainer.config`).
 """
@@ -381,6 +381,26 @@ class ChecksConfig:
 
 
 @dataclass(frozen=True)
+class MonitorConfig:
+    """Where the run's time goes, measured on every rank and said on rank 0."""
+
+    data_wait_percent: float = setting(
+        20.0,
+        "Share of the time (%) a rank may wait for its next batch: above it for several "
+        "log intervals in a row, rank 0 names the rank and the loader's settings once, with a "
+        "HINT (workers, pinned memory, prefetch). 100: never said.",
+    )
+
+    def __post_init__(self) -> None:
+        require(
+            0 < self.data_wait_percent <= 100,
+            "monitor.data_wait_percent",
+            self.data_wait_percent,
+            "above 0 and at most 100",
+        )
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     """The runtime sections of a run."""
 
@@ -390,6 +410,7 @@ class RuntimeConfig:
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
     preempt: PreemptConfig = section(PreemptConfig, "Preemption and requeue.")
     checks: ChecksConfig = section(ChecksConfig, "Checks before the first step.")
+    monitor: MonitorConfig = section(MonitorConfig, "Where the run's time goes.")
 
     def __post_init__(self) -> None:
         if self.preempt.stop_at_step is not None and not self.checkpoint.enabled:
@@ -408,6 +429,7 @@ Section = (
     | PreemptConfig
     | TrackingConfig
     | ChecksConfig
+    | MonitorConfig
 )
 
 

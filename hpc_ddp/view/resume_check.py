@@ -20,7 +20,12 @@ from hpc_ddp.runtime.tracking.journal import read_metrics
 #: What may differ between two runs that computed the same: times, ids, how they started.
 NOT_COMPARED = ("run.train_time_s", "run.mlflow_run_id", "run.restart_count", "run.finished")
 #: The metrics hpc_ddp logs that measure the machine's pace, not the training.
-TIMED_METRICS = ("interval/samples_per_s", "interval/steps_per_s")
+TIMED_METRICS = (
+    "interval/samples_per_s",
+    "interval/steps_per_s",
+    "interval/data_wait_percent",
+    "interval/data_wait_percent_max",
+)
 #: What a resume on another number of ranks cannot carry over: each rank's own state (its
 #: random streams, seeded anew, and what it registered per rank) and the number of ranks.
 NOT_COMPARED_ACROSS_SIZES = ("rank.", "run.world_size")

@@ -21,7 +21,7 @@ from hpc_ddp.runtime.tracking.journal import (
 )
 
 #: Interval metrics that describe speed, not the model.
-NOT_CURVES = {"samples_per_s", "steps_per_s", "lr"}
+NOT_CURVES = {"samples_per_s", "steps_per_s", "lr", "data_wait_percent", "data_wait_percent_max"}
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,18 @@ from hpc_ddp.runtime.logs import Progress, get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.metrics import PendingSums, Sum, Sums, restore_sums, saved_sums
 from hpc_ddp.runtime.loop.streams import batch_length
+from hpc_ddp.runtime.monitor.datawait import (
+    DataWait,
+    DataWaitAlarm,
+    data_wait_shares,
+    loader_settings,
+)
 from hpc_ddp.runtime.names import check_name
 
 #: Interval metrics the run logs itself (as interval/<name>).
-RESERVED_METRICS = frozenset({"lr", "samples_per_s", "steps_per_s"})
+RESERVED_METRICS = frozenset(
+    {"lr", "samples_per_s", "steps_per_s", "data_wait_percent", "data_wait_percent_max"}
+)
 
 
 def check_logged_name(name: object) -> None:
@@ -33,7 +41,8 @@ def check_logged_name(name: object) -> None:
 
 @dataclass(frozen=True)
 class IntervalReport:
-    """One log interval's metrics, summed across ranks in the background."""
+    """One log interval's metrics, summed across ranks in the background, followed by each
+    rank's seconds of waiting for data (a slot per rank)."""
 
     sums: PendingSums
     names: list[str]
@@ -60,6 +69,10 @@ class MetricLog:
         self._pending: IntervalReport | None = None
         self._checked_names: set[str] = set()
         self._non_finite_said: set[str] = set()
+        #: This rank's wait inside the loader's ``next`` (the loop times it).
+        self.data_wait = DataWait()
+        self._data_wait_alarm = DataWaitAlarm(context.config.monitor.data_wait_percent)
+        self._loader_settings = ""
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
         """A training metric's total over ``count`` items (see :meth:`hpc_ddp.Run.log`);
@@ -104,6 +117,12 @@ class MetricLog:
             )
         self.global_batch_size = size
 
+    def use_loader(self, loader: Any) -> None:
+        """The loader the next steps come from (its settings go into the data-wait HINT);
+        the wait counted before it (an epoch's partial interval) is dropped."""
+        self._loader_settings = loader_settings(loader)
+        self.data_wait.take()
+
     def _move_interval_to_epoch(self) -> tuple[list[str], torch.Tensor]:
         """The interval's metrics, packed, added to the epoch's (a collective: the names are
         compared across ranks)."""
@@ -115,14 +134,19 @@ class MetricLog:
         return names, local
 
     def close_interval(self, step: int, epoch: int, steps: int, seconds: float) -> None:
-        """Start summing this interval's metrics across ranks; publish the previous one's.
+        """Start summing this interval's metrics (and every rank's wait for data) across
+        ranks; publish the previous one's.
 
         The all-reduce runs in the background until the next log step, so no rank waits for
         the others here and a GPU is never synchronised; each interval's line and metrics
         appear one interval late, under their own step."""
         names, local = self._move_interval_to_epoch()
+        env = self.context.env
+        waits = torch.zeros(env.world_size, dtype=torch.float64)
+        waits[env.rank] = self.data_wait.take()
+        local = torch.cat([local, waits.to(local.device, non_blocking=True)])
         lr = self.context.current_lr()
-        report = IntervalReport(PendingSums(local.clone()), names, step, epoch, steps, seconds, lr)
+        report = IntervalReport(PendingSums(local), names, step, epoch, steps, seconds, lr)
         self.publish()
         self._pending = report
 
@@ -140,6 +164,12 @@ class MetricLog:
         self._say_non_finite({name: means[name] for name in counted}, report.step)
         steps_per_s = report.steps / max(1e-9, report.seconds)
         metrics = {f"interval/{name}": value for name, value in means.items()}
+        shares = data_wait_shares(values[2 * len(report.names) :], report.seconds)
+        metrics["interval/data_wait_percent"] = shares.mean_percent
+        metrics["interval/data_wait_percent_max"] = shares.worst_percent
+        said = self._data_wait_alarm.observe(shares, self._loader_settings)
+        if said is not None and self.context.env.is_main:
+            get_logger().warning(said)
         if self.global_batch_size:
             samples_per_s = steps_per_s * self.global_batch_size
             rate = f"{samples_per_s:,.0f} samples/s"

@@ -168,6 +168,7 @@ class StepLoop:
         self.metrics.progress.total_steps = self.limits.total_steps(loader.steps_per_epoch)
         left = self.limits.steps_left(position, loader.steps_per_epoch)
         loader.set_position(position.epoch, position.step_in_epoch)
+        self.metrics.use_loader(loader)
         started = time.perf_counter()
         self._interval, self._micro, self._stepping = (started, position.global_step), 0, True
         watchdog = self._watchdog
@@ -178,7 +179,7 @@ class StepLoop:
         try:
             batches = iter(loader) if left > 0 else iter(())
             while left > 0:
-                batch = next(batches, _END)
+                batch = self.metrics.data_wait.next_of(batches, _END)
                 if batch is _END:
                     ran_out = True
                     break

@@ -19,6 +19,7 @@ from hpc_ddp.runtime.config import (
     CheckpointConfig,
     ChecksConfig,
     DistConfig,
+    MonitorConfig,
     PreemptConfig,
     RunConfig,
     RuntimeConfig,
@@ -83,6 +84,7 @@ def start(
     preempt: Mapping[str, Any] | PreemptConfig | None = None,
     tracking: Mapping[str, Any] | TrackingConfig | None = None,
     checks: Mapping[str, Any] | ChecksConfig | None = None,
+    monitor: Mapping[str, Any] | MonitorConfig | None = None,
     params: Mapping[str, Any] | None = None,
     fingerprint: Mapping[str, Any] | None = None,
     log_interval: int | None = None,
@@ -99,8 +101,9 @@ def start(
     starts lazily on rank 0 only.
 
     Settings: ``config`` (a RuntimeConfig or a YAML file of the sections run, dist,
-    checkpoint, preempt, tracking, checks), then the sections as keyword arguments (a dict of keys,
-    or the section's dataclass), then dotted ``overrides`` such as ``checkpoint.every_steps=100``.
+    checkpoint, preempt, tracking, checks, monitor), then the sections as keyword arguments
+    (a dict of keys, or the section's dataclass), then dotted ``overrides`` such as
+    ``checkpoint.every_steps=100``.
     ``name``: the run's name (default ``run.name``, else the script's name). ``params``:
     your hyper-parameters, logged to MLflow. ``fingerprint``: values a resume must find
     unchanged. ``log_interval``: steps between interval metrics (default about 5 s).
@@ -113,7 +116,7 @@ def start(
     refuse_a_start_that_cannot_join(environment)
     log_interval = optional_whole_number(log_interval, "hpc_ddp.start(log_interval)")
     sections = {"run": run, "dist": dist, "checkpoint": checkpoint, "preempt": preempt,
-                "tracking": tracking, "checks": checks}  # fmt: skip
+                "tracking": tracking, "checks": checks, "monitor": monitor}  # fmt: skip
     settings = resolve_config(config, overrides, sections, environment)
     run_name = name or settings.run.name or default_run_name()
     log_interval = log_interval or settings.run.log_interval
