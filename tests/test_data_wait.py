@@ -60,14 +60,18 @@ def test_each_ranks_share_of_the_interval_and_the_rank_that_waited_most() -> Non
 def test_the_alarm_says_once_after_intervals_in_a_row_naming_rank_and_loader() -> None:
     alarm = DataWaitAlarm(20.0)
     slow, fast = DataWaitShares(40.0, 1, 75.0), DataWaitShares(5.0, 0, 8.0)
+    other = DataWaitShares(30.0, 0, 50.0)
     settings = "num_workers=0, pin_memory=False, prefetch_factor=None, persistent_workers=False"
-    heard = [alarm.observe(shares, settings) for shares in [slow, slow, fast, slow, slow]]
-    assert heard == [None] * 5, "a fast interval between slow ones starts the count again"
+    heard = [alarm.observe(shares, settings) for shares in [slow, slow, fast, slow, other]]
+    assert heard == [None] * 5, "a fast interval, or another rank, starts the count again"
+    heard = [alarm.observe(shares, settings) for shares in [slow, DataWaitShares(45.0, 1, 90.0)]]
+    assert heard == [None, None]
     said = alarm.observe(slow, settings)
     assert INTERVALS_BEFORE_SAYING == 3 and said is not None
     assert said.startswith(
-        "rank 1 waited for its data 75% of the time over the last 3 log intervals (all "
-        "ranks: 40%; monitor.data_wait_percent=20) (the loader has num_workers=0, "
+        "rank 1 waited for its data at least 75% of each of the last 3 log intervals (all "
+        "ranks, last interval: 40%; monitor.data_wait_percent=20) (rank 0's loader has "
+        "num_workers=0, "
     )
     assert "HINT: more DataLoader workers" in said
     assert [alarm.observe(slow, settings) for _ in range(5)] == [None] * 5, "said once"
@@ -139,9 +143,43 @@ def test_a_rank_whose_data_is_slow_is_named_once_with_the_loaders_settings(
     said = [line for line in result.stderr.splitlines() if "waited for its data" in line]
     assert len(said) == 1, result.stderr[-3000:]
     assert "rank 1 waited for its data" in said[0]
-    assert "(the loader has num_workers=0, pin_memory=False" in said[0]
+    assert "(rank 0's loader has num_workers=0, pin_memory=False" in said[0]
     [record] = tmp_path.glob("*/*/metrics.jsonl")
     rows = [json.loads(line) for line in record.read_text().splitlines()]
     worst = [row["metrics"]["interval/data_wait_percent_max"] for row in rows
              if "interval/data_wait_percent_max" in row.get("metrics", {})]  # fmt: skip
     assert len(worst) >= INTERVALS_BEFORE_SAYING and min(worst) > 20.0, rows
+
+
+def test_the_built_in_trainer_takes_the_monitor_section_and_a_resume_may_change_it() -> None:
+    from hpc_ddp.trainer.config import RESUME_SAFE_PREFIXES, load_config
+
+    config = load_config(None, ["monitor.data_wait_percent=50"])
+    assert config.runtime.monitor.data_wait_percent == 50.0
+    assert "monitor." in RESUME_SAFE_PREFIXES
+
+
+OWN_DATA_LOOP = """
+import torch
+import hpc_ddp
+
+run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False}, log_interval=2)
+model = run.wrap(torch.nn.Linear(4, 1))
+for _ in run.iterations(8):
+    model(torch.ones(2, 4)).sum().backward()
+    run.log("seen", 2.0, 2)
+run.finish()
+"""
+
+
+@pytest.mark.e2e
+def test_a_loop_that_loads_its_own_data_records_no_data_wait(tmp_path: Path) -> None:
+    """run.iterations hands out no batches, so a 0% wait would be a reading of nothing."""
+    script = tmp_path / "own_data.py"
+    script.write_text(OWN_DATA_LOOP)
+    result = run_local_program(1, ["--set", f"run.output_dir={tmp_path}", str(script)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    [record] = tmp_path.glob("*/*/metrics.jsonl")
+    keys = {key for line in record.read_text().splitlines()
+            for key in json.loads(line).get("metrics", {})}  # fmt: skip
+    assert "interval/seen" in keys and not {k for k in keys if "data_wait" in k}, keys

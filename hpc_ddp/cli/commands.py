@@ -299,7 +299,9 @@ def submit(args: argparse.Namespace) -> int:
 
 
 #: The sections of a script's own settings (the rest of its command line is its own).
-RUNTIME_SECTIONS = ("run.", "dist.", "checkpoint.", "preempt.", "tracking.", "checks.")
+RUNTIME_SECTIONS = (
+    "run.", "dist.", "checkpoint.", "preempt.", "tracking.", "checks.", "monitor."
+)  # fmt: skip
 
 
 def doctor(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from hpc_ddp.runtime.config import (
     CheckpointConfig,
     ChecksConfig,
     DistConfig,
+    MonitorConfig,
     PreemptConfig,
     RunConfig,
     RuntimeConfig,
@@ -210,6 +211,7 @@ class Config:
     checkpoint: CheckpointConfig = section(CheckpointConfig, "Checkpoints and resume.")
     preempt: PreemptConfig = section(PreemptConfig, "Preemption and requeue.")
     checks: ChecksConfig = section(ChecksConfig, "Checks before the first step.")
+    monitor: MonitorConfig = section(MonitorConfig, "Where the run's time goes.")
 
     @property
     def runtime(self) -> RuntimeConfig:
@@ -221,6 +223,7 @@ class Config:
             checkpoint=self.checkpoint,
             preempt=self.preempt,
             checks=self.checks,
+            monitor=self.monitor,
         )
 
     def trainer_sections(self) -> dict[str, Any]:
@@ -242,6 +245,7 @@ RESUME_SAFE_PREFIXES = (
     "checkpoint.",
     "preempt.",
     "checks.",
+    "monitor.",
     "run.output_dir",
     "run.id",
     "run.name",

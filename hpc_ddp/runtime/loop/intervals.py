@@ -14,7 +14,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import Progress, get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.metrics import PendingSums, Sum, Sums, restore_sums, saved_sums
-from hpc_ddp.runtime.loop.streams import batch_length
+from hpc_ddp.runtime.loop.streams import Ticks, batch_length
 from hpc_ddp.runtime.monitor.datawait import (
     DataWait,
     DataWaitAlarm,
@@ -51,6 +51,8 @@ class IntervalReport:
     steps: int
     seconds: float
     lr: float | None
+    #: False where the loop handed out no batches (run.iterations: the script loads its own).
+    data_timed: bool
 
 
 class MetricLog:
@@ -73,6 +75,7 @@ class MetricLog:
         self.data_wait = DataWait()
         self._data_wait_alarm = DataWaitAlarm(context.config.monitor.data_wait_percent)
         self._loader_settings = ""
+        self._data_timed = True
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
         """A training metric's total over ``count`` items (see :meth:`hpc_ddp.Run.log`);
@@ -121,6 +124,7 @@ class MetricLog:
         """The loader the next steps come from (its settings go into the data-wait HINT);
         the wait counted before it (an epoch's partial interval) is dropped."""
         self._loader_settings = loader_settings(loader)
+        self._data_timed = not isinstance(getattr(loader, "batches", None), Ticks)
         self.data_wait.take()
 
     def _move_interval_to_epoch(self) -> tuple[list[str], torch.Tensor]:
@@ -142,11 +146,16 @@ class MetricLog:
         appear one interval late, under their own step."""
         names, local = self._move_interval_to_epoch()
         env = self.context.env
-        waits = torch.zeros(env.world_size, dtype=torch.float64)
+        # Filled on the device, not copied from the host: on a GPU a copy from pageable
+        # memory may wait for the queued work. The cat is a new tensor, so the all-reduce
+        # never writes into the views the epoch's sums hold.
+        waits = torch.zeros(env.world_size, dtype=torch.float64, device=local.device)
         waits[env.rank] = self.data_wait.take()
-        local = torch.cat([local, waits.to(local.device, non_blocking=True)])
+        local = torch.cat([local, waits])
         lr = self.context.current_lr()
-        report = IntervalReport(PendingSums(local), names, step, epoch, steps, seconds, lr)
+        report = IntervalReport(
+            PendingSums(local), names, step, epoch, steps, seconds, lr, self._data_timed
+        )
         self.publish()
         self._pending = report
 
@@ -164,12 +173,13 @@ class MetricLog:
         self._say_non_finite({name: means[name] for name in counted}, report.step)
         steps_per_s = report.steps / max(1e-9, report.seconds)
         metrics = {f"interval/{name}": value for name, value in means.items()}
-        shares = data_wait_shares(values[2 * len(report.names) :], report.seconds)
-        metrics["interval/data_wait_percent"] = shares.mean_percent
-        metrics["interval/data_wait_percent_max"] = shares.worst_percent
-        said = self._data_wait_alarm.observe(shares, self._loader_settings)
-        if said is not None and self.context.env.is_main:
-            get_logger().warning(said)
+        if report.data_timed:
+            shares = data_wait_shares(values[2 * len(report.names) :], report.seconds)
+            metrics["interval/data_wait_percent"] = shares.mean_percent
+            metrics["interval/data_wait_percent_max"] = shares.worst_percent
+            said = self._data_wait_alarm.observe(shares, self._loader_settings)
+            if said is not None and self.context.env.is_main:
+                get_logger().warning(said)
         if self.global_batch_size:
             samples_per_s = steps_per_s * self.global_batch_size
             rate = f"{samples_per_s:,.0f} samples/s"

@@ -73,29 +73,37 @@ def loader_settings(loader: Any) -> str:
 
 
 class DataWaitAlarm:
-    """Says once, on rank 0, when a rank waited for data above ``threshold_percent`` of
-    :data:`INTERVALS_BEFORE_SAYING` intervals in a row."""
+    """Says once, on rank 0, when the same rank waited for data above ``threshold_percent``
+    of each of :data:`INTERVALS_BEFORE_SAYING` intervals in a row (the rank that waited most
+    in each)."""
 
     def __init__(self, threshold_percent: float) -> None:
         self.threshold_percent = threshold_percent
         self.said = False
+        self._rank = -1
         self._in_a_row = 0
+        self._least_percent = 100.0
 
     def observe(self, shares: DataWaitShares, loader: str) -> str | None:
-        """The warning line, the first time the waiting has lasted; else None."""
+        """The warning line, the first time one rank's waiting has lasted; else None.
+        ``loader``: rank 0's loader's settings (the ranks usually share one kind)."""
         if self.said or shares.worst_percent <= self.threshold_percent:
             self._in_a_row = 0
             return None
+        if self._in_a_row == 0 or shares.worst_rank != self._rank:
+            self._rank, self._in_a_row, self._least_percent = shares.worst_rank, 0, 100.0
         self._in_a_row += 1
+        self._least_percent = min(self._least_percent, shares.worst_percent)
         if self._in_a_row < INTERVALS_BEFORE_SAYING:
             return None
         self.said = True
-        settings = f" (the loader has {loader})" if loader else ""
+        settings = f" (rank 0's loader has {loader})" if loader else ""
         return (
-            f"rank {shares.worst_rank} waited for its data {shares.worst_percent:.0f}% of the "
-            f"time over the last {INTERVALS_BEFORE_SAYING} log intervals (all ranks: "
-            f"{shares.mean_percent:.0f}%; monitor.data_wait_percent={self.threshold_percent:g})"
-            f"{settings}: the GPUs idle while batches are made. HINT: more DataLoader workers "
+            f"rank {self._rank} waited for its data at least {self._least_percent:.0f}% of "
+            f"each of the last {INTERVALS_BEFORE_SAYING} log intervals (all ranks, last "
+            f"interval: {shares.mean_percent:.0f}%; monitor.data_wait_percent="
+            f"{self.threshold_percent:g}){settings}: every rank's step waits while its "
+            "batches are made. HINT: more DataLoader workers "
             "(num_workers, about the CPUs per rank), pin_memory=True, persistent_workers=True "
             "and a larger prefetch_factor; or make the batches cheaper (decode or augment ahead)"
         )
