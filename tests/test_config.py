@@ -108,6 +108,22 @@ def test_every_field_is_documented() -> None:
         assert hints[section.name].__doc__, f"section {section.name} lacks a docstring"
 
 
+def test_the_trainer_holds_every_runtime_section_and_hands_each_on_whole() -> None:
+    from hpc_ddp.runtime.config import RuntimeConfig
+    from hpc_ddp.runtime.configfile import section_names
+    from hpc_ddp.trainer.config import RESUME_SAFE_PREFIXES
+
+    config = load_config(None, ["monitor.data_wait_percent=35", "checks.enabled=false"])
+    runtime_sections = section_names(RuntimeConfig)
+    assert set(runtime_sections) <= set(section_names(Config))
+    for name in runtime_sections:
+        assert getattr(config.runtime, name) is getattr(config, name)
+    assert config.runtime.monitor.data_wait_percent == 35
+    # A resume may change how a run goes (every runtime section but run), never what it computes.
+    for name in runtime_sections:
+        assert (f"{name}." in RESUME_SAFE_PREFIXES) == (name != "run")
+
+
 def test_flatten_has_dotted_keys() -> None:
     flat = flatten(load_config(None))
     assert flat["train.epochs"] == 5 and flat["data.kind"] == "digits"

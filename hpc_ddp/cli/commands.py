@@ -298,22 +298,19 @@ def submit(args: argparse.Namespace) -> int:
     return 0
 
 
-#: The sections of a script's own settings (the rest of its command line is its own).
-RUNTIME_SECTIONS = (
-    "run.", "dist.", "checkpoint.", "preempt.", "tracking.", "checks.", "monitor."
-)  # fmt: skip
-
-
 def doctor(args: argparse.Namespace) -> int:
     from hpc_ddp.launch.doctor import diagnose, print_report
 
     json_dir = Path(args.json_dir) if args.json_dir else None
     first = args.overrides[0] if args.overrides else ""
     if first and "=" not in first and args.config is None:  # a script, not the built-in trainer
-        from hpc_ddp.runtime.config import resolve_config
+        from hpc_ddp.runtime import configfile
+        from hpc_ddp.runtime.config import RuntimeConfig, resolve_config
 
         Program("script", first).check()
-        settings = [a for a in args.overrides[1:] if "=" in a and a.startswith(RUNTIME_SECTIONS)]
+        # The runtime's sections are hpc_ddp's; the rest of the command line is the script's.
+        sections = tuple(f"{name}." for name in configfile.section_names(RuntimeConfig))
+        settings = [a for a in args.overrides[1:] if "=" in a and a.startswith(sections)]
         runtime = resolve_config(None, settings, {}, os.environ)
         return print_report(diagnose(runtime, os.environ, Path(first).stem), json_dir, os.environ)
     from hpc_ddp.trainer.config import load_config

@@ -217,13 +217,7 @@ class Config:
     def runtime(self) -> RuntimeConfig:
         """The sections the runtime library takes."""
         return RuntimeConfig(
-            run=self.run,
-            dist=self.dist,
-            tracking=self.tracking,
-            checkpoint=self.checkpoint,
-            preempt=self.preempt,
-            checks=self.checks,
-            monitor=self.monitor,
+            **{name: getattr(self, name) for name in configfile.section_names(RuntimeConfig)}
         )
 
     def trainer_sections(self) -> dict[str, Any]:
@@ -240,12 +234,8 @@ RESUME_SAFE_PREFIXES = (
     "train.epochs",
     "train.log_interval",
     "train.max_steps",
-    "tracking.",
-    "dist.",
-    "checkpoint.",
-    "preempt.",
-    "checks.",
-    "monitor.",
+    # Every runtime section but run: where and how a run goes, never what it computes.
+    *(f"{name}." for name in configfile.section_names(RuntimeConfig) if name != "run"),
     "run.output_dir",
     "run.id",
     "run.name",
