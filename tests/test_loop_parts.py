@@ -36,6 +36,7 @@ from hpc_ddp.runtime.loop.streams import (
     batch_length,
     no_samples,
 )
+from hpc_ddp.runtime.monitor.account import AttemptTimes
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.evaluation import EvalBatches, eval_loader
 from hpc_ddp.runtime.session.joining import resolve_launch
@@ -415,8 +416,8 @@ def test_an_evaluation_loader_is_laid_out_for_a_model_sharded_by_its_first_use()
                            device=None, same_count=same_count)  # fmt: skip
 
     sharded = [False]
-    later = EvalBatches(build, lambda: sharded[0])
-    never = EvalBatches(build, lambda: False)
+    later = EvalBatches(build, lambda: sharded[0], AttemptTimes())
+    never = EvalBatches(build, lambda: False, AttemptTimes())
     sharded[0] = True  # the model was sharded and registered after the loader was made
     assert [batch[0].tolist() for batch in later] == [[1.0], [3.0]], "as many as rank 0"
     assert len(later) == 2 and len(never) == 1

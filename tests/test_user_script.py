@@ -25,6 +25,8 @@ from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.runtime.loop.data import TrainLoader
 from hpc_ddp.runtime.loop.streams import move_to
+from hpc_ddp.runtime.monitor.account import PARTS
+from hpc_ddp.runtime.preempt.progress import read_attempts
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from hpc_ddp.view.plot import curves
 from hpc_ddp.view.runs import load_run
@@ -181,6 +183,34 @@ def test_stopped_mid_epoch_and_rerun_equals_uninterrupted_in_one_mlflow_run(
     train, _val = curves(tmp_path / "regression" / "interrupted")
     assert train["mse"][0] == [float(step) for step in range(5, 301, 5)]
     assert train["mse"][1] == [m.value for m in history]
+
+    # Where each attempt's time went: rank 0's record of both, the run's in the summary,
+    # `hpc-ddp runs` and MLflow.
+    stopped_attempt, resumed_attempt = read_attempts(tmp_path / "regression" / "interrupted")
+    assert [
+        (a["status"], a["from_step"], a["last_step"]) for a in (stopped_attempt, resumed_attempt)
+    ] == [
+        ("stopped", 0, stop_step),
+        ("finished", stop_step, 300),
+    ]
+    for attempt in (stopped_attempt, resumed_attempt):
+        account = attempt["account"]
+        parts = sum(account[f"{part}_s"] for part in PARTS)
+        assert parts == pytest.approx(account["allocation_s"], abs=0.01)
+        assert account["steps_s"] > 0 and account["checkpoint_s"] > 0, account
+        assert account["evaluation_s"] > 0, "each attempt evaluated (at 100; at 200 and 300)"
+        assert attempt["redone_steps"] == 0 and attempt["ranks"] == 2
+    assert stopped_attempt["account"]["resume_s"] == 0 < resumed_attempt["account"]["resume_s"]
+    total = actual["time_account"]
+    assert (total["attempts"], total["attempts_unaccounted"]) == (2, 0)
+    assert total["steps_s"] == pytest.approx(
+        stopped_attempt["account"]["steps_s"] + resumed_attempt["account"]["steps_s"], abs=0.002
+    )
+    assert total["goodput_percent"] == round(100 * total["steps_s"] / total["allocation_s"], 2)
+    assert finished.goodput == total["goodput_percent"]
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "goodput_percent")] == [
+        total["goodput_percent"]
+    ]
 
 
 @pytest.mark.e2e

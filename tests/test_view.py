@@ -63,11 +63,13 @@ def test_runs_lists_a_finished_run_with_its_step_and_newest_metrics(finished_run
         "STEP",
         "EPOCH",
         "ATTEMPTS",
+        "GOODPUT",
         "UPDATED",
         "TRAIN",
         "VAL",
     ]
-    assert row.split()[:5] == ["regression/first", "finished", "100", "2", "1"]
+    goodput = f"{summary['time_account']['goodput_percent']:.0f}%"
+    assert row.split()[:6] == ["regression/first", "finished", "100", "2", "1", goodput]
     assert f"val_mse={summary['val_mse']:.4g}" in row
 
 

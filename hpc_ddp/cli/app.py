@@ -233,13 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_check_resume_arguments(check, _at_least)
     _add_program_arguments(check)
 
-    runs = _command(commands, "runs", results.runs, "list runs: state, step, newest metrics")
+    runs = _command(
+        commands, "runs", results.runs, "list runs: state, step, goodput, newest metrics"
+    )
     runs.add_argument(
         "output_dir",
         nargs="?",
         default="runs",
         help="run.output_dir (runs); or one run (its directory, or NAME/ID under runs): its "
-        "line and each attempt's code and environment",
+        "line, each attempt's code and environment, and where each attempt's time went",
     )
     plot = _command(commands, "plot", results.plot, "write a PNG of a run's curves (matplotlib)")
     plot.add_argument("run", help="a run directory, or NAME/ID or ID as `hpc-ddp runs` shows")

@@ -25,6 +25,8 @@ TIMED_METRICS = (
     "interval/steps_per_s",
     "interval/data_wait_percent",
     "interval/data_wait_percent_max",
+    "goodput_percent",
+    "rank_hours",
 )
 #: What a resume on another number of ranks cannot carry over: each rank's own state (its
 #: random streams, seeded anew, and what it registered per rank) and the number of ranks.

@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.monitor.account import account_line, is_account, run_account
 from hpc_ddp.runtime.preempt.node_record import left_out_lines, node_failures
+from hpc_ddp.runtime.preempt.progress import read_attempts
 from hpc_ddp.runtime.safefiles import read_records
 from hpc_ddp.runtime.tracking.journal import (
     PROVENANCE_FILE,
@@ -21,7 +23,10 @@ from hpc_ddp.runtime.tracking.journal import (
 )
 
 #: Interval metrics that describe speed, not the model.
-NOT_CURVES = {"samples_per_s", "steps_per_s", "lr", "data_wait_percent", "data_wait_percent_max"}
+NOT_CURVES = {
+    "samples_per_s", "steps_per_s", "lr", "data_wait_percent", "data_wait_percent_max",
+    "goodput_percent", "rank_hours",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,10 @@ class RunView:
     left_out: tuple[str, ...] = ()
     #: Each attempt's code and environment, one line each (provenance.json).
     code: tuple[str, ...] = ()
+    #: Where each attempt's time went, one line each, and the run's (attempts.json).
+    time: tuple[str, ...] = ()
+    #: The productive steps' share of every attempt's allocation (%); None: no account.
+    goodput: float | None = None
 
 
 def is_validation(name: str) -> bool:
@@ -87,6 +96,8 @@ def load_run(path: Path) -> RunView | None:
     status = read_status(path)
     if status is None:
         return None
+    attempts = read_attempts(path)
+    accounted = any(is_account(attempt.get("account")) for attempt in attempts)
     updated = status.get("updated", 0.0)
     train: dict[str, float | None] = {}
     val: dict[str, float | None] = {}
@@ -108,6 +119,8 @@ def load_run(path: Path) -> RunView | None:
         val=val,
         left_out=tuple(left_out_lines(node_failures(path))),
         code=tuple(code_lines(read_records(path / PROVENANCE_FILE, "python"))),
+        time=tuple(time_lines(attempts, _state(status) == "running")),
+        goodput=run_account(attempts)["goodput_percent"] if accounted else None,
     )
 
 
@@ -136,9 +149,35 @@ def code_lines(attempts: Iterable[dict[str, Any]]) -> list[str]:
     return [code_line(number, attempt) for number, attempt in enumerate(attempts, 1)]
 
 
+def time_lines(attempts: list[dict[str, Any]], running: bool) -> list[str]:
+    """Where each attempt's time went, then the run's over all of them (``running``: the
+    last attempt has not ended); [] without an account (none kept, or a record from before
+    accounts were kept)."""
+    if not any(is_account(attempt.get("account")) for attempt in attempts):
+        return []
+    lines = []
+    for number, attempt in enumerate(attempts, 1):
+        account = attempt.get("account")
+        if is_account(account):
+            said = f"{attempt.get('status')} at step {attempt.get('last_step')}): "
+            said += account_line(account)
+        elif running and number == len(attempts):
+            said = "running)"
+        else:
+            said = "ended unseen): no account, killed before it could write one"
+        lines.append(f"attempt {number} ({said}")
+    total = run_account(attempts)
+    lines.append(
+        f"all attempts: {account_line(total)}, {total['rank_hours']:.3g} rank-hours, "
+        f"{total['queued_s']:.0f} s queued between attempts"
+    )
+    return lines
+
+
 def format_run(run: RunView, now: float | None = None) -> str:
-    """`hpc-ddp runs NAME/ID`: the run's line, its failed hosts, and each attempt's code."""
-    return "\n".join([format_runs([run], now), *(f"  {line}" for line in run.code)])
+    """`hpc-ddp runs NAME/ID`: the run's line, its failed hosts, each attempt's code and
+    where each attempt's time went."""
+    return "\n".join([format_runs([run], now), *(f"  {line}" for line in (*run.code, *run.time))])
 
 
 def find_runs(output_dir: Path, damaged: list[str] | None = None) -> list[RunView]:
@@ -203,7 +242,7 @@ def _age(seconds: float) -> str:
 def format_runs(runs: Iterable[RunView], now: float | None = None) -> str:
     """A table, one run per line; then the hosts each run left out, and why."""
     runs, now = list(runs), time.time() if now is None else now
-    header = ("RUN", "STATE", "STEP", "EPOCH", "ATTEMPTS", "UPDATED", "TRAIN", "VAL")
+    header = ("RUN", "STATE", "STEP", "EPOCH", "ATTEMPTS", "GOODPUT", "UPDATED", "TRAIN", "VAL")
     rows = [
         (
             f"{run.name}/{run.run_id}",
@@ -211,6 +250,7 @@ def format_runs(runs: Iterable[RunView], now: float | None = None) -> str:
             str(run.global_step),
             str(run.epoch),
             str(run.attempts),
+            "-" if run.goodput is None else f"{run.goodput:.0f}%",
             _age(max(0.0, now - run.updated)),
             _values(run.train),
             _values(run.val),

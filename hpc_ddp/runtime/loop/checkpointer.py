@@ -137,7 +137,7 @@ class Checkpointer:
             if reason not in _BACKGROUND_REASONS:
                 self.folders.wait()
             return
-        with self._unwatched():
+        with self._unwatched(), self.context.times.counting("checkpoint"):
             self._write(reason)
         position.last_checkpoint_step = position.global_step
         position.last_save_time = time.monotonic()
@@ -197,7 +197,8 @@ class Checkpointer:
         context = self.context
         resumed, streams_restored = None, False
         if found is not None:
-            resumed, streams_restored = self._load(found)
+            with context.times.counting("resume"):
+                resumed, streams_restored = self._load(found)
         if context.config.checkpoint.enabled:
             context.registry.check_loadable()
             if context.config.checks.enabled:

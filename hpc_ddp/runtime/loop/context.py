@@ -12,6 +12,7 @@ from torch import nn
 
 from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.config import RuntimeConfig
+from hpc_ddp.runtime.monitor.account import AttemptTimes
 from hpc_ddp.runtime.place.env import DistEnv
 from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.preempt.signals import StopSignals
@@ -43,6 +44,8 @@ class RunContext:
     values: dict[str, Any] = field(default_factory=dict)
     #: Models given to :meth:`hpc_ddp.Run.wrap` (their modules).
     wrapped: list[nn.Module] = field(default_factory=list)
+    #: This attempt's time in resumes, checkpoints, evaluation and steps.
+    times: AttemptTimes = field(default_factory=AttemptTimes)
 
     @property
     def env(self) -> DistEnv:

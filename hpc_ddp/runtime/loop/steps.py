@@ -169,7 +169,7 @@ class StepLoop:
         left = self.limits.steps_left(position, loader.steps_per_epoch)
         loader.set_position(position.epoch, position.step_in_epoch)
         self.metrics.use_loader(loader)
-        started = time.perf_counter()
+        started, paused = time.perf_counter(), self.context.times.paused_s
         self._interval, self._micro, self._stepping = (started, position.global_step), 0, True
         watchdog = self._watchdog
         if watchdog is not None:
@@ -200,7 +200,9 @@ class StepLoop:
                 watchdog.disarm(left_early(position.global_step, left, ran_out))
             if self.context.device.type == "cuda":
                 torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
-            position.train_time_s += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            position.train_time_s += elapsed
+            self.context.times.add_steps(elapsed, paused)
         if fresh_epoch and not yielded:
             raise no_step_refusal(loader, accum, position.epoch)
         self.metrics.progress.reach(position.global_step, final=True)

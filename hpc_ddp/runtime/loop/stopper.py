@@ -57,6 +57,10 @@ class Stopper:
         preempt = self.context.config.preempt
         if requeue_target(self.context.environ) and self.context.config.checkpoint.enabled:
             self._refuse_a_stalled_job()
+        elif self.context.env.is_main:  # on record for the run's time account only
+            job = requeue_target(self.context.environ)
+            record_attempt(self.context.run_dir, job, self.context.env.restart_count,
+                           self.position.resumed_from_step or 0)  # fmt: skip
         if self.context.env.is_main:
             write_handoff(self.context.environ, self.context.run_dir, preempt)
         job_end = job_end_for(self.context.environ, preempt) if self.context.env.is_main else None

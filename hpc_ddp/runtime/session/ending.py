@@ -9,8 +9,9 @@ import gc
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
+from typing import Any
 
 from hpc_ddp.runtime.errors import EXIT_FAILURE
 from hpc_ddp.runtime.exits import (
@@ -22,6 +23,7 @@ from hpc_ddp.runtime.exits import (
 )
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.position import Position
+from hpc_ddp.runtime.monitor.account import goodput_metrics
 from hpc_ddp.runtime.place.dist import shutdown_distributed
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.tracking.base import Tracker
@@ -40,14 +42,20 @@ class Ending:
         tracker: Tracker,
         close_loop: Callable[[bool], None],
         position: Position,
+        record_end: Callable[[str | None, int, int], Mapping[str, Any] | None],
     ) -> None:
         """``close_loop(wait)``: the loop's displays and stop agreement ended (waiting for
-        the agreement in flight only on a clean end); ``position``: the run's."""
+        the agreement in flight only on a clean end); ``position``: the run's;
+        ``record_end(status, last step, first step)``: the attempt's end put on record,
+        returning the run's time account (None where this rank keeps no record)."""
         self.signals = signals
         self.label = label
         self.tracker = tracker
         self.close_loop = close_loop
         self.position = position
+        self.record_end = record_end
+        #: The run's time account over its attempts, once this one has ended (rank 0).
+        self.account: Mapping[str, Any] | None = None
         self.done = False
 
     def __call__(self, status: str | None) -> None:
@@ -57,7 +65,13 @@ class Ending:
         clean = status in (None, "FINISHED")
         try:
             self.close_loop(clean)
+            position = self.position
+            self.account = self.record_end(
+                status, position.global_step, position.resumed_from_step or 0
+            )
             if status is not None:
+                if self.account is not None:
+                    self.tracker.log_metrics(goodput_metrics(self.account), position.global_step)
                 self.tracker.finish(status)
             # Training froze every object alive at its start (gc.freeze): let the collector
             # free them now, while the process group and torch are whole, not at exit.

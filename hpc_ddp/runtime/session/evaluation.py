@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.loop.data import DeviceBatches, loader_options, mixed_seed
 from hpc_ddp.runtime.loop.streams import no_samples
+from hpc_ddp.runtime.monitor.account import AttemptTimes
 
 
 class ShardedEvalSampler(Sampler[int]):
@@ -120,9 +121,12 @@ class EvalBatches:
     its own ``fully_shard`` and register it after making its loaders."""
 
     def __init__(
-        self, build: Callable[[bool], DeviceBatches], holds_shards: Callable[[], bool]
+        self,
+        build: Callable[[bool], DeviceBatches],
+        holds_shards: Callable[[], bool],
+        times: AttemptTimes,
     ) -> None:
-        self._build, self._holds_shards = build, holds_shards
+        self._build, self._holds_shards, self._times = build, holds_shards, times
         self._settled = holds_shards()  # sharded already: nothing left to choose
         self._batches = build(self._settled)  # bad options are refused here, at once
 
@@ -142,4 +146,5 @@ class EvalBatches:
         return len(self._chosen())
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._chosen())
+        with self._times.counting("evaluation"):  # the evaluation's steps as well
+            yield from self._chosen()

@@ -50,6 +50,8 @@ def finish_run(
     phases["close"] = time.perf_counter()
     ending("FINISHED")
     facts["ending_s"] = durations(phases, time.perf_counter())
+    if ending.account is not None:  # over every attempt, this one's end included
+        facts["time_account"] = dict(ending.account)
     # Known now even if MLflow was still starting when the summary was first written; its
     # status may have changed at the very end.
     facts["mlflow_run_id"] = context.tracker.run_id

@@ -153,7 +153,7 @@ class RankView:
                 **dataloader_options,
             )
 
-        return EvalBatches(build, self._holds_shards)
+        return EvalBatches(build, self._holds_shards, self._context.times)
 
     def _holds_shards(self) -> bool:
         """The run trains a sharded model: run.wrap shards, or a registered one is."""

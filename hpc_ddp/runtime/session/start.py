@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ from hpc_ddp.runtime.loop.timeline import mark, new_timeline
 from hpc_ddp.runtime.place.checking import check_before_training, record_checks
 from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.preempt.exclusion import answer_failed_checks
+from hpc_ddp.runtime.preempt.progress import end_attempt
+from hpc_ddp.runtime.preempt.requeue import requeue_target
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.ending import Ending, end_active_run, install_excepthook, watch
 from hpc_ddp.runtime.session.joining import (
@@ -176,7 +179,8 @@ def start(
             log_interval=log_interval,
         )
         loop = StepLoop(context, position)
-        ending = Ending(signals, str(plan.dist_env.rank), tracker, loop.close, position)
+        record_end = _attempt_record(context, timeline)
+        ending = Ending(signals, str(plan.dist_env.rank), tracker, loop.close, position, record_end)
         handle = Run(context, loop, ending, resume, started, timeline)
         torch.manual_seed(settings.run.seed)  # the same initial weights on every rank
         random.seed(settings.run.seed)
@@ -188,3 +192,18 @@ def start(
     watch(ending)
     mark(timeline, "started")
     return handle
+
+
+def _attempt_record(
+    context: RunContext, timeline: dict[str, float]
+) -> Callable[[str | None, int, int], Mapping[str, Any] | None]:
+    """How this attempt's end goes on record: rank 0 adds it to attempts.json; the other
+    ranks keep no record."""
+    env = context.env
+    if not env.is_main:
+        return lambda status, last_step, from_step: None
+    job = requeue_target(context.environ)
+    return functools.partial(
+        end_attempt, context.run_dir, job, env.restart_count, timeline, context.times,
+        env.world_size,
+    )  # fmt: skip

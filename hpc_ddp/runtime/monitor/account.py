@@ -1,0 +1,154 @@
+"""Where an attempt's time went, and the run's goodput over its attempts.
+
+Each attempt's allocation (from its process's start to its end) is split into start-up
+(imports, rendezvous, checks, building the model and data), the resume (loading the
+checkpoint), productive steps, steps computed again after a crash (an earlier attempt had
+taken them past its last checkpoint), checkpoint stalls, evaluation, and the rest (the
+script's own work outside ``run.steps``, and the end). Goodput is the productive steps'
+share of the allocation; over a run, of every attempt's allocation together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, TypeGuard
+
+#: The parts of an attempt, in the order its time passes.
+PARTS = ("startup", "resume", "steps", "redone", "checkpoint", "evaluation", "other")
+
+
+@dataclass
+class AttemptTimes:
+    """Seconds this rank spent in each part the run itself can see (the loop, the
+    checkpointer and the evaluation loaders add to it)."""
+
+    resume_s: float = 0.0
+    checkpoint_s: float = 0.0
+    evaluation_s: float = 0.0
+    #: Time inside ``run.steps`` without the checkpoints and evaluations made there.
+    steps_s: float = 0.0
+
+    @property
+    def paused_s(self) -> float:
+        """Checkpoint and evaluation time so far (the steps' own time leaves it out)."""
+        return self.checkpoint_s + self.evaluation_s
+
+    def add_steps(self, seconds: float, paused_before: float) -> None:
+        """``seconds`` inside ``run.steps`` as steps, less the checkpoints and evaluations
+        made there (:attr:`paused_s` was ``paused_before`` when they began)."""
+        self.steps_s += max(0.0, seconds - (self.paused_s - paused_before))
+
+    @contextmanager
+    def counting(
+        self,
+        part: Literal["resume", "checkpoint", "evaluation"],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> Iterator[None]:
+        """The time inside counted as ``part``."""
+        started = clock()
+        try:
+            yield
+        finally:
+            name = f"{part}_s"
+            setattr(self, name, getattr(self, name) + clock() - started)
+
+
+def redone_steps(earlier_last_step: int | None, from_step: int, last_step: int) -> int:
+    """Steps this attempt took again: the earlier attempt had passed ``from_step`` (the
+    checkpoint this one resumed from) and reached ``earlier_last_step`` before it ended."""
+    if earlier_last_step is None:
+        return 0
+    return max(0, min(earlier_last_step, last_step) - from_step)
+
+
+def attempt_account(
+    timeline: Mapping[str, float],
+    end_unix: float,
+    times: AttemptTimes,
+    steps_taken: int,
+    steps_redone: int,
+) -> dict[str, float]:
+    """One attempt's seconds per part (:data:`PARTS`, as ``<part>_s``), its allocation and
+    goodput (%). ``timeline``: the attempt's marks (process_start_unix or entry_unix, and
+    training_unix once it trained); ``steps_taken``: optimizer steps in this attempt, of
+    which ``steps_redone`` were taken before."""
+    start = timeline.get("process_start_unix", timeline.get("entry_unix", end_unix))
+    allocation = max(0.0, end_unix - start)
+    training = timeline.get("training_unix", end_unix)
+    redone = times.steps_s * steps_redone / steps_taken if steps_taken else 0.0
+    parts = {
+        "startup_s": max(0.0, training - start - times.resume_s),
+        "resume_s": times.resume_s,
+        "steps_s": times.steps_s - redone,
+        "redone_s": redone,
+        "checkpoint_s": times.checkpoint_s,
+        "evaluation_s": times.evaluation_s,
+    }
+    parts["other_s"] = max(0.0, allocation - sum(parts.values()))
+    return {
+        **{name: round(value, 3) for name, value in parts.items()},
+        "allocation_s": round(allocation, 3),
+        "goodput_percent": round(100.0 * parts["steps_s"] / allocation, 2) if allocation else 0.0,
+    }
+
+
+def is_account(value: object) -> TypeGuard[dict[str, Any]]:
+    """Whether ``value`` is an attempt's account as :func:`attempt_account` writes it (a
+    record edited by hand or cut short is passed over, never a reason to fail)."""
+    keys = (*(f"{part}_s" for part in PARTS), "allocation_s", "goodput_percent")
+    return isinstance(value, dict) and all(
+        isinstance(value.get(key), int | float) and not isinstance(value.get(key), bool)
+        for key in keys
+    )
+
+
+def run_account(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The run over its attempts (attempts.json's entries; an attempt killed before it could
+    say where its time went has no ``account`` and is only counted): each part's seconds
+    summed, the allocation, goodput, rank-hours charged (a GPU job's GPU-hours: one GPU a
+    rank) and the time waited in the queue between attempts."""
+    accounts = [
+        (attempt["account"], attempt.get("ranks", 1))
+        for attempt in attempts
+        if is_account(attempt.get("account")) and isinstance(attempt.get("ranks", 1), int)
+    ]
+    totals = {
+        key: round(sum(float(account[key]) for account, _ in accounts), 3)
+        for key in (*(f"{part}_s" for part in PARTS), "allocation_s")
+    }
+    allocation = totals["allocation_s"]
+    queued = 0.0
+    for earlier, later in itertools.pairwise(attempts):
+        if "end_unix" in earlier and "start_unix" in later:
+            queued += max(0.0, float(later["start_unix"]) - float(earlier["end_unix"]))
+    return {
+        **totals,
+        "goodput_percent": round(100.0 * totals["steps_s"] / allocation, 2) if allocation else 0.0,
+        "rank_hours": round(sum(float(a["allocation_s"]) * n for a, n in accounts) / 3600, 4),
+        "queued_s": round(queued, 3),
+        "attempts": len(attempts),
+        "attempts_unaccounted": len(attempts) - len(accounts),
+    }
+
+
+def goodput_metrics(account: Mapping[str, Any]) -> dict[str, float]:
+    """What the tracker records of a run's account at an attempt's end."""
+    return {
+        "goodput_percent": float(account["goodput_percent"]),
+        "rank_hours": float(account["rank_hours"]),
+    }
+
+
+def account_line(account: Mapping[str, Any]) -> str:
+    """An attempt's parts in one line: "41.2 s: startup 5.1, resume 0.3, ... goodput 73%"."""
+    parts = ", ".join(
+        f"{name} {float(account[f'{name}_s']):.1f}" for name in PARTS if f"{name}_s" in account
+    )
+    return (
+        f"{float(account['allocation_s']):.1f} s: {parts}; "
+        f"goodput {float(account['goodput_percent']):.0f}%"
+    )

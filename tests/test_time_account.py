@@ -1,0 +1,150 @@
+"""Where an attempt's time went and the run's goodput over its attempts: the arithmetic with
+given times and an injected clock, and attempts.json as rank 0 keeps it (no process is
+started here; test_user_script.py checks a real stopped and resumed run)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpc_ddp.runtime.monitor.account import (
+    AttemptTimes,
+    account_line,
+    attempt_account,
+    redone_steps,
+    run_account,
+)
+from hpc_ddp.runtime.preempt.progress import end_attempt, read_attempts, record_attempt
+from hpc_ddp.view.runs import time_lines
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_steps_time_leaves_out_the_checkpoints_and_evaluations_made_inside_them() -> None:
+    clock, times = Clock(), AttemptTimes()
+    with times.counting("resume", clock):
+        clock.now += 3.0
+    paused = times.paused_s
+    with times.counting("checkpoint", clock):  # a periodic save inside run.steps
+        clock.now += 2.0
+    with times.counting("evaluation", clock):  # an evaluation inside run.steps
+        clock.now += 1.5
+    times.add_steps(10.0, paused)
+    assert (times.resume_s, times.checkpoint_s, times.evaluation_s) == (3.0, 2.0, 1.5)
+    assert times.steps_s == pytest.approx(6.5)
+
+
+def test_an_attempts_parts_add_up_to_its_allocation_and_redone_steps_are_not_goodput() -> None:
+    timeline = {"process_start_unix": 1000.0, "entry_unix": 1003.0, "training_unix": 1012.0}
+    times = AttemptTimes(resume_s=2.0, checkpoint_s=4.0, evaluation_s=6.0, steps_s=60.0)
+    account = attempt_account(timeline, 1100.0, times, steps_taken=120, steps_redone=30)
+    assert account == {
+        "startup_s": 10.0,  # to the training mark, less the 2 s resume before it
+        "resume_s": 2.0,
+        "steps_s": 45.0,
+        "redone_s": 15.0,  # 30 of the 120 steps were taken before the crash
+        "checkpoint_s": 4.0,
+        "evaluation_s": 6.0,
+        "other_s": 18.0,
+        "allocation_s": 100.0,
+        "goodput_percent": 45.0,
+    }
+    assert account_line(account) == (
+        "100.0 s: startup 10.0, resume 2.0, steps 45.0, redone 15.0, checkpoint 4.0, "
+        "evaluation 6.0, other 18.0; goodput 45%"
+    )
+
+
+def test_an_attempt_that_never_trained_is_all_startup() -> None:
+    account = attempt_account({"entry_unix": 50.0}, 80.0, AttemptTimes(), 0, 0)
+    assert (account["startup_s"], account["allocation_s"], account["goodput_percent"]) == (
+        30.0,
+        30.0,
+        0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("earlier_last", "from_step", "last", "redone"),
+    [(None, 100, 300, 0), (130, 100, 300, 30), (100, 100, 300, 0), (500, 100, 300, 200)],
+)
+def test_steps_redone_are_those_an_earlier_attempt_took_past_the_checkpoint(
+    earlier_last: int | None, from_step: int, last: int, redone: int
+) -> None:
+    assert redone_steps(earlier_last, from_step, last) == redone
+
+
+def test_a_run_sums_its_attempts_counts_the_killed_one_and_the_wait_between() -> None:
+    part = {f"{name}_s": 0.0 for name in ("startup", "resume", "redone", "checkpoint")}
+    part["goodput_percent"] = 0.0  # not summed: the run's is worked out again
+    first = {**part, "steps_s": 30.0, "evaluation_s": 0.0, "other_s": 10.0, "allocation_s": 40.0}
+    second = {**part, "steps_s": 50.0, "evaluation_s": 5.0, "other_s": 5.0, "allocation_s": 60.0}
+    attempts: list[dict[str, Any]] = [
+        {"from_step": 0, "ranks": 4, "start_unix": 0.0, "end_unix": 40.0, "account": first},
+        {"from_step": 10, "start_unix": 100.0},  # killed: no end, no account
+        {"from_step": 10, "ranks": 2, "start_unix": 400.0, "end_unix": 460.0, "account": second},
+    ]
+    total = run_account(attempts)
+    assert total["allocation_s"] == 100.0 and total["steps_s"] == 80.0
+    assert total["goodput_percent"] == 80.0
+    assert total["rank_hours"] == pytest.approx((40 * 4 + 60 * 2) / 3600, abs=1e-4)
+    assert total["queued_s"] == 60.0, "only between an end and the next start that are known"
+    assert (total["attempts"], total["attempts_unaccounted"]) == (3, 1)
+    damaged = [{**attempts[0], "account": {**first, "steps_s": "a lot"}}, attempts[2]]
+    assert run_account(damaged)["allocation_s"] == 60.0, "a damaged account is passed over"
+
+
+def test_rank_0_adds_each_attempts_end_to_its_own_entry(tmp_path: Path) -> None:
+    times = AttemptTimes(steps_s=8.0)
+    timeline = {"process_start_unix": 1.0, "training_unix": 3.0}
+    record_attempt(tmp_path, None, 0, 0)
+    end_attempt(tmp_path, None, 0, timeline, times, 2, None, 130, 0)
+    record_attempt(tmp_path, None, 0, 120)  # outside a job every start is an attempt
+    total = end_attempt(tmp_path, None, 0, timeline, times, 2, "FINISHED", 300, 120)
+    first, second = read_attempts(tmp_path)
+    assert (first["status"], first["last_step"], first["redone_steps"]) == ("stopped", 130, 0)
+    assert (second["status"], second["from_step"], second["last_step"]) == ("finished", 120, 300)
+    assert second["redone_steps"] == 10, "steps 121..130 were taken before"
+    assert second["account"]["redone_s"] == pytest.approx(8.0 * 10 / 180, abs=1e-3)
+    assert total is not None and total["attempts"] == 2
+
+
+def test_an_attempt_that_ended_before_its_entry_leaves_the_earlier_one_alone(
+    tmp_path: Path,
+) -> None:
+    record_attempt(tmp_path, "7", 0, 0)
+    entries = read_attempts(tmp_path)
+    entries[0]["pid"] = os.getpid() + 1  # written by the process of an earlier attempt
+    (tmp_path / "attempts.json").write_text(json.dumps(entries))
+    assert end_attempt(tmp_path, "7", 0, {}, AttemptTimes(), 1, "FAILED", 0, 0) is None
+    assert "account" not in read_attempts(tmp_path)[0]
+
+
+def test_runs_shows_each_attempts_account_and_the_runs() -> None:
+    account = attempt_account({"process_start_unix": 0.0, "training_unix": 5.0}, 20.0,
+                              AttemptTimes(steps_s=10.0), 100, 0)  # fmt: skip
+    attempts: list[dict[str, Any]] = [
+        {"from_step": 0, "status": "stopped", "last_step": 100, "end_unix": 20.0,
+         "start_unix": 0.0, "ranks": 2, "account": account},
+        {"from_step": 100},
+    ]  # fmt: skip
+    assert time_lines(attempts, running=False) == [
+        "attempt 1 (stopped at step 100): 20.0 s: startup 5.0, resume 0.0, steps 10.0, "
+        "redone 0.0, checkpoint 0.0, evaluation 0.0, other 5.0; goodput 50%",
+        "attempt 2 (ended unseen): no account, killed before it could write one",
+        "all attempts: 20.0 s: startup 5.0, resume 0.0, steps 10.0, redone 0.0, checkpoint 0.0,"
+        " evaluation 0.0, other 5.0; goodput 50%, 0.0111 rank-hours, 0 s queued between "
+        "attempts",
+    ]
+    assert time_lines(attempts, running=True)[1] == "attempt 2 (running)"
+    assert time_lines([{"from_step": 0}], False) == [], "a record from before accounts were kept"
