@@ -150,6 +150,8 @@ def test_a_finished_run_started_again_is_left_as_it_was_and_more_epochs_continue
     assert after["global_step"] == 2 * before["global_step"]
     assert after["resumed_from_step"] == before["global_step"]
     assert math.isfinite(after["val_loss"]) and after["val_loss"] != before["val_loss"]
+    # The start that found the run finished trained nothing and is no attempt of its time.
+    assert (after["time_account"]["attempts"], before["time_account"]["attempts"]) == (2, 1)
 
 
 def test_a_file_system_without_locks_warns_and_runs(

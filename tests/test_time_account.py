@@ -4,21 +4,25 @@ started here; test_user_script.py checks a real stopped and resumed run)."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hpc_ddp.runtime.monitor.account import (
+    PARTS,
     AttemptTimes,
     account_line,
     attempt_account,
     redone_steps,
     run_account,
 )
-from hpc_ddp.runtime.preempt.progress import end_attempt, read_attempts, record_attempt
+from hpc_ddp.runtime.preempt.progress import (
+    end_attempt,
+    forget_attempt,
+    read_attempts,
+    record_attempt,
+)
 from hpc_ddp.view.runs import time_lines
 
 
@@ -47,6 +51,8 @@ def test_the_steps_time_leaves_out_the_checkpoints_and_evaluations_made_inside_t
 def test_an_attempts_parts_add_up_to_its_allocation_and_redone_steps_are_not_goodput() -> None:
     timeline = {"process_start_unix": 1000.0, "entry_unix": 1003.0, "training_unix": 1012.0}
     times = AttemptTimes(resume_s=2.0, checkpoint_s=4.0, evaluation_s=6.0, steps_s=60.0)
+    times.add_steps(60.0, 0.0)  # the first run.steps began after nothing was paused
+    times.steps_s = 60.0
     account = attempt_account(timeline, 1100.0, times, steps_taken=120, steps_redone=30)
     assert account == {
         "startup_s": 10.0,  # to the training mark, less the 2 s resume before it
@@ -107,10 +113,10 @@ def test_a_run_sums_its_attempts_counts_the_killed_one_and_the_wait_between() ->
 def test_rank_0_adds_each_attempts_end_to_its_own_entry(tmp_path: Path) -> None:
     times = AttemptTimes(steps_s=8.0)
     timeline = {"process_start_unix": 1.0, "training_unix": 3.0}
-    record_attempt(tmp_path, None, 0, 0)
-    end_attempt(tmp_path, None, 0, timeline, times, 2, None, 130, 0)
-    record_attempt(tmp_path, None, 0, 120)  # outside a job every start is an attempt
-    total = end_attempt(tmp_path, None, 0, timeline, times, 2, "FINISHED", 300, 120)
+    record_attempt(tmp_path, None, 0, 0, "first")
+    end_attempt(tmp_path, "first", timeline, times, 2, None, 130, 0)
+    record_attempt(tmp_path, None, 0, 120, "second")  # outside a job: each start an attempt
+    total = end_attempt(tmp_path, "second", timeline, times, 2, "FINISHED", 300, 120)
     first, second = read_attempts(tmp_path)
     assert (first["status"], first["last_step"], first["redone_steps"]) == ("stopped", 130, 0)
     assert (second["status"], second["from_step"], second["last_step"]) == ("finished", 120, 300)
@@ -119,15 +125,46 @@ def test_rank_0_adds_each_attempts_end_to_its_own_entry(tmp_path: Path) -> None:
     assert total is not None and total["attempts"] == 2
 
 
+def test_a_torchrun_restart_in_the_allocation_keeps_the_crashed_attempts_account(
+    tmp_path: Path,
+) -> None:
+    """Under Slurm's torchrun template a crash restarts the ranks in the same job and
+    SLURM_RESTART_COUNT: the no-progress count sees one attempt, the account both."""
+    timeline = {"process_start_unix": 0.0, "training_unix": 2.0}
+    assert len(record_attempt(tmp_path, "7", 0, 100, "crashed")) == 1
+    end_attempt(tmp_path, "crashed", timeline, AttemptTimes(steps_s=5.0), 4, "FAILED", 130, 100)
+    counted = record_attempt(tmp_path, "7", 0, 100, "restarted")
+    assert [(a["restart_count"], a["attempt"]) for a in counted] == [(0, "restarted")]
+    end_attempt(tmp_path, "restarted", timeline, AttemptTimes(steps_s=20.0), 4, "FINISHED",
+                300, 100)  # fmt: skip
+    crashed, restarted = read_attempts(tmp_path)
+    assert (crashed["status"], crashed["last_step"]) == ("failed", 130)
+    assert restarted["redone_steps"] == 30, "101..130 again after the crash"
+
+
 def test_an_attempt_that_ended_before_its_entry_leaves_the_earlier_one_alone(
     tmp_path: Path,
 ) -> None:
-    record_attempt(tmp_path, "7", 0, 0)
-    entries = read_attempts(tmp_path)
-    entries[0]["pid"] = os.getpid() + 1  # written by the process of an earlier attempt
-    (tmp_path / "attempts.json").write_text(json.dumps(entries))
-    assert end_attempt(tmp_path, "7", 0, {}, AttemptTimes(), 1, "FAILED", 0, 0) is None
+    record_attempt(tmp_path, None, 0, 0, "earlier")
+    assert end_attempt(tmp_path, "later", {}, AttemptTimes(), 1, "FAILED", 0, 0) is None
     assert "account" not in read_attempts(tmp_path)[0]
+    forget_attempt(tmp_path, "later")
+    assert len(read_attempts(tmp_path)) == 1
+    forget_attempt(tmp_path, "earlier")  # it found the run finished: no attempt at all
+    assert read_attempts(tmp_path) == []
+
+
+def test_a_span_inside_another_counts_once_and_startup_leaves_out_work_before_training() -> None:
+    clock, times = Clock(), AttemptTimes()
+    with times.counting("evaluation", clock), times.counting("evaluation", clock):
+        clock.now += 2.0  # two evaluation loaders zipped
+    with times.counting("evaluation", clock), times.counting("checkpoint", clock):
+        clock.now += 1.0  # a save made while evaluating
+    assert (times.evaluation_s, times.checkpoint_s) == (3.0, 0.0)
+    times.add_steps(10.0, times.paused_s)  # the first run.steps: all of it steps
+    account = attempt_account({"entry_unix": 0.0, "training_unix": 5.0}, 20.0, times, 10, 0)
+    assert account["startup_s"] == 2.0, "the 3 s evaluated before training are not startup"
+    assert sum(account[f"{part}_s"] for part in PARTS) == account["allocation_s"] == 20.0
 
 
 def test_runs_shows_each_attempts_account_and_the_runs() -> None:

@@ -135,7 +135,8 @@ class Checkpointer:
             return
         if position.last_checkpoint_step == position.global_step:
             if reason not in _BACKGROUND_REASONS:
-                self.folders.wait()
+                with self.context.times.counting("checkpoint"):  # an async save's end
+                    self.folders.wait()
             return
         with self._unwatched(), self.context.times.counting("checkpoint"):
             self._write(reason)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,8 @@ class RunContext:
     wrapped: list[nn.Module] = field(default_factory=list)
     #: This attempt's time in resumes, checkpoints, evaluation and steps.
     times: AttemptTimes = field(default_factory=AttemptTimes)
+    #: Names this attempt's entry in the run's attempts.json.
+    attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def env(self) -> DistEnv:

@@ -58,9 +58,10 @@ class Stopper:
         if requeue_target(self.context.environ) and self.context.config.checkpoint.enabled:
             self._refuse_a_stalled_job()
         elif self.context.env.is_main:  # on record for the run's time account only
-            job = requeue_target(self.context.environ)
-            record_attempt(self.context.run_dir, job, self.context.env.restart_count,
-                           self.position.resumed_from_step or 0)  # fmt: skip
+            context, job = self.context, requeue_target(self.context.environ)
+            from_step = self.position.resumed_from_step or 0
+            record_attempt(context.run_dir, job, context.env.restart_count, from_step,
+                           context.attempt_id)  # fmt: skip
         if self.context.env.is_main:
             write_handoff(self.context.environ, self.context.run_dir, preempt)
         job_end = job_end_for(self.context.environ, preempt) if self.context.env.is_main else None
@@ -87,7 +88,8 @@ class Stopper:
         if context.env.is_main:
             start_step = self.position.resumed_from_step or 0
             job = requeue_target(context.environ)
-            attempts = record_attempt(context.run_dir, job, context.env.restart_count, start_step)
+            attempts = record_attempt(context.run_dir, job, context.env.restart_count, start_step,
+                                      context.attempt_id)  # fmt: skip
             limit = context.config.preempt.max_attempts_without_progress
             refusal = no_progress_refusal(attempts, limit)
         refusal = broadcast_object(refusal, context.control_group)

@@ -14,7 +14,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
 #: The parts of an attempt, in the order its time passes.
@@ -31,6 +31,11 @@ class AttemptTimes:
     evaluation_s: float = 0.0
     #: Time inside ``run.steps`` without the checkpoints and evaluations made there.
     steps_s: float = 0.0
+    #: Checkpoint and evaluation time before the first ``run.steps`` (None: not yet).
+    paused_before_training_s: float | None = None
+    #: Spans being counted now: only the outermost counts (an evaluation that saves, two
+    #: evaluation loaders zipped), so no second counts twice.
+    _open: int = field(default=0, init=False, repr=False)
 
     @property
     def paused_s(self) -> float:
@@ -40,6 +45,8 @@ class AttemptTimes:
     def add_steps(self, seconds: float, paused_before: float) -> None:
         """``seconds`` inside ``run.steps`` as steps, less the checkpoints and evaluations
         made there (:attr:`paused_s` was ``paused_before`` when they began)."""
+        if self.paused_before_training_s is None:
+            self.paused_before_training_s = paused_before
         self.steps_s += max(0.0, seconds - (self.paused_s - paused_before))
 
     @contextmanager
@@ -48,13 +55,16 @@ class AttemptTimes:
         part: Literal["resume", "checkpoint", "evaluation"],
         clock: Callable[[], float] = time.perf_counter,
     ) -> Iterator[None]:
-        """The time inside counted as ``part``."""
-        started = clock()
+        """The time inside counted as ``part``, unless it is inside another span."""
+        started, outermost = clock(), self._open == 0
+        self._open += 1
         try:
             yield
         finally:
-            name = f"{part}_s"
-            setattr(self, name, getattr(self, name) + clock() - started)
+            self._open -= 1
+            if outermost:
+                name = f"{part}_s"
+                setattr(self, name, getattr(self, name) + clock() - started)
 
 
 def redone_steps(earlier_last_step: int | None, from_step: int, last_step: int) -> int:
@@ -80,8 +90,10 @@ def attempt_account(
     allocation = max(0.0, end_unix - start)
     training = timeline.get("training_unix", end_unix)
     redone = times.steps_s * steps_redone / steps_taken if steps_taken else 0.0
+    before_training = times.paused_before_training_s
+    paused_before = times.paused_s if before_training is None else before_training
     parts = {
-        "startup_s": max(0.0, training - start - times.resume_s),
+        "startup_s": max(0.0, training - start - times.resume_s - paused_before),
         "resume_s": times.resume_s,
         "steps_s": times.steps_s - redone,
         "redone_s": redone,
@@ -100,10 +112,12 @@ def is_account(value: object) -> TypeGuard[dict[str, Any]]:
     """Whether ``value`` is an attempt's account as :func:`attempt_account` writes it (a
     record edited by hand or cut short is passed over, never a reason to fail)."""
     keys = (*(f"{part}_s" for part in PARTS), "allocation_s", "goodput_percent")
-    return isinstance(value, dict) and all(
-        isinstance(value.get(key), int | float) and not isinstance(value.get(key), bool)
-        for key in keys
-    )
+    return isinstance(value, dict) and all(is_number(value.get(key)) for key in keys)
+
+
+def is_number(value: object) -> TypeGuard[int | float]:
+    """A JSON number (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def run_account(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -114,7 +128,7 @@ def run_account(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     accounts = [
         (attempt["account"], attempt.get("ranks", 1))
         for attempt in attempts
-        if is_account(attempt.get("account")) and isinstance(attempt.get("ranks", 1), int)
+        if is_account(attempt.get("account")) and is_number(attempt.get("ranks", 1))
     ]
     totals = {
         key: round(sum(float(account[key]) for account, _ in accounts), 3)
@@ -123,12 +137,15 @@ def run_account(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     allocation = totals["allocation_s"]
     queued = 0.0
     for earlier, later in itertools.pairwise(attempts):
-        if "end_unix" in earlier and "start_unix" in later:
-            queued += max(0.0, float(later["start_unix"]) - float(earlier["end_unix"]))
+        ended, began = earlier.get("end_unix"), later.get("start_unix")
+        if is_number(ended) and is_number(began):
+            queued += max(0.0, float(began) - float(ended))
     return {
         **totals,
         "goodput_percent": round(100.0 * totals["steps_s"] / allocation, 2) if allocation else 0.0,
-        "rank_hours": round(sum(float(a["allocation_s"]) * n for a, n in accounts) / 3600, 4),
+        "rank_hours": round(
+            sum(float(a["allocation_s"]) * float(n) for a, n in accounts) / 3600, 4
+        ),
         "queued_s": round(queued, 3),
         "attempts": len(attempts),
         "attempts_unaccounted": len(attempts) - len(accounts),

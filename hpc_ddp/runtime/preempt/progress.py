@@ -1,4 +1,4 @@
-"""The attempts of a requeued job and the step each resumed from (``attempts.json`` in the run
+"""The attempts of a run and the step each resumed from (``attempts.json`` in the run
 directory, rank 0's): attempts that end without moving the checkpoint forward (preempted or
 killed before their first save) are counted, and past
 ``preempt.max_attempts_without_progress`` in a row the job ends instead of training again.
@@ -8,7 +8,6 @@ Each attempt that ends with a chance to say so adds how it ended and where its t
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -27,26 +26,30 @@ RECORD = "attempts.json"
 
 
 def record_attempt(
-    run_dir: Path, job: str | None, restart_count: int, from_step: int
+    run_dir: Path,
+    job: str | None,
+    restart_count: int,
+    from_step: int,
+    attempt_id: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Add this attempt of ``job`` (``restart_count``, resumed ``from_step``) to the record
-    and return ``job``'s attempts (a run resubmitted with its run.id is another job); an
-    attempt torchrun restarted in its allocation replaces its entry. A record that cannot
-    be written is left as it was (the count is then this attempt's alone). Outside a
-    requeueable job (``job`` None) each start adds an entry."""
+    """Add this attempt of ``job`` (``restart_count``, resumed ``from_step``; ``attempt_id``
+    names its entry for :func:`end_attempt`) to the record and return ``job``'s attempts
+    (a run resubmitted with its run.id is another job), an attempt torchrun restarted in
+    its allocation counted once: the last of its entries. A record that cannot be written
+    is left as it was (the count is then this attempt's alone)."""
     attempts = read_records(run_dir / RECORD, "from_step")
-    entry = {"job": job, "restart_count": restart_count, "from_step": from_step, "pid": os.getpid()}
-    last = attempts[-1] if attempts else {}
-    # Outside a job (job None) every start is an attempt of its own.
-    if job is not None and (last.get("job"), last.get("restart_count")) == (job, restart_count):
-        attempts[-1] = entry
-    else:
-        attempts.append(entry)
+    entry = {"job": job, "restart_count": restart_count, "from_step": from_step}
+    attempts.append({**entry, "attempt": attempt_id} if attempt_id else entry)
     try:
         write_records(run_dir / RECORD, attempts)
     except OSError:
         return [entry]
-    return [attempt for attempt in attempts if attempt.get("job") == job]
+    of_job = [attempt for attempt in attempts if attempt.get("job") == job]
+    return [
+        attempt
+        for attempt, later in zip(of_job, [*of_job[1:], {}], strict=True)
+        if attempt.get("restart_count") != later.get("restart_count")
+    ]
 
 
 def attempts_without_progress(attempts: Sequence[Mapping[str, Any]]) -> int:
@@ -85,8 +88,7 @@ def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
 
 def end_attempt(
     run_dir: Path,
-    job: str | None,
-    restart_count: int,
+    attempt_id: str,
     timeline: Mapping[str, float],
     times: AttemptTimes,
     ranks: int,
@@ -94,18 +96,22 @@ def end_attempt(
     last_step: int,
     from_step: int,
 ) -> dict[str, Any] | None:
-    """Add to this attempt's entry how it ended (``status``: None for an agreed stop), the
-    step it reached and where its time went; return the run's account over its attempts.
-    An attempt that ended before its first step has no entry and adds none (None); a
-    record that cannot be written is left as it was."""
+    """Add to this attempt's entry (the one :func:`record_attempt` wrote under
+    ``attempt_id``) how it ended (``status``: None for an agreed stop), the step it reached
+    and where its time went; return the run's account over its attempts. An attempt that
+    ended before its first step has no entry and adds none (None); a record that cannot be
+    written is left as it was."""
     attempts = read_attempts(run_dir)
-    this_attempt = {"job": job, "restart_count": restart_count, "pid": os.getpid()}
-    if not attempts or any(attempts[-1].get(key) != value for key, value in this_attempt.items()):
+    found = [
+        index for index, attempt in enumerate(attempts) if attempt.get("attempt") == attempt_id
+    ]
+    if not found:
         return None
-    earlier = attempts[-2].get("last_step") if len(attempts) > 1 else None
+    index = found[-1]
+    earlier = attempts[index - 1].get("last_step") if index > 0 else None
     redone = redone_steps(earlier if isinstance(earlier, int) else None, from_step, last_step)
     end_unix = time.time()
-    attempts[-1].update(
+    attempts[index].update(
         status=(status or "stopped").lower(),
         start_unix=timeline.get("process_start_unix", timeline.get("entry_unix")),
         end_unix=end_unix,
@@ -117,3 +123,12 @@ def end_attempt(
     with contextlib.suppress(OSError):
         write_records(run_dir / RECORD, attempts)
     return run_account(attempts)
+
+
+def forget_attempt(run_dir: Path, attempt_id: str) -> None:
+    """Take this attempt's entry out again: it found the run finished and did nothing."""
+    attempts = read_attempts(run_dir)
+    kept = [attempt for attempt in attempts if attempt.get("attempt") != attempt_id]
+    if len(kept) != len(attempts):
+        with contextlib.suppress(OSError):
+            write_records(run_dir / RECORD, kept)

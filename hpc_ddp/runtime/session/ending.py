@@ -65,13 +65,12 @@ class Ending:
         clean = status in (None, "FINISHED")
         try:
             self.close_loop(clean)
-            position = self.position
-            self.account = self.record_end(
-                status, position.global_step, position.resumed_from_step or 0
-            )
+            self.account = self._recorded(status)
             if status is not None:
                 if self.account is not None:
-                    self.tracker.log_metrics(goodput_metrics(self.account), position.global_step)
+                    self.tracker.log_metrics(
+                        goodput_metrics(self.account), self.position.global_step
+                    )
                 self.tracker.finish(status)
             # Training froze every object alive at its start (gc.freeze): let the collector
             # free them now, while the process group and torch are whole, not at exit.
@@ -86,6 +85,19 @@ class Ending:
                 # returned, and need the GIL for that: give it to them now, or they may ask for
                 # it while the interpreter finalizes, which aborts the process.
                 time.sleep(WORKER_RELEASE_S)
+
+    def _recorded(self, status: str | None) -> Mapping[str, Any] | None:
+        """The attempt's end on record; the run's account, or None. A record that cannot be
+        kept costs one warning, never the end itself."""
+        position = self.position
+        try:
+            return self.record_end(status, position.global_step, position.resumed_from_step or 0)
+        except Exception as error:  # a damaged attempts.json: the run still ends whole
+            get_logger().warning(
+                f"the attempt's time account was not recorded ({type(error).__name__}: {error})"
+                ". HINT: attempts.json in the run directory may be damaged; remove it"
+            )
+            return None
 
 
 _ACTIVE: list[Ending] = []

@@ -13,6 +13,7 @@ from hpc_ddp.runtime.errors import AlreadyFinished
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.timeline import durations, process_resources, rank_spread
+from hpc_ddp.runtime.preempt.progress import forget_attempt
 from hpc_ddp.runtime.session.ending import Ending
 from hpc_ddp.runtime.session.summary import run_facts, write_summary
 from hpc_ddp.runtime.tracking.journal import JournalTracker
@@ -84,6 +85,7 @@ def _write_summary(context: RunContext, facts: dict[str, Any]) -> Path | None:
 def end_already_finished(context: RunContext, ending: Ending, resumed: Resumed) -> NoReturn:
     """The run finished before and nothing is left to train: leave its files alone."""
     if context.env.is_main:
+        forget_attempt(context.run_dir, context.attempt_id)
         if isinstance(context.tracker, JournalTracker):
             context.tracker.restore_previous()
         get_logger().warning(

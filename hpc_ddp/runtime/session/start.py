@@ -37,7 +37,6 @@ from hpc_ddp.runtime.place.checking import check_before_training, record_checks
 from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.preempt.exclusion import answer_failed_checks
 from hpc_ddp.runtime.preempt.progress import end_attempt
-from hpc_ddp.runtime.preempt.requeue import requeue_target
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.ending import Ending, end_active_run, install_excepthook, watch
 from hpc_ddp.runtime.session.joining import (
@@ -202,8 +201,7 @@ def _attempt_record(
     env = context.env
     if not env.is_main:
         return lambda status, last_step, from_step: None
-    job = requeue_target(context.environ)
     return functools.partial(
-        end_attempt, context.run_dir, job, env.restart_count, timeline, context.times,
+        end_attempt, context.run_dir, context.attempt_id, timeline, context.times,
         env.world_size,
     )  # fmt: skip
