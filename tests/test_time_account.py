@@ -185,3 +185,30 @@ def test_runs_shows_each_attempts_account_and_the_runs() -> None:
     ]
     assert time_lines(attempts, running=True)[1] == "attempt 2 (running)"
     assert time_lines([{"from_step": 0}], False) == [], "a record from before accounts were kept"
+
+
+def test_a_record_that_cannot_be_kept_costs_one_warning_and_the_run_still_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from hpc_ddp.runtime.loop.position import Position
+    from hpc_ddp.runtime.preempt.signals import StopSignals
+    from hpc_ddp.runtime.session.ending import Ending
+    from hpc_ddp.runtime.tracking.base import NullTracker
+
+    finished: list[str] = []
+
+    class Tracker(NullTracker):
+        def finish(self, status: str) -> None:
+            finished.append(status)
+
+    def damaged(status: str | None, last_step: int, from_step: int) -> None:
+        raise ValueError("could not convert string to float: 'soon'")
+
+    tracker = Tracker()
+    ending = Ending(StopSignals("USR1"), "0", tracker, lambda wait: None, Position(), damaged)
+    ending("FAILED")
+    assert finished == ["FAILED"], "MLflow still hears how the run ended"
+    assert ending.account is None
+    assert "the attempt's time account was not recorded (ValueError: could not convert" in (
+        caplog.text
+    )
