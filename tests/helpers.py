@@ -141,6 +141,17 @@ def start_program(
     )
 
 
+class HandClock:
+    """A clock the test moves by hand (``clock.now += 5``): time-based behaviour with no
+    verdict that depends on the machine's pace."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
 class Lines:
     """One output stream of a started process, read line by line on a thread of its own: a
     wait for a line gives up at its deadline even when the process falls silent."""

@@ -33,6 +33,7 @@ from hpc_ddp.runtime.preempt.job_end import (
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.joining import resolve_launch
 from hpc_ddp.runtime.tracking.base import NullTracker
+from tests.helpers import HandClock
 
 
 @pytest.mark.parametrize(
@@ -58,19 +59,11 @@ def test_the_environments_end_time_is_used_where_slurm_sets_one() -> None:
     assert left_from_environ({}, now_unix=900.0) is None
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_end_follows_a_changed_limit_and_keeps_the_last_answer(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     answers: list[float | None] = [600.0, 590.0, None, 100.0]
-    clock = Clock()
+    clock = HandClock(1000.0)
     job_end = JobEnd(lambda: answers.pop(0), every_s=None, clock=clock).start()
     assert job_end.end == 1600.0 and job_end.left() == 600.0
     clock.now += 10
@@ -92,7 +85,7 @@ def test_a_stop_needs_the_save_two_checks_and_the_margin() -> None:
     assert measured.seconds == 15.0 and "4 s, measured" in measured.reason()
 
 
-def first_due(watch: StopBeforeEnd, clock: Clock, every_s: float) -> float:
+def first_due(watch: StopBeforeEnd, clock: HandClock, every_s: float) -> float:
     """The clock at the first check (one each ``every_s``) at which the stop is due."""
     while not watch.due():
         clock.now += every_s
@@ -105,7 +98,7 @@ def test_the_stop_begins_when_the_time_left_is_what_a_stop_needs(
 ) -> None:
     """The job ends at 1200; checks once a second; a stop needs the save (30 s unmeasured),
     two checks (2 s) and the 60 s margin."""
-    clock = Clock()
+    clock = HandClock(1000.0)
     job_end = JobEnd(lambda: 200.0, every_s=None, clock=clock).start()
     watch = StopBeforeEnd(job_end, lambda: save_s, margin_s=60.0, clock=clock)
     assert first_due(watch, clock, every_s=1.0) == due_at
@@ -172,7 +165,7 @@ def test_a_job_whose_end_is_too_near_at_the_start_trains_on_and_says_so(
 def test_the_watch_arms_again_when_the_end_moves_and_stops_as_the_warning_signal(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    clock, answers = Clock(), [100.0, 100.0, 3000.0, 80.0]
+    clock, answers = HandClock(1000.0), [100.0, 100.0, 3000.0, 80.0]
     job_end = JobEnd(lambda: answers.pop(0), every_s=None, clock=clock).start()
     watch = StopBeforeEnd(job_end, lambda: None, margin_s=60.0, clock=clock)
     with caplog.at_level(logging.INFO, logger="hpc_ddp"):

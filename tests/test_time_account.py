@@ -24,18 +24,11 @@ from hpc_ddp.runtime.preempt.progress import (
     record_attempt,
 )
 from hpc_ddp.view.runs import time_lines
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.helpers import HandClock
 
 
 def test_the_steps_time_leaves_out_the_checkpoints_and_evaluations_made_inside_them() -> None:
-    clock, times = Clock(), AttemptTimes()
+    clock, times = HandClock(), AttemptTimes()
     with times.counting("resume", clock):
         clock.now += 3.0
     paused = times.paused_s
@@ -155,7 +148,7 @@ def test_an_attempt_that_ended_before_its_entry_leaves_the_earlier_one_alone(
 
 
 def test_a_span_inside_another_counts_once_and_startup_leaves_out_work_before_training() -> None:
-    clock, times = Clock(), AttemptTimes()
+    clock, times = HandClock(), AttemptTimes()
     with times.counting("evaluation", clock), times.counting("evaluation", clock):
         clock.now += 2.0  # two evaluation loaders zipped
     with times.counting("evaluation", clock), times.counting("checkpoint", clock):

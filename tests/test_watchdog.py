@@ -19,7 +19,7 @@ from hpc_ddp.runtime.preempt.watchdog import (
     thread_stacks,
     where_stuck,
 )
-from tests.helpers import REPO, run_local_program
+from tests.helpers import REPO, HandClock, run_local_program
 
 FAULTS = str(REPO / "tests" / "programs" / "faults.py")
 STALL_S = 4
@@ -100,20 +100,10 @@ def test_where_stuck_names_the_users_frame_of_a_thread() -> None:
     assert where_stuck(None) == "no Python frame"
 
 
-class Clock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_watchdog_is_overdue_only_past_the_allowed_time_since_a_beat() -> None:
     """Its verdict on a clock moved by hand: the first step is allowed the longer time, then
     each beat restarts the count, and a watch at rest or disarmed is never overdue."""
-    clock = Clock()
+    clock = HandClock()
     watchdog = StallWatchdog(
         timeout_s=4, first_timeout_s=60, rank=0, where=str, end_run=lambda: None, clock=clock
     )

@@ -55,13 +55,7 @@ class Stopper:
         several = self.context.env.world_size > 1
         self._agreement = StepAgreement(self.context.control_group if several else None)
         preempt = self.context.config.preempt
-        if requeue_target(self.context.environ) and self.context.config.checkpoint.enabled:
-            self._refuse_a_stalled_job()
-        elif self.context.env.is_main:  # on record for the run's time account only
-            context, job = self.context, requeue_target(self.context.environ)
-            from_step = self.position.resumed_from_step or 0
-            record_attempt(context.run_dir, job, context.env.restart_count, from_step,
-                           context.attempt_id)  # fmt: skip
+        self._record_the_attempt()
         if self.context.env.is_main:
             write_handoff(self.context.environ, self.context.run_dir, preempt)
         job_end = job_end_for(self.context.environ, preempt) if self.context.env.is_main else None
@@ -81,17 +75,20 @@ class Stopper:
             stop = True
         return self._agreement.exchange(stop, self._save_due())
 
-    def _refuse_a_stalled_job(self) -> None:
-        """Rank 0 records this attempt of the Slurm job and where it resumed; every rank ends
-        when the attempts before it made no progress (preempt.max_attempts_without_progress)."""
+    def _record_the_attempt(self) -> None:
+        """Rank 0 records this attempt and where it resumed (the run's time account); in a
+        requeueable job with checkpoints, every rank ends when the attempts before it made no
+        progress (preempt.max_attempts_without_progress)."""
         context, refusal = self.context, None
+        job = requeue_target(context.environ)
         if context.env.is_main:
             start_step = self.position.resumed_from_step or 0
-            job = requeue_target(context.environ)
             attempts = record_attempt(context.run_dir, job, context.env.restart_count, start_step,
                                       context.attempt_id)  # fmt: skip
             limit = context.config.preempt.max_attempts_without_progress
             refusal = no_progress_refusal(attempts, limit)
+        if job is None or not context.config.checkpoint.enabled:
+            return
         refusal = broadcast_object(refusal, context.control_group)
         if refusal is not None:
             raise refusal
