@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 
 if TYPE_CHECKING:
-    from hpc_ddp.launch.jobs import submit, wait
+    from hpc_ddp.cli.api import submit, submit_sweep
+    from hpc_ddp.launch.jobs import wait
     from hpc_ddp.launch.spawn import spawn
     from hpc_ddp.runtime.checkpoint.loading import Resumed
     from hpc_ddp.runtime.config import RuntimeConfig
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from hpc_ddp.runtime.place.distenv import DistEnv
     from hpc_ddp.runtime.session.run import Run
     from hpc_ddp.runtime.session.start import start
-    from hpc_ddp.sweep.api import Sweep, submit_sweep
+    from hpc_ddp.sweep.api import Sweep
 
 __version__ = "0.1.0"
 __all__ = [
@@ -69,9 +70,9 @@ _LAZY = {
     "RuntimeConfig": "hpc_ddp.runtime.config",
     "DistEnv": "hpc_ddp.runtime.place.distenv",
     "spawn": "hpc_ddp.launch.spawn",
-    "submit": "hpc_ddp.launch.jobs",
+    "submit": "hpc_ddp.cli.api",
     "wait": "hpc_ddp.launch.jobs",
-    "submit_sweep": "hpc_ddp.sweep.api",
+    "submit_sweep": "hpc_ddp.cli.api",
     "Sweep": "hpc_ddp.sweep.api",
 }
 

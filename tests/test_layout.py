@@ -107,6 +107,21 @@ def test_the_built_in_trainer_uses_only_the_public_api_and_the_config_helpers() 
     assert wrong == []
 
 
+def test_the_launchers_know_no_trainer_and_nothing_below_the_cli_reaches_up() -> None:
+    """The launchers run programs and callables: a config of the built-in trainer reaches
+    them as a callable, and its settings as a value, from above (``hpc_ddp.cli``), never by
+    their importing the trainer or the CLI."""
+    above = ("hpc_ddp.trainer", "hpc_ddp.cli", "hpc_ddp.train")
+    wrong = sorted(
+        f"{name} -> {other}"
+        for name, imported in GRAPH.items()
+        if name.startswith(("hpc_ddp.launch", "hpc_ddp.sweep"))
+        for other in imported
+        if other.startswith(above)
+    )
+    assert wrong == []
+
+
 def test_no_class_holds_more_than_about_150_lines_of_code() -> None:
     """Docstrings, comments and blank lines aside."""
 

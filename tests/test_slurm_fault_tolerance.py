@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from hpc_ddp.launch.jobs import submit, wait
+from hpc_ddp.cli.api import submit
+from hpc_ddp.launch.jobs import wait
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
 from hpc_ddp.runtime.checkpoint.sharded import is_complete
 from hpc_ddp.runtime.tracking.base import default_tracking_uri

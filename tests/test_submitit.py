@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.launch.jobs import submit, wait
+from hpc_ddp.cli.api import submit
+from hpc_ddp.launch.jobs import wait
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.place.env import resolve_dist_env
 from hpc_ddp.runtime.place.slurm import derive_master_port

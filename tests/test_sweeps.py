@@ -5,6 +5,7 @@ table made from it. The sweep on a real cluster is tests/test_slurm_sweep.py."""
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import re
 import shlex
@@ -13,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from hpc_ddp.cli.api import trainer_settings
 from hpc_ddp.cli.app import main as cli_main
 from hpc_ddp.launch.program import Program
 from hpc_ddp.launch.sbatch import RenderRequest
@@ -99,9 +101,12 @@ def test_dotted_keys_must_be_the_programs_settings() -> None:
     check_settings(["--anything", "run.seed", "checkpoint.every_steps"], Program("script", "t.py"))
     with pytest.raises(HpcDdpError, match=r"did you mean run\.seed"):
         check_settings(["run.sed"], Program("script", "t.py"))
-    check_settings(["train.epochs", "optim.lr"], Program("builtin", ""))
+    trainer = trainer_settings()
+    check_settings(["train.epochs", "optim.lr"], Program("builtin", ""), trainer)
     with pytest.raises(HpcDdpError, match="not a setting of the built-in trainer"):
-        check_settings(["optim.learning_rate"], Program("builtin", ""))
+        check_settings(["optim.learning_rate"], Program("builtin", ""), trainer)
+    with pytest.raises(HpcDdpError, match="not a setting of the built-in trainer"):
+        check_settings(["train.epochs"], Program("builtin", ""))  # nobody said the trainer's
 
 
 def test_the_command_line_form_reads_plain_keys_as_program_options() -> None:
@@ -542,6 +547,30 @@ def test_code_sent_by_value_gets_its_file_back_for_tracebacks(tmp_path: Path) ->
         (str(script), 4, "of"),
     ]
     assert frames[-1].line == "raise ValueError(x)", "the source line is found again"
+
+
+def test_the_python_form_checks_a_sweep_of_the_built_in_trainer_against_its_settings(
+    tmp_path: Path,
+) -> None:
+    """The sweep launcher knows no trainer: ``hpc_ddp.submit_sweep`` tells it the trainer's
+    settings, so a misspelt one is refused before anything is written, and a right one
+    passes that check (to be refused by the next one, before Slurm is asked)."""
+    import hpc_ddp
+
+    with pytest.raises(
+        HpcDdpError, match=r"(?s)not a setting of the built-in trainer.*did you mean optim\.lr\?"
+    ):
+        hpc_ddp.submit_sweep(
+            "--config digits", name="s", grid={"optim.lrate": [1]}, output_dir=tmp_path
+        )
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(HpcDdpError, match=r"command line sets optim\.lr, which the sweep sets"):
+        hpc_ddp.submit_sweep(
+            "--config digits optim.lr=0.5", name="s", grid={"optim.lr": [1]}, output_dir=tmp_path
+        )
+    assert list(tmp_path.iterdir()) == []
+    assert "trainer_settings" not in inspect.signature(hpc_ddp.submit_sweep).parameters
+    assert "concurrency" in inspect.signature(hpc_ddp.submit_sweep).parameters
 
 
 @pytest.mark.parametrize("values", ["0.1,0.01", 0.1], ids=["string", "number"])

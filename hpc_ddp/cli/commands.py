@@ -264,7 +264,8 @@ def write_job_script(output: Path, script: str) -> None:
 
 
 def submit(args: argparse.Namespace) -> int:
-    from hpc_ddp.launch.jobs import submit, wait
+    from hpc_ddp.cli.api import submit
+    from hpc_ddp.launch.jobs import wait
 
     program = program_arguments(args, default_config=DEFAULT_CONFIG)
     program = snapshot_if_asked(

@@ -108,6 +108,7 @@ def _spec(args: argparse.Namespace) -> Any:
 
 
 def submit_command(args: argparse.Namespace) -> int:
+    from hpc_ddp.cli.api import trainer_settings
     from hpc_ddp.cli.commands import check_builtin, job_request, warning_signal
     from hpc_ddp.cli.snapshot import take_snapshot_saying
     from hpc_ddp.sweep.programs import runtime_settings, sweep_program
@@ -122,8 +123,9 @@ def submit_command(args: argparse.Namespace) -> int:
     hint = "set --output-dir to a folder you can write (the snapshot goes into the sweep's)"
     snapshot = partial(take_snapshot_saying, hint=hint) if args.snapshot else None
     sweep_dir = submit_sweep(
-        spec, program, request, Path(output_dir), os.environ, snapshot=snapshot
-    )
+        spec, program, request, Path(output_dir), os.environ,
+        snapshot=snapshot, trainer_settings=trainer_settings(),
+    )  # fmt: skip
     print(f"sweep {spec.name}: {sweep_dir}  (hpc-ddp sweep status {sweep_dir})")
     return 0
 
@@ -141,9 +143,12 @@ def status_command(args: argparse.Namespace) -> int:
 
 
 def resume_command(args: argparse.Namespace) -> int:
+    from hpc_ddp.cli.api import trainer_settings
     from hpc_ddp.sweep.submit import resume_sweep
 
-    resume_sweep(Path(args.sweep_dir), args.settings, os.environ)
+    resume_sweep(
+        Path(args.sweep_dir), args.settings, os.environ, trainer_settings=trainer_settings()
+    )
     return 0
 
 

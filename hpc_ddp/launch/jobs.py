@@ -1,7 +1,7 @@
 """Submit through submitit: ``hpc_ddp.submit(main, nodes=2, gpus_per_node=4)``.
 
-Every task (one per GPU) runs the same program, a Python callable, a script or module, or
-the built-in trainer, and resolves its environment exactly as under ``sbatch
+Every task (one per GPU) runs the same program, a Python callable, a script or a module,
+and resolves its environment exactly as under ``sbatch
 slurm/train.sh``. The tasks are Checkpointable in submitit's sense: preemption (USR2, as
 submitit signals it) stops all ranks after the same step with a checkpoint and requeues
 the job; the requeued job runs the same task again, which resumes from that checkpoint (the
@@ -17,16 +17,13 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hpc_ddp.launch.importable import check_importable
 from hpc_ddp.launch.program import Program, program_from, run_program
 from hpc_ddp.launch.slurmoptions import api_options
 from hpc_ddp.runtime.errors import CONSEQUENTIAL_FAILURE_MARKERS, HpcDdpError, Stopped
 from hpc_ddp.runtime.place.slurm import time_to_minutes
-
-if TYPE_CHECKING:
-    from hpc_ddp.trainer.config import Config
 
 
 class CallTask:
@@ -75,27 +72,14 @@ def run_program_or_raise(program: Program) -> None:
         raise RuntimeError(f"{program} exited with code {code}; its output is above")
 
 
-def _train_builtin(config: Any) -> dict[str, Any]:
-    from hpc_ddp.trainer.loop import train
-
-    return train(config)
-
-
-def _task(
-    target: object, args: Sequence[Any], kwargs: Mapping[str, Any] | None, overrides: Sequence[str]
-) -> CallTask:
-    """The task for a callable, a config (the built-in trainer), a script or a command."""
-    from hpc_ddp.trainer.config import Config, load_config
-
+def _task(target: object, args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> CallTask:
+    """The task for a callable, a script or a command."""
     if isinstance(target, str | Path) and str(target).endswith((".yaml", ".yml")):
-        target = load_config(target, overrides)  # checked here, before anything is queued
-    elif overrides:
         raise HpcDdpError(
-            "overrides= applies to a config of the built-in trainer",
-            "pass your program's own arguments with args=",
+            f"{target} is a config of the built-in trainer, not a program",
+            "submit it with hpc_ddp.submit (or hpc-ddp submit), which runs the built-in "
+            "trainer with it",
         )
-    if isinstance(target, Config):
-        return CallTask(_train_builtin, (target,), {})
     if callable(target):
         return CallTask(target, args, kwargs or {})
     if kwargs:
@@ -107,8 +91,7 @@ def _task(
     else:
         raise HpcDdpError(
             f"cannot submit {type(target).__name__}",
-            "submit a callable, a script path, a command line (a list of strings) or a .yaml "
-            "config of the built-in trainer",
+            "submit a callable, a script path or a command line (a list of strings)",
         )
     command += [str(argument) for argument in args]
     module = command[:1] == ["-m"]
@@ -132,11 +115,10 @@ def _check_picklable(task: CallTask) -> None:
 
 
 def submit(
-    target: Callable[..., Any] | str | Path | Sequence[str] | Config,
+    target: Callable[..., Any] | str | Path | Sequence[str],
     *,
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
-    overrides: Sequence[str] = (),
     nodes: int = 1,
     gpus_per_node: int = 0,
     tasks_per_node: int | None = None,
@@ -149,22 +131,12 @@ def submit(
     slurm_parameters: Mapping[str, Any] | None = None,
     sbatch: Mapping[str, str | int | bool | None] | None = None,
 ) -> Any:
-    """Submit a job whose every task runs ``target``; returns the submitit Job
-    (``hpc_ddp.wait(job)``: every rank's result).
-
-    ``target``: a callable (run as ``target(*args, **kwargs)`` on every rank; it calls
-    :func:`hpc_ddp.start` itself), a script path or a command line (``["train.py", "--lr",
-    "3e-4"]``, ``["-m", "pkg.train"]``; more arguments in ``args``), or a YAML config of
-    the built-in trainer (with dotted ``overrides``). One task per GPU: ``tasks_per_node``
-    defaults to ``gpus_per_node`` (1 without GPUs). ``cluster``: None detects Slurm,
-    "local" runs on this machine, "slurm" insists on Slurm. ``sbatch``: any other sbatch
-    option (``{"account": "lab", "exclusive": True}``), over the site profile's
-    (slurm/site.yaml, ~/.config/hpc_ddp/site.yaml); ``slurm_parameters``: submitit's own
-    ``slurm_*`` parameters. Everything is checked here, before anything is queued.
-    """
+    """Submit a job whose every task runs ``target``, a callable, a script or a command line;
+    returns the submitit Job. :func:`hpc_ddp.submit` (which also takes a config of the
+    built-in trainer) documents the options."""
     import submitit
 
-    task = _task(target, args, kwargs, overrides)
+    task = _task(target, args, kwargs)
     _check_picklable(task)
     if callable(target):
         check_importable(target, "every task of the job", Path.cwd(), os.environ)

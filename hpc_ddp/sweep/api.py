@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -88,6 +88,7 @@ def submit_sweep(
     partition: str | None = None,
     output_dir: str | Path = "runs",
     sbatch: Mapping[str, str | int | bool | None] | None = None,
+    trainer_settings: Collection[str] = (),
 ) -> Sweep:
     """Submit ``program`` once per combination of ``grid``, row of ``zip`` and entry of
     ``tasks``, as Slurm job arrays of at most ``concurrency`` running tasks; each task is a
@@ -99,7 +100,9 @@ def submit_sweep(
     ``map_array`` does (``Sweep.results()`` holds what rank 0 returned). Keys are the
     program's options (``"lr"`` or ``"--lr"``; a callable's keyword arguments) or dotted
     hpc_ddp settings (``"run.seed"``). ``sbatch``: any other sbatch option of the arrays
-    (``{"account": "lab"}``), over the site profile's (slurm/site.yaml)."""
+    (``{"account": "lab"}``), over the site profile's (slurm/site.yaml). ``trainer_settings``:
+    the built-in trainer's dotted keys, for a sweep of it (``hpc_ddp.submit_sweep`` gives
+    them)."""
     import shlex
 
     from hpc_ddp.launch.sbatch import RenderRequest
@@ -149,4 +152,9 @@ def submit_sweep(
         partition=partition,
         sbatch_options=tuple(api_options(sbatch, Path.cwd(), os.environ).items()),
     )
-    return Sweep(submit(spec, parsed, request, Path(output_dir), os.environ, print))
+    return Sweep(
+        submit(
+            spec, parsed, request, Path(output_dir), os.environ, print,
+            trainer_settings=trainer_settings,
+        )
+    )  # fmt: skip

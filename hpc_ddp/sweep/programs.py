@@ -5,7 +5,7 @@ task starts from (where the sweep's MLflow store is)."""
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +36,21 @@ def sweep_program(words: Sequence[str]) -> Program:
     return program_from(words[1:] if module else words, module=module)
 
 
-def known_settings(program: SweepProgram) -> set[str]:
-    """The dotted keys a task of ``program`` may set: the built-in trainer's, or the
-    runtime's for a script or module (its own options are written with dashes)."""
+def known_settings(program: SweepProgram, trainer_settings: Collection[str]) -> set[str]:
+    """The dotted keys a task of ``program`` may set: the built-in trainer's (which whoever
+    knows the trainer gives), or the runtime's for a script or module (its own options are
+    written with dashes)."""
     if program.kind == "builtin":
-        from hpc_ddp.trainer.config import Config
-
-        return set(configfile.flatten(Config()))
+        return set(trainer_settings)
     return set(configfile.flatten(RuntimeConfig()))
 
 
-def check_settings(keys: Sequence[str], program: SweepProgram) -> None:
-    known = known_settings(program)
+def check_settings(
+    keys: Sequence[str], program: SweepProgram, trainer_settings: Collection[str] = ()
+) -> None:
+    """Refuses a key ``program`` does not take; ``trainer_settings``: the built-in trainer's
+    dotted keys, for a sweep of it."""
+    known = known_settings(program, trainer_settings)
     for key in keys:
         if key.startswith("-") or key in known:
             continue

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +65,16 @@ def submit_sweep(
     environ: Mapping[str, str] = os.environ,
     say: Say = print,
     snapshot: Snapshot | None = None,
+    trainer_settings: Collection[str] = (),
 ) -> Path:
     """Check everything, record the sweep, make its MLflow parent run and submit its
     arrays; returns the sweep's folder. ``snapshot``, once every check passed, copies a
-    script's code into ``<sweep dir>/snapshots``: every task runs that copy."""
+    script's code into ``<sweep dir>/snapshots``: every task runs that copy.
+    ``trainer_settings``: the built-in trainer's dotted keys, for a sweep of it."""
     program.check()
     tasks = expand(spec)
     swept = {key for task in tasks for key in task}
-    check_settings(sorted(swept), program)
+    check_settings(sorted(swept), program, trainer_settings)
     refuse_conflicts(program, swept)
     code = None
     if isinstance(program, CallableProgram):
@@ -262,10 +264,12 @@ def resume_sweep(
     overrides: Sequence[str] = (),
     environ: Mapping[str, str] = os.environ,
     say: Say = print,
+    trainer_settings: Collection[str] = (),
 ) -> list[int]:
     """Resubmit the tasks that did not finish (failed, lost, never started) as new arrays,
     each in its own run directory again, with ``overrides`` (``KEY=VALUE``) applied to
-    them; refused while any task of the sweep is queued or running. Returns the tasks."""
+    them; refused while any task of the sweep is queued or running. Returns the tasks.
+    ``trainer_settings``: the built-in trainer's dotted keys, for a sweep of it."""
     pairs = [_override(text) for text in overrides]  # bad words refused before asking Slurm
     data = manifest.read_manifest(sweep_dir)
     live = live_jobs(data, environ)
@@ -288,7 +292,7 @@ def resume_sweep(
         return []
     if pairs:  # a callable is loaded (its module imported) only to check changed arguments
         program = recorded_program(sweep_dir, data)
-        check_settings([key for key, _ in pairs], program)
+        check_settings([key for key, _ in pairs], program, trainer_settings)
         refuse_conflicts(program, {key for key, _ in pairs})
         if isinstance(program, CallableProgram):
             changed = [with_overrides(data["tasks"][index]["settings"], pairs) for index in chosen]
