@@ -4,6 +4,7 @@ test_slurm_fault_tolerance.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -647,6 +648,42 @@ def test_ranks_end_when_their_local_launcher_is_killed(tmp_path: Path) -> None:
     status = json.loads((tmp_path / "regression" / "orphans" / "status.json").read_text())
     assert status["state"] == "stopped", "rank 0 stopped as on a preemption, with a checkpoint"
     assert list_checkpoints(tmp_path / "regression" / "orphans" / "checkpoints")
+
+
+@pytest.mark.e2e
+def test_ranks_killed_outright_are_charged_by_the_next_attempt_with_their_redone_steps(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL to every rank (a lost node) leaves no account; the rerun charges the killed
+    attempt to its last logged interval and counts the steps it takes again."""
+    program = [str(REPO / "tests" / "programs" / "regression.py"), "--epochs", "50",
+               "--log-interval", "5", f"run.output_dir={tmp_path}", "run.id=killed",
+               "tracking.enabled=false"]  # fmt: skip
+    launcher = start_program(2, [*program, "--hold-at-step", "40", "--hold-until",
+                                 str(tmp_path / "never")])  # fmt: skip
+    lines = Lines(launcher)
+    lines.wait_for(r"HOLDING at step 40 \(rank 0\)")
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    for pid in children:
+        os.kill(int(pid), signal.SIGKILL)
+    assert launcher.wait(timeout=120) != 0
+    run_dir = tmp_path / "regression" / "killed"
+    logged = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        with contextlib.suppress(ValueError):  # a line the kill cut short
+            logged.append(json.loads(line))
+    last_logged = max(entry["global_step"] for entry in logged if "global_step" in entry)
+    assert 0 < last_logged <= 40
+    rerun = run_local_program(2, [*program, f"preempt.stop_at_step={last_logged + 5}"])
+    assert rerun.returncode == EXIT_STOPPED, rerun.stderr[-3000:]
+    killed, again = json.loads((run_dir / "attempts.json").read_text())
+    assert (killed["status"], killed["last_step"]) == ("killed", last_logged)
+    assert killed["end_unix"] == max(e["time"] for e in logged if "global_step" in e)
+    assert killed["account"]["allocation_s"] == killed["account"]["other_s"] > 0
+    assert killed["ranks"] == 2
+    assert (again["status"], again["last_step"]) == ("stopped", last_logged + 5)
+    assert again["redone_steps"] == last_logged - again["from_step"]
+    assert again["account"]["redone_s"] > 0
 
 
 @pytest.mark.parametrize("save_mode", ["async", "single_file"])

@@ -4,6 +4,7 @@ started here; test_user_script.py checks a real stopped and resumed run)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +134,62 @@ def test_a_torchrun_restart_in_the_allocation_keeps_the_crashed_attempts_account
     crashed, restarted = read_attempts(tmp_path)
     assert (crashed["status"], crashed["last_step"]) == ("failed", 130)
     assert restarted["redone_steps"] == 30, "101..130 again after the crash"
+
+
+def log_lines(run_dir: Path, *entries: tuple[float, int]) -> None:
+    """metrics.jsonl as rank 0's journal writes it: an attempt's mark, then its intervals."""
+    lines = [json.dumps({"attempt": 1, "from_step": 0, "time": entries[0][0]})]
+    lines += [
+        json.dumps({"step": step, "global_step": step, "epoch": 0, "time": at, "metrics": {}})
+        for at, step in entries
+    ]
+    with (run_dir / "metrics.jsonl").open("a") as file:
+        file.write("\n".join(lines) + "\n")
+
+
+def test_an_attempt_killed_outright_is_charged_to_its_last_logged_interval_by_the_next(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL, a lost node or a time limit without warning leave no account: the next
+    attempt charges the killed one from its start to its last logged interval (a torn line
+    after it is passed over), and takes its steps after the checkpoint as redone."""
+    record_attempt(tmp_path, "7", 0, 0, "killed", start_unix=100.0, ranks=4)
+    log_lines(tmp_path, (105.0, 10), (112.5, 20))
+    with (tmp_path / "metrics.jsonl").open("a") as file:
+        file.write('{"step": 30, "global_step": 30, "ti')  # the write the kill cut short
+    record_attempt(tmp_path, "7", 1, 10, "next", start_unix=200.0, ranks=4)
+    killed = read_attempts(tmp_path)[0]
+    assert (killed["status"], killed["last_step"], killed["end_unix"]) == ("killed", 20, 112.5)
+    assert killed["account"]["allocation_s"] == killed["account"]["other_s"] == 12.5
+    assert killed["account"]["steps_s"] == 0.0, "what it did is not known: not split"
+    timeline = {"process_start_unix": 200.0, "training_unix": 203.0}
+    total = end_attempt(tmp_path, "next", timeline, AttemptTimes(steps_s=30.0), 4,
+                        "FINISHED", 40, 10)  # fmt: skip
+    later = read_attempts(tmp_path)[1]
+    assert later["redone_steps"] == 10, "steps 11..20 were taken before the kill"
+    assert total is not None and total["attempts_unaccounted"] == 0
+    assert total["queued_s"] == pytest.approx(200.0 - 112.5)
+    assert total["rank_hours"] == pytest.approx(
+        (12.5 + later["account"]["allocation_s"]) * 4 / 3600, abs=1e-4
+    )
+    lines = time_lines(read_attempts(tmp_path), running=False)
+    assert lines[0] == "attempt 1 (killed, last logged at step 20): 12.5 s to then, not split"
+
+
+def test_a_killed_attempt_that_logged_nothing_is_charged_nothing_and_old_records_stay(
+    tmp_path: Path,
+) -> None:
+    log_lines(tmp_path, (50.0, 5))  # an earlier attempt's interval, before this one began
+    record_attempt(tmp_path, None, 0, 5, "silent", start_unix=100.0, ranks=2)
+    record_attempt(tmp_path, None, 0, 5, "next", start_unix=300.0, ranks=2)
+    silent = read_attempts(tmp_path)[0]
+    assert (silent["status"], silent["last_step"], silent["end_unix"]) == ("killed", 5, 100.0)
+    assert silent["account"]["allocation_s"] == 0.0
+    old = tmp_path / "old"
+    old.mkdir()
+    record_attempt(old, None, 0, 0, "from-before")  # no start: as records were kept before
+    record_attempt(old, None, 0, 0, "next")
+    assert "account" not in read_attempts(old)[0], "nothing to charge it from"
 
 
 def test_an_attempt_that_ended_before_its_entry_leaves_the_earlier_one_alone(

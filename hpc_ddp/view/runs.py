@@ -158,7 +158,12 @@ def time_lines(attempts: list[dict[str, Any]], running: bool) -> list[str]:
     lines = []
     for number, attempt in enumerate(attempts, 1):
         account = attempt.get("account")
-        if is_account(account):
+        if is_account(account) and attempt.get("status") == "killed":
+            said = (
+                f"killed, last logged at step {attempt.get('last_step')}): "
+                f"{float(account['allocation_s']):.1f} s to then, not split"
+            )
+        elif is_account(account):
             said = f"{attempt.get('status')} at step {attempt.get('last_step')}): "
             said += account_line(account)
         elif running and number == len(attempts):

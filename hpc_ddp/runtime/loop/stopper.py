@@ -15,6 +15,7 @@ from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.checkpointer import Checkpointer
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
+from hpc_ddp.runtime.loop.timeline import this_process_start_unix
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.preempt.job_end import StopBeforeEnd, job_end_for
 from hpc_ddp.runtime.preempt.lost_rank import write_handoff
@@ -83,8 +84,10 @@ class Stopper:
         job = requeue_target(context.environ)
         if context.env.is_main:
             start_step = self.position.resumed_from_step or 0
-            attempts = record_attempt(context.run_dir, job, context.env.restart_count, start_step,
-                                      context.attempt_id)  # fmt: skip
+            attempts = record_attempt(
+                context.run_dir, job, context.env.restart_count, start_step, context.attempt_id,
+                this_process_start_unix() or time.time(), context.env.world_size,
+            )  # fmt: skip
             limit = context.config.preempt.max_attempts_without_progress
             refusal = no_progress_refusal(attempts, limit)
         if job is None or not context.config.checkpoint.enabled:

@@ -6,6 +6,11 @@ checkpoint), productive steps, steps computed again after a crash (an earlier at
 taken them past its last checkpoint), checkpoint stalls, evaluation, and the rest (the
 script's own work outside ``run.steps``, and the end). Goodput is the productive steps'
 share of the allocation; over a run, of every attempt's allocation together.
+
+An attempt killed outright (SIGKILL, a lost node, the time limit with no warning) writes no
+account; the next attempt charges it from its start to its last logged interval, unsplit
+(all of it in ``other``: what it did is not known), and its steps after that attempt's
+checkpoint count as redone in the next.
 """
 
 from __future__ import annotations
@@ -106,6 +111,14 @@ def attempt_account(
         "allocation_s": round(allocation, 3),
         "goodput_percent": round(100.0 * parts["steps_s"] / allocation, 2) if allocation else 0.0,
     }
+
+
+def unsplit_account(allocation_s: float) -> dict[str, float]:
+    """The account of an attempt killed before it could write its own: its time to its last
+    sign of life, in ``other``."""
+    parts = {f"{part}_s": 0.0 for part in PARTS}
+    parts["other_s"] = round(max(0.0, allocation_s), 3)
+    return {**parts, "allocation_s": parts["other_s"], "goodput_percent": 0.0}
 
 
 def is_account(value: object) -> TypeGuard[dict[str, Any]]:

@@ -3,7 +3,8 @@ directory, rank 0's): attempts that end without moving the checkpoint forward (p
 killed before their first save) are counted, and past
 ``preempt.max_attempts_without_progress`` in a row the job ends instead of training again.
 Each attempt that ends with a chance to say so adds how it ended and where its time went
-(:mod:`hpc_ddp.runtime.monitor.account`). Standard library only."""
+(:mod:`hpc_ddp.runtime.monitor.account`); one killed outright is settled by the next, from
+its last logged interval. Standard library only."""
 
 from __future__ import annotations
 
@@ -17,10 +18,13 @@ from hpc_ddp.runtime.errors import EXIT_NO_PROGRESS, HpcDdpError
 from hpc_ddp.runtime.monitor.account import (
     AttemptTimes,
     attempt_account,
+    is_number,
     redone_steps,
     run_account,
+    unsplit_account,
 )
 from hpc_ddp.runtime.safefiles import read_records, write_records
+from hpc_ddp.runtime.tracking.journal import last_logged
 
 RECORD = "attempts.json"
 
@@ -31,15 +35,24 @@ def record_attempt(
     restart_count: int,
     from_step: int,
     attempt_id: str | None = None,
+    start_unix: float | None = None,
+    ranks: int | None = None,
 ) -> list[dict[str, Any]]:
     """Add this attempt of ``job`` (``restart_count``, resumed ``from_step``; ``attempt_id``
-    names its entry for :func:`end_attempt`) to the record and return ``job``'s attempts
-    (a run resubmitted with its run.id is another job), an attempt torchrun restarted in
-    its allocation counted once: the last of its entries. A record that cannot be written
-    is left as it was (the count is then this attempt's alone)."""
+    names its entry for :func:`end_attempt`; ``start_unix`` and ``ranks`` let the next
+    attempt charge it if it is killed outright) to the record and return ``job``'s
+    attempts (a run resubmitted with its run.id is another job), an attempt torchrun
+    restarted in its allocation counted once: the last of its entries. The attempt before
+    it, if it ended without a word, is settled first (:func:`settle_killed`). A record that
+    cannot be written is left as it was (the count is then this attempt's alone)."""
     attempts = read_records(run_dir / RECORD, "from_step")
-    entry = {"job": job, "restart_count": restart_count, "from_step": from_step}
-    attempts.append({**entry, "attempt": attempt_id} if attempt_id else entry)
+    settle_killed(attempts, run_dir)
+    entry: dict[str, Any] = {"job": job, "restart_count": restart_count, "from_step": from_step}
+    if attempt_id:
+        entry["attempt"] = attempt_id
+    if start_unix is not None and ranks is not None:
+        entry.update(start_unix=start_unix, ranks=ranks)
+    attempts.append(entry)
     try:
         write_records(run_dir / RECORD, attempts)
     except OSError:
@@ -50,6 +63,29 @@ def record_attempt(
         for attempt, later in zip(of_job, [*of_job[1:], {}], strict=True)
         if attempt.get("restart_count") != later.get("restart_count")
     ]
+
+
+def settle_killed(attempts: list[dict[str, Any]], run_dir: Path) -> None:
+    """Give the last attempt an account if it ended without writing one (killed outright):
+    from its start to its last logged interval, the step it logged there, and the steps it
+    took again. An entry that does not say when it started is left unaccounted."""
+    if not attempts or "status" in attempts[-1]:
+        return
+    killed = attempts[-1]
+    started, from_step = killed.get("start_unix"), killed.get("from_step")
+    if not is_number(started) or not isinstance(from_step, int):
+        return
+    end_unix, last_step = last_logged(run_dir, float(started)) or (float(started), from_step)
+    earlier = attempts[-2].get("last_step") if len(attempts) > 1 else None
+    killed.update(
+        status="killed",
+        end_unix=end_unix,
+        last_step=last_step,
+        redone_steps=redone_steps(
+            earlier if isinstance(earlier, int) else None, from_step, last_step
+        ),
+        account=unsplit_account(end_unix - float(started)),
+    )
 
 
 def attempts_without_progress(attempts: Sequence[Mapping[str, Any]]) -> int:

@@ -79,6 +79,26 @@ def read_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
     yield from current_points(lines)
 
 
+def last_logged(
+    run_dir: Path, since_unix: float, tail_bytes: int = 65536
+) -> tuple[float, int] | None:
+    """The time and global step of the run's newest logged interval, if it was logged at or
+    after ``since_unix`` (an attempt's last sign of life); None without one. Reads the
+    file's tail only: a long run's record is not read whole."""
+    try:
+        with (run_dir / METRICS_FILE).open("rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - tail_bytes))
+            lines = file.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        entry = _parsed(line)
+        logged, step = entry.get("time"), entry.get("global_step")
+        if isinstance(logged, int | float) and isinstance(step, int):
+            return (float(logged), step) if logged >= since_unix else None
+    return None
+
+
 def current_points(lines: Iterable[str]) -> list[dict[str, Any]]:
     """The metric entries of ``lines`` that the run's final history holds: at an attempt's
     start line, the earlier attempts' points after its ``from_step`` are dropped, and at
