@@ -20,6 +20,7 @@ from hpc_ddp.cli.api import submit
 from hpc_ddp.launch.jobs import wait
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
 from hpc_ddp.runtime.checkpoint.sharded import is_complete
+from hpc_ddp.runtime.monitor.account import PARTS
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, read_summary, run_local, summary_path
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
@@ -112,6 +113,18 @@ def preempt_and_wait(
     return job, log, stop_step
 
 
+def attempts_of(runs: Path) -> list[dict[str, Any]]:
+    """The one run's attempts.json under ``runs``, each entry checked: its parts add up to
+    its allocation."""
+    [record] = list(runs.rglob("attempts.json"))
+    attempts: list[dict[str, Any]] = json.loads(record.read_text())
+    for attempt in attempts:
+        account = attempt["account"]
+        parts = sum(account[f"{part}_s"] for part in PARTS)
+        assert parts == pytest.approx(account["allocation_s"], abs=0.01), attempt
+    return attempts
+
+
 def kill_a_torchrun_rank_once_checkpointed(
     slurm: SlurmCluster, work: Path, options: list[str], overrides: list[str], rank: int
 ) -> tuple[str, dict[str, Any]]:
@@ -171,6 +184,15 @@ def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
     client = MlflowClient(tracking_uri=default_tracking_uri(work / "runs"))
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "interval/train_loss")]
     assert steps == list(range(8, 1201, 8)), "0 steps lost or repeated"
+
+    stopped, requeued = attempts_of(work / "runs")
+    assert (stopped["status"], stopped["last_step"]) == ("stopped", stop_step)
+    assert (requeued["status"], requeued["from_step"]) == ("finished", stop_step)
+    assert requeued["redone_steps"] == 0, "a stop with a checkpoint loses no step"
+    total = summary["time_account"]
+    assert (total["attempts"], total["attempts_unaccounted"]) == (2, 0)
+    queued = requeued["start_unix"] - stopped["end_unix"]
+    assert total["queued_s"] == pytest.approx(queued, abs=1e-3) and queued > 0
 
 
 def minutes_from_now(run_time: str, minutes: int) -> int:
@@ -302,6 +324,16 @@ def test_torchrun_restarts_a_killed_worker_in_the_allocation_and_the_run_ends_ex
     tags = run.data.tags
     restarts = [tags[f"hpc_ddp.attempt.{n}.elastic_restarts"] for n in (0, 1)]
     assert restarts == ["0", "1"]
+
+    # Rank 0 of the crashed round writes its account if torchrun's SIGTERM gives it time, or
+    # the restarted round charges it as killed: either way the steps it took past the
+    # checkpoint count as redone.
+    crashed, restarted = attempts_of(work / "runs")
+    assert crashed["status"] in {"failed", "stopped", "killed"}, crashed
+    assert restarted["status"] == "finished"
+    assert restarted["from_step"] == summary["resumed_from_step"]
+    assert restarted["redone_steps"] == max(0, crashed["last_step"] - restarted["from_step"])
+    assert summary["time_account"]["attempts_unaccounted"] == 0
 
 
 @pytest.mark.slow
