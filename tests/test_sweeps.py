@@ -570,6 +570,7 @@ def test_the_python_form_checks_a_sweep_of_the_built_in_trainer_against_its_sett
         )
     assert list(tmp_path.iterdir()) == []
     assert "trainer_settings" not in inspect.signature(hpc_ddp.submit_sweep).parameters
+    assert "trainer_settings" not in (hpc_ddp.submit_sweep.__doc__ or "trainer_settings")
     assert "concurrency" in inspect.signature(hpc_ddp.submit_sweep).parameters
 
 

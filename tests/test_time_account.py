@@ -176,20 +176,42 @@ def test_an_attempt_killed_outright_is_charged_to_its_last_logged_interval_by_th
     assert lines[0] == "attempt 1 (killed, last logged at step 20): 12.5 s to then, not split"
 
 
-def test_a_killed_attempt_that_logged_nothing_is_charged_nothing_and_old_records_stay(
-    tmp_path: Path,
-) -> None:
-    log_lines(tmp_path, (50.0, 5))  # an earlier attempt's interval, before this one began
-    record_attempt(tmp_path, None, 0, 5, "silent", start_unix=100.0, ranks=2)
-    record_attempt(tmp_path, None, 0, 5, "next", start_unix=300.0, ranks=2)
-    silent = read_attempts(tmp_path)[0]
-    assert (silent["status"], silent["last_step"], silent["end_unix"]) == ("killed", 5, 100.0)
-    assert silent["account"]["allocation_s"] == 0.0
+def test_a_killed_attempt_is_charged_only_for_what_it_logged_itself(tmp_path: Path) -> None:
+    """What the next attempt logs before its entry (an evaluation before training) is not
+    the killed one's; a last line longer than the first window read is still found; one
+    that logged nothing, or an entry from before start times were kept, is only marked."""
+    record_attempt(tmp_path, None, 0, 0, "killed", start_unix=100.0, ranks=2)
+    log_lines(tmp_path, (110.0, 20))
+    log_lines(tmp_path, (120.0, 20))  # a long line: more than a window of the file's tail
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    long = json.loads(lines[-1])
+    long["metrics"] = {f"m{n}": 1.0 for n in range(8000)}
+    lines[-1] = json.dumps(long)
+    log_lines_text = "\n".join(lines) + "\n"
+    (tmp_path / "metrics.jsonl").write_text(log_lines_text)
+    log_lines(tmp_path, (205.0, 0))  # the next attempt's evaluation before its first step
+    record_attempt(tmp_path, None, 0, 0, "next", start_unix=200.0, ranks=2)
+    killed = read_attempts(tmp_path)[0]
+    assert (killed["end_unix"], killed["last_step"]) == (120.0, 20)
+    assert killed["account"]["allocation_s"] == 20.0
+
+    silent_dir = tmp_path / "silent"
+    silent_dir.mkdir()
+    log_lines(silent_dir, (50.0, 5))  # an earlier attempt's interval, before this one began
+    record_attempt(silent_dir, None, 0, 5, "silent", start_unix=100.0, ranks=2)
+    record_attempt(silent_dir, None, 0, 5, "next", start_unix=300.0, ranks=2)
+    silent = read_attempts(silent_dir)[0]
+    assert silent["status"] == "killed"
+    assert "account" not in silent and "end_unix" not in silent, "nothing to charge it from"
+    total = run_account(read_attempts(silent_dir))
+    assert (total["attempts_unaccounted"], total["queued_s"]) == (2, 0.0)
+    assert time_lines(read_attempts(silent_dir), running=True) == [], "no account to show"
+
     old = tmp_path / "old"
     old.mkdir()
     record_attempt(old, None, 0, 0, "from-before")  # no start: as records were kept before
     record_attempt(old, None, 0, 0, "next")
-    assert "account" not in read_attempts(old)[0], "nothing to charge it from"
+    assert "account" not in read_attempts(old)[0]
 
 
 def test_an_attempt_that_ended_before_its_entry_leaves_the_earlier_one_alone(

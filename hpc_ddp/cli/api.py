@@ -90,7 +90,7 @@ def submit_sweep(program: str | Sequence[str] | Callable[..., Any], **options: A
 
 # help(hpc_ddp.submit_sweep) shows the launcher's documentation and options, less the one
 # given here.
-submit_sweep.__doc__ = sweeps.submit_sweep.__doc__
+submit_sweep.__doc__ = (sweeps.submit_sweep.__doc__ or "").partition(" ``trainer_settings``:")[0]
 _SWEEP_OPTIONS = inspect.signature(sweeps.submit_sweep)
 submit_sweep.__signature__ = _SWEEP_OPTIONS.replace(  # type: ignore[attr-defined]
     parameters=[p for n, p in _SWEEP_OPTIONS.parameters.items() if n != "trainer_settings"]

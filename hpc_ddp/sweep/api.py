@@ -1,4 +1,5 @@
-"""``hpc_ddp.submit_sweep``: a sweep from Python, as ``hpc-ddp sweep submit`` makes it."""
+"""A sweep from Python, as ``hpc-ddp sweep submit`` makes it (``hpc_ddp.submit_sweep``, in
+:mod:`hpc_ddp.cli.api`, calls it with the built-in trainer's settings)."""
 
 from __future__ import annotations
 

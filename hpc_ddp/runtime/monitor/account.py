@@ -134,10 +134,10 @@ def is_number(value: object) -> TypeGuard[int | float]:
 
 
 def run_account(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The run over its attempts (attempts.json's entries; an attempt killed before it could
-    say where its time went has no ``account`` and is only counted): each part's seconds
-    summed, the allocation, goodput, rank-hours charged (a GPU job's GPU-hours: one GPU a
-    rank) and the time waited in the queue between attempts."""
+    """The run over its attempts (attempts.json's entries; an attempt killed before it logged
+    an interval, or before start times were kept, has no ``account`` and is only counted):
+    each part's seconds summed, the allocation, goodput, rank-hours charged (a GPU job's
+    GPU-hours: one GPU a rank) and the time waited in the queue between attempts."""
     accounts = [
         (attempt["account"], attempt.get("ranks", 1))
         for attempt in attempts

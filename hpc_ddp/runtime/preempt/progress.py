@@ -46,7 +46,7 @@ def record_attempt(
     it, if it ended without a word, is settled first (:func:`settle_killed`). A record that
     cannot be written is left as it was (the count is then this attempt's alone)."""
     attempts = read_records(run_dir / RECORD, "from_step")
-    settle_killed(attempts, run_dir)
+    settle_killed(attempts, run_dir, time.time() if start_unix is None else start_unix)
     entry: dict[str, Any] = {"job": job, "restart_count": restart_count, "from_step": from_step}
     if attempt_id:
         entry["attempt"] = attempt_id
@@ -65,20 +65,24 @@ def record_attempt(
     ]
 
 
-def settle_killed(attempts: list[dict[str, Any]], run_dir: Path) -> None:
+def settle_killed(attempts: list[dict[str, Any]], run_dir: Path, now_start: float) -> None:
     """Give the last attempt an account if it ended without writing one (killed outright):
-    from its start to its last logged interval, the step it logged there, and the steps it
-    took again. An entry that does not say when it started is left unaccounted."""
+    from its start to its last interval logged before this attempt (started ``now_start``)
+    began, the step it logged there, and the steps it took again. One that logged nothing,
+    or does not say when it started, is only marked killed: nothing to charge it from."""
     if not attempts or "status" in attempts[-1]:
         return
     killed = attempts[-1]
+    killed["status"] = "killed"
     started, from_step = killed.get("start_unix"), killed.get("from_step")
     if not is_number(started) or not isinstance(from_step, int):
         return
-    end_unix, last_step = last_logged(run_dir, float(started)) or (float(started), from_step)
+    logged = last_logged(run_dir, float(started), now_start)
+    if logged is None:
+        return
+    end_unix, last_step = logged
     earlier = attempts[-2].get("last_step") if len(attempts) > 1 else None
     killed.update(
-        status="killed",
         end_unix=end_unix,
         last_step=last_step,
         redone_steps=redone_steps(

@@ -80,22 +80,35 @@ def read_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
 
 
 def last_logged(
-    run_dir: Path, since_unix: float, tail_bytes: int = 65536
+    run_dir: Path, since_unix: float, before_unix: float, tail_bytes: int = 65536
 ) -> tuple[float, int] | None:
-    """The time and global step of the run's newest logged interval, if it was logged at or
-    after ``since_unix`` (an attempt's last sign of life); None without one. Reads the
-    file's tail only: a long run's record is not read whole."""
+    """The time and global step of the newest interval logged from ``since_unix`` to before
+    ``before_unix`` (an attempt's last sign of life, before the next attempt began), if that
+    is the newest logged before ``before_unix``; None without one. Reads the file from its
+    end, a window at a time: a long run's record is not read whole."""
     try:
         with (run_dir / METRICS_FILE).open("rb") as file:
-            file.seek(max(0, file.seek(0, os.SEEK_END) - tail_bytes))
-            lines = file.read().decode(errors="replace").splitlines()
+            size = file.seek(0, os.SEEK_END)
+            while True:
+                start = max(0, size - tail_bytes)
+                file.seek(start)
+                lines = file.read(size - start).decode(errors="replace").splitlines()
+                whole = lines if start == 0 else lines[1:]  # the first may be cut
+                found = _newest_interval(whole, before_unix)
+                if found is not None or start == 0:
+                    break
+                tail_bytes *= 2
     except OSError:
         return None
+    return found if found is not None and found[0] >= since_unix else None
+
+
+def _newest_interval(lines: list[str], before_unix: float) -> tuple[float, int] | None:
     for line in reversed(lines):
         entry = _parsed(line)
         logged, step = entry.get("time"), entry.get("global_step")
-        if isinstance(logged, int | float) and isinstance(step, int):
-            return (float(logged), step) if logged >= since_unix else None
+        if isinstance(logged, int | float) and isinstance(step, int) and logged < before_unix:
+            return float(logged), step
     return None
 
 
