@@ -9,6 +9,7 @@ hpc-ddp submit --nodes 2 --gpus-per-node 4 --time 1:00:00 -m mypkg.train
 srun hpc-ddp doctor train.py     each rank's plan and checks (or --config for the trainer)
 hpc-ddp runs                     the runs under ./runs: state, step, newest metrics
 hpc-ddp plot NAME/ID             their training and validation curves as a PNG
+                                 (--goodput: where each attempt's time went)
 hpc-ddp tracking sync NAME/ID    replay a run's record into MLflow after an outage
 hpc-ddp sweep submit SWEEP.yaml -- train.py   many runs as Slurm job arrays (sweep status,
                                  sweep resume, sweep plot)
@@ -246,7 +247,16 @@ def build_parser() -> argparse.ArgumentParser:
     plot = _command(commands, "plot", results.plot, "write a PNG of a run's curves (matplotlib)")
     plot.add_argument("run", help="a run directory, or NAME/ID or ID as `hpc-ddp runs` shows")
     plot.add_argument("--output-dir", default="runs", help="where to look for NAME/ID (runs)")
-    plot.add_argument("--output", "-o", default=None, help="PNG to write (<run dir>/curves.png)")
+    plot.add_argument(
+        "--output", "-o", default=None,
+        help="PNG to write (<run dir>/curves.png, or goodput.png with --goodput)",
+    )  # fmt: skip
+    plot.add_argument(
+        "--goodput", action="store_true",
+        help="draw where each attempt's allocation went instead: one bar per attempt on the "
+        "run's clock (gaps: the queue), split into start-up, resume, steps, redone, "
+        "checkpoints, evaluation and other",
+    )  # fmt: skip
 
     export = _command(
         commands, "export", results.export, "write a model's weights from a checkpoint as one file"

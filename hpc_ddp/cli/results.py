@@ -32,11 +32,18 @@ def runs(args: argparse.Namespace) -> int:
 
 
 def plot(args: argparse.Namespace) -> int:
-    from hpc_ddp.view.plot import save_plot
     from hpc_ddp.view.runs import find_run
 
     run = find_run(args.run, Path(args.output_dir))
-    print(save_plot(run, Path(args.output) if args.output else None))
+    output = Path(args.output) if args.output else None
+    if args.goodput:
+        from hpc_ddp.view.goodput import save_goodput_plot
+
+        print(save_goodput_plot(run, output))
+    else:
+        from hpc_ddp.view.plot import save_plot
+
+        print(save_plot(run, output))
     return 0
 
 

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.monitor.account import is_number
+from hpc_ddp.runtime.preempt.progress import read_attempts
 from hpc_ddp.runtime.tracking.journal import read_metrics
 from hpc_ddp.view.runs import RunView, metric_kind
 
@@ -63,10 +65,36 @@ def base_name(label: str) -> str:
     return name
 
 
+def resume_steps(run_dir: Path) -> list[tuple[int, int]]:
+    """(attempt number, step it resumed from) of every attempt after the first."""
+    attempts = read_attempts(run_dir)
+    return [
+        (number, int(attempt["from_step"]))
+        for number, attempt in enumerate(attempts, 1)
+        if number > 1 and is_number(attempt["from_step"])
+    ]
+
+
+def mark_attempts(axes: Any, resumes: list[tuple[int, int]]) -> None:
+    """A dotted line where later attempts took over, named at the top of the panel (one
+    line for attempts that resumed from the same step: a crash before the next checkpoint)."""
+    at_step: dict[int, list[int]] = {}
+    for number, step in resumes:
+        at_step.setdefault(step, []).append(number)
+    for step, numbers in at_step.items():
+        plural = "s" if len(numbers) > 1 else ""
+        named = f" attempt{plural} {', '.join(map(str, numbers))}"
+        axes.axvline(step, color="0.45", linestyle=":", linewidth=1, zorder=1)
+        axes.text(
+            step, 0.99, named, transform=axes.get_xaxis_transform(), fontsize="x-small",
+            color="0.35", va="top", ha="left",
+        )  # fmt: skip
+
+
 def plot_run(run: RunView) -> Any:
     """A matplotlib Figure: a panel of losses (log axis) and one of scores such as accuracy,
     each metric in one colour for its interval (thin line), epoch (dots) and validation
-    (squares, dashed) series."""
+    (squares, dashed) series; a dotted line where each attempt after the first resumed."""
     train, val = curves(run.path)
     if not train and not val:
         raise HpcDdpError(
@@ -100,6 +128,7 @@ def plot_run(run: RunView) -> Any:
             value > 0 for _label, (_steps, values), _kind in members for value in values
         ):
             axes.set_yscale("log")
+        mark_attempts(axes, resume_steps(run.path))
         axes.set_title(title)
         axes.set_xlabel("step")
         axes.grid(alpha=0.3, which="both")
@@ -113,8 +142,11 @@ def plot_run(run: RunView) -> Any:
 
 def save_plot(run: RunView, output: Path | None = None) -> Path:
     """Write the run's curves as a PNG (default ``<run dir>/curves.png``); returns its path."""
-    figure = plot_run(run)
-    path = output or run.path / "curves.png"
+    return write_figure(plot_run(run), output or run.path / "curves.png")
+
+
+def write_figure(figure: Any, path: Path) -> Path:
+    """Save ``figure`` to ``path`` in the format its extension names; returns the path."""
     kinds = figure.canvas.get_supported_filetypes()
     if path.is_dir() or path.suffix.lower().lstrip(".") not in kinds:
         seen = "a directory" if path.is_dir() else f"extension {path.suffix!r}"

@@ -1,0 +1,126 @@
+"""The attempts in `hpc-ddp plot`: with --goodput, one bar per attempt on the run's clock,
+split into its account's parts; in the curves, a line where each attempt resumed. From a
+run's attempts.json and metrics.jsonl as rank 0 keeps them (no process is started)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from matplotlib.colors import to_rgba
+from matplotlib.figure import Figure
+from matplotlib.image import imread
+
+from hpc_ddp.cli import main
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.monitor.account import AttemptTimes, attempt_account, unsplit_account
+from hpc_ddp.view.goodput import PART_COLOURS, attempt_bars, plot_goodput
+from hpc_ddp.view.plot import mark_attempts, plot_run
+from hpc_ddp.view.runs import load_run
+
+
+def three_attempts() -> list[dict[str, Any]]:
+    """Stopped by the warning signal at step 100; killed outright after logging step 140;
+    resumed from step 100 to the end (40 steps redone). The job waited 30 s and 60 s."""
+    first_times = AttemptTimes(steps_s=80.0, checkpoint_s=4.0, paused_before_training_s=0.0)
+    first = attempt_account({"process_start_unix": 1000.0, "training_unix": 1010.0}, 1100.0,
+                            first_times, 100, 0)  # fmt: skip
+    third = attempt_account({"process_start_unix": 1230.0, "training_unix": 1238.0}, 1330.0,
+                            AttemptTimes(steps_s=84.0, resume_s=2.0), 140, 40)  # fmt: skip
+    return [
+        {"from_step": 0, "status": "stopped", "last_step": 100, "ranks": 2,
+         "start_unix": 1000.0, "end_unix": 1100.0, "account": first},
+        {"from_step": 100, "status": "killed", "last_step": 140, "ranks": 2,
+         "start_unix": 1130.0, "end_unix": 1170.0, "account": unsplit_account(40.0)},
+        {"from_step": 100, "status": "finished", "last_step": 240, "ranks": 2,
+         "start_unix": 1230.0, "end_unix": 1330.0, "account": third},
+    ]  # fmt: skip
+
+
+def run_with(tmp_path: Path, attempts: list[dict[str, Any]]) -> Path:
+    run_dir = tmp_path / "runs" / "digits" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": "finished", "global_step": 240}))
+    (run_dir / "attempts.json").write_text(json.dumps(attempts))
+    return run_dir
+
+
+def test_each_attempt_is_a_bar_at_its_start_split_into_its_parts() -> None:
+    first, killed, third = attempt_bars(three_attempts())
+    assert [bar.start_s for bar in (first, killed, third)] == [0.0, 130.0, 230.0]
+    assert first.parts == {"startup": 10.0, "resume": 0.0, "steps": 80.0, "redone": 0.0,
+                           "checkpoint": 4.0, "evaluation": 0.0, "other": 6.0}  # fmt: skip
+    assert sum(first.parts.values()) == 100.0, "a bar is as long as the attempt's allocation"
+    assert third.parts["redone"] == pytest.approx(84.0 * 40 / 140, abs=1e-3)
+    assert killed.unsplit and killed.parts["other"] == 40.0
+    assert killed.label == "attempt 2: killed, last logged at step 140, not split"
+    assert first.label == "attempt 1: stopped at step 100, goodput 80%"
+    no_times = attempt_bars([{**three_attempts()[0], "start_unix": None}, {"from_step": 100}])
+    assert no_times[1].start_s == 100.0 and no_times[1].parts == {}, (
+        "without a start time an attempt follows the one before; without an account it has no parts"
+    )
+
+
+def test_the_picture_draws_every_part_where_it_happened(tmp_path: Path) -> None:
+    run = load_run(run_with(tmp_path, three_attempts()))
+    assert run is not None
+    figure = plot_goodput(run)
+    [axes] = figure.axes
+    drawn = [(patch.get_x(), patch.get_width(), patch.get_facecolor()) for patch in axes.patches]
+    assert len(drawn) == 4 + 1 + 5, "the parts above zero of the three attempts"
+    # 330 s from the first start to the last end: drawn in minutes.
+    assert axes.get_xlabel() == "min since the first attempt began (gaps: waiting in the queue)"
+    redone = to_rgba(PART_COLOURS["redone"])
+    red = [(x * 60, width * 60) for x, width, colour in drawn if colour == redone]
+    # The third attempt: start-up 6 s, resume 2 s, 60 s of new steps, then the 24 s redone.
+    assert red == [pytest.approx((230.0 + 6.0 + 2.0 + 60.0, 24.0))]
+    hatched = [patch for patch in axes.patches if patch.get_hatch()]
+    assert [(p.get_x() * 60, p.get_width() * 60) for p in hatched] == [pytest.approx((130.0, 40.0))]
+    title = figure.get_suptitle()
+    assert title == "digits/a: goodput 58% of 4 min allocated, 0.133 rank-hours, 1.5 min queued"
+    legend = [text.get_text() for text in figure.legends[0].get_texts()]
+    assert legend == ["startup", "resume", "steps", "redone", "checkpoint", "other",
+                      "killed, not split"]  # fmt: skip
+
+
+def test_plot_goodput_writes_a_png_and_refuses_a_run_with_no_account(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = run_with(tmp_path, three_attempts())
+    assert main(["plot", str(run_dir), "--goodput"]) == 0
+    assert capsys.readouterr().out.strip() == str(run_dir / "goodput.png")
+    height, width, _ = imread(run_dir / "goodput.png").shape
+    assert (width, height) == (1100, 325)
+    empty = run_with(tmp_path / "other", [{"from_step": 0}])
+    with pytest.raises(HpcDdpError, match="has no time account yet"):
+        plot_goodput(load_run(empty))  # type: ignore[arg-type]
+    assert main(["plot", str(empty), "--goodput"]) == 2
+    assert "HINT: each attempt writes its account" in capsys.readouterr().err
+
+
+def test_the_curves_mark_where_each_later_attempt_resumed(tmp_path: Path) -> None:
+    run_dir = run_with(tmp_path, three_attempts())
+    points = [
+        {"step": step, "global_step": step, "epoch": 0, "time": 1000.0 + step,
+         "metrics": {"interval/loss": 1.0 / step, "interval/accuracy": step / 300}}
+        for step in range(10, 241, 10)
+    ]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(p) + "\n" for p in points))
+    run = load_run(run_dir)
+    assert run is not None
+    figure = plot_run(run)
+    assert len(figure.axes) == 2, "losses and scores"
+    for axes in figure.axes:
+        dotted = [line.get_xdata() for line in axes.lines if line.get_linestyle() == ":"]
+        assert [list(x) for x in dotted] == [[100, 100]], "one line for attempts 2 and 3"
+        assert [text.get_text() for text in axes.texts] == [" attempts 2, 3"]
+    assert mark_texts([(2, 100), (3, 180)]) == [" attempt 2", " attempt 3"]
+
+
+def mark_texts(resumes: list[tuple[int, int]]) -> list[str]:
+    figure = Figure()
+    axes = figure.add_subplot(1, 1, 1)
+    mark_attempts(axes, resumes)
+    return [text.get_text() for text in axes.texts]
