@@ -1,6 +1,6 @@
 """`hpc-ddp check-resume` on real local ranks: a script per mistake that breaks a resume, each
 named with its likely cause (exit 1), and scripts whose resume is exact (exit 0): the
-README's, the three examples, a clean one."""
+README's, the three examples, a clean one (its ranks started by torchrun too)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ def test_a_mistake_that_breaks_the_resume_is_found_and_named(
 @pytest.mark.parametrize(
     "program",
     [
-        pytest.param([MISTAKES, "clean"], id="clean"),
+        # The clean script under local ranks is checked with --world-size-change below.
+        pytest.param(["--launcher", "torchrun", MISTAKES, "clean"], id="clean-torchrun"),
         pytest.param(["train.py"], id="readme"),
         # Each example's resume is pinned bitwise by test_examples.py: these repeat it
         # through the check (make test-all).
@@ -77,6 +78,8 @@ def test_a_script_that_resumes_exactly_passes_the_check(program: list[str], tmp_
         "check-resume: resume is exact for this script (30 steps, stopped at 15)\n"
     ), result.stdout
     assert not list(tmp_path.glob("runs")), "the check's runs are its own, removed when exact"
+    launcher = "torchrun" if "torchrun" in program else "local"
+    assert f"(3 runs on 2 {launcher} ranks took " in result.stdout
 
 
 @pytest.mark.e2e

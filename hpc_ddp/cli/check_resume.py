@@ -1,24 +1,28 @@
 """``hpc-ddp check-resume``: proves a resume exact on the user's own script. It runs the script
 on local ranks twice for the same steps, once never stopped and once stopped at a step (an
 agreed stop with a checkpoint, as on a preemption) and resumed, then compares what both
-saved and logged (:mod:`hpc_ddp.view.resume_check`)."""
+saved and logged (:mod:`hpc_ddp.view.resume_check`). The ranks start as ``hpc-ddp local``
+starts them, or under torchrun (``--launcher torchrun``), the launcher of the torchrun job
+template."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.cli.commands import local_words, program_arguments
+from hpc_ddp.cli.commands import local_words, program_arguments, with_settings
 from hpc_ddp.launch.program import DEFAULT_CONFIG, Program
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.safefiles import folder_made
+from hpc_ddp.runtime.tracking.journal import read_status
 
 #: The exit code of a check that found a difference (bad input exits 2).
 EXIT_DIFFERS = 1
@@ -34,14 +38,24 @@ def _launch(
     phase: str,
     nproc: int | None = None,
 ) -> tuple[int, float]:
-    """``hpc-ddp local`` on ``nproc`` ranks (default --nproc) with the program, the user's
-    settings and then ``settings`` (which win), its output kept in ``folder/<phase>.log``:
-    its exit code and how long it ran."""
-    words = local_words(nproc or args.nproc, [*args.settings, *settings], program)
-    command = [sys.executable, "-m", "hpc_ddp", "local", *words]
+    """The program on ``nproc`` ranks (default --nproc) started by --launcher, with the
+    user's settings and then ``settings`` (which win), its output kept in
+    ``folder/<phase>.log``: its exit code and how long it ran."""
+    ranks = nproc or args.nproc
+    environ: Mapping[str, str] = os.environ
+    if args.launcher == "torchrun":
+        environ = with_settings(os.environ, [*args.settings, *settings])
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={ranks}", "--max-restarts=0",
+                   *program.python_args()]  # fmt: skip
+    else:
+        words = local_words(ranks, [*args.settings, *settings], program)
+        command = [sys.executable, "-m", "hpc_ddp", "local", *words]
     began = time.monotonic()
     with open(folder / f"{phase}.log", "w") as log:
-        code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+        code = subprocess.run(
+            command, stdout=log, stderr=subprocess.STDOUT, env=environ, check=False
+        ).returncode
     return code, time.monotonic() - began
 
 
@@ -53,8 +67,25 @@ def _ran(code: int, phase: str, folder: Path, expected: tuple[int, ...]) -> None
     raise HpcDdpError(
         f"the {phase} run exited with code {code} (its last lines are above; all of it in "
         f"{folder / (phase + '.log')})",
-        "make the script run under `hpc-ddp local` first, then check its resume",
+        "make the script run under that launcher first (hpc-ddp local, or torchrun), then "
+        "check its resume",
     )
+
+
+#: What torchrun's agent exits with when a worker exited with another code than 0 (the stop's
+#: own code included: torchrun reports it as a failed worker).
+TORCHRUN_WORKER_FAILED = 1
+
+
+def _stop_code(code: int, output: Path, run_id: str, launcher: str) -> int:
+    """The run's exit code as ``hpc-ddp local`` gives it: under torchrun, which reports any
+    worker's non-zero exit as its own 1, a run its record says stopped exited with the stop's
+    code."""
+    if launcher != "torchrun" or code != TORCHRUN_WORKER_FAILED:
+        return code
+    found = sorted(output.glob(f"*/{run_id}"))
+    state = (read_status(found[0]) or {}).get("state") if found else None
+    return EXIT_STOPPED if state == "stopped" else code
 
 
 def _run_dir(output: Path, run_id: str) -> Path:
@@ -69,6 +100,13 @@ def _run_dir(output: Path, run_id: str) -> Path:
 
 def add_arguments(parser: argparse.ArgumentParser, whole_number: Any) -> None:
     """check-resume's options (``whole_number(minimum)``: app.py's argparse type)."""
+    parser.add_argument(
+        "--launcher",
+        choices=("local", "torchrun"),
+        default="local",
+        help="how each run starts its ranks: as `hpc-ddp local` does (default), or under "
+        "torchrun --standalone, as the torchrun job template does on each node",
+    )
     parser.add_argument(
         "--nproc", type=whole_number(1), default=2, help="number of ranks (default 2)"
     )
@@ -184,7 +222,7 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
     ended = (0, EXIT_STOPPED)
     straight_settings = [*common, "run.id=straight", f"preempt.stop_at_step={steps}"]
     code, straight_s = _launch(args, program, straight_settings, folder, "straight")
-    _ran(code, "straight", folder, ended)
+    _ran(_stop_code(code, output, "straight", args.launcher), "straight", folder, ended)
     straight_step, straight = saved_state(_run_dir(output, "straight"))
     if straight_step == 0:
         raise HpcDdpError(
@@ -202,11 +240,11 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
     resumed_settings = [*common, "run.id=resumed"]
     code, stopped_s = _launch(args, program, [*resumed_settings, f"preempt.stop_at_step={stop}"],
                               folder, "stopped")  # fmt: skip
-    _ran(code, "stopped", folder, (EXIT_STOPPED,))
+    _ran(_stop_code(code, output, "resumed", args.launcher), "stopped", folder, (EXIT_STOPPED,))
     resumed_on = args.world_size_change or args.nproc
     code, resumed_s = _launch(args, program, [*resumed_settings, f"preempt.stop_at_step={steps}"],
                               folder, "resumed", resumed_on)  # fmt: skip
-    _ran(code, "resumed", folder, ended)
+    _ran(_stop_code(code, output, "resumed", args.launcher), "resumed", folder, ended)
     resumed_dir = _run_dir(output, "resumed")
     resumed_step, resumed = saved_state(resumed_dir)
     tolerance, across = None, ""
@@ -230,5 +268,6 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
         print(f"  the runs and their logs are kept in {folder}")
     cost = straight_s + stopped_s + resumed_s
     ranks = f"{args.nproc}" if resumed_on == args.nproc else f"{args.nproc} and {resumed_on}"
-    print(f"  (3 runs on {ranks} local ranks took {cost:.0f} s)")
+    launcher = "torchrun" if args.launcher == "torchrun" else "local"
+    print(f"  (3 runs on {ranks} {launcher} ranks took {cost:.0f} s)")
     return answer.exact
