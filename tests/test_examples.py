@@ -24,6 +24,15 @@ from tests.helpers import REPO, clean_environ, read_summary, run_local_program
 from tests.records import final_weights
 
 QUIET = ("tracking.enabled=false", "preempt.check_every_steps=1")
+#: What the language model's sample is worth: its 32-token context, and FLOPs against a
+#: peak given for the CPU (no table has one), so its MFU is logged too.
+LM_WORTH = (
+    "monitor.tokens_per_sample=32", "monitor.flops_per_sample=4e6", "monitor.peak_tflops=0.01"
+)  # fmt: skip
+
+
+def quiet(example: Example) -> tuple[str, ...]:
+    return (*QUIET, *LM_WORTH) if example is LM else QUIET
 
 
 def arguments(example: Example, nproc: int, output: Path) -> list[str]:
@@ -36,7 +45,7 @@ def arguments(example: Example, nproc: int, output: Path) -> list[str]:
 
 
 def run_example(example: Example, nproc: int, output: Path, run_id: str) -> str:
-    environment = clean_environ(**settings(output, run_id, *QUIET))
+    environment = clean_environ(**settings(output, run_id, *quiet(example)))
     result = run_local_program(nproc, arguments(example, nproc, output), environment=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
@@ -67,7 +76,7 @@ STOP_AT = {"lm": 45, "digits_cnn": 100, "tutorial": 200}
 def stop_mid_epoch(example: Example, output: Path, run_id: str) -> str:
     """2 ranks stopped as by the warning signal after :data:`STOP_AT`; the whole log."""
     environment = clean_environ(
-        **settings(output, run_id, *QUIET, f"preempt.stop_at_step={STOP_AT[example.name]}")
+        **settings(output, run_id, *quiet(example), f"preempt.stop_at_step={STOP_AT[example.name]}")
     )
     result = run_local_program(2, arguments(example, 2, output), environment=environment)
     log = result.stdout + result.stderr
@@ -92,6 +101,16 @@ def test_two_ranks_train_to_the_stated_threshold(runs: Runs) -> None:
     else:
         value = read_summary(output, example.name, "w2")[metric]
     assert value > bound if metric.endswith("accuracy") else value < bound, (metric, value)
+    if example is LM:  # what its samples/s is worth, from the monitor settings
+        intervals = [entry["metrics"] for entry in read_metrics(run_dir(output, example, "w2"))
+                     if "interval/samples_per_s" in entry["metrics"]]  # fmt: skip
+        assert len(intervals) > 5
+        for metrics in intervals:
+            samples_per_s = metrics["interval/samples_per_s"]
+            assert metrics["interval/tokens_per_s"] == pytest.approx(32 * samples_per_s)
+            assert metrics["interval/tflops"] == pytest.approx(4e6 * samples_per_s / 1e12)
+            mfu = 100 * metrics["interval/tflops"] / (0.01 * 2)
+            assert metrics["interval/mfu_percent"] == pytest.approx(mfu)
 
 
 @pytest.mark.e2e

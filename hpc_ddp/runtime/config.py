@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -390,6 +391,23 @@ class MonitorConfig:
         "log intervals in a row, rank 0 names the rank and the loader's settings once, with a "
         "HINT (workers, pinned memory, prefetch). 100: never said.",
     )
+    tokens_per_sample: float = setting(
+        0.0,
+        "Tokens in one sample (a language model's sequence length): with it, each interval "
+        "logs its tokens/s (interval/tokens_per_s) beside samples/s. 0: not said.",
+    )
+    flops_per_sample: float = setting(
+        0.0,
+        "Floating-point operations to train on one sample, forward and backward (about 6 x "
+        "parameters x tokens for a transformer): with it, each interval logs the TFLOP/s "
+        "achieved over all ranks (interval/tflops) and, where a device's peak is known, the "
+        "model FLOPs utilisation (interval/mfu_percent). 0: not said.",
+    )
+    peak_tflops: float = setting(
+        0.0,
+        "Peak TFLOP/s of one device, for the MFU. 0: a GPU's dense bf16 peak from the table "
+        "of common GPUs (none on CPU: only the TFLOP/s achieved is logged).",
+    )
 
     def __post_init__(self) -> None:
         require(
@@ -398,6 +416,9 @@ class MonitorConfig:
             self.data_wait_percent,
             "above 0 and at most 100",
         )
+        for name in ("tokens_per_sample", "flops_per_sample", "peak_tflops"):
+            value = getattr(self, name)
+            require(math.isfinite(value) and value >= 0, f"monitor.{name}", value, "a number >= 0")
 
 
 @dataclass(frozen=True)

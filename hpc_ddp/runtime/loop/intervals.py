@@ -21,12 +21,25 @@ from hpc_ddp.runtime.monitor.datawait import (
     data_wait_shares,
     loader_settings,
 )
+from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS, Throughput, throughput
 from hpc_ddp.runtime.names import check_name
 
 #: Interval metrics the run logs itself (as interval/<name>).
 RESERVED_METRICS = frozenset(
-    {"lr", "samples_per_s", "steps_per_s", "data_wait_percent", "data_wait_percent_max"}
-)
+    {"lr", "samples_per_s", "steps_per_s", "data_wait_percent", "data_wait_percent_max",
+     *THROUGHPUT_METRICS}
+)  # fmt: skip
+
+
+def run_throughput(context: RunContext) -> Throughput:
+    """What the run's samples are worth (the monitor settings), on this rank's device."""
+    device = context.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    monitor = context.config.monitor
+    return throughput(
+        monitor.tokens_per_sample, monitor.flops_per_sample, monitor.peak_tflops, name,
+        context.env.world_size,
+    )  # fmt: skip
 
 
 def check_logged_name(name: object) -> None:
@@ -76,6 +89,7 @@ class MetricLog:
         self._data_wait_alarm = DataWaitAlarm(context.config.monitor.data_wait_percent)
         self._loader_settings = ""
         self._data_timed = True
+        self._throughput = run_throughput(context)
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
         """A training metric's total over ``count`` items (see :meth:`hpc_ddp.Run.log`);
@@ -184,6 +198,10 @@ class MetricLog:
             samples_per_s = steps_per_s * self.global_batch_size
             rate = f"{samples_per_s:,.0f} samples/s"
             metrics["interval/samples_per_s"] = samples_per_s
+            worth = self._throughput.metrics(samples_per_s)
+            metrics.update({f"interval/{name}": value for name, value in worth.items()})
+            if "tokens_per_s" in worth:
+                rate += f", {worth['tokens_per_s']:,.0f} tokens/s"
         else:  # a user's batches of no known size
             rate = f"{steps_per_s:,.2f} steps/s"
             metrics["interval/steps_per_s"] = steps_per_s
