@@ -15,9 +15,9 @@ from matplotlib.image import imread
 
 from hpc_ddp.cli import main
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.monitor.account import AttemptTimes, attempt_account, unsplit_account
-from hpc_ddp.view.goodput import PART_COLOURS, attempt_bars, plot_goodput
-from hpc_ddp.view.plot import mark_attempts, plot_run
+from hpc_ddp.runtime.monitor.account import PARTS, AttemptTimes, attempt_account, unsplit_account
+from hpc_ddp.view.goodput import DRAWN, PART_COLOURS, attempt_bars, plot_goodput
+from hpc_ddp.view.plot import mark_attempts, plot_run, resume_steps
 from hpc_ddp.view.runs import load_run
 
 
@@ -61,6 +61,7 @@ def test_each_attempt_is_a_bar_at_its_start_split_into_its_parts() -> None:
     assert no_times[1].start_s == 100.0 and no_times[1].parts == {}, (
         "without a start time an attempt follows the one before; without an account it has no parts"
     )
+    assert no_times[1].label == "attempt 2: no account (running, or ended unseen)"
 
 
 def test_the_picture_draws_every_part_where_it_happened(tmp_path: Path) -> None:
@@ -71,17 +72,25 @@ def test_the_picture_draws_every_part_where_it_happened(tmp_path: Path) -> None:
     drawn = [(patch.get_x(), patch.get_width(), patch.get_facecolor()) for patch in axes.patches]
     assert len(drawn) == 4 + 1 + 5, "the parts above zero of the three attempts"
     # 330 s from the first start to the last end: drawn in minutes.
-    assert axes.get_xlabel() == "min since the first attempt began (gaps: waiting in the queue)"
+    assert axes.get_xlabel() == (
+        "min since the first attempt began (gaps: the queue, or a killed attempt's time after "
+        "its last log)"
+    )
     redone = to_rgba(PART_COLOURS["redone"])
     red = [(x * 60, width * 60) for x, width, colour in drawn if colour == redone]
-    # The third attempt: start-up 6 s, resume 2 s, 60 s of new steps, then the 24 s redone.
-    assert red == [pytest.approx((230.0 + 6.0 + 2.0 + 60.0, 24.0))]
+    # The third attempt: start-up 6 s, resume 2 s, then the 24 s redone (the first steps after
+    # the resume), then 60 s of new steps.
+    assert red == [pytest.approx((230.0 + 6.0 + 2.0, 24.0))]
+    green = [(x * 60, width * 60) for x, width, colour in drawn
+             if colour == to_rgba(PART_COLOURS["steps"])]  # fmt: skip
+    assert green == [pytest.approx((10.0, 80.0)), pytest.approx((262.0, 60.0))]
+    assert sorted(DRAWN) == sorted(PARTS), "every part drawn"
     hatched = [patch for patch in axes.patches if patch.get_hatch()]
     assert [(p.get_x() * 60, p.get_width() * 60) for p in hatched] == [pytest.approx((130.0, 40.0))]
     title = figure.get_suptitle()
     assert title == "digits/a: goodput 58% of 4 min allocated, 0.133 rank-hours, 1.5 min queued"
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
-    assert legend == ["startup", "resume", "steps", "redone", "checkpoint", "other",
+    assert legend == ["startup", "resume", "redone", "steps", "checkpoint", "other",
                       "killed, not split"]  # fmt: skip
 
 
@@ -124,3 +133,12 @@ def mark_texts(resumes: list[tuple[int, int]]) -> list[str]:
     axes = figure.add_subplot(1, 1, 1)
     mark_attempts(axes, resumes)
     return [text.get_text() for text in axes.texts]
+
+
+def test_a_damaged_resume_step_is_passed_over(tmp_path: Path) -> None:
+    attempts: list[dict[str, Any]] = [
+        {"from_step": 0}, {"from_step": float("nan")}, {"from_step": 1e400},
+        {"from_step": 12.5}, {"from_step": True}, {"from_step": 40},
+    ]  # fmt: skip
+    run_dir = run_with(tmp_path, attempts)
+    assert resume_steps(run_dir) == [(6, 40)]

@@ -56,7 +56,7 @@ def test_a_mistake_that_breaks_the_resume_is_found_and_named(
 @pytest.mark.parametrize(
     "program",
     [
-        # The clean script under local ranks is checked with --world-size-change below.
+        # Under local ranks a clean script is the README's, next.
         pytest.param(["--launcher", "torchrun", MISTAKES, "clean"], id="clean-torchrun"),
         pytest.param(["train.py"], id="readme"),
         # Each example's resume is pinned bitwise by test_examples.py: these repeat it

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from hpc_ddp.cli.app import main
+from hpc_ddp.cli.check_resume import check_environment, stop_code
+from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.view.resume_check import (
     Difference,
     Tolerance,
@@ -162,3 +164,27 @@ def test_a_folder_holding_an_earlier_checks_runs_is_refused_before_any_run(
     assert main(["check-resume", "--world-size-change", "1", "--atol", "-1", script]) == 2
     error = capsys.readouterr().err
     assert "--atol -1.0 is not a tolerance" in error and "HINT: give a number >= 0" in error
+
+
+def test_torchruns_exit_1_is_a_stop_only_where_this_launch_recorded_it() -> None:
+    """torchrun exits 1 for any worker's non-zero exit, the stop's (3) included: the run's
+    record tells them apart, and a launch that failed before writing one leaves the earlier
+    stop's record, which must not pass for its own."""
+    stopped = {"state": "stopped", "global_step": 20, "updated": 1000.0}
+    assert stop_code(1, stopped, launched_unix=990.0, at_step=20) == EXIT_STOPPED
+    assert stop_code(1, stopped, launched_unix=1010.0, at_step=20) == 1, "an earlier launch's"
+    assert stop_code(1, stopped, launched_unix=990.0, at_step=40) == 1, "stopped elsewhere"
+    assert stop_code(1, {**stopped, "state": "failed"}, 990.0, 20) == 1
+    assert stop_code(1, None, 990.0, 20) == 1
+    assert stop_code(0, stopped, 990.0, 20) == 0 and stop_code(2, stopped, 990.0, 20) == 2
+
+
+def test_the_checks_runs_inherit_no_surrounding_launch() -> None:
+    inside_a_job = {
+        "SLURM_JOB_ID": "7", "RANK": "3", "MASTER_PORT": "29500", "PET_NNODES": "2",
+        "TORCHELASTIC_RESTART_COUNT": "1", "HOME": "/home/a", "PATH": "/bin",
+    }  # fmt: skip
+    assert check_environment(inside_a_job) == {
+        "HOME": "/home/a", "PATH": "/bin", "GLOO_SOCKET_IFNAME": "lo"
+    }  # fmt: skip
+    assert check_environment({"GLOO_SOCKET_IFNAME": "eth0"}) == {"GLOO_SOCKET_IFNAME": "eth0"}

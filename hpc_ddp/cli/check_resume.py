@@ -33,30 +33,38 @@ RTOL, ATOL = 1e-3, 1e-5
 def _launch(
     args: argparse.Namespace,
     program: Program,
-    settings: Sequence[str],
     folder: Path,
+    common: Sequence[str],
+    run_id: str,
+    stop_at: int,
     phase: str,
     nproc: int | None = None,
 ) -> tuple[int, float]:
-    """The program on ``nproc`` ranks (default --nproc) started by --launcher, with the
-    user's settings and then ``settings`` (which win), its output kept in
-    ``folder/<phase>.log``: its exit code and how long it ran."""
+    """Run ``run_id`` of the program to ``stop_at`` on ``nproc`` ranks (default --nproc)
+    started by --launcher, with the user's settings and then ``common`` (which win), its
+    output kept in ``<folder>/<phase>.log``: its exit code (as ``hpc-ddp local`` gives it;
+    see :func:`stop_code`) and how long it ran."""
+    settings = [*args.settings, *common, f"run.id={run_id}", f"preempt.stop_at_step={stop_at}"]
     ranks = nproc or args.nproc
-    environ: Mapping[str, str] = os.environ
+    environ = check_environment(os.environ)
     if args.launcher == "torchrun":
-        environ = with_settings(os.environ, [*args.settings, *settings])
+        environ = with_settings(environ, settings)
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={ranks}", "--max-restarts=0",
                    *program.python_args()]  # fmt: skip
     else:
-        words = local_words(ranks, [*args.settings, *settings], program)
-        command = [sys.executable, "-m", "hpc_ddp", "local", *words]
-    began = time.monotonic()
+        command = [sys.executable, "-m", "hpc_ddp", "local",
+                   *local_words(ranks, settings, program)]  # fmt: skip
+    began, launched_unix = time.monotonic(), time.time()
     with open(folder / f"{phase}.log", "w") as log:
         code = subprocess.run(
             command, stdout=log, stderr=subprocess.STDOUT, env=environ, check=False
         ).returncode
-    return code, time.monotonic() - began
+    seconds = time.monotonic() - began
+    if args.launcher == "torchrun":
+        found = sorted((folder / "runs").glob(f"*/{run_id}"))
+        code = stop_code(code, read_status(found[0]) if found else None, launched_unix, stop_at)
+    return code, seconds
 
 
 def _ran(code: int, phase: str, folder: Path, expected: tuple[int, ...]) -> None:
@@ -77,15 +85,43 @@ def _ran(code: int, phase: str, folder: Path, expected: tuple[int, ...]) -> None
 TORCHRUN_WORKER_FAILED = 1
 
 
-def _stop_code(code: int, output: Path, run_id: str, launcher: str) -> int:
-    """The run's exit code as ``hpc-ddp local`` gives it: under torchrun, which reports any
-    worker's non-zero exit as its own 1, a run its record says stopped exited with the stop's
-    code."""
-    if launcher != "torchrun" or code != TORCHRUN_WORKER_FAILED:
+def stop_code(
+    code: int, status: Mapping[str, Any] | None, launched_unix: float, at_step: int
+) -> int:
+    """A run's exit code under torchrun as ``hpc-ddp local`` gives it: torchrun reports any
+    worker's non-zero exit as its own 1, the stop's included, so a 1 is the stop's code where
+    the run's record (``status``) says this launch stopped at ``at_step`` (written after it
+    began: a launch that failed before writing leaves the earlier stop's record)."""
+    if code != TORCHRUN_WORKER_FAILED or status is None:
         return code
-    found = sorted(output.glob(f"*/{run_id}"))
-    state = (read_status(found[0]) or {}).get("state") if found else None
-    return EXIT_STOPPED if state == "stopped" else code
+    updated = status.get("updated")
+    stopped_here = (
+        status.get("state") == "stopped"
+        and status.get("global_step") == at_step
+        and isinstance(updated, int | float)
+        and updated >= launched_unix
+    )
+    return EXIT_STOPPED if stopped_here else code
+
+
+def check_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without what a surrounding launch set (a Slurm job's ids, a torchrun
+    rank's place): the check's runs are its own, on this machine's loopback."""
+    kept = {
+        key: value
+        for key, value in environ.items()
+        if not key.startswith(LAUNCH_PREFIXES) and key not in LAUNCH_NAMES
+    }
+    kept.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return kept
+
+
+#: Variables of a surrounding launch that the check's runs must not inherit.
+LAUNCH_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "TORCHELASTIC_", "PET_")
+LAUNCH_NAMES = frozenset(
+    {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+     "MASTER_ADDR", "MASTER_PORT", "SLURMD_NODENAME"}
+)  # fmt: skip
 
 
 def _run_dir(output: Path, run_id: str) -> Path:
@@ -104,8 +140,8 @@ def add_arguments(parser: argparse.ArgumentParser, whole_number: Any) -> None:
         "--launcher",
         choices=("local", "torchrun"),
         default="local",
-        help="how each run starts its ranks: as `hpc-ddp local` does (default), or under "
-        "torchrun --standalone, as the torchrun job template does on each node",
+        help="how each run starts its ranks: as `hpc-ddp local` does (default), or with "
+        "torchrun --standalone (the launcher the torchrun job template runs on each node)",
     )
     parser.add_argument(
         "--nproc", type=whole_number(1), default=2, help="number of ranks (default 2)"
@@ -216,13 +252,14 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
     output = folder / "runs"
     # On CPU (the same kernels in every run), and interval metrics at every step where the
     # script sets no cadence, so the logged steps do not depend on the machine's pace.
+    # Never a requeue: the rehearsed stop is the warning signal's, which would requeue a
+    # surrounding Slurm job.
     common = [f"run.output_dir={output}", "tracking.enabled=false", "checkpoint.enabled=true",
-              "run.log_interval=1", "dist.device=cpu"]  # fmt: skip
+              "run.log_interval=1", "dist.device=cpu", "preempt.requeue=false"]  # fmt: skip
     steps = args.steps
     ended = (0, EXIT_STOPPED)
-    straight_settings = [*common, "run.id=straight", f"preempt.stop_at_step={steps}"]
-    code, straight_s = _launch(args, program, straight_settings, folder, "straight")
-    _ran(_stop_code(code, output, "straight", args.launcher), "straight", folder, ended)
+    code, straight_s = _launch(args, program, folder, common, "straight", steps, "straight")
+    _ran(code, "straight", folder, ended)
     straight_step, straight = saved_state(_run_dir(output, "straight"))
     if straight_step == 0:
         raise HpcDdpError(
@@ -237,14 +274,13 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
             f"step {stop}",
             "give a --stop-at below that, or let the script train more steps",
         )
-    resumed_settings = [*common, "run.id=resumed"]
-    code, stopped_s = _launch(args, program, [*resumed_settings, f"preempt.stop_at_step={stop}"],
-                              folder, "stopped")  # fmt: skip
-    _ran(_stop_code(code, output, "resumed", args.launcher), "stopped", folder, (EXIT_STOPPED,))
+    code, stopped_s = _launch(args, program, folder, common, "resumed", stop, "stopped")
+    _ran(code, "stopped", folder, (EXIT_STOPPED,))
     resumed_on = args.world_size_change or args.nproc
-    code, resumed_s = _launch(args, program, [*resumed_settings, f"preempt.stop_at_step={steps}"],
-                              folder, "resumed", resumed_on)  # fmt: skip
-    _ran(_stop_code(code, output, "resumed", args.launcher), "resumed", folder, ended)
+    code, resumed_s = _launch(
+        args, program, folder, common, "resumed", steps, "resumed", resumed_on
+    )
+    _ran(code, "resumed", folder, ended)
     resumed_dir = _run_dir(output, "resumed")
     resumed_step, resumed = saved_state(resumed_dir)
     tolerance, across = None, ""

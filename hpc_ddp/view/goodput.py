@@ -1,6 +1,8 @@
 """`hpc-ddp plot RUN --goodput`: where each attempt's allocation went, as a PNG: one bar per
-attempt, placed at its start on the run's clock (the gaps between bars are the time the job
-waited in the queue), split into the parts of its account."""
+attempt, placed at its start on the run's clock (the gaps between bars: the job waiting in
+the queue, or the time a killed attempt ran after its last logged interval), split into the
+parts of its account, in the order they mostly come (the steps redone after a resume before
+the new ones)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.monitor.account import PARTS, is_account, is_number, run_account
+from hpc_ddp.runtime.monitor.account import is_account, is_number, run_account
 from hpc_ddp.runtime.preempt.progress import read_attempts
 from hpc_ddp.view.plot import figure_class, write_figure
 from hpc_ddp.view.runs import RunView
@@ -25,6 +27,9 @@ PART_COLOURS = {
     "evaluation": "#8e24aa",
     "other": "#d7ccc8",
 }
+
+#: The parts in the order a bar draws them: an attempt's redone steps are its first ones.
+DRAWN = ("startup", "resume", "redone", "steps", "checkpoint", "evaluation", "other")
 
 #: The legend's name for an attempt killed outright, drawn hatched in one piece.
 KILLED = "killed, not split"
@@ -54,11 +59,16 @@ def attempt_bars(attempts: Sequence[Mapping[str, Any]]) -> list[AttemptBar]:
         account = attempt.get("account")
         start = attempt.get("start_unix")
         start_s = float(start) - origin if is_number(start) else next_free
-        parts = {part: float(account[f"{part}_s"]) for part in PARTS} if is_account(account) else {}
+        parts = {part: float(account[f"{part}_s"]) for part in DRAWN} if is_account(account) else {}
         unsplit = attempt.get("status") == "killed"
         step = attempt.get("last_step")
         if not parts:
-            label = f"attempt {number}: no account (killed before it could write one)"
+            why = (
+                "killed before it could write one"
+                if attempt.get("status")
+                else "running, or ended unseen"
+            )
+            label = f"attempt {number}: no account ({why})"
         elif unsplit:
             label = f"attempt {number}: killed, last logged at step {step}, not split"
         else:
@@ -110,13 +120,16 @@ def plot_goodput(run: RunView) -> Any:
             )  # fmt: skip
             labelled.add(name)
             left += value
-        if not bar.parts:
+        if not sum(bar.parts.values()):  # no account, or no time in it: a mark where it began
             axes.plot([left / seconds], [row], "x", color="black", markersize=8)
     axes.set_yticks([-bar.number for bar in bars], [bar.label for bar in bars])
-    axes.set_xlabel(f"{unit} since the first attempt began (gaps: waiting in the queue)")
+    axes.set_xlabel(
+        f"{unit} since the first attempt began (gaps: the queue, or a killed attempt's time "
+        "after its last log)"
+    )
     axes.set_xlim(left=0)
     axes.grid(axis="x", alpha=0.3)
-    order = [*PARTS, KILLED]
+    order = [*DRAWN, KILLED]
     handles, labels = axes.get_legend_handles_labels()
     ranked = sorted(zip(labels, handles, strict=True), key=lambda pair: order.index(pair[0]))
     figure.legend(

@@ -69,9 +69,9 @@ def resume_steps(run_dir: Path) -> list[tuple[int, int]]:
     """(attempt number, step it resumed from) of every attempt after the first."""
     attempts = read_attempts(run_dir)
     return [
-        (number, int(attempt["from_step"]))
+        (number, attempt["from_step"])
         for number, attempt in enumerate(attempts, 1)
-        if number > 1 and is_number(attempt["from_step"])
+        if number > 1 and is_number(attempt["from_step"]) and isinstance(attempt["from_step"], int)
     ]
 
 
