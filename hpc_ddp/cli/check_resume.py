@@ -304,6 +304,5 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
         print(f"  the runs and their logs are kept in {folder}")
     cost = straight_s + stopped_s + resumed_s
     ranks = f"{args.nproc}" if resumed_on == args.nproc else f"{args.nproc} and {resumed_on}"
-    launcher = "torchrun" if args.launcher == "torchrun" else "local"
-    print(f"  (3 runs on {ranks} {launcher} ranks took {cost:.0f} s)")
+    print(f"  (3 runs on {ranks} {args.launcher} ranks took {cost:.0f} s)")
     return answer.exact
