@@ -6,6 +6,7 @@ Skipped where torch sees no CUDA device (CI has none); on a GPU machine run
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -118,3 +119,19 @@ def test_two_deterministic_runs_of_the_language_model_end_bitwise_equal_on_the_g
         assert summary["device"] == "cuda:0", summary
         hashes.append(summary["weights_sha256"])
     assert hashes[0] == hashes[1]
+
+
+def test_the_gpu_a_rank_trains_on_is_read_through_nvml_and_recorded(tmp_path: Path) -> None:
+    from hpc_ddp.runtime.monitor.nvml import gpu_source
+
+    source = gpu_source(torch.device("cuda", 0))
+    assert source.read is not None, source.why
+    reading = source.read()
+    assert 0 <= reading.utilization_percent <= 100 and reading.memory_mib > 0, reading
+    result = run_local(1, tmp_path, [*SMALL, "run.id=nvml", "monitor.every_s=0.5"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    [record] = tmp_path.glob("*/nvml/metrics.jsonl")
+    names = {name for line in record.read_text().splitlines()
+             for name in json.loads(line).get("metrics", {})}  # fmt: skip
+    assert any(name.endswith(f"/gpu{source.gpu_index}/utilization_percent") for name in names)
+    assert "system/idle_gpus" in names

@@ -18,7 +18,9 @@ from hpc_ddp.launch.local import PEER_GRACE_S, failure_to_report
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError, lost_peer
 from hpc_ddp.runtime.loop.metrics import PENDING_MAX, Sums
 from hpc_ddp.runtime.loop.replicas import replica_entries, replica_fingerprint
+from hpc_ddp.runtime.monitor.system import metric_part
 from hpc_ddp.runtime.session.evaluation import ShardedEvalSampler
+from hpc_ddp.runtime.tracking.journal import read_metrics
 from hpc_ddp.trainer.schedule import LrSchedule, lr_factor
 from tests.helpers import (
     REPO,
@@ -146,6 +148,7 @@ def test_bf16_and_three_ranks_with_workers(tmp_path: Path) -> None:
             "data.batch_size=96",
             "data.num_workers=1",
             "train.max_steps=12",
+            "train.log_interval=4",
             "tracking.enabled=false",
             "optim.schedule=cosine",
             "optim.warmup_steps=3",
@@ -155,6 +158,17 @@ def test_bf16_and_three_ranks_with_workers(tmp_path: Path) -> None:
     summary = read_summary(tmp_path)
     assert summary["world_size"] == 3 and summary["val_samples"] == 1001
     assert math.isfinite(summary["val_loss"]) and summary["global_step"] == 12
+    # The machine's side, recorded per host: the CPU and memory of 3 ranks and their
+    # workers; on CPU no GPU metrics, said once.
+    assert result.stderr.count("no GPU metrics (the run is on CPU)") == 1, result.stderr[-3000:]
+    logged = [entry["metrics"] for entry in read_metrics(summary_path(tmp_path).parent)]
+    system = [{name: value for name, value in metrics.items() if name.startswith("system/")}
+              for metrics in logged if "interval/samples_per_s" in metrics]  # fmt: skip
+    host = metric_part(socket.gethostname())
+    expected = {f"system/{host}/cpu_percent", f"system/{host}/memory_mib"}
+    assert len(system) == 3 and all(set(metrics) == expected for metrics in system), system
+    # Three processes that imported torch, and their workers (PSS: shared pages split).
+    assert all(100 < metrics[f"system/{host}/memory_mib"] < 64 * 1024 for metrics in system)
 
 
 @pytest.mark.e2e

@@ -409,6 +409,23 @@ class MonitorConfig:
         "of common GPUs (none on CPU: only the TFLOP/s achieved is logged).",
     )
 
+    every_s: float = setting(
+        10.0,
+        "Seconds between readings of each rank's GPU (utilisation, memory, power, "
+        "temperature, through NVML) on a thread of its own; each host's CPU and memory are "
+        "read at every log interval (system/<host>/... metrics). 0: no readings, no "
+        "system metrics.",
+    )
+    idle_gpu_percent: float = setting(
+        5.0,
+        "A GPU of the job below this utilisation (%) without a break counts as idle.",
+    )
+    idle_after_s: float = setting(
+        900.0,
+        "Seconds a GPU may stay idle before rank 0 names it (host, GPU, rank) in one "
+        "warning; system/idle_gpus counts the GPUs idle that long in each interval.",
+    )
+
     def __post_init__(self) -> None:
         require(
             0 < self.data_wait_percent <= 100,
@@ -416,7 +433,14 @@ class MonitorConfig:
             self.data_wait_percent,
             "above 0 and at most 100",
         )
-        for name in ("tokens_per_sample", "flops_per_sample", "peak_tflops"):
+        require(
+            0 <= self.idle_gpu_percent <= 100,
+            "monitor.idle_gpu_percent",
+            self.idle_gpu_percent,
+            "between 0 and 100",
+        )
+        for name in ("tokens_per_sample", "flops_per_sample", "peak_tflops", "every_s",
+                     "idle_after_s"):  # fmt: skip
             value = getattr(self, name)
             require(math.isfinite(value) and value >= 0, f"monitor.{name}", value, "a number >= 0")
 

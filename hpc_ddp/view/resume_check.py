@@ -20,7 +20,8 @@ from hpc_ddp.runtime.tracking.journal import read_metrics
 
 #: What may differ between two runs that computed the same: times, ids, how they started.
 NOT_COMPARED = ("run.train_time_s", "run.mlflow_run_id", "run.restart_count", "run.finished")
-#: The metrics hpc_ddp logs that measure the machine's pace, not the training.
+#: The metrics hpc_ddp logs that measure the machine's pace, not the training (and every
+#: system/ metric: the machines' CPU, memory and GPUs).
 TIMED_METRICS = (
     "interval/samples_per_s",
     "interval/steps_per_s",
@@ -158,7 +159,7 @@ def logged_after(run_dir: Path, step: int) -> dict[tuple[int, str], float | None
         if at < step:
             continue
         for name, value in dict(entry.get("metrics", {})).items():
-            if name not in TIMED_METRICS:
+            if name not in TIMED_METRICS and not name.startswith("system/"):
                 points[(at, name)] = value
     return points
 

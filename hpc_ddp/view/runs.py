@@ -23,6 +23,8 @@ from hpc_ddp.runtime.tracking.journal import (
     read_status,
 )
 
+#: The machines' metrics (each host's CPU and memory, each GPU's), not the model's.
+SYSTEM_PREFIX = "system/"
 #: Interval metrics that describe speed, not the model.
 NOT_CURVES = {
     "samples_per_s", "steps_per_s", "lr", "data_wait_percent", "data_wait_percent_max",
@@ -66,7 +68,7 @@ def is_validation(name: str) -> bool:
 def metric_kind(name: str) -> str | None:
     """'train', 'val' or None (speed and learning rate are not curves)."""
     base = name.removeprefix("interval/")
-    if base in NOT_CURVES:
+    if base in NOT_CURVES or name.startswith(SYSTEM_PREFIX):
         return None
     return "val" if is_validation(name) else "train"
 

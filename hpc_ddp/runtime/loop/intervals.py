@@ -21,7 +21,9 @@ from hpc_ddp.runtime.monitor.datawait import (
     data_wait_shares,
     loader_settings,
 )
+from hpc_ddp.runtime.monitor.system import SystemMonitor, gpu_text
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS, Throughput, throughput
+from hpc_ddp.runtime.monitor.usage import USAGE_FIELDS
 from hpc_ddp.runtime.names import check_name
 
 #: Interval metrics the run logs itself (as interval/<name>).
@@ -42,6 +44,16 @@ def run_throughput(context: RunContext) -> Throughput:
     )  # fmt: skip
 
 
+def system_monitor(context: RunContext) -> SystemMonitor | None:
+    """This rank's readings of its GPU and processes (None: monitor.every_s=0)."""
+    if context.config.monitor.every_s <= 0:
+        return None
+    host = context.environ.get("SLURMD_NODENAME") or context.env.hostname
+    return SystemMonitor(
+        context.config.monitor, context.device, host, context.control_group, context.env.is_main
+    )
+
+
 def check_logged_name(name: object) -> None:
     """A name ``run.log`` can take: one MLflow takes, and not one the run logs itself."""
     check_name(name, "run.log")
@@ -52,10 +64,32 @@ def check_logged_name(name: object) -> None:
         )
 
 
+def check_logged_value(name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
+    """A total and count ``run.log`` can take: a number or 0-d tensor over a count above 0
+    (what needs no device sync to check)."""
+    if isinstance(total, torch.Tensor):
+        if total.dim() != 0:
+            raise HpcDdpError(
+                f"run.log({name!r}, ...) got a tensor of shape {tuple(total.shape)}",
+                "log a scalar (e.g. loss.detach() * batch_size); use run.sums() for tensors",
+            )
+    elif not is_number(total):
+        raise HpcDdpError(
+            f"run.log({name!r}, {total!r}, ...): the total is a {type(total).__name__}",
+            "pass a number or a 0-d tensor: the metric's sum over count items",
+        )
+    if not isinstance(count, torch.Tensor) and not (is_number(count) and count > 0):
+        raise HpcDdpError(
+            f"run.log({name!r}, ..., count={count!r}): the count must be a number above 0",
+            "pass how many items the total sums over (e.g. the batch's size)",
+        )
+
+
 @dataclass(frozen=True)
 class IntervalReport:
-    """One log interval's metrics, summed across ranks in the background, followed by each
-    rank's seconds of waiting for data (a slot per rank)."""
+    """One log interval's metrics, summed across ranks in the background, followed by a
+    slot per rank: its seconds of waiting for data, then (with the system monitor on) its
+    figures in :data:`USAGE_FIELDS` order."""
 
     sums: PendingSums
     names: list[str]
@@ -90,6 +124,8 @@ class MetricLog:
         self._loader_settings = ""
         self._data_timed = True
         self._throughput = run_throughput(context)
+        self.system = system_monitor(context)
+        self._slot_width = 1 + (len(USAGE_FIELDS) if self.system else 0)
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
         """A training metric's total over ``count`` items (see :meth:`hpc_ddp.Run.log`);
@@ -97,23 +133,14 @@ class MetricLog:
         if name not in self._checked_names:
             check_logged_name(name)
             self._checked_names.add(name)
-        if isinstance(total, torch.Tensor):
-            if total.dim() != 0:
-                raise HpcDdpError(
-                    f"run.log({name!r}, ...) got a tensor of shape {tuple(total.shape)}",
-                    "log a scalar (e.g. loss.detach() * batch_size); use run.sums() for tensors",
-                )
-        elif not is_number(total):
-            raise HpcDdpError(
-                f"run.log({name!r}, {total!r}, ...): the total is a {type(total).__name__}",
-                "pass a number or a 0-d tensor: the metric's sum over count items",
-            )
-        if not isinstance(count, torch.Tensor) and not (is_number(count) and count > 0):
-            raise HpcDdpError(
-                f"run.log({name!r}, ..., count={count!r}): the count must be a number above 0",
-                "pass how many items the total sums over (e.g. the batch's size)",
-            )
+        check_logged_value(name, total, count)
         self.interval.add(name, total, count)
+
+    def close(self) -> None:
+        """End the progress display and the readings of the machine."""
+        self.progress.close()
+        if self.system is not None:
+            self.system.close()
 
     def measure_batch(self, batch: Any, grad_accum_steps: int) -> None:
         """The global batch of a user's iterable, from a micro-batch (for samples/s and the
@@ -163,9 +190,12 @@ class MetricLog:
         # Filled on the device, not copied from the host: on a GPU a copy from pageable
         # memory may wait for the queued work. The cat is a new tensor, so the all-reduce
         # never writes into the views the epoch's sums hold.
-        waits = torch.zeros(env.world_size, dtype=torch.float64, device=local.device)
-        waits[env.rank] = self.data_wait.take()
-        local = torch.cat([local, waits])
+        shape = (env.world_size, self._slot_width)
+        slots = torch.zeros(shape, dtype=torch.float64, device=local.device)
+        mine = (self.data_wait.take(), *(self.system.sampler.take() if self.system else ()))
+        for index, value in enumerate(mine):  # a fill each: a handful per interval
+            slots[env.rank, index] = value
+        local = torch.cat([local, slots.reshape(-1)])
         lr = self.context.current_lr()
         report = IntervalReport(
             PendingSums(local), names, step, epoch, steps, seconds, lr, self._data_timed
@@ -187,8 +217,10 @@ class MetricLog:
         self._say_non_finite({name: means[name] for name in counted}, report.step)
         steps_per_s = report.steps / max(1e-9, report.seconds)
         metrics = {f"interval/{name}": value for name, value in means.items()}
+        slots = values[2 * len(report.names) :]
+        rows = [slots[at : at + self._slot_width] for at in range(0, len(slots), self._slot_width)]
         if report.data_timed:
-            shares = data_wait_shares(values[2 * len(report.names) :], report.seconds)
+            shares = data_wait_shares([row[0] for row in rows], report.seconds)
             metrics["interval/data_wait_percent"] = shares.mean_percent
             metrics["interval/data_wait_percent_max"] = shares.worst_percent
             said = self._data_wait_alarm.observe(shares, self._loader_settings)
@@ -205,6 +237,10 @@ class MetricLog:
         else:  # a user's batches of no known size
             rate = f"{steps_per_s:,.2f} steps/s"
             metrics["interval/steps_per_s"] = steps_per_s
+        if self.system and self.context.env.is_main:
+            system = self.system.metrics([row[1:] for row in rows])
+            metrics.update(system)
+            rate += gpu_text(system)
         self.progress.update(report.step, report.epoch, means, rate)
         if report.lr is not None:
             metrics["interval/lr"] = report.lr

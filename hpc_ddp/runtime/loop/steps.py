@@ -278,7 +278,7 @@ class StepLoop:
     def close(self, wait: bool = True) -> None:
         """End the progress display and (``wait``) finish the stop agreement in flight; after
         a failure a peer may be gone, so nothing is waited for then."""
-        self.metrics.progress.close()
+        self.metrics.close()
         if self._watchdog is not None:
             self._watchdog.close()
         self.stopper.close(wait)

@@ -1,0 +1,58 @@
+"""A rank's own GPU read through NVML (``nvidia-ml-py``, imported only where a GPU is).
+
+The GPU is found by its UUID, as CUDA names it, so the reading is the device this rank
+trains on whatever ``CUDA_VISIBLE_DEVICES`` holds, and no other GPU of the node is read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from hpc_ddp.runtime.monitor.usage import GpuReading
+
+
+class GpuSource(NamedTuple):
+    """How to read this rank's GPU, and its index on the node as ``nvidia-smi`` numbers it;
+    ``read`` is None where there is nothing to read, and ``why`` says why."""
+
+    read: Callable[[], GpuReading] | None
+    gpu_index: int | None
+    why: str
+
+
+def gpu_source(device: torch.device) -> GpuSource:
+    """The NVML reader of ``device``'s GPU (no reader on a CPU, or where NVML cannot be
+    reached: the run goes on, and ``why`` says what was missing)."""
+    if device.type != "cuda":
+        return GpuSource(None, None, "the run is on CPU")
+    try:
+        import pynvml  # type: ignore[import-untyped]
+    except ImportError:
+        return GpuSource(None, None, "nvidia-ml-py is not installed (pip install nvidia-ml-py)")
+    try:
+        pynvml.nvmlInit()
+        uuid = torch.cuda.get_device_properties(device).uuid
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        index = int(pynvml.nvmlDeviceGetIndex(handle))
+    except Exception as error:  # NVMLError and friends: the run goes on
+        return GpuSource(None, None, f"NVML cannot read the GPU ({error})")
+    return GpuSource(lambda: read_gpu(pynvml, handle), index, "")
+
+
+def read_gpu(pynvml: Any, handle: Any) -> GpuReading:
+    """One reading of ``handle``'s GPU; power and temperature NaN where the driver has none."""
+    utilization = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    memory_mib = pynvml.nvmlDeviceGetMemoryInfo(handle).used / 2**20
+    try:
+        power_w = pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
+    except pynvml.NVMLError:
+        power_w = math.nan
+    try:
+        temperature_c = float(pynvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU))
+    except pynvml.NVMLError:
+        temperature_c = math.nan
+    return GpuReading(utilization, memory_mib, power_w, temperature_c)

@@ -1,0 +1,286 @@
+"""Each rank's share of the machine: its GPU read through NVML on a thread of its own, its
+processes' CPU and memory read from /proc, carried to rank 0 with the interval metrics and
+recorded as system/<host>/... metrics, with an alarm for a GPU of the job left idle.
+
+The fast tests drive the sampler with given readings and a hand-moved clock, and read a /proc
+tree written in tmp_path as well as this process's own. No GPU exists here: the end-to-end
+test's ranks read a stand-in for NVML (the only mock), and everything after the reading (the
+slots, the all-reduce, rank 0's metrics and warning) is the real path on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_ddp.runtime.config import resolve_config
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.monitor.nvml import gpu_source, read_gpu
+from hpc_ddp.runtime.monitor.system import IdleGpuAlarm, Place, gpu_text, system_metrics
+from hpc_ddp.runtime.monitor.usage import (
+    USAGE_FIELDS,
+    GpuReading,
+    UsageSampler,
+    process_cpu_s,
+    process_memory_mib,
+    process_tree,
+)
+from tests.helpers import HandClock, run_local_program
+
+NAN = math.nan
+
+
+def fields(values: tuple[float, ...]) -> dict[str, float]:
+    return dict(zip(USAGE_FIELDS, values, strict=True))
+
+
+def test_an_interval_holds_the_mean_utilisation_the_most_memory_and_the_cpu_share() -> None:
+    clock, cpu = HandClock(100.0), [50.0]
+    readings = iter([GpuReading(80.0, 1000.0, 200.0, 60.0), GpuReading(40.0, 3000.0, NAN, 70.0)])
+    memory = iter([500.0, 700.0, 600.0])
+    sampler = UsageSampler(
+        10.0, 5.0, lambda: next(readings), lambda: cpu[0], lambda: next(memory), clock
+    )
+    sampler.sample()
+    sampler.sample()
+    clock.now += 4.0
+    cpu[0] += 6.0  # 6 CPU seconds in 4 s: one and a half cores
+    taken = fields(sampler.take())
+    assert math.isnan(taken.pop("gpu_idle_s")), "not idle"
+    assert taken == {
+        "cpu_percent": 150.0, "memory_mib": 700.0, "gpu_utilization_percent": 60.0,
+        "gpu_memory_mib": 3000.0, "gpu_power_w": 200.0, "gpu_temperature_c": 70.0,
+    }  # fmt: skip
+    # No sample in the next interval: the last reading stands; the CPU share is its own.
+    clock.now += 2.0
+    cpu[0] += 1.0
+    again = fields(sampler.take())
+    assert again["cpu_percent"] == 50.0 and again["gpu_utilization_percent"] == 40.0
+    assert again["memory_mib"] == 700.0
+
+
+def test_a_gpu_is_idle_from_its_first_reading_below_the_threshold_until_one_above() -> None:
+    clock = HandClock(0.0)
+    utilisation = iter([50.0, 3.0, 1.0, 0.0, 90.0, 2.0])
+    sampler = UsageSampler(
+        10.0, 5.0, lambda: GpuReading(next(utilisation), 1.0), lambda: 0.0, lambda: 1.0, clock
+    )
+    idle = []
+    for _ in range(6):
+        sampler.sample()
+        clock.now += 10.0
+        idle.append(fields(sampler.take())["gpu_idle_s"])
+    # Below 5 % from t=10 (taken at 20, 30, 40), busy at t=40, below again from t=50.
+    assert [None if math.isnan(s) else s for s in idle] == [None, 10.0, 20.0, 30.0, None, 10.0]
+
+
+def test_a_reading_that_fails_is_skipped_and_without_a_gpu_the_gpu_fields_are_unknown() -> None:
+    def broken() -> GpuReading:
+        raise RuntimeError("NVML busy")
+
+    for read_gpu_ in (broken, None):
+        sampler = UsageSampler(10.0, 5.0, read_gpu_, lambda: 0.0, lambda: 8.0, HandClock(1.0))
+        sampler.sample()
+        taken = fields(sampler.take())
+        assert taken["memory_mib"] == 8.0
+        assert all(math.isnan(taken[name]) for name in USAGE_FIELDS if name.startswith("gpu"))
+
+
+def test_the_thread_samples_until_closed() -> None:
+    second = threading.Event()
+    sampled: list[int] = []
+
+    def read_memory() -> float:
+        sampled.append(1)
+        if len(sampled) == 2:
+            second.set()
+        return 1.0
+
+    before = set(threading.enumerate())
+    sampler = UsageSampler(0.001, 5.0, None, lambda: 0.0, read_memory)
+    sampler.start()
+    assert sampled, "start samples once before the thread"
+    [thread] = set(threading.enumerate()) - before
+    assert thread.name == "hpc_ddp-usage" and thread.daemon
+    assert second.wait(60), "the sampling thread never took its first sample"
+    sampler.close()
+    assert not thread.is_alive()
+
+
+def write_process(proc: Path, pid: int, children: list[int], ticks: int, pss_kib: int | None):
+    task = proc / str(pid) / "task" / str(pid)
+    task.mkdir(parents=True)
+    (task / "children").write_text(" ".join(map(str, children)) + " ")
+    # A command with a space and a parenthesis, as a real one may have.
+    stat = f"{pid} (py (worker) 1) S 1 1 1 0 -1 0 0 0 0 0 {ticks} {ticks} {ticks} {ticks} 20 0"
+    (proc / str(pid) / "stat").write_text(stat)
+    (proc / str(pid) / "statm").write_text("1000 256 10 1 0 100 0\n")
+    if pss_kib is not None:
+        (proc / str(pid) / "smaps_rollup").write_text(f"Rss: 99999 kB\nPss: {pss_kib} kB\n")
+
+
+def test_a_process_and_its_workers_are_read_from_proc(tmp_path: Path) -> None:
+    write_process(tmp_path, 100, [101, 102], ticks=100, pss_kib=200 * 1024)
+    write_process(tmp_path, 101, [103], ticks=10, pss_kib=50 * 1024)
+    write_process(tmp_path, 102, [], ticks=10, pss_kib=None)  # no PSS: its resident pages
+    write_process(tmp_path, 103, [], ticks=5, pss_kib=10 * 1024)
+    assert process_tree(100, tmp_path) == [100, 101, 102, 103]
+    per_tick = 1 / os.sysconf("SC_CLK_TCK")
+    assert process_cpu_s(100, tmp_path) == pytest.approx(4 * (100 + 10 + 10 + 5) * per_tick)
+    rss_102 = 256 * os.sysconf("SC_PAGE_SIZE") / 2**20
+    assert process_memory_mib(100, tmp_path) == pytest.approx(200 + 50 + 10 + rss_102)
+    assert math.isnan(process_memory_mib(999, tmp_path))
+
+
+def test_this_process_is_read_from_the_real_proc() -> None:
+    before = process_cpu_s()
+    sum(i * i for i in range(2_000_000))  # CPU time to see
+    assert process_cpu_s() > before
+    assert 10 < process_memory_mib() < 64 * 1024
+
+
+def test_the_metrics_add_up_per_host_and_name_each_gpu_once() -> None:
+    rows = [
+        (150.0, 700.0, 60.0, 3000.0, 200.0, 70.0, NAN),
+        (50.0, 300.0, 2.0, 100.0, NAN, NAN, 30.0),
+        (25.0, NAN, NAN, NAN, NAN, NAN, NAN),
+    ]
+    places = [Place("node1", 0), Place("node1", 1), Place("node 2", None)]
+    assert system_metrics(rows, places) == {
+        "system/node1/cpu_percent": 200.0,
+        "system/node1/memory_mib": 1000.0,
+        "system/node1/gpu0/utilization_percent": 60.0,
+        "system/node1/gpu0/memory_mib": 3000.0,
+        "system/node1/gpu0/power_w": 200.0,
+        "system/node1/gpu0/temperature_c": 70.0,
+        "system/node1/gpu1/utilization_percent": 2.0,
+        "system/node1/gpu1/memory_mib": 100.0,
+        "system/node_2/cpu_percent": 25.0,
+    }
+    assert gpu_text(system_metrics(rows, places)) == ", GPU 2-60%"
+    assert gpu_text({"system/a/cpu_percent": 50.0}) == ""
+
+
+def test_an_idle_gpu_is_named_once_and_counted_while_it_stays_idle() -> None:
+    alarm = IdleGpuAlarm(5.0, 900.0)
+    places = [Place("node1", 0), Place("node1", 1)]
+    busy, idle = (0.0,) * 6 + (NAN,), (0.0,) * 6 + (960.0,)
+    assert alarm.observe([busy, (0.0,) * 6 + (600.0,)], places) == (0, [])
+    count, lines = alarm.observe([busy, idle], places)
+    assert count == 1 and len(lines) == 1
+    assert lines[0].startswith(
+        "GPU 1 on node1 (rank 1) has been below monitor.idle_gpu_percent=5% for 16 min"
+    )
+    assert "HINT:" in lines[0]
+    assert alarm.observe([busy, idle], places) == (1, []), "said once"
+
+
+def test_without_a_gpu_or_nvml_no_reader_is_made_and_why_is_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cpu = gpu_source(torch.device("cpu"))
+    assert cpu.read is None and cpu.why == "the run is on CPU"
+    # A CUDA device on a machine without a driver: NVML cannot start.
+    no_driver = gpu_source(torch.device("cuda", 0))
+    assert no_driver.read is None and no_driver.why.startswith("NVML cannot read the GPU")
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    missing = gpu_source(torch.device("cuda", 0))
+    assert missing.read is None and "pip install nvidia-ml-py" in missing.why
+
+
+def test_a_reading_leaves_out_what_the_driver_does_not_give() -> None:
+    class NVMLError(Exception):
+        pass
+
+    def no_power(_handle: object) -> int:
+        raise NVMLError("not supported")
+
+    # A stand-in for the pynvml module (no GPU here): its calls return what a driver would.
+    fake = types.SimpleNamespace(
+        NVMLError=NVMLError,
+        NVML_TEMPERATURE_GPU=0,
+        nvmlDeviceGetUtilizationRates=lambda _h: types.SimpleNamespace(gpu=87),
+        nvmlDeviceGetMemoryInfo=lambda _h: types.SimpleNamespace(used=3 * 2**30),
+        nvmlDeviceGetPowerUsage=no_power,
+        nvmlDeviceGetTemperature=lambda _h, _sensor: 64,
+    )
+    reading = read_gpu(fake, object())
+    assert (reading.utilization_percent, reading.memory_mib, reading.temperature_c) == (
+        87.0, 3072.0, 64.0,
+    )  # fmt: skip
+    assert math.isnan(reading.power_w)
+
+
+@pytest.mark.parametrize(
+    "override", ["monitor.idle_gpu_percent=101", "monitor.every_s=-1", "monitor.idle_after_s=nan"]
+)
+def test_a_bad_monitor_setting_is_refused_naming_it(override: str) -> None:
+    with pytest.raises(HpcDdpError) as refused:
+        resolve_config(None, [override], {}, {})
+    assert override.split("=")[0] in str(refused.value)
+
+
+#: Two ranks whose GPUs are stand-ins: rank 0's busy, rank 1's idle (no GPU exists here;
+#: the readings enter where NVML's would, and all after them is the real path).
+IDLE_GPU_ON_RANK_1 = """
+import torch
+import hpc_ddp
+from hpc_ddp.runtime.monitor import system, usage
+from hpc_ddp.runtime.monitor.nvml import GpuSource
+
+def stand_in(device):
+    rank = int(__import__("os").environ["RANK"])
+    busy = 90.0 if rank == 0 else 1.0
+    return GpuSource(lambda: usage.GpuReading(busy, 1000.0 + rank, 250.0, 60.0 + rank), rank, "")
+
+system.gpu_source = stand_in
+run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False}, log_interval=4)
+model = run.wrap(torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+for batch in run.steps(run.train_loader(torch.randn(256, 4), batch_size=16)):
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    run.log("loss", loss.detach() * len(batch), len(batch))
+run.finish()
+"""
+
+
+@pytest.mark.e2e
+def test_an_idle_gpu_of_the_job_is_named_once_and_every_gpu_recorded(tmp_path: Path) -> None:
+    script = tmp_path / "idle_gpu.py"
+    script.write_text(IDLE_GPU_ON_RANK_1)
+    settings = [f"run.output_dir={tmp_path}", "monitor.idle_after_s=0", "monitor.every_s=3600"]
+    result = run_local_program(2, [arg for s in settings for arg in ("--set", s)] + [str(script)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if "monitor.idle_gpu_percent" in line]
+    assert len(said) == 1, result.stderr[-3000:]
+    assert " (rank 1) has been below monitor.idle_gpu_percent=5% for 0 min" in said[0]
+    assert "GPU 1-90%" in result.stderr, "the progress line gives the GPUs' range"
+    [record] = tmp_path.glob("*/*/metrics.jsonl")
+    entries = [json.loads(line) for line in record.read_text().splitlines()]
+    logged = [
+        entry["metrics"] for entry in entries if "system/idle_gpus" in entry.get("metrics", {})
+    ]
+    assert len(logged) >= 3, entries  # 16 steps, a log every 4
+    [host] = {name.split("/")[1] for metrics in logged for name in metrics if "/gpu0/" in name}
+    for metrics in logged:
+        assert metrics["system/idle_gpus"] == 1.0
+        assert metrics[f"system/{host}/gpu0/utilization_percent"] == 90.0
+        assert metrics[f"system/{host}/gpu1/utilization_percent"] == 1.0
+        assert metrics[f"system/{host}/gpu1/memory_mib"] == 1001.0
+        assert metrics[f"system/{host}/gpu1/temperature_c"] == 61.0
+        assert metrics[f"system/{host}/gpu0/power_w"] == 250.0
+        # Two processes that imported torch: between a few tens of MiB and a machine's worth.
+        assert 50 < metrics[f"system/{host}/memory_mib"] < 64 * 1024
+        # Read in clock ticks, so an interval of a few ms may hold none: >= 0, not > 0.
+        assert math.isfinite(metrics[f"system/{host}/cpu_percent"])
+        assert metrics[f"system/{host}/cpu_percent"] >= 0
