@@ -15,6 +15,7 @@ from bench.report_io import (
     checks_section,
     data_memory_section,
     requeue_section,
+    usage_section,
 )
 from bench.report_scale import scale_section, tracking_section
 from bench.report_sharded import checksum_section, sharded_section
@@ -55,6 +56,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("sweep_scale", "bench.sweep_scale", sweep_section),
     Benchmark("checks_cost", "bench.checks_cost", checks_section),
     Benchmark("requeue_cost", "bench.requeue_cost", requeue_section, needs="cluster"),
+    Benchmark("usage_cost", "bench.usage_cost", usage_section),
     Benchmark("gpu", "bench.gpu", gpu_section, needs="gpu", absent=GPU_NOTE),
     Benchmark("gpu_sharded", "bench.gpu_sharded", gpu_sharded_section, needs="gpu"),
     Benchmark("deterministic_cost", "bench.deterministic_cost", deterministic_section, needs="gpu"),

@@ -126,3 +126,22 @@ def requeue_section(data: dict[str, Any]) -> str:
         "there) and the attempt's start-up; leaving a node out adds three `scontrol` "
         "calls.\n\n"
     )
+
+
+def usage_section(data: dict[str, Any]) -> str:
+    where = f"on {data['gpu']} (NVML included)" if data["gpu"] else "on CPU (no NVML reading)"
+    return (
+        "## 10. Reading the machine: the monitor's cost per rank\n\n"
+        "`bench/usage_cost.py`: one rank's sampler in a process that imported torch and holds "
+        f"{data['workers']} DataLoader-like children, {where}; medians of "
+        f"{data['readings']} calls.\n\n"
+        "| a reading (thread, every `monitor.every_s`) | a take (each log interval) | CPU "
+        f"per hour per rank | per node of {data['ranks_per_node']} ranks |\n"
+        "|---:|---:|---:|---:|\n"
+        f"| {data['sample_ms']:.3f} ms | {data['take_ms']:.3f} ms | "
+        f"{data['cpu_s_per_hour_per_rank']:.2f} s | {data['cpu_s_per_hour_per_node']:.2f} s |\n\n"
+        "A reading runs on the sampler's own thread (the memory of each process from its "
+        "`smaps_rollup`, the GPU through NVML); the take, on the training thread at a log "
+        "interval, reads only each process's CPU time. Both grow with the processes a rank "
+        "holds, not with the ranks of the job.\n\n"
+    )
