@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import threading
 import types
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from hpc_ddp.runtime.config import resolve_config
-from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.monitor.nvml import gpu_source, read_gpu
 from hpc_ddp.runtime.monitor.system import IdleGpuAlarm, Place, gpu_text, system_metrics
 from hpc_ddp.runtime.monitor.usage import (
@@ -241,7 +242,7 @@ def stand_in(device):
     return GpuSource(lambda: usage.GpuReading(busy, 1000.0 + rank, 250.0, 60.0 + rank), rank, "")
 
 system.gpu_source = stand_in
-run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False}, log_interval=4)
+run = hpc_ddp.start(tracking={"enabled": False}, log_interval=4)
 model = run.wrap(torch.nn.Linear(4, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 for batch in run.steps(run.train_loader(torch.randn(256, 4), batch_size=16)):
@@ -284,3 +285,26 @@ def test_an_idle_gpu_of_the_job_is_named_once_and_every_gpu_recorded(tmp_path: P
         # Read in clock ticks, so an interval of a few ms may hold none: >= 0, not > 0.
         assert math.isfinite(metrics[f"system/{host}/cpu_percent"])
         assert metrics[f"system/{host}/cpu_percent"] >= 0
+
+
+@pytest.mark.e2e
+def test_with_idle_stop_an_idle_gpu_stops_the_run_with_a_checkpoint_and_no_requeue(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "idle_gpu.py"
+    script.write_text(IDLE_GPU_ON_RANK_1)
+    settings = [f"run.output_dir={tmp_path}", "monitor.idle_after_s=0", "monitor.every_s=3600",
+                "monitor.idle_stop=true", "preempt.check_every_steps=1"]  # fmt: skip
+    result = run_local_program(2, [arg for s in settings for arg in ("--set", s)] + [str(script)])
+    assert result.returncode == EXIT_STOPPED, result.stderr[-3000:]
+    assert "monitor.idle_stop=true: stopping the run with a checkpoint" in result.stderr
+    stopped = re.search(r"stopped at step (\d+) after a checkpoint", result.stderr)
+    assert stopped, result.stderr[-3000:]
+    # Said at the first interval's publication (one interval late: step 8), stopped at the
+    # ranks' next agreed check, before the loader's 16 steps ran out.
+    assert 8 <= int(stopped.group(1)) < 16
+    [run_dir] = tmp_path.glob("*/*/checkpoints")
+    assert [folder.name for folder in run_dir.iterdir() if folder.name.startswith("step-")] == [
+        f"step-{int(stopped.group(1)):09d}"
+    ]
+    assert "the job was requeued" not in result.stderr

@@ -53,4 +53,4 @@ def test_the_table_finds_a_gpu_by_the_name_torch_gives_it(name: str, peak: float
 @pytest.mark.parametrize("value", [-1.0, math.inf, math.nan])
 def test_a_throughput_setting_must_be_a_number_of_zero_or_more(key: str, value: float) -> None:
     with pytest.raises(HpcDdpError, match=f"monitor.{key}=.* is invalid: expected a number >= 0"):
-        MonitorConfig(**{key: value})
+        MonitorConfig(**{key: value})  # type: ignore[arg-type]

@@ -425,6 +425,11 @@ class MonitorConfig:
         "Seconds a GPU may stay idle before rank 0 names it (host, GPU, rank) in one "
         "warning; system/idle_gpus counts the GPUs idle that long in each interval.",
     )
+    idle_stop: bool = setting(
+        False,
+        "With a GPU idle for idle_after_s: stop the run with a checkpoint, as scancel's "
+        "SIGTERM does (exit 3, no requeue), before a site that polices idle GPUs ends it.",
+    )
 
     def __post_init__(self) -> None:
         require(

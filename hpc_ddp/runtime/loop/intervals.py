@@ -50,8 +50,9 @@ def system_monitor(context: RunContext) -> SystemMonitor | None:
         return None
     host = context.environ.get("SLURMD_NODENAME") or context.env.hostname
     return SystemMonitor(
-        context.config.monitor, context.device, host, context.control_group, context.env.is_main
-    )
+        context.config.monitor, context.device, host, context.control_group, context.env.is_main,
+        context.signals.stop_without_requeue,
+    )  # fmt: skip
 
 
 def check_logged_name(name: object) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -109,13 +109,21 @@ class SystemMonitor:
     """This rank's sampler and, on rank 0, every rank's place and the idle alarm."""
 
     def __init__(
-        self, settings: MonitorConfig, device: torch.device, host: str, group: Any, main: bool
+        self,
+        settings: MonitorConfig,
+        device: torch.device,
+        host: str,
+        group: Any,
+        main: bool,
+        stop: Callable[[], None],
     ) -> None:
         source = gpu_source(device)
         self.sampler = UsageSampler(settings.every_s, settings.idle_gpu_percent, source.read)
         self.sampler.start()
         self.places = gather_object_to_main(Place(host, source.gpu_index), group)
         self.alarm = IdleGpuAlarm(settings.idle_gpu_percent, settings.idle_after_s)
+        #: Called once a GPU is idle past the limit, with monitor.idle_stop (None: not asked).
+        self.stop = stop if settings.idle_stop else None
         if main and source.read is None:
             get_logger().info(
                 f"monitor: each host's CPU and memory are recorded; no GPU metrics ({source.why})"
@@ -130,6 +138,13 @@ class SystemMonitor:
             metrics[IDLE_GPUS_METRIC] = float(idle)
             for line in lines:
                 get_logger().warning(line)
+            if lines and self.stop is not None:
+                get_logger().warning(
+                    "monitor.idle_stop=true: stopping the run with a checkpoint at the ranks' "
+                    "next agreed check, without a requeue"
+                )
+                self.stop()
+                self.stop = None
         return metrics
 
     def close(self) -> None:

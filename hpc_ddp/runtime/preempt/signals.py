@@ -99,6 +99,11 @@ class StopSignals:
         job's end near without one)."""
         self.received.add(self.warning)
 
+    def stop_without_requeue(self) -> None:
+        """Record a stop that asks for no requeue, as SIGTERM alone does (``monitor.idle_stop``:
+        a requeued job would hold its idle GPU again)."""
+        self.received.add(signal.SIGTERM)
+
     @property
     def requested(self) -> bool:
         return bool(self.received)
