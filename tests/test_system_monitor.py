@@ -33,6 +33,8 @@ from hpc_ddp.runtime.monitor.usage import (
     process_memory_mib,
     process_tree,
 )
+from hpc_ddp.view.plot import plot_run
+from hpc_ddp.view.runs import load_run
 from tests.helpers import HandClock, run_local_program
 
 NAN = math.nan
@@ -308,3 +310,46 @@ def test_with_idle_stop_an_idle_gpu_stops_the_run_with_a_checkpoint_and_no_reque
         f"step-{int(stopped.group(1)):09d}"
     ]
     assert "the job was requeued" not in result.stderr
+
+
+def run_with_metrics(tmp_path: Path, entries: list[dict[str, float]]) -> Path:
+    run_dir = tmp_path / "runs" / "lm" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": "finished", "global_step": 30}))
+    lines = [json.dumps({"step": 10 * n, "global_step": 10 * n, "epoch": 0, "time": 1.0,
+                         "metrics": {"interval/loss": 2.0 / n, **metrics}})
+             for n, metrics in enumerate(entries, 1)]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+@pytest.mark.parametrize("with_gpus", [True, False])
+def test_the_plot_draws_each_gpus_utilisation_or_each_hosts_cpu(
+    tmp_path: Path, with_gpus: bool
+) -> None:
+    def at(n: int) -> dict[str, float]:
+        gpus = {"system/node1/gpu0/utilization_percent": 90.0 + n,
+                "system/node1/gpu1/utilization_percent": 2.0 * n} if with_gpus else {}  # fmt: skip
+        return {"system/node1/cpu_percent": 150.0 + n, "system/node2/cpu_percent": 80.0, **gpus}
+
+    run = load_run(run_with_metrics(tmp_path, [at(1), at(2), at(3)]))
+    assert run is not None
+    figure = plot_run(run)
+    losses, usage = figure.axes
+    assert [line.get_label() for line in losses.lines] == ["loss"], "no system/ metric is a curve"
+    drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+             for line in usage.lines}  # fmt: skip
+    if with_gpus:
+        assert usage.get_title() == "GPU utilisation (%)"
+        assert drawn == {"node1 GPU 0": ([10.0, 20.0, 30.0], [91.0, 92.0, 93.0]),
+                         "node1 GPU 1": ([10.0, 20.0, 30.0], [2.0, 4.0, 6.0])}  # fmt: skip
+    else:
+        assert usage.get_title() == "CPU of each host (%, 100 = one core)"
+        assert drawn == {"node1": ([10.0, 20.0, 30.0], [151.0, 152.0, 153.0]),
+                         "node2": ([10.0, 20.0, 30.0], [80.0, 80.0, 80.0])}  # fmt: skip
+
+
+def test_a_run_without_system_metrics_has_no_machines_panel(tmp_path: Path) -> None:
+    run = load_run(run_with_metrics(tmp_path, [{}, {}]))
+    assert run is not None
+    assert [axes.get_title() for axes in plot_run(run).axes] == ["losses"]

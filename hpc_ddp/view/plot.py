@@ -9,6 +9,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.monitor.account import is_number
 from hpc_ddp.runtime.preempt.progress import read_attempts
 from hpc_ddp.runtime.tracking.journal import read_metrics
+from hpc_ddp.view.machines import draw_usage, usage_series
 from hpc_ddp.view.runs import RunView, metric_kind
 
 Series = dict[str, tuple[list[float], list[float]]]
@@ -94,7 +95,9 @@ def mark_attempts(axes: Any, resumes: list[tuple[int, int]]) -> None:
 def plot_run(run: RunView) -> Any:
     """A matplotlib Figure: a panel of losses (log axis) and one of scores such as accuracy,
     each metric in one colour for its interval (thin line), epoch (dots) and validation
-    (squares, dashed) series; a dotted line where each attempt after the first resumed."""
+    (squares, dashed) series; where the run recorded its machines, a panel of each GPU's
+    utilisation (or each host's CPU); a dotted line where each attempt after the first
+    resumed."""
     train, val = curves(run.path)
     if not train and not val:
         raise HpcDdpError(
@@ -108,12 +111,14 @@ def plot_run(run: RunView) -> Any:
         for title, score in (("losses", False), ("scores", True))
     ]
     families = [(title, members) for title, members in families if members]
+    usage_title, usage = usage_series(run.path)
+    panels = len(families) + (1 if usage else 0)
     names = sorted({base_name(label) for label, _data, _kind in every})
     palette = [f"C{index % 10}" for index in range(len(names))]
     colour = dict(zip(names, palette, strict=True))
-    figure = figure_class()(figsize=(11, 4.2), layout="constrained")
+    figure = figure_class()(figsize=(5.5 * max(2, panels), 4.2), layout="constrained")
     for index, (title, members) in enumerate(families, start=1):
-        axes = figure.add_subplot(1, len(families), index)
+        axes = figure.add_subplot(1, panels, index)
         for label, (steps, values), kind in members:
             style = {"color": colour[base_name(label)], "label": label}
             if kind == "val":
@@ -133,6 +138,10 @@ def plot_run(run: RunView) -> Any:
         axes.set_xlabel("step")
         axes.grid(alpha=0.3, which="both")
         axes.legend(fontsize="small")
+    if usage:
+        axes = figure.add_subplot(1, panels, panels)
+        draw_usage(axes, usage_title, usage)
+        mark_attempts(axes, resume_steps(run.path))
     figure.suptitle(
         f"{run.name}/{run.run_id}: {run.state}, step {run.global_step}, "
         f"{run.attempts} attempt{'s' if run.attempts != 1 else ''}"

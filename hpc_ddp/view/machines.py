@@ -1,0 +1,52 @@
+"""The machines' panel of `hpc-ddp plot`: each GPU's utilisation over the run, or where the
+run had no GPU, each host's CPU use, from the ``system/`` metrics rank 0 recorded."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.runtime.tracking.journal import read_metrics
+
+Series = dict[str, tuple[list[float], list[float]]]
+
+GPU_BUSY = re.compile(r"^system/(?P<host>[^/]+)/gpu(?P<gpu>\d+)/utilization_percent$")
+CPU_BUSY = re.compile(r"^system/(?P<host>[^/]+)/cpu_percent$")
+
+
+def usage_series(run_dir: Path) -> tuple[str, Series]:
+    """(the panel's title, label -> (steps, values)): every GPU's utilisation ("node1 GPU
+    0"), or without GPU metrics every host's CPU ("node1"); ("", {}) with neither."""
+    gpus: Series = {}
+    cpus: Series = {}
+    for entry in read_metrics(run_dir):
+        for name, value in entry["metrics"].items():
+            if value is None:
+                continue
+            if found := GPU_BUSY.match(name):
+                label, into = f"{found['host']} GPU {found['gpu']}", gpus
+            elif found := CPU_BUSY.match(name):
+                label, into = found["host"], cpus
+            else:
+                continue
+            steps, values = into.setdefault(label, ([], []))
+            steps.append(float(entry["step"]))
+            values.append(float(value))
+    if gpus:
+        return "GPU utilisation (%)", dict(sorted(gpus.items()))
+    if cpus:
+        return "CPU of each host (%, 100 = one core)", dict(sorted(cpus.items()))
+    return "", {}
+
+
+def draw_usage(axes: Any, title: str, series: Series) -> None:
+    """The machines' panel on ``axes``: a line per GPU or host."""
+    for label, (steps, values) in series.items():
+        axes.plot(steps, values, ".-", markersize=3, linewidth=1, label=label)
+    axes.set_ylim(bottom=0)
+    axes.set_title(title)
+    axes.set_xlabel("step")
+    axes.grid(alpha=0.3)
+    if len(series) <= 16:  # a legend of every GPU of a large job would hide the lines
+        axes.legend(fontsize="small")
