@@ -81,6 +81,18 @@ def killed_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
     return _FaultOnRankOne(num_features, num_classes, 12, _kill_in_the_first_attempt)
 
 
+def _freeze_in_the_first_attempt(linear: nn.Linear) -> None:
+    if "SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, as on a frozen host
+
+
+def frozen_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    """Rank 1 of a Slurm job's first attempt freezes (SIGSTOP: it answers nothing, not even
+    a signal, as on a host that hangs) on its 12th forward pass; elsewhere a plain linear
+    model."""
+    return _FaultOnRankOne(num_features, num_classes, 12, _freeze_in_the_first_attempt)
+
+
 def not_a_module(config: Any, num_features: int, num_classes: int) -> object:
     return "not a module"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc_ddp.launch.step_failure import answer
+from hpc_ddp.launch.step_failure import ONE_TASK_PER_NODE, answer
 from hpc_ddp.runtime.config import PreemptConfig
 from hpc_ddp.runtime.errors import EXIT_DEVICE_ERROR, EXIT_FAILURE
 from hpc_ddp.runtime.exits import report_failure
@@ -22,6 +22,7 @@ from hpc_ddp.runtime.preempt.lost_rank import (
     LostRank,
     lost_rank,
     read_handoff,
+    torchrun_lost_rank,
     write_handoff,
 )
 from hpc_ddp.runtime.preempt.node_record import left_out_lines
@@ -80,6 +81,69 @@ def test_a_rank_that_only_lost_its_peer_is_passed_over_and_srun_found_mid_line()
     assert lost_rank(lines) == LostRank("node2", "task 1 on node2 was killed by SIGKILL")
     memory = "slurmstepd: error: Exceeded job memory limit"
     assert lost_rank([*lines, memory]) is None
+
+
+RAN_OUT = "rank 3 on node2 (torchrun's restarts ran out)"
+
+
+def torchrun_report(task: str, exitcode: str, rank: int = 3) -> list[str]:
+    """torchrun's report when its restarts ran out (torch.distributed.elastic's
+    ChildFailedError), as srun's --label passes it on from node ``task``'s agent."""
+    report = [
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+        "=" * 60, "train.py FAILED", "-" * 60, "Failures:", "  <NO_OTHER_FAILURES>", "-" * 60,
+        "Root Cause (first observed failure):", "[0]:",
+        "  time      : 2026-11-28_20:31:07",
+        "  host      : vm",  # every node of the test cluster shares one hostname
+        f"  rank      : {rank} (local_rank: 1)",
+        f"  exitcode  : {exitcode} (pid: 4242)",
+        "  error_file: <N/A>", "  traceback : Signal 9 (SIGKILL) received by PID 4242", "=" * 60,
+    ]  # fmt: skip
+    return [f"{task}: {line}" for line in report]
+
+
+@pytest.mark.parametrize(
+    ("exitcode", "why"),
+    [
+        ("-9 SIGKILL", f"{RAN_OUT} was killed by SIGKILL"),
+        ("-11 SIGSEGV", f"{RAN_OUT} was killed by SIGSEGV"),
+        (str(EXIT_DEVICE_ERROR), f"{RAN_OUT} reported a failed device"),
+        ("1", None),
+        ("-6 SIGABRT", None),
+    ],
+)  # fmt: skip
+def test_under_torchrun_its_last_rounds_root_cause_blames_the_node_of_its_agent(
+    exitcode: str, why: str | None
+) -> None:
+    lines = ["0: [rank 0/4] INFO epoch 0 step 12/32", *torchrun_report("1", exitcode),
+             "srun: error: node2: task 1: Exited with exit code 1",
+             "srun: error: node1: task 0: Terminated"]  # fmt: skip
+    assert lost_rank(lines) is None, "srun's own endings blame no host: torchrun exited 1"
+    expected = LostRank("node2", why) if why else None
+    assert torchrun_lost_rank(lines, ["node1", "node2"]) == expected
+    assert torchrun_lost_rank(lines, ["node1"]) is None, "a task beyond the job's nodes"
+    unlabelled = [line.split(": ", 1)[1] for line in lines[1:-2]]
+    assert torchrun_lost_rank(unlabelled, ["node1", "node2"]) is None, "no label, no node"
+
+
+def test_the_batch_script_reads_torchruns_report_only_under_the_torchrun_template(
+    tmp_path: Path,
+) -> None:
+    lines = [
+        *torchrun_report(" 1", "-9 SIGKILL"),
+        "srun: error: node2: task 1: Exited with exit code 1",
+    ]
+    environ = {"SLURM_JOB_ID": "185", "SLURM_JOB_NODELIST": "node[1-2]",
+               HANDOFF_VARIABLE: str(tmp_path / "none.json")}  # fmt: skip
+    stderr = io.StringIO()
+    with redirect_stderr(stderr):
+        assert answer(1, lines, environ) == 1
+        assert stderr.getvalue() == "", "slurm/train.sh: a task is a rank, not a node"
+        assert answer(1, lines, {**environ, ONE_TASK_PER_NODE: "1"}) == 1
+    assert stderr.getvalue().startswith(
+        "hpc-ddp: rank 3 on node2 (torchrun's restarts ran out) was killed by SIGKILL; rank 0 "
+        "said nothing of its run, so node2 is not left out"
+    )
 
 
 def test_a_device_error_ends_the_rank_with_its_own_exit_code_and_traceback() -> None:

@@ -457,6 +457,88 @@ def test_a_rank_killed_on_one_node_leaves_it_out_and_the_job_resumes_on_the_othe
     assert summary["weights_sha256"] == read_summary(tmp_path / "reference")["weights_sha256"]
 
 
+def test_under_torchrun_a_node_whose_rank_dies_past_the_restarts_is_left_out(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """The torchrun template on 2 nodes, one rank each: rank 1 is killed (SIGKILL) at every
+    round's 12th step of the job's first attempt, as on a failing host. torchrun restarts
+    the workers in the allocation once (TORCHRUN_MAX_RESTARTS=1), the second round dies
+    too, and the batch script reads torchrun's report: it leaves the dead rank's node out and
+    requeues; the next attempt runs on the other two nodes from the last checkpoint (step
+    16) and ends with the weights of a run never killed."""
+    work = prepare_workdir(tmp_path)
+    settings = ["model.kind=custom", "model.factory=tests.factories:killed_model",
+                "checkpoint.every_steps=8", "checkpoint.save_mode=single_file",
+                "tracking.enabled=false", *SMALL]  # fmt: skip
+    job = slurm.sbatch(
+        ["--nodes=2", "--export=ALL,NPROC_PER_NODE=1,TORCHRUN_MAX_RESTARTS=1",
+         str(REPO / "slurm" / "train-torchrun.sh"), "configs/synthetic.yaml",
+         f"run.output_dir={work / 'runs'}", *settings],
+        work,
+    )  # fmt: skip
+    state = slurm.wait(job, timeout=300)
+    log = (work / f"hpc-ddp-torchrun-{job}.out").read_text()
+    assert state == "COMPLETED", (state, log[-4000:])
+    # The node of rank 1 in the first attempt: srun's label on its lines is its agent's task,
+    # task N the N-th node of the attempt's node list.
+    first_attempt = re.search(r"^job \d+ on (\S+): torchrun on 2 node\(s\)", log, re.MULTILINE)
+    task = re.search(r"^(\d+): .*\[rank 1/2\] INFO host", log, re.MULTILINE)
+    assert first_attempt and task, log[-4000:]
+    hostnames = ["scontrol", "show", "hostnames", first_attempt.group(1)]
+    nodes = slurm.run(hostnames, work).stdout.split()
+    why = re.search(r"hpc-ddp: rank 1 on (\S+) \(torchrun's restarts ran out\) was killed by "
+                    r"SIGKILL: left (\S+) out of job", log)  # fmt: skip
+    assert why, log[-4000:]
+    node = why.group(1)
+    assert node == nodes[int(task.group(1))], "the node rank 1 ran on, named by srun's label"
+    assert why.group(2) == node
+    assert slurm.job_field(job, "ExcNodeList") == node and slurm.job_field(job, "Restarts") == "1"
+    ran_on = slurm.run(["scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")], work)
+    assert node not in ran_on.stdout.split() and len(ran_on.stdout.split()) == 2
+    summary = read_summary(work / "runs")
+    assert (summary["restart_count"], summary["resumed_from_step"]) == (1, 16)
+    reference = run_local(2, tmp_path / "reference", settings)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert summary["weights_sha256"] == read_summary(tmp_path / "reference")["weights_sha256"]
+
+
+def test_a_frozen_rank_is_found_by_the_others_its_node_left_out_and_the_job_resumed(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """Rank 1 of a 2-node job freezes at step 12 (SIGSTOP: a host that hangs answers nothing,
+    and its rank cannot say so), after the checkpoint of step 8. Rank 0 waits in the
+    gradients' all-reduce until its stall watchdog (dist.stall_timeout_s) ends it as having
+    lost its peer; srun then kills the frozen task (SIGKILL after KillWait), and the batch
+    script blames that task's node, not rank 0's: it is left out, the job requeued, and the
+    next attempt on the other two nodes ends with the weights of a run never frozen."""
+    work = prepare_workdir(tmp_path)
+    settings = ["model.kind=custom", "model.factory=tests.factories:frozen_model",
+                "checkpoint.every_steps=8", "checkpoint.save_mode=single_file",
+                "tracking.enabled=false", *SMALL]  # fmt: skip
+    job = slurm.sbatch(
+        ["--nodes=2", "--ntasks-per-node=1", TRAIN, "configs/synthetic.yaml",
+         f"run.output_dir={work / 'runs'}", "dist.stall_timeout_s=20", *settings],
+        work,
+    )  # fmt: skip
+    state = slurm.wait(job, timeout=300)
+    log = (work / f"hpc-ddp-{job}.out").read_text()
+    assert state == "COMPLETED", (state, log[-3000:])
+    assert re.search(r"srun: error: \S+: task 0: Exited with exit code 4", log), log[-3000:]
+    frozen = re.search(r"srun: error: (\S+): task 1: Killed", log)
+    assert frozen, log[-3000:]
+    node = frozen.group(1)
+    why = f"task 1 on {node} was killed by SIGKILL"
+    assert f"hpc-ddp: {why}: left {node} out of job {job} (ExcNodeList: {node})" in log, log[-3000:]
+    assert slurm.job_field(job, "ExcNodeList") == node and slurm.job_field(job, "Restarts") == "1"
+    ran_on = slurm.run(["scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")], work)
+    assert node not in ran_on.stdout.split() and len(ran_on.stdout.split()) == 2
+    summary = read_summary(work / "runs")
+    assert (summary["restart_count"], summary["resumed_from_step"]) == (1, 8)
+    reference = run_local(2, tmp_path / "reference", settings)
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert summary["weights_sha256"] == read_summary(tmp_path / "reference")["weights_sha256"]
+
+
 def test_a_rank_that_raises_ends_the_job_fast_naming_it(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:

@@ -1,6 +1,7 @@
-"""After srun's step failed, in slurm/train.sh's batch script: a rank lost to its host (see
-:mod:`hpc_ddp.runtime.preempt.lost_rank`) leaves that host out of the job, which is requeued
-to go on from its last checkpoint, within ``preempt.max_node_failures``.
+"""After srun's step failed, in the job templates' batch scripts: a rank lost to its host (see
+:mod:`hpc_ddp.runtime.preempt.lost_rank`; under torchrun, once its restarts in the allocation
+ran out) leaves that host out of the job, which is requeued to go on from its last
+checkpoint, within ``preempt.max_node_failures``.
 
     python -m hpc_ddp.launch.step_failure STATUS LOG_FROM
 
@@ -17,6 +18,8 @@ from collections.abc import Mapping, Sequence
 
 from hpc_ddp.runtime.errors import EXIT_NODES_FAILED
 
+#: Set by the torchrun template: one srun task per node (torchrun's agent).
+ONE_TASK_PER_NODE = "HPC_DDP_ONE_TASK_PER_NODE"
 #: How much of the log's end is read: srun's lines come after the ranks' last words.
 TAIL_BYTES = 8 << 20
 
@@ -37,9 +40,14 @@ def attempt_lines(log_from: int) -> list[str]:
 
 def answer(status: int, lines: Sequence[str], environ: Mapping[str, str]) -> int:
     """Leave the lost rank's host out and requeue; the batch script's exit status."""
-    from hpc_ddp.runtime.preempt.lost_rank import lost_rank, read_handoff
+    from hpc_ddp.runtime.place.slurm import expand_hostlist
+    from hpc_ddp.runtime.preempt.lost_rank import lost_rank, read_handoff, torchrun_lost_rank
 
-    lost = lost_rank(lines)
+    # Under the torchrun template, srun's task N is node N's agent: its label names the node.
+    nodelist = environ.get("SLURM_JOB_NODELIST", "")
+    per_node = environ.get(ONE_TASK_PER_NODE) == "1" and nodelist
+    nodes = expand_hostlist(nodelist) if per_node else []
+    lost = lost_rank(lines) or torchrun_lost_rank(lines, nodes)
     if lost is None:
         return status
     handoff = read_handoff(environ)

@@ -72,7 +72,8 @@ export PET_SIGNALS_TO_HANDLE=${PET_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQ
 export PET_SHUTDOWN_TIMEOUT=${PET_SHUTDOWN_TIMEOUT:-100}
 # A worker that dies (a crash, kill -9, a lost GPU) does not end the job: torchrun's agents
 # restart every worker in this allocation, up to this many times, and they resume from the
-# newest checkpoint. Past it the step fails (--kill-on-bad-exit) and the job ends.
+# newest checkpoint. Past it the step fails (--kill-on-bad-exit); where the last round's
+# worker was lost to its host (see below), that host is left out and the job requeued.
 max_restarts=${TORCHRUN_MAX_RESTARTS:-3}
 # Each round of workers meets in a store of its own, at a port the agents agree on. With the
 # agents' shared store, the workers' keys are told apart by each agent's own restart count,
@@ -80,7 +81,16 @@ max_restarts=${TORCHRUN_MAX_RESTARTS:-3}
 # rounds' keys would then differ between nodes.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
-echo "job ${SLURM_JOB_ID}: torchrun on ${SLURM_JOB_NUM_NODES} node(s) x ${ranks_per_node} ranks, rendezvous ${head_node}:${rendezvous_port}"
+echo "job ${SLURM_JOB_ID} on ${SLURM_JOB_NODELIST}: torchrun on ${SLURM_JOB_NUM_NODES} node(s) x ${ranks_per_node} ranks, rendezvous ${head_node}:${rendezvous_port}"
+# When torchrun's restarts run out on a worker lost to its host (a signal it did not ask for,
+# or its device failed), that host is left out of the job, which is requeued to go on from
+# its last checkpoint (preempt.max_node_failures), as slurm/train.sh does. Rank 0 says where
+# the run keeps its record in the file below: beside the job's log, since under torchrun
+# rank 0 may run on any node of the job, not only on this one.
+export HPC_DDP_STEP_HANDOFF=${HPC_DDP_LOG_DIR}/.hpc-ddp-step-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}.json
+trap 'rm -f -- "${HPC_DDP_STEP_HANDOFF:-}"' EXIT  # also when a preemption's requeue ends it
+log_from=$(stat -L -c %s "/proc/$$/fd/2" 2>/dev/null || echo 0)
+status=0
 # --label: each line of the log starts with its node's task number (see train.sh).
 srun --kill-on-bad-exit=1 --label "$python" -m torch.distributed.run \
     --nnodes="$SLURM_JOB_NUM_NODES" \
@@ -89,4 +99,12 @@ srun --kill-on-bad-exit=1 --label "$python" -m torch.distributed.run \
     --rdzv-backend=c10d \
     --rdzv-endpoint="${head_node}:${rendezvous_port}" \
     --rdzv-id="$SLURM_JOB_ID" \
-    "${program[@]}"
+    "${program[@]}" || status=$?
+if ((status != 0)); then
+    trap '' TERM  # as in slurm/train.sh: the requeue's SIGTERM must not stop the answer
+    answered=0
+    HPC_DDP_ONE_TASK_PER_NODE=1 "$python" -m hpc_ddp.launch.step_failure "$status" "$log_from" ||
+        answered=$?
+    status=$answered
+fi
+exit "$status"

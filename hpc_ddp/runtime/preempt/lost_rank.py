@@ -77,6 +77,43 @@ def lost_rank(lines: Sequence[str]) -> LostRank | None:
     return None
 
 
+#: torchrun's account of the round of workers that failed last, when its restarts ran out
+#: (torch.distributed.elastic's ChildFailedError): its root cause's fields follow this line.
+_ROOT_CAUSE = "Root Cause (first observed failure)"
+#: srun's --label: the task (under the torchrun template, the node) a line came from.
+_LABEL = re.compile(r"^\s*(?P<task>\d+): ")
+_FIELD = re.compile(r"^\s*(?P<name>rank|exitcode)\s*: (?P<value>-?\d+)")
+#: torchrun's exit code of a worker killed by a signal: minus the signal's number.
+_SIGNAL_EXITS = {-9: "SIGKILL", -11: "SIGSEGV", -7: "SIGBUS", -4: "SIGILL"}
+
+
+def torchrun_lost_rank(lines: Sequence[str], hosts: Sequence[str]) -> LostRank | None:
+    """The host to blame from torchrun's report of its last failed round (the torchrun job
+    template: one srun task per node, ``hosts`` in the job's node order): its root cause's
+    worker killed by a host-kind signal, or reporting a failed device. None without such a
+    report, or where no srun label names its node."""
+    for index, line in enumerate(lines):
+        label = _LABEL.match(line)
+        if _ROOT_CAUSE not in line or label is None or int(label["task"]) >= len(hosts):
+            continue
+        fields: dict[str, int] = {}
+        for later in lines[index + 1 : index + 12]:
+            if later.startswith(label.group(0)):
+                found = _FIELD.match(later[len(label.group(0)) :])
+                if found:
+                    fields.setdefault(found["name"], int(found["value"]))
+        code, host = fields.get("exitcode"), hosts[int(label["task"])]
+        where = f"rank {fields.get('rank', '?')} on {host} (torchrun's restarts ran out)"
+        if code in _SIGNAL_EXITS:
+            if code == -9 and any(_OUT_OF_MEMORY.search(line) for line in lines):
+                return None
+            return LostRank(host, f"{where} was killed by {_SIGNAL_EXITS[code]}")
+        if code == EXIT_DEVICE_ERROR:
+            return LostRank(host, f"{where} reported a failed device")
+        return None
+    return None
+
+
 def write_handoff(environ: Mapping[str, str], run_dir: Path, config: PreemptConfig) -> None:
     """Rank 0: where the run keeps its record and the preempt settings, for the batch script
     (nothing when the job template asked for none)."""
