@@ -22,6 +22,7 @@ from hpc_ddp.runtime.preempt.lost_rank import (
     LostRank,
     lost_rank,
     read_handoff,
+    silent_rank,
     torchrun_lost_rank,
     write_handoff,
 )
@@ -115,7 +116,9 @@ def torchrun_report(task: str, exitcode: str, rank: int = 3) -> list[str]:
 def test_under_torchrun_its_last_rounds_root_cause_blames_the_node_of_its_agent(
     exitcode: str, why: str | None
 ) -> None:
-    lines = ["0: [rank 0/4] INFO epoch 0 step 12/32", *torchrun_report("1", exitcode),
+    # Node 0's agent reports first: its worker only lost its peer (exit code 4).
+    lines = ["0: [rank 0/4] INFO epoch 0 step 12/32", *torchrun_report("0", "4", rank=0),
+             *torchrun_report("1", exitcode),
              "srun: error: node2: task 1: Exited with exit code 1",
              "srun: error: node1: task 0: Terminated"]  # fmt: skip
     assert lost_rank(lines) is None, "srun's own endings blame no host: torchrun exited 1"
@@ -124,6 +127,7 @@ def test_under_torchrun_its_last_rounds_root_cause_blames_the_node_of_its_agent(
     assert torchrun_lost_rank(lines, ["node1"]) is None, "a task beyond the job's nodes"
     unlabelled = [line.split(": ", 1)[1] for line in lines[1:-2]]
     assert torchrun_lost_rank(unlabelled, ["node1", "node2"]) is None, "no label, no node"
+    assert torchrun_lost_rank(lines[:17], ["node1", "node2"]) is None, "a peer lost blames none"
 
 
 def test_the_batch_script_reads_torchruns_report_only_under_the_torchrun_template(
@@ -144,6 +148,20 @@ def test_the_batch_script_reads_torchruns_report_only_under_the_torchrun_templat
         "hpc-ddp: rank 3 on node2 (torchrun's restarts ran out) was killed by SIGKILL; rank 0 "
         "said nothing of its run, so node2 is not left out"
     )
+
+
+def test_a_rank_a_stall_report_names_as_silent_blames_its_node() -> None:
+    report = (
+        "0: 21:04:46 [rank 0/2] ERROR rank 0 ends the job: stalled inside torch; these ranks "
+        "stopped answering: rank 1 on node2 (silent for 3 s), rank 3 on node3 (silent for 3 s) "
+        "(stopped, frozen, or their host is gone)"
+    )
+    lines = [report, "srun: error: node1: task 0: Exited with exit code 4",
+             "srun: error: node2: task 1: Exited with exit code 4"]  # fmt: skip
+    assert lost_rank(lines) is None, "every task only lost its peer"
+    assert silent_rank(lines) == LostRank("node2", "rank 1 on node2 stopped answering")
+    assert silent_rank([report.replace("on node2", "on ?")]) is None
+    assert silent_rank(["these ranks stopped answering: rank 3 (never)"]) is None
 
 
 def test_a_device_error_ends_the_rank_with_its_own_exit_code_and_traceback() -> None:

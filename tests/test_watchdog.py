@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 from pathlib import Path
 
@@ -261,9 +262,9 @@ def test_a_stall_report_names_the_rank_that_stopped_answering(stopped: int, tmp_
     waiting = 1 - stopped
     report = next(line for line in result.stderr.splitlines() if f"rank {waiting} stalled" in line)
     if stopped == 1:
-        assert re.search(r"these ranks stopped answering: rank 1 \(silent for \d+ s\)", report), (
-            report
-        )
+        node = re.escape(socket.gethostname())  # outside Slurm: the host's name
+        silent = rf"these ranks stopped answering: rank 1 on {node} \(silent for \d+ s\)"
+        assert re.search(silent, report), report
     else:
         assert "the rendezvous store at 127.0.0.1" in report and "does not answer" in report
 
@@ -281,12 +282,12 @@ def test_the_silent_ranks_are_found_on_this_rank_s_own_clock() -> None:
     from hpc_ddp.runtime.preempt.liveness import Liveness
 
     server = TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))
-    server.set("hpc_ddp/alive/0/1", "7")
-    server.set("hpc_ddp/alive/0/2", "7")
+    server.set("hpc_ddp/alive/0/1", "7 node2 in the training loop")
+    server.set("hpc_ddp/alive/0/2", "7 node1 in the training loop")
     now = [100.0]
 
     def between_reads(seconds: float) -> None:
-        server.set("hpc_ddp/alive/0/2", "8")
+        server.set("hpc_ddp/alive/0/2", "8 node1 in the training loop")
         now[0] += seconds
 
     liveness = Liveness("127.0.0.1", server.port, 0, 4, 0, between_reads, lambda: now[0])
@@ -295,7 +296,7 @@ def test_the_silent_ranks_are_found_on_this_rank_s_own_clock() -> None:
     finally:
         liveness.close()
     assert report.startswith(
-        "these ranks stopped answering: rank 1 (silent for 3 s), rank 3 (never)"
+        "these ranks stopped answering: rank 1 on node2 (silent for 3 s), rank 3 (never)"
     )
     assert "rank 2" not in report
 

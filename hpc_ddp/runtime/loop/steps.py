@@ -81,7 +81,14 @@ def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | N
 
     env = context.env
     liveness = (
-        Liveness(env.master_addr, env.master_port, env.rank, env.world_size, env.elastic_restarts)
+        Liveness(
+            env.master_addr,
+            env.master_port,
+            env.rank,
+            env.world_size,
+            env.elastic_restarts,
+            node=context.environ.get("SLURMD_NODENAME") or env.hostname,
+        )
         if env.world_size > 1
         else None
     )

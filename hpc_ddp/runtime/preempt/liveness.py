@@ -5,9 +5,10 @@ its own monotonic clock, so its report names a rank that stopped answering (SIGS
 node) instead of only itself, which merely waits for that rank in a collective. No clock is
 compared across hosts: one an hour behind names no one.
 
-Each write carries the rank's place as well (in the training loop, or out of it after a step
-and why), so a report also names a rank that left the loop while the others went on: its
-batches ran out first, or it broke out of the loop."""
+Each write carries the rank's node (Slurm's name for it: a frozen node's rank is named with
+it, and the batch script leaves that node out) and its place (in the training loop, or out
+of it after a step and why), so a report also names a rank that left the loop while the
+others went on: its batches ran out first, or it broke out of the loop."""
 
 from __future__ import annotations
 
@@ -45,8 +46,11 @@ class Liveness:
         attempt: int,
         between_reads: Callable[[float], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        node: str = "",
     ) -> None:
         self.host, self.port = host, port
+        #: This rank's node (Slurm's name for it), named when it stops answering.
+        self.node = node.split()[0] if node.strip() else "?"
         self.rank, self.world_size = rank, world_size
         self.period_s = publish_period_s(world_size)
         #: A rank that made no write in this long is silent.
@@ -98,7 +102,8 @@ class Liveness:
         """Write this rank's "alive" time once; False when the store is away (silent_ranks
         says so when it matters)."""
         try:
-            self._store().set(f"{self._prefix}{self.rank}", f"{self._writes + 1} {self._place}")
+            value = f"{self._writes + 1} {self.node} {self._place}"
+            self._store().set(f"{self._prefix}{self.rank}", value)
         except Exception:
             return False
         self._writes += 1
@@ -159,12 +164,13 @@ class Liveness:
         first = self._first
         everyone_had_time = first is not None and self._clock() - first >= self.limit_s
         for rank in others:
-            count, _, place = (after[rank] or b"").decode(errors="replace").partition(" ")
+            count, _, written = (after[rank] or b"").decode(errors="replace").partition(" ")
+            node, _, place = written.partition(" ")
             if after[rank] is None:
                 if everyone_had_time:
                     silent.append(f"rank {rank} (never)")
             elif count == (before[rank] or b"").decode(errors="replace").partition(" ")[0]:
-                silent.append(f"rank {rank} (silent for {self.limit_s:.0f} s)")
+                silent.append(f"rank {rank} on {node} (silent for {self.limit_s:.0f} s)")
             if place.startswith("left "):
                 left.append(f"rank {rank} {place}")
 

@@ -88,10 +88,11 @@ _SIGNAL_EXITS = {-9: "SIGKILL", -11: "SIGSEGV", -7: "SIGBUS", -4: "SIGILL"}
 
 
 def torchrun_lost_rank(lines: Sequence[str], hosts: Sequence[str]) -> LostRank | None:
-    """The host to blame from torchrun's report of its last failed round (the torchrun job
-    template: one srun task per node, ``hosts`` in the job's node order): its root cause's
-    worker killed by a host-kind signal, or reporting a failed device. None without such a
-    report, or where no srun label names its node."""
+    """The host to blame from torchrun's reports of its last failed round (the torchrun job
+    template: one srun task per node, ``hosts`` in the job's node order). Every agent reports
+    its own root cause; one whose worker only lost its peer is passed over, and the first
+    other one blames its node when its worker was killed by a host-kind signal or reported a
+    failed device. None without such a report, or where no srun label names its node."""
     for index, line in enumerate(lines):
         label = _LABEL.match(line)
         if _ROOT_CAUSE not in line or label is None or int(label["task"]) >= len(hosts):
@@ -103,6 +104,8 @@ def torchrun_lost_rank(lines: Sequence[str], hosts: Sequence[str]) -> LostRank |
                 if found:
                     fields.setdefault(found["name"], int(found["value"]))
         code, host = fields.get("exitcode"), hosts[int(label["task"])]
+        if code == EXIT_PEER_LOST:
+            continue
         where = f"rank {fields.get('rank', '?')} on {host} (torchrun's restarts ran out)"
         if code in _SIGNAL_EXITS:
             if code == -9 and any(_OUT_OF_MEMORY.search(line) for line in lines):
@@ -111,6 +114,26 @@ def torchrun_lost_rank(lines: Sequence[str], hosts: Sequence[str]) -> LostRank |
         if code == EXIT_DEVICE_ERROR:
             return LostRank(host, f"{where} reported a failed device")
         return None
+    return None
+
+
+#: A stall report's words for a rank whose watchdog thread stopped writing (see
+#: :mod:`hpc_ddp.runtime.preempt.liveness`): "rank 1 on node2 (silent for 3 s)".
+_SILENT = re.compile(
+    r"these ranks stopped answering: rank (?P<rank>\d+) on (?P<host>[^\s(]+) \(silent"
+)
+
+
+def silent_rank(lines: Sequence[str]) -> LostRank | None:
+    """The host of the first rank a stall report names as no longer answering (its process
+    frozen, as on a host that hangs: it cannot report itself, and srun's words for its end
+    are the others' after it is woken to be ended). None without such a report."""
+    for line in lines:
+        found = _SILENT.search(line)
+        if found and found["host"] != "?":
+            return LostRank(
+                found["host"], f"rank {found['rank']} on {found['host']} stopped answering"
+            )
     return None
 
 
