@@ -78,7 +78,9 @@ def test_plot_writes_a_png_with_the_training_and_validation_curves(
     finished_run: Path, tmp_path: Path
 ) -> None:
     figure = plot_run(find_run("regression/first", finished_run))
-    [losses] = figure.axes  # regression: losses only, no score panel
+    # regression: losses, no score panel; then the machines (a real run records its host's CPU)
+    losses, machines = figure.axes
+    assert machines.get_title() == "CPU of each host (%, 100 = one core)"
     assert losses.get_title() == "losses" and losses.get_yscale() == "log"
     lines = {line.get_label(): line for line in losses.get_lines()}
     assert set(lines) == {"mse", "mse (epoch)", "val_mse"}
