@@ -17,6 +17,7 @@ import sys
 import threading
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,12 +27,15 @@ from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.monitor.nvml import gpu_source, read_gpu
 from hpc_ddp.runtime.monitor.system import IdleGpuAlarm, Place, gpu_text, system_metrics
 from hpc_ddp.runtime.monitor.usage import (
+    UNKNOWN,
     USAGE_FIELDS,
     GpuReading,
     UsageSampler,
+    from_slot,
     process_cpu_s,
     process_memory_mib,
     process_tree,
+    to_slot,
 )
 from hpc_ddp.view.plot import plot_run
 from hpc_ddp.view.runs import load_run
@@ -84,6 +88,53 @@ def test_a_gpu_is_idle_from_its_first_reading_below_the_threshold_until_one_abov
     assert [None if math.isnan(s) else s for s in idle] == [None, 10.0, 20.0, 30.0, None, 10.0]
 
 
+def test_the_wait_before_the_first_interval_ends_is_not_idle_time() -> None:
+    """Start-up, compilation and a resume's loading come before the first interval's end: a
+    GPU below the threshold through them starts counting as idle only then."""
+    clock = HandClock(0.0)
+    sampler = UsageSampler(10.0, 5.0, lambda: GpuReading(0.0, 1.0), lambda: 0.0, lambda: 1.0, clock)
+    sampler.sample()
+    clock.now += 600.0  # a long first step
+    assert fields(sampler.take())["gpu_idle_s"] == 0.0
+    clock.now += 30.0
+    sampler.sample()
+    clock.now += 30.0
+    assert fields(sampler.take())["gpu_idle_s"] == 60.0
+
+
+def test_a_failed_reading_ends_an_idle_stretch_and_a_failing_memory_read_keeps_sampling() -> None:
+    clock = HandClock(0.0)
+    gpu = iter([GpuReading(0.0, 1.0), RuntimeError("Xid 79"), GpuReading(0.0, 1.0)])
+    memory = iter([5.0, IndexError("a damaged smaps_rollup"), 7.0, 7.0])
+
+    def read(values: Any) -> Any:
+        value = next(values)
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+    sampler = UsageSampler(10.0, 5.0, lambda: read(gpu), lambda: 0.0, lambda: read(memory), clock)
+    sampler.take()
+    sampler.sample()  # idle from t=0
+    clock.now += 10.0
+    sampler.sample()  # both readings fail: no evidence of idleness, nothing raised
+    clock.now += 10.0
+    sampler.sample()  # idle again from t=20
+    clock.now += 10.0
+    taken = fields(sampler.take())
+    assert taken["gpu_idle_s"] == 10.0 and taken["memory_mib"] == 7.0
+
+
+def test_the_all_reduce_carries_no_nan_and_a_negative_cpu_share_is_none() -> None:
+    values = (12.5, NAN, 0.0, NAN)
+    assert to_slot(values) == (12.5, UNKNOWN, 0.0, UNKNOWN)
+    back = from_slot(list(to_slot(values)))
+    assert back[0] == 12.5 and back[2] == 0.0 and math.isnan(back[1]) and math.isnan(back[3])
+    cpu = iter([10.0, 8.0])  # a worker reaped between the reads: its time left the sum
+    sampler = UsageSampler(10.0, 5.0, None, lambda: next(cpu), lambda: 1.0, HandClock(0.0))
+    assert fields(sampler.take())["cpu_percent"] == 0.0
+
+
 def test_a_reading_that_fails_is_skipped_and_without_a_gpu_the_gpu_fields_are_unknown() -> None:
     def broken() -> GpuReading:
         raise RuntimeError("NVML busy")
@@ -110,8 +161,8 @@ def test_the_thread_samples_until_closed() -> None:
     sampler = UsageSampler(0.001, 5.0, None, lambda: 0.0, read_memory)
     sampler.start()
     assert sampled, "start samples once before the thread"
-    [thread] = set(threading.enumerate()) - before
-    assert thread.name == "hpc_ddp-usage" and thread.daemon
+    [thread] = [t for t in set(threading.enumerate()) - before if t.name == "hpc_ddp-usage"]
+    assert thread.daemon
     assert second.wait(60), "the sampling thread never took its first sample"
     sampler.close()
     assert not thread.is_alive()

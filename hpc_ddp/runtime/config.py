@@ -412,9 +412,9 @@ class MonitorConfig:
     every_s: float = setting(
         10.0,
         "Seconds between readings of each rank's GPU (utilisation, memory, power, "
-        "temperature, through NVML) on a thread of its own; each host's CPU and memory are "
-        "read at every log interval (system/<host>/... metrics). 0: no readings, no "
-        "system metrics.",
+        "temperature, through NVML) and its processes' memory, on a thread of its own; their "
+        "CPU time is read at every log interval (system/<host>/... metrics). 0: no "
+        "readings, no system metrics.",
     )
     idle_gpu_percent: float = setting(
         5.0,

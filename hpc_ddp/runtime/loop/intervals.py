@@ -23,7 +23,7 @@ from hpc_ddp.runtime.monitor.datawait import (
 )
 from hpc_ddp.runtime.monitor.system import SystemMonitor, gpu_text
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS, Throughput, throughput
-from hpc_ddp.runtime.monitor.usage import USAGE_FIELDS
+from hpc_ddp.runtime.monitor.usage import USAGE_FIELDS, from_slot, to_slot
 from hpc_ddp.runtime.names import check_name
 
 #: Interval metrics the run logs itself (as interval/<name>).
@@ -193,7 +193,8 @@ class MetricLog:
         # never writes into the views the epoch's sums hold.
         shape = (env.world_size, self._slot_width)
         slots = torch.zeros(shape, dtype=torch.float64, device=local.device)
-        mine = (self.data_wait.take(), *(self.system.sampler.take() if self.system else ()))
+        usage = to_slot(self.system.sampler.take()) if self.system else ()
+        mine = (self.data_wait.take(), *usage)
         for index, value in enumerate(mine):  # a fill each: a handful per interval
             slots[env.rank, index] = value
         local = torch.cat([local, slots.reshape(-1)])
@@ -239,7 +240,7 @@ class MetricLog:
             rate = f"{steps_per_s:,.2f} steps/s"
             metrics["interval/steps_per_s"] = steps_per_s
         if self.system and self.context.env.is_main:
-            system = self.system.metrics([row[1:] for row in rows])
+            system = self.system.metrics([from_slot(row[1:]) for row in rows])
             metrics.update(system)
             rate += gpu_text(system)
         self.progress.update(report.step, report.epoch, means, rate)

@@ -148,4 +148,5 @@ class SystemMonitor:
         return metrics
 
     def close(self) -> None:
+        """Stop this rank's sampler."""
         self.sampler.close()

@@ -16,7 +16,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +109,21 @@ def process_tree(pid: int, proc: Path = Path("/proc")) -> list[int]:
     return tree
 
 
+#: A slot's value for "not known": the all-reduce carries no NaN (NCCL's NaN check would
+#: stop every rank on it), and every figure is >= 0.
+UNKNOWN = -1.0
+
+
+def to_slot(values: tuple[float, ...]) -> tuple[float, ...]:
+    """``values`` for the all-reduce: NaN as :data:`UNKNOWN`."""
+    return tuple(UNKNOWN if math.isnan(value) else value for value in values)
+
+
+def from_slot(values: Sequence[float]) -> tuple[float, ...]:
+    """A slot's values as :meth:`UsageSampler.take` gave them: :data:`UNKNOWN` as NaN."""
+    return tuple(math.nan if value < 0 else value for value in values)
+
+
 def known_mean(values: list[float]) -> float:
     """The mean of the values that are not NaN (NaN where none is)."""
     known = [value for value in values if not math.isnan(value)]
@@ -144,23 +159,28 @@ class UsageSampler:
         self._last_gpu: GpuReading | None = None
         self._memory = self._last_memory = math.nan
         self._idle_since: float | None = None
+        self._first_take = True
         self._cpu_s, self._taken = read_cpu(), clock()
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
     def sample(self) -> None:
-        """Read the GPU and the memory once (a reading that fails is skipped: the driver may
-        be busy, a worker may have ended)."""
-        memory = self._read_memory()
+        """Read the GPU and the memory once. A reading that fails is skipped (the driver may
+        be busy, a worker may have ended) and counts as no evidence of an idle GPU."""
+        try:  # a monitor never stops the training, nor its own thread
+            memory = self._read_memory()
+        except Exception:
+            memory = math.nan
         try:
             reading = self._read_gpu() if self._read_gpu is not None else None
-        except Exception:  # a monitor never stops the training
+        except Exception:
             reading = None
         now = self._clock()
         with self._lock:
-            self._last_memory = memory
+            self._last_memory = memory if not math.isnan(memory) else self._last_memory
             self._memory = known_max([self._memory, memory])
             if reading is None:
+                self._idle_since = None
                 return
             self._gpu.append(reading)
             self._last_gpu = reading
@@ -173,9 +193,15 @@ class UsageSampler:
         """The figures since the last take, in :data:`USAGE_FIELDS` order (where no sample
         was taken since, the last one stands)."""
         cpu_s, now = self._read_cpu(), self._clock()
-        cpu_percent = 100.0 * (cpu_s - self._cpu_s) / max(now - self._taken, 1e-9)
+        # Never below 0: a worker reaped between the reads takes its time out of the sum.
+        cpu_percent = max(0.0, 100.0 * (cpu_s - self._cpu_s) / max(now - self._taken, 1e-9))
         self._cpu_s, self._taken = cpu_s, now
         with self._lock:
+            if self._first_take and self._idle_since is not None:
+                # The time before the first interval's end holds start-up, compilation and a
+                # resume's loading: a GPU waiting through them is not idle.
+                self._idle_since = now
+            self._first_take = False
             memory = self._last_memory if math.isnan(self._memory) else self._memory
             gpu = self._gpu or ([self._last_gpu] if self._last_gpu else [])
             self._gpu, self._memory = [], math.nan
@@ -205,6 +231,7 @@ class UsageSampler:
             self.sample()
 
     def close(self) -> None:
+        """Stop the sampling thread (waiting at most 5 s for a reading in progress)."""
         self._stopped.set()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
