@@ -20,6 +20,7 @@ from hpc_ddp.runtime.exits import report_failure
 from hpc_ddp.runtime.preempt.lost_rank import (
     HANDOFF_VARIABLE,
     LostRank,
+    blamed_host,
     lost_rank,
     read_handoff,
     silent_rank,
@@ -124,7 +125,11 @@ def test_under_torchrun_its_last_rounds_root_cause_blames_the_node_of_its_agent(
     assert lost_rank(lines) is None, "srun's own endings blame no host: torchrun exited 1"
     expected = LostRank("node2", why) if why else None
     assert torchrun_lost_rank(lines, ["node1", "node2"]) == expected
-    assert torchrun_lost_rank(lines, ["node1"]) is None, "a task beyond the job's nodes"
+    # srun's own words name the agent's node, whatever the node list's order.
+    assert torchrun_lost_rank(lines, ["nodeA", "nodeB"]) == expected
+    without_srun = lines[:-2]
+    assert torchrun_lost_rank(without_srun, ["node1", "node2"]) == expected
+    assert torchrun_lost_rank(without_srun, ["node1"]) is None, "a task beyond the job's nodes"
     unlabelled = [line.split(": ", 1)[1] for line in lines[1:-2]]
     assert torchrun_lost_rank(unlabelled, ["node1", "node2"]) is None, "no label, no node"
     assert torchrun_lost_rank(lines[:17], ["node1", "node2"]) is None, "a peer lost blames none"
@@ -162,6 +167,17 @@ def test_a_rank_a_stall_report_names_as_silent_blames_its_node() -> None:
     assert silent_rank(lines) == LostRank("node2", "rank 1 on node2 stopped answering")
     assert silent_rank([report.replace("on node2", "on ?")]) is None
     assert silent_rank(["these ranks stopped answering: rank 3 (never)"]) is None
+    frozen = LostRank("node2", "rank 1 on node2 stopped answering")
+    assert blamed_host(lines, None) == frozen
+    assert blamed_host([*lines, "srun: error: node1: task 2: Terminated"], None) == frozen
+    # A program's own ending is not overruled by a stall report in the same log.
+    assert (
+        blamed_host([report, "srun: error: node1: task 0: Exited with exit code 1"], None) is None
+    )
+    oom = "slurmstepd: error: Detected 1 oom_kill event in StepId=185.0"
+    assert blamed_host([*lines, oom], None) is None
+    # Under torchrun the log holds every round's reports: only torchrun's last one counts.
+    assert blamed_host(lines, ["node1", "node2"]) is None
 
 
 def test_a_device_error_ends_the_rank_with_its_own_exit_code_and_traceback() -> None:

@@ -41,18 +41,12 @@ def attempt_lines(log_from: int) -> list[str]:
 def answer(status: int, lines: Sequence[str], environ: Mapping[str, str]) -> int:
     """Leave the lost rank's host out and requeue; the batch script's exit status."""
     from hpc_ddp.runtime.place.slurm import expand_hostlist
-    from hpc_ddp.runtime.preempt.lost_rank import (
-        lost_rank,
-        read_handoff,
-        silent_rank,
-        torchrun_lost_rank,
-    )
+    from hpc_ddp.runtime.preempt.lost_rank import blamed_host, read_handoff
 
-    # Under the torchrun template, srun's task N is node N's agent: its label names the node.
+    # Under the torchrun template srun's task N is the agent of node N of the job's list.
     nodelist = environ.get("SLURM_JOB_NODELIST", "")
-    per_node = environ.get(ONE_TASK_PER_NODE) == "1" and nodelist
-    nodes = expand_hostlist(nodelist) if per_node else []
-    lost = lost_rank(lines) or torchrun_lost_rank(lines, nodes) or silent_rank(lines)
+    per_node = environ.get(ONE_TASK_PER_NODE) == "1"
+    lost = blamed_host(lines, (expand_hostlist(nodelist) if nodelist else []) if per_node else None)
     if lost is None:
         return status
     handoff = read_handoff(environ)

@@ -15,6 +15,7 @@ so rank 0 writes that, with the preempt settings, to the file HPC_DDP_STEP_HANDO
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -89,22 +90,23 @@ _SIGNAL_EXITS = {-9: "SIGKILL", -11: "SIGSEGV", -7: "SIGBUS", -4: "SIGILL"}
 
 def torchrun_lost_rank(lines: Sequence[str], hosts: Sequence[str]) -> LostRank | None:
     """The host to blame from torchrun's reports of its last failed round (the torchrun job
-    template: one srun task per node, ``hosts`` in the job's node order). Every agent reports
-    its own root cause; one whose worker only lost its peer is passed over, and the first
-    other one blames its node when its worker was killed by a host-kind signal or reported a
-    failed device. None without such a report, or where no srun label names its node."""
+    template: one srun task per node). Every agent reports its own root cause; one whose
+    worker only lost its peer is passed over, and the first other one blames its node when
+    its worker was killed by a host-kind signal or reported a failed device. The node is the
+    one srun names for the agent's task, else the task's place in ``hosts`` (the job's node
+    list). None without such a report, or where nothing names its node."""
+    ended = [match for match in map(_TASK_ENDED.search, lines) if match]
+    named = {int(match["tasks"].split()[1]): match["host"] for match in ended
+             if match["tasks"].split()[1].isdigit()}  # fmt: skip
     for index, line in enumerate(lines):
         label = _LABEL.match(line)
-        if _ROOT_CAUSE not in line or label is None or int(label["task"]) >= len(hosts):
+        if _ROOT_CAUSE not in line or label is None:
             continue
-        fields: dict[str, int] = {}
-        for later in lines[index + 1 : index + 12]:
-            if later.startswith(label.group(0)):
-                found = _FIELD.match(later[len(label.group(0)) :])
-                if found:
-                    fields.setdefault(found["name"], int(found["value"]))
-        code, host = fields.get("exitcode"), hosts[int(label["task"])]
-        if code == EXIT_PEER_LOST:
+        task = int(label["task"])
+        host = named.get(task) or (hosts[task] if task < len(hosts) else None)
+        fields = _report_fields(lines[index + 1 :], label.group(0))
+        code = fields.get("exitcode")
+        if host is None or code is None or code == EXIT_PEER_LOST:
             continue
         where = f"rank {fields.get('rank', '?')} on {host} (torchrun's restarts ran out)"
         if code in _SIGNAL_EXITS:
@@ -115,6 +117,40 @@ def torchrun_lost_rank(lines: Sequence[str], hosts: Sequence[str]) -> LostRank |
             return LostRank(host, f"{where} reported a failed device")
         return None
     return None
+
+
+def _report_fields(after: Sequence[str], label: str) -> dict[str, int]:
+    """The rank and exit code of one agent's report: the next lines with its ``label`` (other
+    agents' lines may come between), up to its exit code."""
+    fields: dict[str, int] = {}
+    own = (line[len(label) :] for line in after[:200] if line.startswith(label))
+    for line in itertools.islice(own, 12):
+        found = _FIELD.match(line)
+        if found:
+            fields.setdefault(found["name"], int(found["value"]))
+        if "exitcode" in fields:
+            break
+    return fields
+
+
+def blamed_host(lines: Sequence[str], torchrun_nodes: Sequence[str] | None) -> LostRank | None:
+    """The host a failed step's lines blame, or None: srun's words for the first task that
+    ended; under the torchrun template (``torchrun_nodes``: the job's node list) torchrun's
+    report of its last round; else, where every task only lost its peer or was ended by srun
+    after it (a frozen rank, woken to be ended, says the same), the rank a stall report names
+    as no longer answering. A program's own ending (an exit code of its own, an
+    out-of-memory kill) blames no host."""
+    lost = lost_rank(lines)
+    if lost is not None:
+        return lost
+    if torchrun_nodes is not None:
+        return torchrun_lost_rank(lines, torchrun_nodes)
+    peer_lost = f"Exited with exit code {EXIT_PEER_LOST}"
+    endings = [match["ending"] for match in map(_TASK_ENDED.search, lines)
+               if match and match["ending"] != peer_lost]  # fmt: skip
+    if endings[:1] not in ([], ["Terminated"]) or any(map(_OUT_OF_MEMORY.search, lines)):
+        return None
+    return silent_rank(lines)
 
 
 #: A stall report's words for a rank whose watchdog thread stopped writing (see
