@@ -438,9 +438,6 @@ def test_a_rank_killed_on_one_node_leaves_it_out_and_the_job_resumes_on_the_othe
     node = killed.group(1)
     why = f"task 1 on {node} was killed by SIGKILL"
     assert f"hpc-ddp: {why}: left {node} out of job {job} (ExcNodeList: {node})" in log, log[-3000:]
-    assert slurm.job_field(job, "ExcNodeList") == node and slurm.job_field(job, "Restarts") == "1"
-    ran_on = slurm.run(["scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")], work)
-    assert node not in ran_on.stdout.split() and len(ran_on.stdout.split()) == 2
     run_dir = next((work / "runs").glob(f"*/{job}"))
     failures = json.loads((run_dir / "excluded_hosts.json").read_text())
     assert [(f["job"], f["hosts"], f["event"], f["why"], f["requeued"]) for f in failures] == [
@@ -450,11 +447,23 @@ def test_a_rank_killed_on_one_node_leaves_it_out_and_the_job_resumes_on_the_othe
     assert f"job {job} attempt 0: {node} lost a rank ({why}): left out" in listed.stdout, (
         listed.stdout
     )
+    resumed_without(slurm, job, node, 8, settings, work)
+
+
+def resumed_without(
+    slurm: SlurmCluster, job: str, node: str, from_step: int, settings: list[str], work: Path
+) -> None:
+    """``job`` (submitted from ``work``) left ``node`` out and was requeued once; its second
+    attempt ran on the other two nodes from ``from_step`` and ended with the weights of a
+    local run of ``settings`` never stopped."""
+    assert slurm.job_field(job, "ExcNodeList") == node and slurm.job_field(job, "Restarts") == "1"
+    ran_on = slurm.run(["scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")], work)
+    assert node not in ran_on.stdout.split() and len(ran_on.stdout.split()) == 2
     summary = read_summary(work / "runs")
-    assert (summary["restart_count"], summary["resumed_from_step"]) == (1, 8)
-    reference = run_local(2, tmp_path / "reference", settings)
+    assert (summary["restart_count"], summary["resumed_from_step"]) == (1, from_step)
+    reference = run_local(2, work / "reference", settings)
     assert reference.returncode == 0, reference.stderr[-2000:]
-    assert summary["weights_sha256"] == read_summary(tmp_path / "reference")["weights_sha256"]
+    assert summary["weights_sha256"] == read_summary(work / "reference")["weights_sha256"]
 
 
 def test_under_torchrun_a_node_whose_rank_dies_past_the_restarts_is_left_out(
@@ -492,14 +501,7 @@ def test_under_torchrun_a_node_whose_rank_dies_past_the_restarts_is_left_out(
     node = why.group(1)
     assert node == nodes[int(task.group(1))], "the node rank 1 ran on, named by srun's label"
     assert why.group(2) == node
-    assert slurm.job_field(job, "ExcNodeList") == node and slurm.job_field(job, "Restarts") == "1"
-    ran_on = slurm.run(["scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")], work)
-    assert node not in ran_on.stdout.split() and len(ran_on.stdout.split()) == 2
-    summary = read_summary(work / "runs")
-    assert (summary["restart_count"], summary["resumed_from_step"]) == (1, 16)
-    reference = run_local(2, tmp_path / "reference", settings)
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    assert summary["weights_sha256"] == read_summary(tmp_path / "reference")["weights_sha256"]
+    resumed_without(slurm, job, node, 16, settings, work)
 
 
 def test_a_frozen_rank_is_found_by_the_others_its_node_left_out_and_the_job_resumed(
@@ -529,14 +531,7 @@ def test_a_frozen_rank_is_found_by_the_others_its_node_left_out_and_the_job_resu
     node = silent.group(1)
     why = f"rank 1 on {node} stopped answering"
     assert f"hpc-ddp: {why}: left {node} out of job {job} (ExcNodeList: {node})" in log, log[-3000:]
-    assert slurm.job_field(job, "ExcNodeList") == node and slurm.job_field(job, "Restarts") == "1"
-    ran_on = slurm.run(["scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")], work)
-    assert node not in ran_on.stdout.split() and len(ran_on.stdout.split()) == 2
-    summary = read_summary(work / "runs")
-    assert (summary["restart_count"], summary["resumed_from_step"]) == (1, 8)
-    reference = run_local(2, tmp_path / "reference", settings)
-    assert reference.returncode == 0, reference.stderr[-2000:]
-    assert summary["weights_sha256"] == read_summary(tmp_path / "reference")["weights_sha256"]
+    resumed_without(slurm, job, node, 8, settings, work)
 
 
 def test_a_rank_that_raises_ends_the_job_fast_naming_it(
