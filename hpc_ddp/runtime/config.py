@@ -408,6 +408,19 @@ class MonitorConfig:
         "Peak TFLOP/s of one device, for the MFU. 0: a GPU's dense bf16 peak from the table "
         "of common GPUs (none on CPU: only the TFLOP/s achieved is logged).",
     )
+    count_flops: bool = setting(
+        True,
+        "With flops_per_sample=0: count them from the model, once, on rank 0's first "
+        "training forward (torch's FlopCounterMode on a copy of the model on the meta device: "
+        "shapes only, nothing computed). Models wrapped by run.wrap under DDP.",
+    )
+    straggler_ratio: float = setting(
+        1.2,
+        "A rank whose model's forward takes more than this times the median rank's in a log "
+        "interval is its straggler (interval/slowest_rank, interval/slowest_rank_ratio); one "
+        "that stays the straggler for 3 intervals in a row is named once, with its host. "
+        "Models wrapped by run.wrap under DDP.",
+    )
 
     every_s: float = setting(
         10.0,
@@ -437,6 +450,12 @@ class MonitorConfig:
             "monitor.data_wait_percent",
             self.data_wait_percent,
             "above 0 and at most 100",
+        )
+        require(
+            math.isfinite(self.straggler_ratio) and self.straggler_ratio >= 1,
+            "monitor.straggler_ratio",
+            self.straggler_ratio,
+            "a number >= 1",
         )
         require(
             0 <= self.idle_gpu_percent <= 100,

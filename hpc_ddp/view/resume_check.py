@@ -15,6 +15,7 @@ import torch
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints
 from hpc_ddp.runtime.checkpoint.sharded import full_tensors, read_blobs, read_metadata
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.monitor.straggler import STRAGGLER_METRICS
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS
 from hpc_ddp.runtime.tracking.journal import read_metrics
 
@@ -29,7 +30,7 @@ TIMED_METRICS = (
     "interval/data_wait_percent_max",
     "goodput_percent",
     "rank_hours",
-    *(f"interval/{name}" for name in THROUGHPUT_METRICS),
+    *(f"interval/{name}" for name in (*THROUGHPUT_METRICS, *STRAGGLER_METRICS)),
 )
 #: What a resume on another number of ranks cannot carry over: each rank's own state (its
 #: random streams, seeded anew, and what it registered per rank) and the number of ranks.

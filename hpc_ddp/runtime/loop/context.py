@@ -13,7 +13,9 @@ from torch import nn
 
 from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.config import RuntimeConfig
+from hpc_ddp.runtime.loop.streams import batch_length
 from hpc_ddp.runtime.monitor.account import AttemptTimes
+from hpc_ddp.runtime.monitor.forward import ForwardMeter
 from hpc_ddp.runtime.place.env import DistEnv
 from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.preempt.signals import StopSignals
@@ -47,6 +49,10 @@ class RunContext:
     wrapped: list[nn.Module] = field(default_factory=list)
     #: This attempt's time in resumes, checkpoints, evaluation and steps.
     times: AttemptTimes = field(default_factory=AttemptTimes)
+    #: This rank's time in its wrapped models' forward (and their FLOPs, where counted).
+    forward: ForwardMeter = field(
+        default_factory=lambda: ForwardMeter(torch.device("cpu"), False, batch_length)
+    )
     #: Names this attempt's entry in the run's attempts.json.
     attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 

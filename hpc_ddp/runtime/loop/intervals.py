@@ -21,6 +21,7 @@ from hpc_ddp.runtime.monitor.datawait import (
     data_wait_shares,
     loader_settings,
 )
+from hpc_ddp.runtime.monitor.straggler import STRAGGLER_METRICS, StragglerAlarm
 from hpc_ddp.runtime.monitor.system import SystemMonitor, gpu_text
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS, Throughput, throughput
 from hpc_ddp.runtime.monitor.usage import USAGE_FIELDS, from_slot, to_slot
@@ -29,7 +30,7 @@ from hpc_ddp.runtime.names import check_name
 #: Interval metrics the run logs itself (as interval/<name>).
 RESERVED_METRICS = frozenset(
     {"lr", "samples_per_s", "steps_per_s", "data_wait_percent", "data_wait_percent_max",
-     *THROUGHPUT_METRICS}
+     *THROUGHPUT_METRICS, *STRAGGLER_METRICS}
 )  # fmt: skip
 
 
@@ -89,8 +90,8 @@ def check_logged_value(name: str, total: torch.Tensor | float, count: torch.Tens
 @dataclass(frozen=True)
 class IntervalReport:
     """One log interval's metrics, summed across ranks in the background, followed by a
-    slot per rank: its seconds of waiting for data, then (with the system monitor on) its
-    figures in :data:`USAGE_FIELDS` order."""
+    slot per rank: its seconds of waiting for data and in its model's forward, then (with
+    the system monitor on) its figures in :data:`USAGE_FIELDS` order."""
 
     sums: PendingSums
     names: list[str]
@@ -126,7 +127,8 @@ class MetricLog:
         self._data_timed = True
         self._throughput = run_throughput(context)
         self.system = system_monitor(context)
-        self._slot_width = 1 + (len(USAGE_FIELDS) if self.system else 0)
+        self._stragglers = StragglerAlarm(context.config.monitor.straggler_ratio)
+        self._slot_width = 2 + (len(USAGE_FIELDS) if self.system else 0)
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
         """A training metric's total over ``count`` items (see :meth:`hpc_ddp.Run.log`);
@@ -194,7 +196,7 @@ class MetricLog:
         shape = (env.world_size, self._slot_width)
         slots = torch.zeros(shape, dtype=torch.float64, device=local.device)
         usage = to_slot(self.system.sampler.take()) if self.system else ()
-        mine = (self.data_wait.take(), *usage)
+        mine = (self.data_wait.take(), self.context.forward.take(), *usage)
         for index, value in enumerate(mine):  # a fill each: a handful per interval
             slots[env.rank, index] = value
         local = torch.cat([local, slots.reshape(-1)])
@@ -232,15 +234,21 @@ class MetricLog:
             samples_per_s = steps_per_s * self.global_batch_size
             rate = f"{samples_per_s:,.0f} samples/s"
             metrics["interval/samples_per_s"] = samples_per_s
-            worth = self._throughput.metrics(samples_per_s)
+            worth = self._throughput.metrics(samples_per_s, self.context.forward.flops_per_sample)
             metrics.update({f"interval/{name}": value for name, value in worth.items()})
             if "tokens_per_s" in worth:
                 rate += f", {worth['tokens_per_s']:,.0f} tokens/s"
         else:  # a user's batches of no known size
             rate = f"{steps_per_s:,.2f} steps/s"
             metrics["interval/steps_per_s"] = steps_per_s
+        if self.context.forward.attached and self.context.env.is_main:
+            hosts = [place.host for place in self.system.places] if self.system else None
+            slowest, said = self._stragglers.metrics([row[1] for row in rows], hosts)
+            metrics.update({f"interval/{name}": value for name, value in slowest.items()})
+            if said is not None:
+                get_logger().warning(said)
         if self.system and self.context.env.is_main:
-            system = self.system.metrics([from_slot(row[1:]) for row in rows])
+            system = self.system.metrics([from_slot(row[2:]) for row in rows])
             metrics.update(system)
             rate += gpu_text(system)
         self.progress.update(report.step, report.epoch, means, rate)

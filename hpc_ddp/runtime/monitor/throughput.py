@@ -43,13 +43,17 @@ class Throughput:
     peak_tflops_per_device: float | None
     devices: int
 
-    def metrics(self, samples_per_s: float) -> dict[str, float]:
-        """The interval metrics (without ``interval/``) that ``samples_per_s`` gives."""
+    def metrics(
+        self, samples_per_s: float, counted_flops_per_sample: float | None = None
+    ) -> dict[str, float]:
+        """The interval metrics (without ``interval/``) that ``samples_per_s`` gives; the
+        FLOPs per sample are the setting's, else those counted from the model (if any)."""
         found: dict[str, float] = {}
         if self.tokens_per_sample:
             found["tokens_per_s"] = samples_per_s * self.tokens_per_sample
-        if self.flops_per_sample:
-            tflops = samples_per_s * self.flops_per_sample / 1e12
+        flops_per_sample = self.flops_per_sample or counted_flops_per_sample
+        if flops_per_sample:
+            tflops = samples_per_s * flops_per_sample / 1e12
             found["tflops"] = tflops
             if self.peak_tflops_per_device:
                 found["mfu_percent"] = 100.0 * tflops / (self.peak_tflops_per_device * self.devices)

@@ -86,6 +86,7 @@ class ModelView(RankView):
         if on_meta:
             materialise(model, self.device, init_weights)
         wrapped = wrap_in_ddp(model, self.device, ddp_options)
+        self._context.forward.attach(wrapped.module)
         self._context.wrapped.append(wrapped.module)
         return wrapped
 
