@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from mlflow import MlflowClient
 
-from tests.helpers import REPO, read_summary
+from tests.helpers import REPO, read_summary, run_local
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
 
 pytestmark = pytest.mark.slurm
@@ -351,3 +351,48 @@ def test_a_sweep_of_a_python_function_calls_it_per_task_and_keeps_what_it_return
     again = toolkit.Sweep(sweep_dir).results()
     assert again[2] == {**results[0], "mse": again[2]["mse"]}
     assert again[2]["mse"] == results[0]["mse"], "the same function and arguments as task 0"
+
+
+def test_a_sweep_task_that_loses_a_rank_leaves_its_node_out_and_resumes(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """A one-task sweep of the built-in trainer on 2 nodes: rank 1 is killed (SIGKILL, as by a
+    failing host) at step 12 of the first attempt. The array task's script leaves that node
+    out of the task's job and requeues it, as slurm/train.sh does; the task is not recorded
+    as ended then, and its next attempt, on the other two nodes, resumes from step 8 and
+    ends with the weights of a run never killed."""
+    work = prepare_workdir(tmp_path)
+    (work / "sweep.yaml").write_text("name: lost\nlist:\n  - {run.seed: 0}\n")
+    settings = ["model.kind=custom", "model.factory=tests.factories:killed_model",
+                "checkpoint.every_steps=8", "checkpoint.save_mode=single_file",
+                "tracking.enabled=false", "data.num_samples=3072", "data.batch_size=96",
+                "train.epochs=2", "train.log_interval=4"]  # fmt: skip
+    submitted = hpc_ddp(
+        slurm, work, "sweep", "submit", "sweep.yaml", "--nodes=2", "--tasks-per-node=1",
+        "--cpus-per-task=1", "--time=00:10:00", "--", "--config", "configs/synthetic.yaml",
+        *settings,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    sweep_dir = work / "runs" / "lost"
+    data = wait_for_sweep(sweep_dir)
+    array = data["arrays"][0]["job_id"]
+    log = (sweep_dir / "logs" / f"lost-{array}_0.out").read_text()
+    assert [(task["state"], task["attempts"]) for task in data["tasks"]] == [("finished", 2)], log
+    killed = re.search(r"srun: error: (\S+): task 1: Killed", log)
+    left_out = re.search(r"hpc-ddp: task 1 on (\S+) was killed by SIGKILL: left \1 out of job "
+                         r"(\S+) \(ExcNodeList: \1\)", log)  # fmt: skip
+    assert killed and left_out and left_out.group(1) == killed.group(1), log[-3000:]
+    node, job = left_out.groups()
+    assert job == f"{array}_0", "the array's task, as Slurm names it"
+    assert slurm.job_field(job, "ExcNodeList") == node and slurm.job_field(job, "Restarts") == "1"
+    ran_on = slurm.run(["scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")], work)
+    assert node not in ran_on.stdout.split() and len(ran_on.stdout.split()) == 2
+    failures = json.loads((sweep_dir / "task-000" / "excluded_hosts.json").read_text())
+    assert [(f["hosts"], f["event"], f["requeued"]) for f in failures] == [
+        ([node], "lost a rank", True)
+    ]
+    task = summary(sweep_dir, 0)
+    assert (task["restart_count"], task["resumed_from_step"]) == (1, 8)
+    reference = run_local(2, work / "reference", [*settings, "run.seed=0"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    assert task["weights_sha256"] == read_summary(work / "reference")["weights_sha256"]

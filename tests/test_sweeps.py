@@ -141,6 +141,13 @@ def test_the_array_job_script_runs_the_task_and_records_its_end(tmp_path: Path) 
     srun = 'srun --kill-on-bad-exit=1 --label "${blocked_until_held[@]}" "$python" "${program[@]}"'
     assert text.index(srun) < text.index(f'"$python" {task} --ended "$status"')
     assert text.rstrip().endswith('exit "$status"')
+    # A rank lost to its host: rank 0's hand-off is kept, srun's lines of this attempt are
+    # read, and a requeued task ends its script before the sweep's record says it ended.
+    assert "export HPC_DDP_STEP_HANDOFF=" in text and "unset HPC_DDP_STEP_HANDOFF" not in text
+    answer = '"$python" -m hpc_ddp.launch.step_failure "$status" "$log_from" || answered=$?'
+    assert text.index("log_from=") < text.index(srun) < text.index(answer)
+    requeued = text.index("if ((answered == 0)); then\n        exit 0\n    fi")
+    assert text.index(answer) < requeued < text.index(f'"$python" {task} --ended "$status"')
 
 
 def sweep_record(tmp_path: Path, tasks: list[dict[str, str]]) -> dict[str, Any]:

@@ -109,14 +109,24 @@ def job_script(request: RenderRequest, sweep_dir: Path, offset: int) -> str:
     task = ["-m", "hpc_ddp.sweep.task", str(sweep_dir), "--offset", str(offset)]
     quoted = " ".join(shlex.quote(word) for word in task)
     ending = f"""program=({quoted})
-# The task's end goes into the sweep's record (a requeue ends this script before it); when
-# the attempt began tells its run's record from an earlier attempt's.
+# The task's end goes into the sweep's record (a preemption's requeue ends this script before
+# it); when the attempt began tells its run's record from an earlier attempt's. A rank lost
+# to its host leaves the host out of this task's job, which is requeued (as in slurm/train.sh):
+# the task has not ended then.
 set +e
 began=$(date +%s.%N)
-unset HPC_DDP_STEP_HANDOFF  # a lost rank's host is not left out of a sweep's task yet
 {_SRUN}
 status=$?
 set -e
+if ((status != 0)); then
+    trap '' TERM  # the requeue's SIGTERM must not stop the answer
+    answered=0
+    "$python" -m hpc_ddp.launch.step_failure "$status" "$log_from" || answered=$?
+    if ((answered == 0)); then
+        exit 0
+    fi
+    status=$answered
+fi
 "$python" {quoted} --ended "$status" --began "$began"
 exit "$status"
 """
