@@ -4,10 +4,13 @@ gloo ranks whose forward times come from a stand-in clock (end to end)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import random
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,20 +20,38 @@ from torch.utils.flop_counter import FlopCounterMode
 from hpc_ddp.runtime.config import resolve_config
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import LOGGER_NAME, get_logger
-from hpc_ddp.runtime.loop.streams import batch_length
-from hpc_ddp.runtime.monitor.forward import ForwardMeter, flop_text, training_flops
+from hpc_ddp.runtime.loop.streams import map_tensors
+from hpc_ddp.runtime.monitor.flops import flop_text, training_flops
+from hpc_ddp.runtime.monitor.forward import ForwardMeter
+from hpc_ddp.runtime.monitor.paces import IntervalPaces, RankTimes, step_time_percent
 from hpc_ddp.runtime.monitor.straggler import (
     INTERVALS_BEFORE_SAYING,
     StragglerAlarm,
     slowest_rank,
 )
-from hpc_ddp.runtime.monitor.throughput import throughput
+from hpc_ddp.runtime.monitor.throughput import counted_flops_per_s, throughput
+from hpc_ddp.view.plot import plot_run
+from hpc_ddp.view.runs import load_run
+from hpc_ddp.view.steptime import step_time_series
 from tests.helpers import HandClock, run_local_program
+
+CPU = torch.device("cpu")
+
+
+def count(module: nn.Module, *args: Any, **kwargs: Any) -> int:
+    return training_flops(module, args, kwargs, map_tensors, CPU)
+
+
+def real_count(module: nn.Module, *args: Any) -> int:
+    with FlopCounterMode(display=False) as real:
+        module(*args).sum().backward()
+    return int(real.get_total_flops())
 
 
 class Keeper(nn.Module):
-    """A model that keeps a tensor on itself at its first forward (as rotary caches do),
-    with BatchNorm (a buffer written by forward) and dropout (a random stream)."""
+    """A model that keeps tensors on itself at its first forward (as rotary caches do), in
+    an attribute and in a dict, with BatchNorm (a buffer written by forward), dropout (torch's
+    random stream) and a layer drop drawn from Python's."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,11 +60,15 @@ class Keeper(nn.Module):
         self.drop = nn.Dropout(0.5)
         self.head = nn.Linear(8 * 6 * 6, 10)
         self.kept: torch.Tensor | None = None
+        self.cache: dict[str, torch.Tensor] = {}
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         if self.kept is None:
             self.kept = torch.ones(1, device=images.device)
-        features = self.drop(self.norm(self.conv(images))) * self.kept
+            self.cache["scale"] = torch.ones(1, device=images.device)
+        features = self.drop(self.norm(self.conv(images))) * self.kept * self.cache["scale"]
+        if random.random() < 2.0:  # always: a layer drop would draw here
+            features = features * 1.0
         logits: torch.Tensor = self.head(features.flatten(1))
         return logits
 
@@ -59,28 +84,70 @@ def said(
 
 
 def test_the_meta_count_equals_the_count_of_a_real_forward_and_backward() -> None:
-    model, images = Keeper(), torch.randn(4, 3, 8, 8)
-    counted = training_flops(model, (images,), {})
-    with FlopCounterMode(display=False) as real:
-        Keeper()(images).sum().backward()
-    assert counted == real.get_total_flops()
+    images = torch.randn(4, 3, 8, 8)
+    counted = count(Keeper(), images)
+    assert counted == real_count(Keeper(), images)
     # conv forward 2*4*8*36*27, head 2*4*288*10; backward: both layers' weight gradients
     # and the conv output's gradient from the head (the images need none).
     assert counted == 2 * (2 * 4 * 8 * 36 * 27) + 3 * (2 * 4 * 288 * 10)
 
 
-def test_counting_leaves_the_model_its_random_streams_and_its_batch_as_they_were() -> None:
+def test_parametrized_weights_reentrant_checkpoints_and_dataclass_inputs_are_counted() -> None:
+    from torch.nn.utils.parametrizations import weight_norm
+    from torch.utils.checkpoint import checkpoint
+
+    normed = weight_norm(nn.Linear(16, 8))
+    batch = torch.randn(4, 16)
+    assert count(normed, batch) == real_count(weight_norm(nn.Linear(16, 8)), batch) > 0
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(16, 16)
+
+        def forward(self, batch: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = checkpoint(self.layer, batch, use_reentrant=True)
+            return out
+
+    needing = torch.randn(4, 16, requires_grad=True)  # reentrant checkpoints need one
+    assert count(Checkpointed(), needing) == real_count(Checkpointed(), needing) > 0
+
+    @dataclasses.dataclass
+    class Batch:
+        images: torch.Tensor
+
+    class TakesBatch(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(16, 8)
+
+        def forward(self, batch: Batch) -> torch.Tensor:
+            out: torch.Tensor = self.layer(batch.images)
+            return out
+
+    assert count(TakesBatch(), Batch(batch)) == real_count(nn.Linear(16, 8), batch)
+
+
+def test_counting_leaves_the_model_its_hooks_and_every_random_stream_as_they_were() -> None:
     torch.manual_seed(0)
+    random.seed(0)
     model, images = Keeper(), torch.randn(4, 3, 8, 8)
+    seen: list[torch.Tensor] = []
+    model.head.register_forward_hook(lambda _module, _args, out: seen.append(out))
     weights = {name: value.clone() for name, value in model.state_dict().items()}
-    stream = torch.get_rng_state()
-    training_flops(model, (images,), {})
-    assert model.kept is None, "what the forward keeps on itself stays on the copy"
-    assert torch.equal(torch.get_rng_state(), stream)
+    streams = (torch.get_rng_state(), random.getstate())
+    count(model, images)
+    assert (model.kept, model.cache) == (None, {}), "what the forward keeps stays on the copy"
+    assert torch.equal(torch.get_rng_state(), streams[0]) and random.getstate() == streams[1]
+    assert seen == [], "a script's hook does not see the copy's meta tensors"
     for name, value in model.state_dict().items():
         assert torch.equal(value, weights[name]), name
         assert value.device.type == "cpu"
     assert all(parameter.grad is None for parameter in model.parameters())
+    # A model whose forward kept tensors before (in an attribute and in a dict) is counted
+    # on shapes: those tensors are put on the meta device, not copied where they are.
+    model(images)
+    assert count(model, images) == count(Keeper(), images)
 
 
 class Reader(nn.Module):
@@ -95,38 +162,53 @@ class Reader(nn.Module):
         return scaled
 
 
-def test_the_meter_counts_once_on_the_first_training_forward_per_sample(
+def test_the_meter_counts_once_on_the_first_training_forward(
     said: pytest.LogCaptureFixture,
 ) -> None:
-    meter = ForwardMeter(torch.device("cpu"), True, batch_length, HandClock())
+    meter = ForwardMeter(CPU, True, map_tensors, HandClock())
     model = Keeper()
     meter.attach(model)
     with torch.no_grad():
         model.eval()
         model(torch.randn(2, 3, 8, 8))
-    assert meter.flops_per_sample is None, "an evaluation forward is not a training step"
+    assert meter.flops_per_forward is None, "an evaluation forward is not a training step"
     model.train()
     model(torch.randn(4, 3, 8, 8))
-    expected = training_flops(Keeper(), (torch.randn(4, 3, 8, 8),), {}) / 4
-    assert meter.flops_per_sample == expected
+    expected = count(Keeper(), torch.randn(4, 3, 8, 8))
+    assert meter.flops_per_forward == expected
     model(torch.randn(8, 3, 8, 8))
-    assert meter.flops_per_sample == expected
+    assert meter.flops_per_forward == expected
     counted = [line for line in said.messages if "kFLOP" in line]
-    assert len(counted) == 1 and f"{expected / 1e3:.4g} kFLOP (counted" in counted[0], said.messages
+    assert len(counted) == 1, said.messages
+    assert f"a training forward and its backward is {expected / 1e3:.4g} kFLOP" in counted[0]
 
 
 def test_a_model_that_cannot_run_on_shapes_is_said_once_and_trains_on(
     said: pytest.LogCaptureFixture,
 ) -> None:
-    meter = ForwardMeter(torch.device("cpu"), True, batch_length, HandClock())
+    meter = ForwardMeter(CPU, True, map_tensors, HandClock())
     model = Reader()
     meter.attach(model)
     batch = torch.randn(3, 4)
     assert torch.equal(model(batch), model.layer(batch))
     model(batch)
-    assert meter.flops_per_sample is None
+    assert meter.flops_per_forward is None
     failed = [line for line in said.messages if "could not be counted" in line]
     assert len(failed) == 1 and "HINT: set monitor.flops_per_sample" in failed[0], said.messages
+
+
+def test_a_model_the_meter_times_can_be_saved_whole_and_is_left_as_it_came(
+    tmp_path: Path,
+) -> None:
+    meter = ForwardMeter(CPU, False, map_tensors, HandClock())
+    model = nn.Sequential(nn.Linear(4, 4))
+    meter.attach(model)
+    torch.save(model, tmp_path / "whole.pt")
+    loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
+    assert torch.equal(loaded(torch.ones(1, 4)), model(torch.ones(1, 4)))
+    assert meter.take()[1] == 1, "the loaded copy's hooks do nothing"
+    meter.detach()  # at run.finish(): the model is left without them (TorchScript needs that)
+    assert not model._forward_pre_hooks and not model._forward_hooks
 
 
 class Nested(nn.Module):
@@ -143,9 +225,9 @@ class Nested(nn.Module):
         return self.inner(seconds) if self.inner is not None else seconds
 
 
-def test_the_meter_times_the_outermost_forward_and_a_failed_one_ends_its_timing() -> None:
+def test_the_meter_times_the_outermost_training_forward_and_a_failed_one_ends() -> None:
     clock = HandClock()
-    meter = ForwardMeter(torch.device("cpu"), False, batch_length, clock)
+    meter = ForwardMeter(CPU, False, map_tensors, clock)
     inner = Nested(clock)
     outer = Nested(clock, inner)
     meter.attach(inner)
@@ -153,13 +235,16 @@ def test_the_meter_times_the_outermost_forward_and_a_failed_one_ends_its_timing(
     assert meter.attached
     outer(2.0)  # 2 s in outer, then 2 s in inner: 4 s, counted once
     inner(1.5)
-    assert meter.take() == 5.5
-    assert meter.take() == 0.0
+    assert meter.take() == (5.5, 2)
+    assert meter.take() == (0.0, 0)
     with pytest.raises(ValueError):
         outer(-1.0)
     clock.now += 100  # time after a failed forward is not forward time
     outer(3.0)
-    assert meter.take() == -1.0 + 3.0 + 3.0
+    assert meter.take() == (-1.0 + 3.0 + 3.0, 2)
+    with torch.no_grad():  # an evaluation's forward: the evaluation's time
+        outer(7.0)
+    assert meter.take() == (0.0, 0)
 
 
 def test_the_slowest_rank_against_the_median() -> None:
@@ -197,10 +282,12 @@ def test_flops_are_said_with_a_prefix() -> None:
 
 def test_counted_flops_give_the_tflops_and_a_setting_overrules_them() -> None:
     counted = throughput(0.0, 0.0, 100.0, None, 2)
-    assert counted.metrics(1000.0, 4e9) == {"tflops": 4.0, "mfu_percent": 2.0}
+    assert counted.metrics(1000.0, 4e12) == {"tflops": 4.0, "mfu_percent": 2.0}
     assert counted.metrics(1000.0, None) == {}
+    assert counted_flops_per_s(1e9, 8, 4, 2.0) == 16e9, "8 forwards a rank, 4 ranks, 2 s"
+    assert counted_flops_per_s(None, 8, 4, 2.0) is None
     given = throughput(0.0, 1e9, 0.0, None, 2)
-    assert given.metrics(1000.0, 4e9) == {"tflops": 1.0}, "no peak on a CPU: no MFU"
+    assert given.metrics(1000.0, 4e12) == {"tflops": 1.0}, "no peak on a CPU: no MFU"
 
 
 def test_a_straggler_ratio_below_one_is_refused() -> None:
@@ -259,8 +346,9 @@ def test_a_rank_slower_in_forward_is_named_and_the_flops_counted(tmp_path: Path)
     # No host without the system monitor (every_s=0): the rank alone is named.
     assert "rank 1 is the slowest for 3 log intervals in a row" in said[0]
     assert "1.50x the median rank's (12 s against 8 s" in said[0]
-    # Linear(64, 32) on 16 samples: forward 2*16*64*32, the weights' gradient as much again.
-    assert "one sample's forward and backward is 8.192 kFLOP" in result.stderr
+    # Linear(64, 32) on 8 samples a rank: forward 2*8*64*32, the weights' gradient as much again:
+    # 8192 per sample.
+    assert "a training forward and its backward is 65.54 kFLOP" in result.stderr
     [record] = tmp_path.glob("*/*/metrics.jsonl")
     entries = [json.loads(line) for line in record.read_text().splitlines()]
     logged = [e["metrics"] for e in entries if "interval/slowest_rank" in e.get("metrics", {})]
@@ -273,3 +361,58 @@ def test_a_rank_slower_in_forward_is_named_and_the_flops_counted(tmp_path: Path)
         )
         assert "interval/mfu_percent" not in metrics, "no peak is known for a CPU"
     assert not re.search(r"Traceback", result.stderr)
+
+
+def test_an_intervals_parts_are_shares_of_its_length() -> None:
+    times = RankTimes(10.0, [1.0, 3.0], [2.0, 4.0], checkpoint_s=0.5, evaluation_s=20.0)
+    assert step_time_percent(times) == {
+        "forward_percent": 30.0, "checkpoint_percent": 5.0, "evaluation_percent": 100.0,
+    }  # fmt: skip
+    metrics, said = IntervalPaces(resolve_config(None, [], {}, {}).monitor).read(
+        times, "", ["node1", "node2"]
+    )
+    assert metrics["data_wait_percent"] == 20.0 and metrics["data_wait_percent_max"] == 30.0
+    assert metrics["slowest_rank"] == 1.0 and metrics["slowest_rank_ratio"] == 4.0 / 3.0
+    assert said == [], "said only after several intervals in a row"
+    untimed = RankTimes(10.0, None, None, checkpoint_s=0.0, evaluation_s=0.0)
+    metrics, said = IntervalPaces(resolve_config(None, [], {}, {}).monitor).read(untimed, "", None)
+    assert metrics == {"checkpoint_percent": 0.0, "evaluation_percent": 0.0} and said == []
+
+
+def written_run(tmp_path: Path, entries: list[dict[str, float]]) -> Path:
+    run_dir = tmp_path / "runs" / "lm" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": "finished", "global_step": 30}))
+    lines = [json.dumps({"step": 10 * n, "global_step": 10 * n, "epoch": 0, "time": 1.0,
+                         "metrics": {"interval/loss": 2.0 / n, **metrics}})
+             for n, metrics in enumerate(entries, 1)]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
+    def parts(wait: float, forward: float | None, checkpoint: float) -> dict[str, float]:
+        found = {"interval/data_wait_percent": wait, "interval/checkpoint_percent": checkpoint,
+                 "interval/evaluation_percent": 0.0}  # fmt: skip
+        return found | ({"interval/forward_percent": forward} if forward is not None else {})
+
+    run_dir = written_run(tmp_path, [parts(10, 30, 0), parts(5, 25, 40), parts(0, 50, 0)])
+    steps, series = step_time_series(run_dir)
+    assert steps == [10.0, 20.0, 30.0]
+    assert series == {
+        "waiting for data": [10.0, 5.0, 0.0],
+        "forward": [30.0, 25.0, 50.0],
+        "rest of the step: backward, optimizer, waiting for the other ranks": [60.0, 30.0, 50.0],
+        "checkpoint stalls": [0.0, 40.0, 0.0],
+    }, "evaluation never took time: not drawn"
+    run = load_run(run_dir)
+    assert run is not None
+    *_, panel = plot_run(run).axes
+    assert panel.get_title() == "where each interval's time went (%)"
+    assert [text.get_text() for text in panel.get_legend().get_texts()] == list(series)
+    # Without the forward timed (a script's own DDP, FSDP), the step is one part.
+    other = written_run(tmp_path / "other", [parts(10, None, 0)])
+    assert step_time_series(other)[1] == {
+        "waiting for data": [10.0], "the step: forward, backward, optimizer": [90.0],
+    }  # fmt: skip
+    assert step_time_series(written_run(tmp_path / "old", [{}])) == ([], {})

@@ -23,7 +23,7 @@ from hpc_ddp.launch.local import free_loopback_port
 from hpc_ddp.runtime.checkpoint.files import FORMAT_VERSION, load_checkpoint, saved_world_size
 from hpc_ddp.runtime.checkpoint.state import restore_rng, rng_state
 from hpc_ddp.runtime.loop.replicas import Divergence, diverged_replicas
-from hpc_ddp.runtime.loop.timeline import (
+from hpc_ddp.runtime.monitor.timeline import (
     durations,
     process_resources,
     process_start_unix,

@@ -169,6 +169,18 @@ def test_bf16_and_three_ranks_with_workers(tmp_path: Path) -> None:
     assert len(system) == 3 and all(set(metrics) == expected for metrics in system), system
     # Three processes that imported torch, and their workers (PSS: shared pages split).
     assert all(100 < metrics[f"system/{host}/memory_mib"] < 64 * 1024 for metrics in system)
+    # Where each interval's time went: the parts are shares of it, the forward timed on
+    # every rank (the built-in trainer's model is wrapped by run.wrap), and the FLOPs of its
+    # model counted once on the meta device, so the TFLOP/s need no setting.
+    intervals = [metrics for metrics in logged if "interval/samples_per_s" in metrics]
+    for metrics in intervals:
+        for part in ("data_wait", "forward", "checkpoint", "evaluation"):
+            assert 0 <= metrics[f"interval/{part}_percent"] <= 100, metrics
+        assert metrics["interval/forward_percent"] > 0
+        assert metrics["interval/slowest_rank"] in (0.0, 1.0, 2.0)
+        assert metrics["interval/slowest_rank_ratio"] >= 1
+        assert metrics["interval/tflops"] > 0 and "interval/mfu_percent" not in metrics
+    assert result.stderr.count("a training forward and its backward is") == 1
 
 
 @pytest.mark.e2e

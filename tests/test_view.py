@@ -78,9 +78,11 @@ def test_plot_writes_a_png_with_the_training_and_validation_curves(
     finished_run: Path, tmp_path: Path
 ) -> None:
     figure = plot_run(find_run("regression/first", finished_run))
-    # regression: losses, no score panel; then the machines (a real run records its host's CPU)
-    losses, machines = figure.axes
+    # regression: losses, no score panel; then the machines (a real run records its host's
+    # CPU) and where each interval's time went
+    losses, machines, parts = figure.axes
     assert machines.get_title() == "CPU of each host (%, 100 = one core)"
+    assert parts.get_title() == "where each interval's time went (%)"
     assert losses.get_title() == "losses" and losses.get_yscale() == "log"
     lines = {line.get_label(): line for line in losses.get_lines()}
     assert set(lines) == {"mse", "mse (epoch)", "val_mse"}
@@ -96,7 +98,7 @@ def test_plot_writes_a_png_with_the_training_and_validation_curves(
     assert written.returncode == 0, written.stderr
     assert written.stdout.strip() == str(png)
     pixels = imread(png)
-    assert pixels.shape[:2] == (420, 1100), "11 x 4.2 inches at 100 dpi"
+    assert pixels.shape[:2] == (420, 1650), "3 panels of 5.5 x 4.2 inches at 100 dpi"
     assert pixels[..., :3].std() > 0.05, "something is drawn"
 
 

@@ -11,6 +11,7 @@ from hpc_ddp.runtime.preempt.progress import read_attempts
 from hpc_ddp.runtime.tracking.journal import read_metrics
 from hpc_ddp.view.machines import draw_usage, usage_series
 from hpc_ddp.view.runs import RunView, metric_kind
+from hpc_ddp.view.steptime import draw_step_time, step_time_series
 
 Series = dict[str, tuple[list[float], list[float]]]
 
@@ -97,7 +98,7 @@ def plot_run(run: RunView) -> Any:
     each metric in one colour for its interval (thin line), epoch (dots) and validation
     (squares, dashed) series; where the run recorded its machines, a panel of each GPU's
     utilisation (or each host's CPU); a dotted line where each attempt after the first
-    resumed."""
+    resumed; where the run recorded where its time went, a panel of those parts stacked."""
     train, val = curves(run.path)
     if not train and not val:
         raise HpcDdpError(
@@ -112,13 +113,16 @@ def plot_run(run: RunView) -> Any:
     ]
     families = [(title, members) for title, members in families if members]
     usage_title, usage = usage_series(run.path)
-    panels = len(families) + (1 if usage else 0)
+    time_steps, time_parts = step_time_series(run.path)
+    panels = len(families) + (1 if usage else 0) + (1 if time_parts else 0)
+    columns = panels if panels < 4 else 2  # four panels in a row would be too thin to read
+    rows = -(-panels // columns)
     names = sorted({base_name(label) for label, _data, _kind in every})
     palette = [f"C{index % 10}" for index in range(len(names))]
     colour = dict(zip(names, palette, strict=True))
-    figure = figure_class()(figsize=(5.5 * max(2, panels), 4.2), layout="constrained")
+    figure = figure_class()(figsize=(5.5 * max(2, columns), 4.2 * rows), layout="constrained")
     for index, (title, members) in enumerate(families, start=1):
-        axes = figure.add_subplot(1, panels, index)
+        axes = figure.add_subplot(rows, columns, index)
         for label, (steps, values), kind in members:
             style = {"color": colour[base_name(label)], "label": label}
             if kind == "val":
@@ -139,8 +143,12 @@ def plot_run(run: RunView) -> Any:
         axes.grid(alpha=0.3, which="both")
         axes.legend(fontsize="small")
     if usage:
-        axes = figure.add_subplot(1, panels, panels)
+        axes = figure.add_subplot(rows, columns, len(families) + 1)
         draw_usage(axes, usage_title, usage)
+        mark_attempts(axes, resume_steps(run.path))
+    if time_parts:
+        axes = figure.add_subplot(rows, columns, panels)
+        draw_step_time(axes, time_steps, time_parts)
         mark_attempts(axes, resume_steps(run.path))
     figure.suptitle(
         f"{run.name}/{run.run_id}: {run.state}, step {run.global_step}, "

@@ -15,6 +15,7 @@ import torch
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints
 from hpc_ddp.runtime.checkpoint.sharded import full_tensors, read_blobs, read_metadata
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.monitor.paces import PACE_METRICS
 from hpc_ddp.runtime.monitor.straggler import STRAGGLER_METRICS
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS
 from hpc_ddp.runtime.tracking.journal import read_metrics
@@ -26,11 +27,9 @@ NOT_COMPARED = ("run.train_time_s", "run.mlflow_run_id", "run.restart_count", "r
 TIMED_METRICS = (
     "interval/samples_per_s",
     "interval/steps_per_s",
-    "interval/data_wait_percent",
-    "interval/data_wait_percent_max",
     "goodput_percent",
     "rank_hours",
-    *(f"interval/{name}" for name in (*THROUGHPUT_METRICS, *STRAGGLER_METRICS)),
+    *(f"interval/{name}" for name in (*PACE_METRICS, *THROUGHPUT_METRICS, *STRAGGLER_METRICS)),
 )
 #: What a resume on another number of ranks cannot carry over: each rank's own state (its
 #: random streams, seeded anew, and what it registered per rank) and the number of ranks.

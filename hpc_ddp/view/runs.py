@@ -11,6 +11,7 @@ from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.monitor.account import account_line, is_account, run_account
+from hpc_ddp.runtime.monitor.paces import PACE_METRICS
 from hpc_ddp.runtime.monitor.straggler import STRAGGLER_METRICS
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS
 from hpc_ddp.runtime.preempt.node_record import left_out_lines, node_failures
@@ -28,8 +29,8 @@ from hpc_ddp.runtime.tracking.journal import (
 SYSTEM_PREFIX = "system/"
 #: Interval metrics that describe speed, not the model.
 NOT_CURVES = {
-    "samples_per_s", "steps_per_s", "lr", "data_wait_percent", "data_wait_percent_max",
-    "goodput_percent", "rank_hours", *THROUGHPUT_METRICS, *STRAGGLER_METRICS,
+    "samples_per_s", "steps_per_s", "lr", "goodput_percent", "rank_hours", *PACE_METRICS,
+    *THROUGHPUT_METRICS, *STRAGGLER_METRICS,
 }  # fmt: skip
 
 

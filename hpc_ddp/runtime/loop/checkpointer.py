@@ -43,7 +43,7 @@ from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.replicas import diverged_replicas, divergence_message
 from hpc_ddp.runtime.loop.streams import StreamStates
-from hpc_ddp.runtime.loop.timeline import durations
+from hpc_ddp.runtime.monitor.timeline import durations
 from hpc_ddp.runtime.place.dist import (
     all_gather_object,
     gather_object_to_main,

@@ -13,7 +13,7 @@ from torch import nn
 
 from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.config import RuntimeConfig
-from hpc_ddp.runtime.loop.streams import batch_length
+from hpc_ddp.runtime.loop.streams import map_tensors
 from hpc_ddp.runtime.monitor.account import AttemptTimes
 from hpc_ddp.runtime.monitor.forward import ForwardMeter
 from hpc_ddp.runtime.place.env import DistEnv
@@ -51,7 +51,7 @@ class RunContext:
     times: AttemptTimes = field(default_factory=AttemptTimes)
     #: This rank's time in its wrapped models' forward (and their FLOPs, where counted).
     forward: ForwardMeter = field(
-        default_factory=lambda: ForwardMeter(torch.device("cpu"), False, batch_length)
+        default_factory=lambda: ForwardMeter(torch.device("cpu"), False, map_tensors)
     )
     #: Names this attempt's entry in the run's attempts.json.
     attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex)

@@ -3,35 +3,33 @@ path: each interval's all-reduce runs in the background and is read one interval
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from hpc_ddp.runtime.arguments import is_number
-from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import Progress, get_logger
 from hpc_ddp.runtime.loop.context import RunContext
-from hpc_ddp.runtime.loop.metrics import PendingSums, Sum, Sums, restore_sums, saved_sums
-from hpc_ddp.runtime.loop.streams import Ticks, batch_length
-from hpc_ddp.runtime.monitor.datawait import (
-    DataWait,
-    DataWaitAlarm,
-    data_wait_shares,
-    loader_settings,
+from hpc_ddp.runtime.loop.logged import check_logged_name, check_logged_value
+from hpc_ddp.runtime.loop.metrics import (
+    NonFiniteWarnings,
+    PendingSums,
+    Sum,
+    Sums,
+    restore_sums,
+    saved_sums,
 )
-from hpc_ddp.runtime.monitor.straggler import STRAGGLER_METRICS, StragglerAlarm
+from hpc_ddp.runtime.loop.streams import Ticks, batch_length
+from hpc_ddp.runtime.monitor.datawait import DataWait, loader_settings
+from hpc_ddp.runtime.monitor.paces import IntervalPaces, RankTimes
 from hpc_ddp.runtime.monitor.system import SystemMonitor, gpu_text
-from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS, Throughput, throughput
+from hpc_ddp.runtime.monitor.throughput import (
+    Throughput,
+    counted_flops_per_s,
+    throughput,
+)
 from hpc_ddp.runtime.monitor.usage import USAGE_FIELDS, from_slot, to_slot
-from hpc_ddp.runtime.names import check_name
-
-#: Interval metrics the run logs itself (as interval/<name>).
-RESERVED_METRICS = frozenset(
-    {"lr", "samples_per_s", "steps_per_s", "data_wait_percent", "data_wait_percent_max",
-     *THROUGHPUT_METRICS, *STRAGGLER_METRICS}
-)  # fmt: skip
 
 
 def run_throughput(context: RunContext) -> Throughput:
@@ -56,37 +54,6 @@ def system_monitor(context: RunContext) -> SystemMonitor | None:
     )  # fmt: skip
 
 
-def check_logged_name(name: object) -> None:
-    """A name ``run.log`` can take: one MLflow takes, and not one the run logs itself."""
-    check_name(name, "run.log")
-    if name in RESERVED_METRICS:
-        raise HpcDdpError(
-            f"run.log({name!r}, ...): the run logs interval/{name} itself",
-            f"log it under another name (e.g. 'my_{name}'), or with run.log_metrics()",
-        )
-
-
-def check_logged_value(name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
-    """A total and count ``run.log`` can take: a number or 0-d tensor over a count above 0
-    (what needs no device sync to check)."""
-    if isinstance(total, torch.Tensor):
-        if total.dim() != 0:
-            raise HpcDdpError(
-                f"run.log({name!r}, ...) got a tensor of shape {tuple(total.shape)}",
-                "log a scalar (e.g. loss.detach() * batch_size); use run.sums() for tensors",
-            )
-    elif not is_number(total):
-        raise HpcDdpError(
-            f"run.log({name!r}, {total!r}, ...): the total is a {type(total).__name__}",
-            "pass a number or a 0-d tensor: the metric's sum over count items",
-        )
-    if not isinstance(count, torch.Tensor) and not (is_number(count) and count > 0):
-        raise HpcDdpError(
-            f"run.log({name!r}, ..., count={count!r}): the count must be a number above 0",
-            "pass how many items the total sums over (e.g. the batch's size)",
-        )
-
-
 @dataclass(frozen=True)
 class IntervalReport:
     """One log interval's metrics, summed across ranks in the background, followed by a
@@ -102,6 +69,11 @@ class IntervalReport:
     lr: float | None
     #: False where the loop handed out no batches (run.iterations: the script loads its own).
     data_timed: bool
+    #: This rank's seconds in checkpoint stalls and evaluation during the interval.
+    checkpoint_s: float
+    evaluation_s: float
+    #: This rank's training forwards in the interval (of models run.wrap wrapped).
+    forwards: int
 
 
 class MetricLog:
@@ -119,15 +91,16 @@ class MetricLog:
         self.progress = Progress(None, enabled=False)
         self._pending: IntervalReport | None = None
         self._checked_names: set[str] = set()
-        self._non_finite_said: set[str] = set()
+        self._non_finite = NonFiniteWarnings(context.env.is_main)
         #: This rank's wait inside the loader's ``next`` (the loop times it).
         self.data_wait = DataWait()
-        self._data_wait_alarm = DataWaitAlarm(context.config.monitor.data_wait_percent)
+        self._paces = IntervalPaces(context.config.monitor)
+        #: Checkpoint and evaluation seconds where the last interval closed.
+        self._paused = (context.times.checkpoint_s, context.times.evaluation_s)
         self._loader_settings = ""
         self._data_timed = True
         self._throughput = run_throughput(context)
         self.system = system_monitor(context)
-        self._stragglers = StragglerAlarm(context.config.monitor.straggler_ratio)
         self._slot_width = 2 + (len(USAGE_FIELDS) if self.system else 0)
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
@@ -142,6 +115,7 @@ class MetricLog:
     def close(self) -> None:
         """End the progress display and the readings of the machine."""
         self.progress.close()
+        self.context.forward.detach()
         if self.system is not None:
             self.system.close()
 
@@ -170,6 +144,7 @@ class MetricLog:
         self._loader_settings = loader_settings(loader)
         self._data_timed = not isinstance(getattr(loader, "batches", None), Ticks)
         self.data_wait.take()
+        self.context.forward.take()
 
     def _move_interval_to_epoch(self) -> tuple[list[str], torch.Tensor]:
         """The interval's metrics, packed, added to the epoch's (a collective: the names are
@@ -196,14 +171,18 @@ class MetricLog:
         shape = (env.world_size, self._slot_width)
         slots = torch.zeros(shape, dtype=torch.float64, device=local.device)
         usage = to_slot(self.system.sampler.take()) if self.system else ()
-        mine = (self.data_wait.take(), self.context.forward.take(), *usage)
+        forward_s, forwards = self.context.forward.take()
+        mine = (self.data_wait.take(), forward_s, *usage)
         for index, value in enumerate(mine):  # a fill each: a handful per interval
             slots[env.rank, index] = value
         local = torch.cat([local, slots.reshape(-1)])
         lr = self.context.current_lr()
+        paused = (self.context.times.checkpoint_s, self.context.times.evaluation_s)
         report = IntervalReport(
-            PendingSums(local), names, step, epoch, steps, seconds, lr, self._data_timed
-        )
+            PendingSums(local), names, step, epoch, steps, seconds, lr, self._data_timed,
+            paused[0] - self._paused[0], paused[1] - self._paused[1], forwards,
+        )  # fmt: skip
+        self._paused = paused
         self.publish()
         self._pending = report
 
@@ -218,35 +197,18 @@ class MetricLog:
             for i, name in enumerate(report.names)
         }
         counted = {name for i, name in enumerate(report.names) if values[2 * i + 1]}
-        self._say_non_finite({name: means[name] for name in counted}, report.step)
-        steps_per_s = report.steps / max(1e-9, report.seconds)
+        self._non_finite.observe({name: means[name] for name in counted}, report.step)
         metrics = {f"interval/{name}": value for name, value in means.items()}
         slots = values[2 * len(report.names) :]
         rows = [slots[at : at + self._slot_width] for at in range(0, len(slots), self._slot_width)]
-        if report.data_timed:
-            shares = data_wait_shares([row[0] for row in rows], report.seconds)
-            metrics["interval/data_wait_percent"] = shares.mean_percent
-            metrics["interval/data_wait_percent_max"] = shares.worst_percent
-            said = self._data_wait_alarm.observe(shares, self._loader_settings)
-            if said is not None and self.context.env.is_main:
-                get_logger().warning(said)
-        if self.global_batch_size:
-            samples_per_s = steps_per_s * self.global_batch_size
-            rate = f"{samples_per_s:,.0f} samples/s"
-            metrics["interval/samples_per_s"] = samples_per_s
-            worth = self._throughput.metrics(samples_per_s, self.context.forward.flops_per_sample)
-            metrics.update({f"interval/{name}": value for name, value in worth.items()})
-            if "tokens_per_s" in worth:
-                rate += f", {worth['tokens_per_s']:,.0f} tokens/s"
-        else:  # a user's batches of no known size
-            rate = f"{steps_per_s:,.2f} steps/s"
-            metrics["interval/steps_per_s"] = steps_per_s
-        if self.context.forward.attached and self.context.env.is_main:
-            hosts = [place.host for place in self.system.places] if self.system else None
-            slowest, said = self._stragglers.metrics([row[1] for row in rows], hosts)
-            metrics.update({f"interval/{name}": value for name, value in slowest.items()})
-            if said is not None:
-                get_logger().warning(said)
+        if self.context.env.is_main:
+            metrics.update(self._paces_of(report, rows))
+        flops_per_s = counted_flops_per_s(
+            self.context.forward.flops_per_forward, report.forwards,
+            self.context.env.world_size, report.seconds,
+        )  # fmt: skip
+        rate, pace = rate_of(report, self.global_batch_size, self._throughput, flops_per_s)
+        metrics.update(pace)
         if self.system and self.context.env.is_main:
             system = self.system.metrics([from_slot(row[2:]) for row in rows])
             metrics.update(system)
@@ -256,17 +218,23 @@ class MetricLog:
             metrics["interval/lr"] = report.lr
         self.context.tracker.log_metrics(metrics, report.step)
 
-    def _say_non_finite(self, means: dict[str, float], step: int) -> None:
-        """Once per metric, on rank 0: a NaN or infinite value over items that exist."""
-        for name, value in means.items():
-            if not math.isfinite(value) and name not in self._non_finite_said:
-                self._non_finite_said.add(name)
-                if self.context.env.is_main:
-                    get_logger().warning(
-                        f"{name} is {value} in the metrics at step {step}: training "
-                        "diverged, or a logged total holds NaN/inf. HINT: lower the learning "
-                        "rate or clip gradients; check the inputs of the first such step"
-                    )
+    def _paces_of(
+        self, report: IntervalReport, rows: Sequence[Sequence[float]]
+    ) -> dict[str, float]:
+        """Rank 0: where the interval's time went (``interval/<part>_percent``, the slowest
+        rank), from every rank's slot; the warnings those figures call for are said."""
+        times = RankTimes(
+            report.seconds,
+            [float(row[0]) for row in rows] if report.data_timed else None,
+            [float(row[1]) for row in rows] if self.context.forward.attached else None,
+            report.checkpoint_s,
+            report.evaluation_s,
+        )
+        hosts = [place.host for place in self.system.places] if self.system else None
+        found, said = self._paces.read(times, self._loader_settings, hosts)
+        for line in said:
+            get_logger().warning(line)
+        return {f"interval/{name}": value for name, value in found.items()}
 
     def end_epoch(self, epoch: int, step: int) -> None:
         """The epoch's metrics, summed over all ranks, logged at ``step`` (the global step the
@@ -285,7 +253,7 @@ class MetricLog:
             if self.context.env.is_main:
                 get_logger().info(f"epoch {epoch} ended: {metric_text(scalars)}")
             counted = {name for name, value in self.epoch_metrics.items() if value.count}
-            self._say_non_finite({n: v for n, v in scalars.items() if n in counted}, step)
+            self._non_finite.observe({n: v for n, v in scalars.items() if n in counted}, step)
 
     def saved(self) -> dict[str, Any]:
         """The partial sums, over all ranks, for a checkpoint (a collective)."""
@@ -296,6 +264,23 @@ class MetricLog:
         carrier = self.context.env.is_main
         restore_sums(self.interval, saved["interval"], carrier=carrier)
         restore_sums(self.epoch, saved["epoch"], carrier=carrier)
+
+
+def rate_of(
+    report: IntervalReport, global_batch: int, worth: Throughput, counted_flops_per_s: float | None
+) -> tuple[str, dict[str, float]]:
+    """The interval's rate for the progress line, and its metrics: samples/s (with what
+    they are ``worth``: tokens/s, TFLOP/s, MFU) over a ``global_batch`` of known size, else
+    steps/s."""
+    steps_per_s = report.steps / max(1e-9, report.seconds)
+    if not global_batch:  # a user's batches of no known size
+        return f"{steps_per_s:,.2f} steps/s", {"interval/steps_per_s": steps_per_s}
+    samples_per_s = steps_per_s * global_batch
+    found = {"samples_per_s": samples_per_s, **worth.metrics(samples_per_s, counted_flops_per_s)}
+    rate = f"{samples_per_s:,.0f} samples/s"
+    if "tokens_per_s" in found:
+        rate += f", {found['tokens_per_s']:,.0f} tokens/s"
+    return rate, {f"interval/{name}": value for name, value in found.items()}
 
 
 def metric_text(values: dict[str, float]) -> str:

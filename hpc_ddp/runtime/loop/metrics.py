@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.names import check_name
 from hpc_ddp.runtime.place.dist import all_gather_object, all_reduce_sum, several_ranks
 
@@ -269,3 +270,23 @@ def restore_sums(
         if not carrier:
             total, count = torch.zeros_like(total), torch.zeros_like(count)
         sums.add(name, total, count)
+
+
+class NonFiniteWarnings:
+    """Says once per metric, on rank 0 (``main``), that its value is NaN or infinite."""
+
+    def __init__(self, main: bool) -> None:
+        self.main = main
+        self.said: set[str] = set()
+
+    def observe(self, means: Mapping[str, float], step: int) -> None:
+        """Warn of each metric in ``means`` (over items that exist) that is not finite."""
+        for name, value in means.items():
+            if not math.isfinite(value) and name not in self.said:
+                self.said.add(name)
+                if self.main:
+                    get_logger().warning(
+                        f"{name} is {value} in the metrics at step {step}: training "
+                        "diverged, or a logged total holds NaN/inf. HINT: lower the learning "
+                        "rate or clip gradients; check the inputs of the first such step"
+                    )

@@ -15,7 +15,7 @@ from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.checkpointer import Checkpointer
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
-from hpc_ddp.runtime.loop.timeline import this_process_start_unix
+from hpc_ddp.runtime.monitor.timeline import this_process_start_unix
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.preempt.job_end import StopBeforeEnd, job_end_for
 from hpc_ddp.runtime.preempt.lost_rank import write_handoff

@@ -1,135 +1,118 @@
-"""Each rank's time in its model's forward, and the FLOPs of one training step.
+"""Each rank's time in its model's training forward, and the FLOPs of one.
 
 Under DDP every rank's step lasts as long as the slowest one's (the others wait in the
 gradients' all-reduce), so the time between steps cannot name a slow rank. The forward holds
 no collective of DDP's (its buffers are broadcast before the wrapped module is called), so
 its length is the rank's own compute: a slow GPU, a throttled node or a larger batch shows
 there. It is timed with CUDA events on a GPU (read once done: nothing waits for the GPU)
-and with the clock on a CPU.
+and with the clock on a CPU; a forward without gradients (an evaluation's) is not timed.
 
-The FLOPs are counted once, on the first training forward, by torch's own
-``FlopCounterMode`` on a copy of the model whose weights are on the meta device: shapes
-only, so it computes nothing, needs no memory, and leaves the model, its batch and every
-random stream as they were.
+The FLOPs are counted once, on the first training forward (see
+:mod:`hpc_ddp.runtime.monitor.flops`).
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.hooks import RemovableHandle
 
 from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.monitor.flops import MapTensors, flop_text, training_flops
+
+#: CUDA event pairs kept unread at most (a script that wraps a model and never closes a
+#: log interval): past it the oldest are read or dropped.
+MOST_EVENTS = 4096
 
 
-def on_meta(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose parameters, buffers and tensors kept as attributes are on
-    the meta device (and that shares none of its state: whatever its forward keeps on itself
-    stays on the copy)."""
-    memo: dict[int, Any] = {}
-    for parameter in module.parameters():
-        memo[id(parameter)] = nn.Parameter(
-            torch.empty_like(parameter, device="meta"), requires_grad=parameter.requires_grad
-        )
-    for buffer in module.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    for part in module.modules():  # tensors kept as plain attributes (a cache of masks)
-        for value in vars(part).values():
-            if isinstance(value, torch.Tensor) and id(value) not in memo:
-                memo[id(value)] = torch.empty_like(value, device="meta")
-    return copy.deepcopy(module, memo)
+def _nothing(*_: Any) -> None:
+    return None
 
 
-def training_flops(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """FLOPs of one forward and backward of ``module`` on these inputs (the gradients of
-    every trainable parameter from the sum of the outputs that need one), counted by
-    ``FlopCounterMode`` on the meta device. Raises what the model raises there (a forward
-    that reads a tensor's values, such as ``.item()``, cannot run on shapes alone)."""
-    from torch.utils.flop_counter import FlopCounterMode
+class Hook:
+    """One of the meter's hooks on the user's module: a copy of the module
+    (``copy.deepcopy``) shares it, and a module saved whole (``torch.save(model)``) keeps a
+    hook that does nothing in its place, so the module can still be pickled."""
 
-    # A compiled model's own module: shapes on meta would make torch.compile compile anew.
-    shapes = on_meta(getattr(module, "_orig_mod", module))
-    meta_args, meta_kwargs = tree_map_only(
-        torch.Tensor, lambda tensor: torch.empty_like(tensor, device="meta"), (args, kwargs)
-    )
-    with torch.random.fork_rng(devices=[]), FlopCounterMode(display=False) as counter:
-        outputs = shapes(*meta_args, **meta_kwargs)
-        needing = [
-            leaf for leaf in tree_leaves(outputs)
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad
-        ]  # fmt: skip
-        trainable = [parameter for parameter in shapes.parameters() if parameter.requires_grad]
-        if needing and trainable:
-            total = torch.stack([leaf.sum() for leaf in needing]).sum()
-            torch.autograd.grad(total, trainable, allow_unused=True)
-    return int(counter.get_total_flops())
+    def __init__(self, call: Callable[..., None]) -> None:
+        self.call = call
 
+    def __call__(self, *args: Any) -> None:
+        if not torch.compiler.is_compiling():  # no graph break in a compiled model
+            self.call(*args)
 
-def flop_text(flops: float) -> str:
-    """``flops`` with an SI prefix: 138.8 kFLOP, 1.21 TFLOP."""
-    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if flops >= scale:
-            return f"{flops / scale:.4g} {prefix}FLOP"
-    return f"{flops:.4g} FLOP"
+    def __deepcopy__(self, memo: dict[int, Any]) -> Hook:
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (Hook, (_nothing,))
 
 
 class ForwardMeter:
-    """This rank's seconds in the forward of the models it is attached to, since the last
-    :meth:`take`; where asked, the training FLOPs per sample counted on the first training
-    forward (:attr:`flops_per_sample`)."""
+    """This rank's seconds in the training forwards (with gradients) of the models it is
+    attached to, and how many, since the last :meth:`take`; where asked, the FLOPs of one
+    training forward and its backward, counted on the first (:attr:`flops_per_forward`)."""
 
     def __init__(
         self,
         device: torch.device,
         count_flops: bool,
-        samples_of: Callable[[Any], int | None],
+        map_tensors: MapTensors,
         clock: Callable[[], float] | None = None,
     ) -> None:
-        """``samples_of`` finds the samples in a forward's ``(args, kwargs)`` (the FLOPs
-        counted are divided by them)."""
-        self._samples_of = samples_of
+        """``map_tensors`` walks a forward's ``(args, kwargs)`` (for the count); ``clock``
+        times forwards on a CPU (None: ``time.perf_counter``)."""
+        self._device = device
+        self._map_tensors = map_tensors
         self._cuda = device.type == "cuda"
         self._clock = clock or time.perf_counter
         self._to_count = count_flops
-        #: Training FLOPs (forward and backward) per sample; None: not counted.
-        self.flops_per_sample: float | None = None
+        #: FLOPs of a training forward and its backward; None: not counted.
+        self.flops_per_forward: float | None = None
         #: True once a model's forward is timed (a script's own DDP is not).
         self.attached = False
-        self._seconds = 0.0
+        self._handles: list[RemovableHandle] = []
+        self._seconds, self._forwards = 0.0, 0
         self._started: float | None = None
         self._events: list[tuple[Any, Any]] = []  # CUDA (start, end) pairs not read yet
-        self._depth = 0
-        self._counting = False
+        #: One entry per forward under way, outermost first: whether it is timed.
+        self._open: list[bool] = []
 
     def attach(self, module: nn.Module) -> None:
-        """Time ``module``'s forward from now on (hooks, kept for the module's life). The
-        hooks are closures, so a copy of the module (``copy.deepcopy``) shares this meter."""
-
-        def before(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            self._before(module, args, kwargs)
-
-        def after(*_: Any) -> None:
-            self._after()
-
-        module.register_forward_pre_hook(before, with_kwargs=True)
-        module.register_forward_hook(after, always_call=True)
+        """Time ``module``'s training forwards until :meth:`detach`."""
+        before = Hook(lambda _module, args, kwargs: self._before(module, args, kwargs))
+        self._handles += [
+            module.register_forward_pre_hook(before, with_kwargs=True),
+            module.register_forward_hook(Hook(lambda *_: self._after()), always_call=True),
+        ]
         self.attached = True
 
+    def detach(self) -> None:
+        """Take the hooks off every module (the run ended: a model left as it came, which
+        TorchScript can script)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._counting:
-            return
         if self._to_count and module.training and torch.is_grad_enabled():
             self._to_count = False
             self._count(module, args, kwargs)
-        self._depth += 1
-        if self._depth > 1:
+        # The outermost forward of a training step (an evaluation's, without gradients, is
+        # the evaluation's time; a model called inside another is in its caller's).
+        timed = not self._open and torch.is_grad_enabled()
+        self._open.append(timed)
+        if not timed:
             return
+        self._forwards += 1
         if self._cuda:
+            if torch.cuda.is_current_stream_capturing():  # no event inside a CUDA graph
+                self._open[-1] = False
+                return
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             self._events.append((start, None))
@@ -137,59 +120,62 @@ class ForwardMeter:
             self._started = self._clock()
 
     def _after(self) -> None:
-        if self._counting or self._depth == 0:
-            return
-        self._depth -= 1
-        if self._depth:
+        if not self._open or not self._open.pop():
             return
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self._events[-1] = (self._events[-1][0], end)
+            if len(self._events) > MOST_EVENTS:
+                self._read_events(keep=MOST_EVENTS // 2)
         elif self._started is not None:
             self._seconds += self._clock() - self._started
             self._started = None
 
-    def take(self) -> float:
-        """The seconds in forward since the last take (on a GPU: the forwards the GPU has
-        finished; the others are read at a later take)."""
+    def _read_events(self, keep: int) -> None:
+        """Add up the finished pairs; keep at most ``keep`` of the others."""
+        waiting = []
+        for start, end in self._events:
+            if end is not None and end.query():
+                self._seconds += start.elapsed_time(end) / 1000.0
+            elif end is not None:
+                waiting.append((start, end))
+        self._events = waiting[-keep:] if keep else []
+
+    def take(self) -> tuple[float, int]:
+        """(seconds in training forwards, their number) since the last take; on a GPU the
+        seconds of the forwards it has finished, the others read at a later take. Called
+        between steps: a forward left open (ended by an exception its hook did not see)
+        is closed."""
+        self._open, self._started = [], None
         if self._cuda:
-            waiting = []
-            for start, end in self._events:
-                if end is not None and end.query():
-                    self._seconds += start.elapsed_time(end) / 1000.0
-                else:
-                    waiting.append((start, end))
-            self._events = waiting
-        seconds, self._seconds = self._seconds, 0.0
-        return seconds
+            self._read_events(keep=MOST_EVENTS)
+        taken = (self._seconds, self._forwards)
+        self._seconds, self._forwards = 0.0, 0
+        return taken
 
     def _count(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        samples = self._samples_of((args, kwargs))
         started = time.perf_counter()
-        self._counting = True
         try:
-            flops = training_flops(module, args, kwargs)
+            flops = training_flops(module, args, kwargs, self._map_tensors, self._device)
         except Exception as error:  # the model's own code, run on shapes: any error it raises
+            first = str(error).splitlines()[0] if str(error) else ""
             get_logger().info(
                 "monitor: the model's FLOPs could not be counted on the meta device "
-                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}): "
-                "no interval/tflops or MFU. HINT: set monitor.flops_per_sample (about 6 x "
-                "parameters x tokens per sample for a transformer)"
+                f"({type(error).__name__}: {first}): no interval/tflops or MFU. HINT: set "
+                "monitor.flops_per_sample (about 6 x parameters x tokens per sample for a "
+                "transformer)"
             )
             return
-        finally:
-            self._counting = False
-        if not flops or not samples:
+        if not flops:
             get_logger().info(
-                "monitor: no FLOPs counted in the model's forward and backward (or no batch "
-                "size in its inputs): no interval/tflops or MFU. HINT: set "
-                "monitor.flops_per_sample"
+                "monitor: the model's forward and backward hold no operation FlopCounterMode "
+                "counts: no interval/tflops or MFU. HINT: set monitor.flops_per_sample"
             )
             return
-        self.flops_per_sample = flops / samples
+        self.flops_per_forward = float(flops)
         get_logger().info(
-            f"monitor: one sample's forward and backward is {flop_text(flops / samples)} "
-            f"(counted on the meta device from the first training batch of {samples}, "
-            f"in {time.perf_counter() - started:.2f} s); monitor.flops_per_sample overrides it"
+            f"monitor: a training forward and its backward is {flop_text(flops)} (counted on "
+            f"the meta device from the first, in {time.perf_counter() - started:.2f} s); "
+            "monitor.flops_per_sample overrides it"
         )

@@ -44,16 +44,19 @@ class Throughput:
     devices: int
 
     def metrics(
-        self, samples_per_s: float, counted_flops_per_sample: float | None = None
+        self, samples_per_s: float, counted_flops_per_s: float | None = None
     ) -> dict[str, float]:
         """The interval metrics (without ``interval/``) that ``samples_per_s`` gives; the
-        FLOPs per sample are the setting's, else those counted from the model (if any)."""
+        FLOP/s are samples/s x the setting's FLOPs per sample, else those counted from the
+        model over all ranks (``counted_flops_per_s``; None: not counted)."""
         found: dict[str, float] = {}
         if self.tokens_per_sample:
             found["tokens_per_s"] = samples_per_s * self.tokens_per_sample
-        flops_per_sample = self.flops_per_sample or counted_flops_per_sample
-        if flops_per_sample:
-            tflops = samples_per_s * flops_per_sample / 1e12
+        flops_per_s = (
+            samples_per_s * self.flops_per_sample if self.flops_per_sample else counted_flops_per_s
+        )
+        if flops_per_s:
+            tflops = flops_per_s / 1e12
             found["tflops"] = tflops
             if self.peak_tflops_per_device:
                 found["mfu_percent"] = 100.0 * tflops / (self.peak_tflops_per_device * self.devices)
@@ -71,6 +74,17 @@ def throughput(
     ``device_name``, a GPU's name or None on CPU) for each of ``devices``."""
     peak = peak_tflops or (table_peak_tflops(device_name) if device_name else None)
     return Throughput(tokens_per_sample, flops_per_sample, peak, devices)
+
+
+def counted_flops_per_s(
+    flops_per_forward: float | None, forwards: int, ranks: int, seconds: float
+) -> float | None:
+    """The FLOP/s of every rank's training forwards and backwards in an interval of
+    ``seconds``, from the FLOPs counted in one (None: not counted) and one rank's number of
+    them (every rank runs as many)."""
+    if flops_per_forward is None:
+        return None
+    return flops_per_forward * forwards * ranks / max(seconds, 1e-9)
 
 
 #: The interval metrics :class:`Throughput` logs: the machine's pace, not the training.

@@ -12,7 +12,7 @@ from hpc_ddp.runtime.checkpoint.loading import Resumed
 from hpc_ddp.runtime.errors import AlreadyFinished
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
-from hpc_ddp.runtime.loop.timeline import durations, process_resources, rank_spread
+from hpc_ddp.runtime.monitor.timeline import durations, process_resources, rank_spread
 from hpc_ddp.runtime.preempt.progress import forget_attempt
 from hpc_ddp.runtime.session.ending import Ending
 from hpc_ddp.runtime.session.summary import run_facts, write_summary

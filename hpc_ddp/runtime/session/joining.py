@@ -24,7 +24,7 @@ from hpc_ddp.runtime.config import RuntimeConfig
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.exits import leave, report_failure
 from hpc_ddp.runtime.logs import get_logger, setup_logging
-from hpc_ddp.runtime.loop.timeline import mark
+from hpc_ddp.runtime.monitor.timeline import mark
 from hpc_ddp.runtime.place.dist import init_distributed
 from hpc_ddp.runtime.place.env import (
     DistEnv,

@@ -19,7 +19,7 @@ from hpc_ddp.runtime.loop.intervals import metric_text
 from hpc_ddp.runtime.loop.metrics import Sum, Sums, scalar_metrics
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import Ticks, step_source
-from hpc_ddp.runtime.loop.timeline import mark
+from hpc_ddp.runtime.monitor.timeline import mark
 from hpc_ddp.runtime.names import check_name
 from hpc_ddp.runtime.session.buckets import check_registrable, settle_own_ddp
 from hpc_ddp.runtime.session.ending import Ending

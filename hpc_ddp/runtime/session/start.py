@@ -32,9 +32,9 @@ from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.steps import StepLoop
-from hpc_ddp.runtime.loop.streams import batch_length
-from hpc_ddp.runtime.loop.timeline import mark, new_timeline
+from hpc_ddp.runtime.loop.streams import map_tensors
 from hpc_ddp.runtime.monitor.forward import ForwardMeter
+from hpc_ddp.runtime.monitor.timeline import mark, new_timeline
 from hpc_ddp.runtime.place.checking import check_before_training, record_checks
 from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.preempt.exclusion import answer_failed_checks
@@ -62,7 +62,7 @@ def forward_meter(settings: RuntimeConfig, plan: LaunchPlan) -> ForwardMeter:
     ``monitor.flops_per_sample`` is given and ``monitor.count_flops`` asks for it."""
     monitor = settings.monitor
     count = monitor.count_flops and not monitor.flops_per_sample and plan.dist_env.is_main
-    return ForwardMeter(torch.device(plan.device.device), count, batch_length)
+    return ForwardMeter(torch.device(plan.device.device), count, map_tensors)
 
 
 def _resume_point(plan: LaunchPlan, settings: RuntimeConfig, group: Any | None) -> Found | None:

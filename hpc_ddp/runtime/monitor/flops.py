@@ -1,0 +1,114 @@
+"""The FLOPs of one training forward and its backward, counted by torch's own
+``FlopCounterMode`` on a copy of the model whose tensors are on the meta device: shapes only,
+so nothing is computed and no memory is taken, and the model, its inputs, the hooks on it
+and every random stream (Python's, NumPy's, torch's on the CPU and on the rank's GPU) are as
+they were after the count."""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+#: The hook tables of a module that are walked on the copy: hooks of torch's own (old-style
+#: weight_norm's, for one) are part of the model and stay; others (a script's, this
+#: package's) would see meta tensors, so the copy has none of them.
+HOOK_TABLES = (
+    "_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+    "_state_dict_hooks", "_load_state_dict_pre_hooks",
+)  # fmt: skip
+
+MapTensors = Callable[[Any, Callable[[torch.Tensor], torch.Tensor]], Any]
+
+
+def _meta_twin(tensor: torch.Tensor) -> torch.Tensor:
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(
+            torch.empty_like(tensor, device="meta"), requires_grad=tensor.requires_grad
+        )
+    twin = torch.empty_like(tensor, device="meta")
+    return twin.requires_grad_() if tensor.requires_grad and twin.is_floating_point() else twin
+
+
+def on_meta(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose parameters, buffers and every tensor it keeps (in
+    attributes, lists, dicts) are on the meta device, without a script's hooks; it shares
+    none of the module's state, so whatever its forward keeps on itself stays on the copy.
+    (A tensor inside an object of the script's own class is copied where it is.)"""
+    memo: dict[int, Any] = {}
+    for part in module.modules():
+        for name, value in vars(part).items():
+            if name == "_modules":
+                continue
+            for leaf in tree_leaves(value):
+                if isinstance(leaf, torch.Tensor) and id(leaf) not in memo:
+                    memo[id(leaf)] = _meta_twin(leaf)
+    twin = copy.deepcopy(module, memo)
+    for part in twin.modules():
+        for table in HOOK_TABLES:
+            hooks = getattr(part, table, None)
+            if isinstance(hooks, dict):
+                for key, hook in list(hooks.items()):
+                    if not str(getattr(hook, "__module__", "") or "").startswith("torch"):
+                        del hooks[key]
+    return twin
+
+
+@contextmanager
+def streams_kept(device: torch.device) -> Iterator[None]:
+    """Every random stream a forward may draw from, put back as it was on leaving."""
+    python = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield
+    finally:
+        random.setstate(python)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
+
+
+def training_flops(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    map_tensors: MapTensors,
+    device: torch.device,
+) -> int:
+    """FLOPs of one forward of ``module`` on these inputs (``map_tensors`` walks them) and
+    the backward from the sum of its outputs that need a gradient, counted on the meta
+    device. Raises what the model raises there (a forward that reads a tensor's values, such
+    as ``.item()``, cannot run on shapes alone)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    # A compiled model's own module: shapes on meta would make torch.compile compile anew.
+    shapes = on_meta(getattr(module, "_orig_mod", module))
+    meta_inputs = map_tensors((args, kwargs), _meta_twin)
+    with streams_kept(device), FlopCounterMode(display=False) as counter:
+        outputs = shapes(*meta_inputs[0], **meta_inputs[1])
+        needing = [
+            leaf for leaf in tree_leaves(outputs)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        ]  # fmt: skip
+        if needing:
+            # .backward() on the throwaway copy: unlike autograd.grad it takes parametrized
+            # weights and reentrant activation checkpointing.
+            torch.stack([leaf.sum() for leaf in needing]).sum().backward()
+    return int(counter.get_total_flops())
+
+
+def flop_text(flops: float) -> str:
+    """``flops`` with an SI prefix: 138.8 kFLOP, 1.21 TFLOP."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if flops >= scale:
+            return f"{flops / scale:.4g} {prefix}FLOP"
+    return f"{flops:.4g} FLOP"

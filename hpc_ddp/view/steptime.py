@@ -1,0 +1,60 @@
+"""The step-time panel of `hpc-ddp plot`: where each log interval's time went, stacked to
+100 %: waiting for data and the forward (the ranks' means), checkpoint stalls and evaluation
+(rank 0's), and the rest of the step (backward, optimizer, waiting for the other ranks)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from hpc_ddp.runtime.tracking.journal import read_metrics
+
+#: The recorded parts, bottom to top, with their labels; the rest of the step goes between
+#: the forward and the checkpoints.
+RECORDED = (
+    ("interval/data_wait_percent", "waiting for data"),
+    ("interval/forward_percent", "forward"),
+    ("interval/checkpoint_percent", "checkpoint stalls"),
+    ("interval/evaluation_percent", "evaluation"),
+)
+REST_AFTER_FORWARD = "rest of the step: backward, optimizer, waiting for the other ranks"
+REST_WHOLE = "the step: forward, backward, optimizer"
+
+
+def step_time_series(run_dir: Path) -> tuple[list[float], dict[str, list[float]]]:
+    """(the steps of the intervals that recorded their parts, label -> % at each), bottom
+    to top; a part never recorded is left out, one not recorded at a step is 0 there."""
+    steps: list[float] = []
+    recorded: dict[str, list[float]] = {name: [] for name, _label in RECORDED}
+    for entry in read_metrics(run_dir):
+        metrics = entry["metrics"]
+        if "interval/checkpoint_percent" not in metrics:
+            continue
+        steps.append(float(entry["step"]))
+        for name in recorded:
+            value = metrics.get(name)
+            ok = isinstance(value, int | float) and math.isfinite(value)
+            recorded[name].append(float(value) if ok else 0.0)
+    if not steps:
+        return [], {}
+    timed_forward = any(recorded["interval/forward_percent"])
+    rest = [max(0.0, 100.0 - sum(parts)) for parts in zip(*recorded.values(), strict=True)]
+    series: dict[str, list[float]] = {}
+    for name, label in RECORDED:
+        if name == "interval/checkpoint_percent":
+            series[REST_AFTER_FORWARD if timed_forward else REST_WHOLE] = rest
+        if any(recorded[name]) or name == "interval/data_wait_percent":
+            series[label] = recorded[name]
+    return steps, series
+
+
+def draw_step_time(axes: Any, steps: list[float], series: dict[str, list[float]]) -> None:
+    """The panel on ``axes``: the parts stacked to 100 % at each interval's step."""
+    axes.stackplot(steps, *series.values(), labels=list(series), alpha=0.85)
+    axes.set_ylim(0, 100)
+    axes.set_xlim(min(steps), max(steps))
+    axes.set_title("where each interval's time went (%)")
+    axes.set_xlabel("step")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="x-small", loc="lower left")
