@@ -402,7 +402,7 @@ def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
     assert series == {
         "waiting for data": [10.0, 5.0, 0.0],
         "forward": [30.0, 25.0, 50.0],
-        "rest of the step: backward, optimizer, waiting for the other ranks": [60.0, 30.0, 50.0],
+        "backward, optimizer, waits for ranks": [60.0, 30.0, 50.0],
         "checkpoint stalls": [0.0, 40.0, 0.0],
     }, "evaluation never took time: not drawn"
     run = load_run(run_dir)
@@ -413,6 +413,6 @@ def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
     # Without the forward timed (a script's own DDP, FSDP), the step is one part.
     other = written_run(tmp_path / "other", [parts(10, None, 0)])
     assert step_time_series(other)[1] == {
-        "waiting for data": [10.0], "the step: forward, backward, optimizer": [90.0],
+        "waiting for data": [10.0], "the step": [90.0],
     }  # fmt: skip
     assert step_time_series(written_run(tmp_path / "old", [{}])) == ([], {})

@@ -18,8 +18,8 @@ RECORDED = (
     ("interval/checkpoint_percent", "checkpoint stalls"),
     ("interval/evaluation_percent", "evaluation"),
 )
-REST_AFTER_FORWARD = "rest of the step: backward, optimizer, waiting for the other ranks"
-REST_WHOLE = "the step: forward, backward, optimizer"
+REST_AFTER_FORWARD = "backward, optimizer, waits for ranks"
+REST_WHOLE = "the step"
 
 
 def step_time_series(run_dir: Path) -> tuple[list[float], dict[str, list[float]]]:
@@ -57,4 +57,5 @@ def draw_step_time(axes: Any, steps: list[float], series: dict[str, list[float]]
     axes.set_title("where each interval's time went (%)")
     axes.set_xlabel("step")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize="x-small", loc="lower left")
+    # Below the panel: the bands fill it to 100 %, so a legend inside would hide one.
+    axes.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.14), ncols=3)
