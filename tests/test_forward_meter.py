@@ -4,6 +4,7 @@ gloo ranks whose forward times come from a stand-in clock (end to end)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -134,12 +135,28 @@ def test_counting_leaves_the_model_its_hooks_and_every_random_stream_as_they_wer
     model, images = Keeper(), torch.randn(4, 3, 8, 8)
     seen: list[torch.Tensor] = []
     model.head.register_forward_hook(lambda _module, _args, out: seen.append(out))
+
+    class Owner:  # a script's object, bound to a hook: never copied for the count
+        copies = 0
+
+        def __deepcopy__(self, memo: dict[int, Any]) -> Owner:
+            Owner.copies += 1
+            return self
+
+        def hook(self, *_: Any) -> None:
+            seen.append(torch.ones(1))
+
+    model.conv.register_forward_hook(Owner().hook)
+    torchvision_like = lambda *_: seen.append(torch.ones(1))  # noqa: E731
+    torchvision_like.__module__ = "torchvision.ops"
+    model.norm.register_forward_hook(torchvision_like)
     weights = {name: value.clone() for name, value in model.state_dict().items()}
     streams = (torch.get_rng_state(), random.getstate())
     count(model, images)
     assert (model.kept, model.cache) == (None, {}), "what the forward keeps stays on the copy"
     assert torch.equal(torch.get_rng_state(), streams[0]) and random.getstate() == streams[1]
     assert seen == [], "a script's hook does not see the copy's meta tensors"
+    assert Owner.copies == 0
     for name, value in model.state_dict().items():
         assert torch.equal(value, weights[name]), name
         assert value.device.type == "cpu"
@@ -171,16 +188,40 @@ def test_the_meter_counts_once_on_the_first_training_forward(
     with torch.no_grad():
         model.eval()
         model(torch.randn(2, 3, 8, 8))
-    assert meter.flops_per_forward is None, "an evaluation forward is not a training step"
+    assert meter.flops_of(model) is None, "an evaluation forward is not a training step"
     model.train()
     model(torch.randn(4, 3, 8, 8))
     expected = count(Keeper(), torch.randn(4, 3, 8, 8))
-    assert meter.flops_per_forward == expected
-    model(torch.randn(8, 3, 8, 8))
-    assert meter.flops_per_forward == expected
+    assert meter.flops_of(model) == expected
+    model(torch.randn(4, 3, 8, 8))
+    assert meter.flops_of(model) == expected
     counted = [line for line in said.messages if "kFLOP" in line]
     assert len(counted) == 1, said.messages
-    assert f"a training forward and its backward is {expected / 1e3:.4g} kFLOP" in counted[0]
+    assert (
+        f"training forward of Keeper and its backward is {expected / 1e3:.4g} kFLOP" in (counted[0])
+    )
+    assert meter.take() == (0.0, 2, 2 * expected), "two training forwards, 0 s on the hand clock"
+
+
+def test_each_wrapped_model_is_counted_for_its_own_forwards() -> None:
+    meter = ForwardMeter(CPU, True, map_tensors, HandClock())
+    small, large = nn.Linear(8, 8), nn.Linear(8, 4096)
+    meter.attach(small)
+    meter.attach(large)
+    batch = torch.randn(2, 8)
+    small(batch)
+    large(batch)
+    large(batch)
+    each = count(nn.Linear(8, 8), batch), count(nn.Linear(8, 4096), batch)
+    assert meter.take().flops == each[0] + 2 * each[1]
+    unreadable = Reader()
+    meter.attach(unreadable)
+    small(batch)
+    unreadable(torch.randn(2, 4))
+    assert meter.take() == (0.0, 2, None), "one forward not counted: no figure for the interval"
+    copied = copy.deepcopy(small)  # an EMA's copy: its hooks do nothing
+    copied(batch)
+    assert meter.take().forwards == 0
 
 
 def test_a_model_that_cannot_run_on_shapes_is_said_once_and_trains_on(
@@ -192,7 +233,7 @@ def test_a_model_that_cannot_run_on_shapes_is_said_once_and_trains_on(
     batch = torch.randn(3, 4)
     assert torch.equal(model(batch), model.layer(batch))
     model(batch)
-    assert meter.flops_per_forward is None
+    assert meter.flops_of(model) is None
     failed = [line for line in said.messages if "could not be counted" in line]
     assert len(failed) == 1 and "HINT: set monitor.flops_per_sample" in failed[0], said.messages
 
@@ -206,7 +247,7 @@ def test_a_model_the_meter_times_can_be_saved_whole_and_is_left_as_it_came(
     torch.save(model, tmp_path / "whole.pt")
     loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
     assert torch.equal(loaded(torch.ones(1, 4)), model(torch.ones(1, 4)))
-    assert meter.take()[1] == 1, "the loaded copy's hooks do nothing"
+    assert meter.take().forwards == 1, "the loaded copy's hooks do nothing"
     meter.detach()  # at run.finish(): the model is left without them (TorchScript needs that)
     assert not model._forward_pre_hooks and not model._forward_hooks
 
@@ -235,16 +276,28 @@ def test_the_meter_times_the_outermost_training_forward_and_a_failed_one_ends() 
     assert meter.attached
     outer(2.0)  # 2 s in outer, then 2 s in inner: 4 s, counted once
     inner(1.5)
-    assert meter.take() == (5.5, 2)
-    assert meter.take() == (0.0, 0)
+    assert meter.take() == (5.5, 2, None)
+    assert meter.take() == (0.0, 0, None)
     with pytest.raises(ValueError):
         outer(-1.0)
     clock.now += 100  # time after a failed forward is not forward time
     outer(3.0)
-    assert meter.take() == (-1.0 + 3.0 + 3.0, 2)
+    assert meter.take() == (-1.0 + 3.0 + 3.0, 2, None)
     with torch.no_grad():  # an evaluation's forward: the evaluation's time
         outer(7.0)
-    assert meter.take() == (0.0, 0)
+    outer.eval()  # so is one in eval mode
+    outer(7.0)
+    assert meter.take() == (0.0, 0, None)
+
+
+def test_a_compiled_model_is_not_timed_and_says_so() -> None:
+    meter = ForwardMeter(CPU, True, map_tensors, HandClock())
+    model = nn.Linear(4, 4)
+    meter.attach(model)
+    compiled = torch.compile(model, backend="eager")
+    compiled(torch.randn(2, 4))
+    assert meter.compiled and meter.take().forwards == 0
+    assert not meter.timing(main=True)
 
 
 def test_the_slowest_rank_against_the_median() -> None:
@@ -284,8 +337,9 @@ def test_counted_flops_give_the_tflops_and_a_setting_overrules_them() -> None:
     counted = throughput(0.0, 0.0, 100.0, None, 2)
     assert counted.metrics(1000.0, 4e12) == {"tflops": 4.0, "mfu_percent": 2.0}
     assert counted.metrics(1000.0, None) == {}
-    assert counted_flops_per_s(1e9, 8, 4, 2.0) == 16e9, "8 forwards a rank, 4 ranks, 2 s"
-    assert counted_flops_per_s(None, 8, 4, 2.0) is None
+    assert counted_flops_per_s(8e9, 4, 2.0) == 16e9, "8 GFLOP a rank, 4 ranks, 2 s"
+    assert counted_flops_per_s(None, 4, 2.0) is None
+    assert counted.metrics(None, 4e12) == {"tflops": 4.0, "mfu_percent": 2.0}
     given = throughput(0.0, 1e9, 0.0, None, 2)
     assert given.metrics(1000.0, 4e12) == {"tflops": 1.0}, "no peak on a CPU: no MFU"
 
@@ -348,7 +402,7 @@ def test_a_rank_slower_in_forward_is_named_and_the_flops_counted(tmp_path: Path)
     assert "1.50x the median rank's (12 s against 8 s" in said[0]
     # Linear(64, 32) on 8 samples a rank: forward 2*8*64*32, the weights' gradient as much again:
     # 8192 per sample.
-    assert "a training forward and its backward is 65.54 kFLOP" in result.stderr
+    assert "a training forward of Model and its backward is 65.54 kFLOP" in result.stderr
     [record] = tmp_path.glob("*/*/metrics.jsonl")
     entries = [json.loads(line) for line in record.read_text().splitlines()]
     logged = [e["metrics"] for e in entries if "interval/slowest_rank" in e.get("metrics", {})]

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -724,3 +724,33 @@ def test_a_checkpoint_that_other_ranks_cannot_read_is_one_line_and_kept(tmp_path
         refused.value
     )
     assert "the checkpoint is kept" in refused.value.hint
+
+
+class MetricsRecorder(NullTracker):
+    """A tracker that keeps every metric logged, with its step."""
+
+    def __init__(self) -> None:
+        self.logged: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        self.logged.append((step, dict(metrics)))
+
+
+def test_time_outside_an_epochs_steps_is_not_charged_to_its_first_interval(
+    tmp_path: Path,
+) -> None:
+    tracker = MetricsRecorder()
+    context = context_in(tmp_path, tracker)
+    log = MetricLog(context)
+    try:
+        context.times.evaluation_s += 30.0  # the last epoch's evaluation, outside run.steps
+        log.use_loader([])  # the next epoch's steps begin: its interval's clock starts here
+        context.times.checkpoint_s += 0.5  # a save inside the interval
+        log.close_interval(step=4, epoch=1, steps=4, seconds=2.0)
+        log.publish()
+    finally:
+        log.close()
+    [(step, metrics)] = [item for item in tracker.logged if "interval/lr" not in item[1]]
+    assert step == 4
+    assert metrics["interval/evaluation_percent"] == 0.0
+    assert metrics["interval/checkpoint_percent"] == 25.0

@@ -53,7 +53,8 @@ def draw_step_time(axes: Any, steps: list[float], series: dict[str, list[float]]
     """The panel on ``axes``: the parts stacked to 100 % at each interval's step."""
     axes.stackplot(steps, *series.values(), labels=list(series), alpha=0.85)
     axes.set_ylim(0, 100)
-    axes.set_xlim(min(steps), max(steps))
+    if len(steps) > 1:  # one interval: matplotlib's own margins
+        axes.set_xlim(min(steps), max(steps))
     axes.set_title("where each interval's time went (%)")
     axes.set_xlabel("step")
     axes.grid(alpha=0.3)

@@ -72,8 +72,9 @@ class IntervalReport:
     #: This rank's seconds in checkpoint stalls and evaluation during the interval.
     checkpoint_s: float
     evaluation_s: float
-    #: This rank's training forwards in the interval (of models run.wrap wrapped).
-    forwards: int
+    #: The FLOPs counted for this rank's training forwards and backwards in the interval
+    #: (None: not counted).
+    flops: float | None
 
 
 class MetricLog:
@@ -145,6 +146,7 @@ class MetricLog:
         self._data_timed = not isinstance(getattr(loader, "batches", None), Ticks)
         self.data_wait.take()
         self.context.forward.take()
+        self._paused = (self.context.times.checkpoint_s, self.context.times.evaluation_s)
 
     def _move_interval_to_epoch(self) -> tuple[list[str], torch.Tensor]:
         """The interval's metrics, packed, added to the epoch's (a collective: the names are
@@ -171,8 +173,8 @@ class MetricLog:
         shape = (env.world_size, self._slot_width)
         slots = torch.zeros(shape, dtype=torch.float64, device=local.device)
         usage = to_slot(self.system.sampler.take()) if self.system else ()
-        forward_s, forwards = self.context.forward.take()
-        mine = (self.data_wait.take(), forward_s, *usage)
+        forward = self.context.forward.take()
+        mine = (self.data_wait.take(), forward.seconds, *usage)
         for index, value in enumerate(mine):  # a fill each: a handful per interval
             slots[env.rank, index] = value
         local = torch.cat([local, slots.reshape(-1)])
@@ -180,7 +182,7 @@ class MetricLog:
         paused = (self.context.times.checkpoint_s, self.context.times.evaluation_s)
         report = IntervalReport(
             PendingSums(local), names, step, epoch, steps, seconds, lr, self._data_timed,
-            paused[0] - self._paused[0], paused[1] - self._paused[1], forwards,
+            paused[0] - self._paused[0], paused[1] - self._paused[1], forward.flops,
         )  # fmt: skip
         self._paused = paused
         self.publish()
@@ -203,10 +205,7 @@ class MetricLog:
         rows = [slots[at : at + self._slot_width] for at in range(0, len(slots), self._slot_width)]
         if self.context.env.is_main:
             metrics.update(self._paces_of(report, rows))
-        flops_per_s = counted_flops_per_s(
-            self.context.forward.flops_per_forward, report.forwards,
-            self.context.env.world_size, report.seconds,
-        )  # fmt: skip
+        flops_per_s = counted_flops_per_s(report.flops, self.context.env.world_size, report.seconds)
         rate, pace = rate_of(report, self.global_batch_size, self._throughput, flops_per_s)
         metrics.update(pace)
         if self.system and self.context.env.is_main:
@@ -226,7 +225,7 @@ class MetricLog:
         times = RankTimes(
             report.seconds,
             [float(row[0]) for row in rows] if report.data_timed else None,
-            [float(row[1]) for row in rows] if self.context.forward.attached else None,
+            [float(row[1]) for row in rows] if self.context.forward.timing(main=True) else None,
             report.checkpoint_s,
             report.evaluation_s,
         )
@@ -274,7 +273,8 @@ def rate_of(
     steps/s."""
     steps_per_s = report.steps / max(1e-9, report.seconds)
     if not global_batch:  # a user's batches of no known size
-        return f"{steps_per_s:,.2f} steps/s", {"interval/steps_per_s": steps_per_s}
+        found = {"steps_per_s": steps_per_s, **worth.metrics(None, counted_flops_per_s)}
+        return f"{steps_per_s:,.2f} steps/s", {f"interval/{k}": v for k, v in found.items()}
     samples_per_s = steps_per_s * global_batch
     found = {"samples_per_s": samples_per_s, **worth.metrics(samples_per_s, counted_flops_per_s)}
     rate = f"{samples_per_s:,.0f} samples/s"

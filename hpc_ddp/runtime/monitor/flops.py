@@ -50,15 +50,24 @@ def on_meta(module: nn.Module) -> nn.Module:
             for leaf in tree_leaves(value):
                 if isinstance(leaf, torch.Tensor) and id(leaf) not in memo:
                     memo[id(leaf)] = _meta_twin(leaf)
+        for table in HOOK_TABLES:  # dropped hooks are not copied (nor what they are bound to)
+            for hook in getattr(part, table, {}).values():
+                if not is_torchs_own(hook):
+                    memo[id(hook)] = None
     twin = copy.deepcopy(module, memo)
     for part in twin.modules():
         for table in HOOK_TABLES:
-            hooks = getattr(part, table, None)
-            if isinstance(hooks, dict):
-                for key, hook in list(hooks.items()):
-                    if not str(getattr(hook, "__module__", "") or "").startswith("torch"):
-                        del hooks[key]
+            hooks = getattr(part, table, {})
+            for key in [key for key, hook in hooks.items() if hook is None]:
+                del hooks[key]
     return twin
+
+
+def is_torchs_own(hook: object) -> bool:
+    """A hook that torch itself put on a module (old-style weight_norm's), not a script's or
+    another package's."""
+    home = str(getattr(hook, "__module__", "") or "")
+    return home == "torch" or home.startswith("torch.")
 
 
 @contextmanager

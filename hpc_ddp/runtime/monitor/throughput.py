@@ -44,17 +44,17 @@ class Throughput:
     devices: int
 
     def metrics(
-        self, samples_per_s: float, counted_flops_per_s: float | None = None
+        self, samples_per_s: float | None, counted_flops_per_s: float | None = None
     ) -> dict[str, float]:
-        """The interval metrics (without ``interval/``) that ``samples_per_s`` gives; the
-        FLOP/s are samples/s x the setting's FLOPs per sample, else those counted from the
-        model over all ranks (``counted_flops_per_s``; None: not counted)."""
+        """The interval metrics (without ``interval/``) that ``samples_per_s`` (None: not
+        known) gives; the FLOP/s are samples/s x the setting's FLOPs per sample, else those
+        counted from the model over all ranks (``counted_flops_per_s``; None: not counted)."""
         found: dict[str, float] = {}
-        if self.tokens_per_sample:
+        if self.tokens_per_sample and samples_per_s is not None:
             found["tokens_per_s"] = samples_per_s * self.tokens_per_sample
-        flops_per_s = (
-            samples_per_s * self.flops_per_sample if self.flops_per_sample else counted_flops_per_s
-        )
+        flops_per_s = counted_flops_per_s
+        if self.flops_per_sample and samples_per_s is not None:
+            flops_per_s = samples_per_s * self.flops_per_sample
         if flops_per_s:
             tflops = flops_per_s / 1e12
             found["tflops"] = tflops
@@ -76,15 +76,13 @@ def throughput(
     return Throughput(tokens_per_sample, flops_per_sample, peak, devices)
 
 
-def counted_flops_per_s(
-    flops_per_forward: float | None, forwards: int, ranks: int, seconds: float
-) -> float | None:
+def counted_flops_per_s(flops: float | None, ranks: int, seconds: float) -> float | None:
     """The FLOP/s of every rank's training forwards and backwards in an interval of
-    ``seconds``, from the FLOPs counted in one (None: not counted) and one rank's number of
-    them (every rank runs as many)."""
-    if flops_per_forward is None:
+    ``seconds``, from the FLOPs counted for one rank's (None: not counted; every rank runs
+    as many)."""
+    if flops is None:
         return None
-    return flops_per_forward * forwards * ranks / max(seconds, 1e-9)
+    return flops * ranks / max(seconds, 1e-9)
 
 
 #: The interval metrics :class:`Throughput` logs: the machine's pace, not the training.
