@@ -24,7 +24,7 @@ import torch
 
 from hpc_ddp.runtime.config import resolve_config
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
-from hpc_ddp.runtime.monitor.nvml import gpu_source, read_gpu
+from hpc_ddp.runtime.monitor.nvml import gpu_number, gpu_source, read_gpu
 from hpc_ddp.runtime.monitor.system import IdleGpuAlarm, Place, gpu_text, system_metrics
 from hpc_ddp.runtime.monitor.usage import (
     UNKNOWN,
@@ -247,6 +247,25 @@ def test_without_a_gpu_or_nvml_no_reader_is_made_and_why_is_said(
     monkeypatch.setitem(sys.modules, "pynvml", None)
     missing = gpu_source(torch.device("cuda", 0))
     assert missing.read is None and "pip install nvidia-ml-py" in missing.why
+
+
+def test_a_gpu_is_numbered_by_its_device_file_not_by_what_the_task_sees() -> None:
+    class NVMLError(Exception):
+        pass
+
+    def no_minor(_handle: object) -> int:
+        raise NVMLError("not supported")
+
+    # A stand-in for the pynvml module (no GPU here): inside a task that sees only its own
+    # GPU, NVML's index is 0; the device file /dev/nvidia3 says which GPU of the node it is.
+    fake = types.SimpleNamespace(
+        NVMLError=NVMLError,
+        nvmlDeviceGetIndex=lambda _h: 0,
+        nvmlDeviceGetMinorNumber=lambda _h: 3,
+    )
+    assert gpu_number(fake, object()) == 3
+    fake.nvmlDeviceGetMinorNumber = no_minor
+    assert gpu_number(fake, object()) == 0, "a driver with no minor number: NVML's index"
 
 
 def test_a_reading_leaves_out_what_the_driver_does_not_give() -> None:

@@ -1,7 +1,10 @@
 """A rank's own GPU read through NVML (``nvidia-ml-py``, imported only where a GPU is).
 
 The GPU is found by its UUID, as CUDA names it, so the reading is the device this rank
-trains on whatever ``CUDA_VISIBLE_DEVICES`` holds, and no other GPU of the node is read.
+trains on whatever ``CUDA_VISIBLE_DEVICES`` holds, and no other GPU of the node is read. It
+is numbered by its device file's minor number (``/dev/nvidiaN``), as the node's own
+``nvidia-smi`` and Slurm's gres.conf number it: inside a job whose tasks each see only their
+own GPU (Slurm's device cgroups), NVML's index is 0 in every task.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from hpc_ddp.runtime.monitor.usage import GpuReading
 
 
 class GpuSource(NamedTuple):
-    """How to read this rank's GPU, and its index on the node as ``nvidia-smi`` numbers it;
+    """How to read this rank's GPU, and its number on the node (:func:`gpu_number`);
     ``read`` is None where there is nothing to read, and ``why`` says why."""
 
     read: Callable[[], GpuReading] | None
@@ -37,10 +40,19 @@ def gpu_source(device: torch.device) -> GpuSource:
         pynvml.nvmlInit()
         uuid = torch.cuda.get_device_properties(device).uuid
         handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
-        index = int(pynvml.nvmlDeviceGetIndex(handle))
+        number = gpu_number(pynvml, handle)
     except Exception as error:  # NVMLError and friends: the run goes on
         return GpuSource(None, None, f"NVML cannot read the GPU ({error})")
-    return GpuSource(lambda: read_gpu(pynvml, handle), index, "")
+    return GpuSource(lambda: read_gpu(pynvml, handle), number, "")
+
+
+def gpu_number(pynvml: Any, handle: Any) -> int:
+    """``handle``'s GPU's number on its node: its device file's minor number, else (a driver
+    that has none to give) NVML's index."""
+    try:
+        return int(pynvml.nvmlDeviceGetMinorNumber(handle))
+    except pynvml.NVMLError:
+        return int(pynvml.nvmlDeviceGetIndex(handle))
 
 
 def read_gpu(pynvml: Any, handle: Any) -> GpuReading:
