@@ -22,7 +22,7 @@ from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
 from hpc_ddp.runtime.checkpoint.sharded import is_complete
 from hpc_ddp.runtime.monitor.account import PARTS
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
-from tests.helpers import REPO, read_summary, run_local, summary_path
+from tests.helpers import REPO, clean_environ, read_summary, run_local, summary_path
 from tests.slurm_cluster import SlurmCluster, prepare_workdir
 
 pytestmark = pytest.mark.slurm
@@ -447,21 +447,32 @@ def test_a_rank_killed_on_one_node_leaves_it_out_and_the_job_resumes_on_the_othe
     assert f"job {job} attempt 0: {node} lost a rank ({why}): left out" in listed.stdout, (
         listed.stdout
     )
-    resumed_without(slurm, job, node, 8, settings, work)
+    resumed_without(slurm, job, node, 8, settings, work, log)
 
 
 def resumed_without(
-    slurm: SlurmCluster, job: str, node: str, from_step: int, settings: list[str], work: Path
+    slurm: SlurmCluster,
+    job: str,
+    node: str,
+    from_step: int,
+    settings: list[str],
+    work: Path,
+    log: str,
 ) -> None:
-    """``job`` (submitted from ``work``) left ``node`` out and was requeued once; its second
-    attempt ran on the other two nodes from ``from_step`` and ended with the weights of a
-    local run of ``settings`` never stopped."""
+    """``job`` (submitted from ``work``, its output ``log``) left ``node`` out and was
+    requeued once; its second attempt ran on the other two nodes from ``from_step`` and ended
+    with the weights of a local run of ``settings`` never stopped, on as many threads a rank
+    (a CPU's sums change with the thread count: the torchrun template's one rank a node takes
+    both of a node's CPUs, `hpc-ddp local` shares this machine's between its ranks)."""
     assert slurm.job_field(job, "ExcNodeList") == node and slurm.job_field(job, "Restarts") == "1"
     ran_on = slurm.run(["scontrol", "show", "hostnames", slurm.job_field(job, "NodeList")], work)
     assert node not in ran_on.stdout.split() and len(ran_on.stdout.split()) == 2
     summary = read_summary(work / "runs")
     assert (summary["restart_count"], summary["resumed_from_step"]) == (1, from_step)
-    reference = run_local(2, work / "reference", settings)
+    threads = set(re.findall(r"\] INFO host .* threads (\d+)$", log, re.MULTILINE))
+    assert len(threads) == 1, threads
+    environment = clean_environ(OMP_NUM_THREADS=threads.pop())
+    reference = run_local(2, work / "reference", settings, environment=environment)
     assert reference.returncode == 0, reference.stderr[-2000:]
     assert summary["weights_sha256"] == read_summary(work / "reference")["weights_sha256"]
 
@@ -501,7 +512,7 @@ def test_under_torchrun_a_node_whose_rank_dies_past_the_restarts_is_left_out(
     node = why.group(1)
     assert node == nodes[int(task.group(1))], "the node rank 1 ran on, named by srun's label"
     assert why.group(2) == node
-    resumed_without(slurm, job, node, 16, settings, work)
+    resumed_without(slurm, job, node, 16, settings, work, log)
 
 
 def test_a_frozen_rank_is_found_by_the_others_its_node_left_out_and_the_job_resumed(
@@ -531,7 +542,7 @@ def test_a_frozen_rank_is_found_by_the_others_its_node_left_out_and_the_job_resu
     node = silent.group(1)
     why = f"rank 1 on {node} stopped answering"
     assert f"hpc-ddp: {why}: left {node} out of job {job} (ExcNodeList: {node})" in log, log[-3000:]
-    resumed_without(slurm, job, node, 8, settings, work)
+    resumed_without(slurm, job, node, 8, settings, work, log)
 
 
 def test_a_rank_that_raises_ends_the_job_fast_naming_it(
