@@ -208,3 +208,16 @@ def signal_after(
     lines.wait_for(pattern, timeout)
     process.send_signal(signum)
     return lines.all(timeout)
+
+
+def run_with_metrics(tmp_path: Path, entries: list[dict[str, float]]) -> Path:
+    """A finished run's folder whose metrics.jsonl holds ``entries``, one interval every 10
+    steps (each with a falling ``interval/loss``), for the views to read."""
+    run_dir = tmp_path / "runs" / "lm" / "a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": "finished", "global_step": 30}))
+    lines = [json.dumps({"step": 10 * n, "global_step": 10 * n, "epoch": 0, "time": 1.0,
+                         "metrics": {"interval/loss": 2.0 / n, **metrics}})
+             for n, metrics in enumerate(entries, 1)]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run_dir

@@ -34,7 +34,7 @@ from hpc_ddp.runtime.monitor.throughput import counted_flops_per_s, throughput
 from hpc_ddp.view.plot import plot_run
 from hpc_ddp.view.runs import load_run
 from hpc_ddp.view.steptime import step_time_series
-from tests.helpers import HandClock, run_local_program
+from tests.helpers import HandClock, run_local_program, run_with_metrics
 
 CPU = torch.device("cpu")
 
@@ -433,24 +433,13 @@ def test_an_intervals_parts_are_shares_of_its_length() -> None:
     assert metrics == {"checkpoint_percent": 0.0, "evaluation_percent": 0.0} and said == []
 
 
-def written_run(tmp_path: Path, entries: list[dict[str, float]]) -> Path:
-    run_dir = tmp_path / "runs" / "lm" / "a"
-    run_dir.mkdir(parents=True)
-    (run_dir / "status.json").write_text(json.dumps({"state": "finished", "global_step": 30}))
-    lines = [json.dumps({"step": 10 * n, "global_step": 10 * n, "epoch": 0, "time": 1.0,
-                         "metrics": {"interval/loss": 2.0 / n, **metrics}})
-             for n, metrics in enumerate(entries, 1)]  # fmt: skip
-    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    return run_dir
-
-
 def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
     def parts(wait: float, forward: float | None, checkpoint: float) -> dict[str, float]:
         found = {"interval/data_wait_percent": wait, "interval/checkpoint_percent": checkpoint,
                  "interval/evaluation_percent": 0.0}  # fmt: skip
         return found | ({"interval/forward_percent": forward} if forward is not None else {})
 
-    run_dir = written_run(tmp_path, [parts(10, 30, 0), parts(5, 25, 40), parts(0, 50, 0)])
+    run_dir = run_with_metrics(tmp_path, [parts(10, 30, 0), parts(5, 25, 40), parts(0, 50, 0)])
     steps, series = step_time_series(run_dir)
     assert steps == [10.0, 20.0, 30.0]
     assert series == {
@@ -465,8 +454,8 @@ def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
     assert panel.get_title() == "where each interval's time went (%)"
     assert [text.get_text() for text in panel.get_legend().get_texts()] == list(series)
     # Without the forward timed (a script's own DDP, FSDP), the step is one part.
-    other = written_run(tmp_path / "other", [parts(10, None, 0)])
+    other = run_with_metrics(tmp_path / "other", [parts(10, None, 0)])
     assert step_time_series(other)[1] == {
         "waiting for data": [10.0], "the step": [90.0],
     }  # fmt: skip
-    assert step_time_series(written_run(tmp_path / "old", [{}])) == ([], {})
+    assert step_time_series(run_with_metrics(tmp_path / "old", [{}])) == ([], {})

@@ -39,7 +39,7 @@ from hpc_ddp.runtime.monitor.usage import (
 )
 from hpc_ddp.view.plot import plot_run
 from hpc_ddp.view.runs import load_run
-from tests.helpers import HandClock, run_local_program
+from tests.helpers import HandClock, run_local_program, run_with_metrics
 
 NAN = math.nan
 
@@ -380,17 +380,6 @@ def test_with_idle_stop_an_idle_gpu_stops_the_run_with_a_checkpoint_and_no_reque
         f"step-{int(stopped.group(1)):09d}"
     ]
     assert "the job was requeued" not in result.stderr
-
-
-def run_with_metrics(tmp_path: Path, entries: list[dict[str, float]]) -> Path:
-    run_dir = tmp_path / "runs" / "lm" / "a"
-    run_dir.mkdir(parents=True)
-    (run_dir / "status.json").write_text(json.dumps({"state": "finished", "global_step": 30}))
-    lines = [json.dumps({"step": 10 * n, "global_step": 10 * n, "epoch": 0, "time": 1.0,
-                         "metrics": {"interval/loss": 2.0 / n, **metrics}})
-             for n, metrics in enumerate(entries, 1)]  # fmt: skip
-    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    return run_dir
 
 
 @pytest.mark.parametrize("with_gpus", [True, False])

@@ -16,7 +16,6 @@ from hpc_ddp.runtime.checkpoint.files import list_checkpoints
 from hpc_ddp.runtime.checkpoint.sharded import full_tensors, read_blobs, read_metadata
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.monitor.paces import PACE_METRICS
-from hpc_ddp.runtime.monitor.straggler import STRAGGLER_METRICS
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS
 from hpc_ddp.runtime.tracking.journal import read_metrics
 
@@ -29,7 +28,7 @@ TIMED_METRICS = (
     "interval/steps_per_s",
     "goodput_percent",
     "rank_hours",
-    *(f"interval/{name}" for name in (*PACE_METRICS, *THROUGHPUT_METRICS, *STRAGGLER_METRICS)),
+    *(f"interval/{name}" for name in (*PACE_METRICS, *THROUGHPUT_METRICS)),
 )
 #: What a resume on another number of ranks cannot carry over: each rank's own state (its
 #: random streams, seeded anew, and what it registered per rank) and the number of ranks.

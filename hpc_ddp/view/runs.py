@@ -12,7 +12,6 @@ from typing import Any
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.monitor.account import account_line, is_account, run_account
 from hpc_ddp.runtime.monitor.paces import PACE_METRICS
-from hpc_ddp.runtime.monitor.straggler import STRAGGLER_METRICS
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS
 from hpc_ddp.runtime.preempt.node_record import left_out_lines, node_failures
 from hpc_ddp.runtime.preempt.progress import read_attempts
@@ -30,7 +29,7 @@ SYSTEM_PREFIX = "system/"
 #: Interval metrics that describe speed, not the model.
 NOT_CURVES = {
     "samples_per_s", "steps_per_s", "lr", "goodput_percent", "rank_hours", *PACE_METRICS,
-    *THROUGHPUT_METRICS, *STRAGGLER_METRICS,
+    *THROUGHPUT_METRICS,
 }  # fmt: skip
 
 

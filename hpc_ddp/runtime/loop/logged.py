@@ -8,15 +8,13 @@ import torch
 from hpc_ddp.runtime.arguments import is_number
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.monitor.paces import PACE_METRICS
-from hpc_ddp.runtime.monitor.straggler import STRAGGLER_METRICS
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS
 from hpc_ddp.runtime.names import check_name
 
 #: Interval metrics the run logs itself (as interval/<name>).
 RESERVED_METRICS = frozenset(
-    {"lr", "samples_per_s", "steps_per_s", *PACE_METRICS, *THROUGHPUT_METRICS,
-     *STRAGGLER_METRICS}
-)  # fmt: skip
+    {"lr", "samples_per_s", "steps_per_s", *PACE_METRICS, *THROUGHPUT_METRICS}
+)
 
 
 def check_logged_name(name: object) -> None:

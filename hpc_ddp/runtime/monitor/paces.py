@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from hpc_ddp.runtime.config import MonitorConfig
 from hpc_ddp.runtime.monitor.datawait import DataWaitAlarm, data_wait_shares
-from hpc_ddp.runtime.monitor.straggler import StragglerAlarm
+from hpc_ddp.runtime.monitor.straggler import STRAGGLER_METRICS, StragglerAlarm
 
 #: The interval's parts (as ``interval/<part>_percent``) besides the data wait, in the order
 #: a step's time passes; what they leave of 100 % is the rest of the step.
@@ -74,4 +74,5 @@ PACE_METRICS = (
     "data_wait_percent",
     "data_wait_percent_max",
     *(f"{part}_percent" for part in STEP_TIME_PARTS),
+    *STRAGGLER_METRICS,
 )
