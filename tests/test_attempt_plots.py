@@ -19,12 +19,17 @@ from hpc_ddp.runtime.monitor.account import PARTS, AttemptTimes, attempt_account
 from hpc_ddp.view.goodput import DRAWN, PART_COLOURS, attempt_bars, plot_goodput
 from hpc_ddp.view.plot import mark_attempts, plot_run, resume_steps
 from hpc_ddp.view.runs import load_run
+from tests.helpers import HandClock
 
 
 def three_attempts() -> list[dict[str, Any]]:
     """Stopped by the warning signal at step 100; killed outright after logging step 140;
     resumed from step 100 to the end (40 steps redone). The job waited 30 s and 60 s."""
-    first_times = AttemptTimes(steps_s=80.0, checkpoint_s=4.0, paused_before_training_s=0.0)
+    clock = HandClock()
+    first_times = AttemptTimes(steps_s=80.0, checkpoint_s=4.0, paused_before_training_s=0.0,
+                               clock=clock)  # fmt: skip
+    first_times.begin_ending("stop")
+    clock.now += 2.0  # the requeue
     first = attempt_account({"process_start_unix": 1000.0, "training_unix": 1010.0}, 1100.0,
                             first_times, 100, 0)  # fmt: skip
     third = attempt_account({"process_start_unix": 1230.0, "training_unix": 1238.0}, 1330.0,
@@ -51,7 +56,8 @@ def test_each_attempt_is_a_bar_at_its_start_split_into_its_parts() -> None:
     first, killed, third = attempt_bars(three_attempts())
     assert [bar.start_s for bar in (first, killed, third)] == [0.0, 130.0, 230.0]
     assert first.parts == {"startup": 10.0, "resume": 0.0, "steps": 80.0, "redone": 0.0,
-                           "checkpoint": 4.0, "evaluation": 0.0, "other": 6.0}  # fmt: skip
+                           "checkpoint": 4.0, "evaluation": 0.0, "stop": 2.0, "end": 0.0,
+                           "other": 4.0}  # fmt: skip
     assert sum(first.parts.values()) == 100.0, "a bar is as long as the attempt's allocation"
     assert third.parts["redone"] == pytest.approx(84.0 * 40 / 140, abs=1e-3)
     assert killed.unsplit and killed.parts["other"] == 40.0
@@ -70,7 +76,7 @@ def test_the_picture_draws_every_part_where_it_happened(tmp_path: Path) -> None:
     figure = plot_goodput(run)
     [axes] = figure.axes
     drawn = [(patch.get_x(), patch.get_width(), patch.get_facecolor()) for patch in axes.patches]
-    assert len(drawn) == 4 + 1 + 5, "the parts above zero of the three attempts"
+    assert len(drawn) == 5 + 1 + 5, "the parts above zero of the three attempts"
     # 330 s from the first start to the last end: drawn in minutes.
     assert axes.get_xlabel() == (
         "min since the first attempt began (gaps: the queue, or a killed attempt's time after "
@@ -90,7 +96,7 @@ def test_the_picture_draws_every_part_where_it_happened(tmp_path: Path) -> None:
     title = figure.get_suptitle()
     assert title == "digits/a: goodput 58% of 4 min allocated, 0.133 rank-hours, 1.5 min queued"
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
-    assert legend == ["startup", "resume", "redone", "steps", "checkpoint", "other",
+    assert legend == ["startup", "resume", "redone", "steps", "checkpoint", "stop", "other",
                       "killed, not split"]  # fmt: skip
 
 

@@ -459,3 +459,19 @@ def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
         "waiting for data": [10.0], "the step": [90.0],
     }  # fmt: skip
     assert step_time_series(run_with_metrics(tmp_path / "old", [{}])) == ([], {})
+
+
+def test_a_run_that_logs_no_metric_of_its_own_still_plots_its_step_time(tmp_path: Path) -> None:
+    run_dir = run_with_metrics(tmp_path, [{}, {}])
+    pace = {"interval/samples_per_s": 100.0, "interval/data_wait_percent": 10.0,
+            "interval/checkpoint_percent": 0.0, "interval/evaluation_percent": 0.0}  # fmt: skip
+    lines = [json.dumps({"step": 10 * n, "global_step": 10 * n, "epoch": 0, "time": 1.0,
+                         "metrics": pace}) for n in (1, 2)]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    run = load_run(run_dir)
+    assert run is not None
+    (panel,) = plot_run(run).axes
+    assert panel.get_title() == "where each interval's time went (%)"
+    (run_dir / "metrics.jsonl").write_text("")
+    with pytest.raises(HpcDdpError, match="has no metrics yet"):
+        plot_run(run)

@@ -29,13 +29,14 @@ from tests.helpers import HandClock
 
 
 def test_the_steps_time_leaves_out_the_checkpoints_and_evaluations_made_inside_them() -> None:
-    clock, times = HandClock(), AttemptTimes()
-    with times.counting("resume", clock):
+    clock = HandClock()
+    times = AttemptTimes(clock=clock)
+    with times.counting("resume"):
         clock.now += 3.0
     paused = times.paused_s
-    with times.counting("checkpoint", clock):  # a periodic save inside run.steps
+    with times.counting("checkpoint"):  # a periodic save inside run.steps
         clock.now += 2.0
-    with times.counting("evaluation", clock):  # an evaluation inside run.steps
+    with times.counting("evaluation"):  # an evaluation inside run.steps
         clock.now += 1.5
     times.add_steps(10.0, paused)
     assert (times.resume_s, times.checkpoint_s, times.evaluation_s) == (3.0, 2.0, 1.5)
@@ -55,13 +56,63 @@ def test_an_attempts_parts_add_up_to_its_allocation_and_redone_steps_are_not_goo
         "redone_s": 15.0,  # 30 of the 120 steps were taken before the crash
         "checkpoint_s": 4.0,
         "evaluation_s": 6.0,
+        "stop_s": 0.0,
+        "end_s": 0.0,
         "other_s": 18.0,
         "allocation_s": 100.0,
         "goodput_percent": 45.0,
     }
     assert account_line(account) == (
         "100.0 s: startup 10.0, resume 2.0, steps 45.0, redone 15.0, checkpoint 4.0, "
-        "evaluation 6.0, other 18.0; goodput 45%"
+        "evaluation 6.0, stop 0.0, end 0.0, other 18.0; goodput 45%"
+    )
+
+
+def test_a_stop_agreed_inside_the_steps_is_the_stop_less_its_checkpoint() -> None:
+    clock = HandClock()
+    times = AttemptTimes(clock=clock)
+    paused = times.paused_s  # run.steps begins
+    clock.now += 30.0  # steps
+    times.begin_ending("stop")  # the ranks agreed to stop
+    with times.counting("checkpoint"):  # the stop's checkpoint
+        clock.now += 4.0
+    clock.now += 1.5  # the requeue and the ranks' exchange
+    times.add_steps(35.5, paused)  # Stopped leaves run.steps
+    times.begin_ending("end")  # the end that follows a stop is part of the stop
+    clock.now += 0.5
+    assert times.steps_s == pytest.approx(30.0), "the stop is not a step"
+    account = attempt_account({"entry_unix": 0.0, "training_unix": 2.0}, 38.0, times, 10, 0)
+    assert (account["stop_s"], account["end_s"], account["checkpoint_s"]) == (2.0, 0.0, 4.0)
+    assert (account["startup_s"], account["steps_s"], account["other_s"]) == (2.0, 30.0, 0.0)
+    assert sum(account[f"{part}_s"] for part in PARTS) == account["allocation_s"] == 38.0
+
+
+def test_the_end_after_the_last_step_is_its_own_part() -> None:
+    clock = HandClock()
+    times = AttemptTimes(clock=clock)
+    times.add_steps(20.0, times.paused_s)
+    clock.now += 20.0
+    clock.now += 3.0  # the script's own work after training (in other)
+    times.begin_ending("end")  # run.finish()
+    with times.counting("checkpoint"):  # the final checkpoint
+        clock.now += 5.0
+    clock.now += 1.0  # summary.json, the ranks' spread
+    account = attempt_account({"entry_unix": 0.0, "training_unix": 0.0}, 29.0, times, 10, 0)
+    assert (account["end_s"], account["stop_s"], account["checkpoint_s"]) == (1.0, 0.0, 5.0)
+    assert (account["steps_s"], account["other_s"]) == (20.0, 3.0)
+
+
+def test_an_account_recorded_before_the_stop_and_end_were_parts_still_reads() -> None:
+    old = {"startup_s": 1.0, "resume_s": 0.0, "steps_s": 8.0, "redone_s": 0.0,
+           "checkpoint_s": 0.5, "evaluation_s": 0.0, "other_s": 0.5, "allocation_s": 10.0,
+           "goodput_percent": 80.0}  # fmt: skip
+    total = run_account([{"from_step": 0, "account": old, "ranks": 2}])
+    assert (total["steps_s"], total["stop_s"], total["end_s"], total["allocation_s"]) == (
+        8.0, 0.0, 0.0, 10.0,
+    )  # fmt: skip
+    assert account_line(old) == (
+        "10.0 s: startup 1.0, resume 0.0, steps 8.0, redone 0.0, checkpoint 0.5, "
+        "evaluation 0.0, other 0.5; goodput 80%"
     )
 
 
@@ -227,10 +278,11 @@ def test_an_attempt_that_ended_before_its_entry_leaves_the_earlier_one_alone(
 
 
 def test_a_span_inside_another_counts_once_and_startup_leaves_out_work_before_training() -> None:
-    clock, times = HandClock(), AttemptTimes()
-    with times.counting("evaluation", clock), times.counting("evaluation", clock):
+    clock = HandClock()
+    times = AttemptTimes(clock=clock)
+    with times.counting("evaluation"), times.counting("evaluation"):
         clock.now += 2.0  # two evaluation loaders zipped
-    with times.counting("evaluation", clock), times.counting("checkpoint", clock):
+    with times.counting("evaluation"), times.counting("checkpoint"):
         clock.now += 1.0  # a save made while evaluating
     assert (times.evaluation_s, times.checkpoint_s) == (3.0, 0.0)
     times.add_steps(10.0, times.paused_s)  # the first run.steps: all of it steps
@@ -249,11 +301,11 @@ def test_runs_shows_each_attempts_account_and_the_runs() -> None:
     ]  # fmt: skip
     assert time_lines(attempts, running=False) == [
         "attempt 1 (stopped at step 100): 20.0 s: startup 5.0, resume 0.0, steps 10.0, "
-        "redone 0.0, checkpoint 0.0, evaluation 0.0, other 5.0; goodput 50%",
+        "redone 0.0, checkpoint 0.0, evaluation 0.0, stop 0.0, end 0.0, other 5.0; goodput 50%",
         "attempt 2 (ended unseen): no account, killed before it could write one",
         "all attempts: 20.0 s: startup 5.0, resume 0.0, steps 10.0, redone 0.0, checkpoint 0.0,"
-        " evaluation 0.0, other 5.0; goodput 50%, 0.0111 rank-hours, 0 s queued between "
-        "attempts",
+        " evaluation 0.0, stop 0.0, end 0.0, other 5.0; goodput 50%, 0.0111 rank-hours, 0 s "
+        "queued between attempts",
     ]
     assert time_lines(attempts, running=True)[1] == "attempt 2 (running)"
     assert time_lines([{"from_step": 0}], False) == [], "a record from before accounts were kept"

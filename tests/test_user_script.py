@@ -201,6 +201,12 @@ def test_stopped_mid_epoch_and_rerun_equals_uninterrupted_in_one_mlflow_run(
         assert account["evaluation_s"] > 0, "each attempt evaluated (at 100; at 200 and 300)"
         assert attempt["redone_steps"] == 0 and attempt["ranks"] == 2
     assert stopped_attempt["account"]["resume_s"] == 0 < resumed_attempt["account"]["resume_s"]
+    # The stop (the ranks' exchange after the stop's checkpoint) and the end (summary.json and
+    # the ranks' spread after the final checkpoint) are parts of their own, each charged to
+    # the attempt that ended that way (how long they take is this machine's; the arithmetic
+    # is test_time_account.py's).
+    assert stopped_attempt["account"]["end_s"] == 0 <= stopped_attempt["account"]["stop_s"]
+    assert resumed_attempt["account"]["stop_s"] == 0 <= resumed_attempt["account"]["end_s"]
     total = actual["time_account"]
     assert (total["attempts"], total["attempts_unaccounted"]) == (2, 0)
     assert total["steps_s"] == pytest.approx(

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.monitor.account import is_account, is_number, run_account
+from hpc_ddp.runtime.monitor.account import is_account, is_number, part_s, run_account
 from hpc_ddp.runtime.preempt.progress import read_attempts
 from hpc_ddp.view.plot import figure_class, write_figure
 from hpc_ddp.view.runs import RunView
@@ -25,11 +25,15 @@ PART_COLOURS = {
     "redone": "#e53935",
     "checkpoint": "#fb8c00",
     "evaluation": "#8e24aa",
+    "stop": "#fdd835",
+    "end": "#6d4c41",
     "other": "#d7ccc8",
 }
 
 #: The parts in the order a bar draws them: an attempt's redone steps are its first ones.
-DRAWN = ("startup", "resume", "redone", "steps", "checkpoint", "evaluation", "other")
+DRAWN = (
+    "startup", "resume", "redone", "steps", "checkpoint", "evaluation", "stop", "end", "other",
+)  # fmt: skip
 
 #: The legend's name for an attempt killed outright, drawn hatched in one piece.
 KILLED = "killed, not split"
@@ -59,7 +63,7 @@ def attempt_bars(attempts: Sequence[Mapping[str, Any]]) -> list[AttemptBar]:
         account = attempt.get("account")
         start = attempt.get("start_unix")
         start_s = float(start) - origin if is_number(start) else next_free
-        parts = {part: float(account[f"{part}_s"]) for part in DRAWN} if is_account(account) else {}
+        parts = {part: part_s(account, part) for part in DRAWN} if is_account(account) else {}
         unsplit = attempt.get("status") == "killed"
         step = attempt.get("last_step")
         if not parts:

@@ -98,9 +98,12 @@ def plot_run(run: RunView) -> Any:
     each metric in one colour for its interval (thin line), epoch (dots) and validation
     (squares, dashed) series; where the run recorded its machines, a panel of each GPU's
     utilisation (or each host's CPU); a dotted line where each attempt after the first
-    resumed; where the run recorded where its time went, a panel of those parts stacked."""
+    resumed; where the run recorded where its time went, a panel of those parts stacked.
+    A script that logs no metric of its own still gets its machines and step-time panels."""
     train, val = curves(run.path)
-    if not train and not val:
+    usage_title, usage = usage_series(run.path)
+    time_steps, time_parts = step_time_series(run.path)
+    if not train and not val and not usage and not time_parts:
         raise HpcDdpError(
             f"run {run.name}/{run.run_id} has no metrics yet ({run.path})",
             "plot it after its first log interval; run.log(...) adds training metrics",
@@ -112,8 +115,6 @@ def plot_run(run: RunView) -> Any:
         for title, score in (("losses", False), ("scores", True))
     ]
     families = [(title, members) for title, members in families if members]
-    usage_title, usage = usage_series(run.path)
-    time_steps, time_parts = step_time_series(run.path)
     panels = len(families) + (1 if usage else 0) + (1 if time_parts else 0)
     columns = panels if panels < 4 else 2  # four panels in a row would be too thin to read
     rows = -(-panels // columns)

@@ -126,6 +126,7 @@ class Stopper:
         :class:`hpc_ddp.Stopped` (the session ends the run as it leaves the loop)."""
         context, position = self.context, self.position
         position.stopped = True
+        context.times.begin_ending("stop")
         self.checkpointer.save("stop signal")
         requeued = False
         if context.env.is_main:

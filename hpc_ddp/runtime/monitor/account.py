@@ -3,9 +3,13 @@
 Each attempt's allocation (from its process's start to its end) is split into start-up
 (imports, rendezvous, checks, building the model and data), the resume (loading the
 checkpoint), productive steps, steps computed again after a crash (an earlier attempt had
-taken them past its last checkpoint), checkpoint stalls, evaluation, and the rest (the
-script's own work outside ``run.steps``, and the end). Goodput is the productive steps'
-share of the allocation; over a run, of every attempt's allocation together.
+taken them past its last checkpoint), checkpoint stalls, evaluation, the stop (from the
+ranks' agreed stop to the record: the requeue and the ranks' exchange, its checkpoint left
+in ``checkpoint``), the end (from ``run.finish()`` to the record, its final checkpoint
+likewise left out) and the rest (the script's own work outside ``run.steps``). Goodput is
+the productive steps' share of the allocation; over a run, of every attempt's allocation
+together. The allocation ends when rank 0 records it: closing MLflow and the process
+groups after that are not in it.
 
 An attempt killed outright (SIGKILL, a lost node, the time limit with no warning) writes no
 account; the next attempt charges it from its start to its last logged interval, unsplit
@@ -23,7 +27,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeGuard
 
 #: The parts of an attempt, in the order its time passes.
-PARTS = ("startup", "resume", "steps", "redone", "checkpoint", "evaluation", "other")
+PARTS = (
+    "startup", "resume", "steps", "redone", "checkpoint", "evaluation", "stop", "end", "other",
+)  # fmt: skip
+
+#: Parts every account has; records written before the stop and the end were parts of
+#: their own have them in ``other`` (:func:`part_s` reads them as 0).
+KEPT_SINCE_FIRST = ("startup", "resume", "steps", "redone", "checkpoint", "evaluation", "other")
+
+#: How an attempt's ending is charged: an agreed stop, or the end after the last step.
+Ending = Literal["stop", "end"]
 
 
 @dataclass
@@ -38,14 +51,34 @@ class AttemptTimes:
     steps_s: float = 0.0
     #: Checkpoint and evaluation time before the first ``run.steps`` (None: not yet).
     paused_before_training_s: float | None = None
+    clock: Callable[[], float] = time.perf_counter
     #: Spans being counted now: only the outermost counts (an evaluation that saves, two
     #: evaluation loaders zipped), so no second counts twice.
     _open: int = field(default=0, init=False, repr=False)
+    #: Once the attempt began to end: how (stop or end), when, and the checkpoint and
+    #: evaluation time then.
+    _ending: tuple[Ending, float, float] | None = field(default=None, init=False, repr=False)
 
     @property
     def paused_s(self) -> float:
-        """Checkpoint and evaluation time so far (the steps' own time leaves it out)."""
-        return self.checkpoint_s + self.evaluation_s
+        """Checkpoint, evaluation and ending time so far (the steps' own time leaves it
+        out: a stop agreed inside ``run.steps`` is not a step)."""
+        return self.checkpoint_s + self.evaluation_s + self.ending_s()[1]
+
+    def begin_ending(self, how: Ending) -> None:
+        """The attempt begins to end (the ranks agreed to stop, or ``run.finish()``); what
+        follows is charged to ``how``, less its checkpoints and evaluations. Only the first
+        call counts: a stop's end is part of the stop."""
+        if self._ending is None:
+            self._ending = (how, self.clock(), self.checkpoint_s + self.evaluation_s)
+
+    def ending_s(self) -> tuple[Ending, float]:
+        """How the attempt is ending and the seconds since it began to (0 before)."""
+        if self._ending is None:
+            return "end", 0.0
+        how, began, paused = self._ending
+        spent = self.clock() - began - (self.checkpoint_s + self.evaluation_s - paused)
+        return how, max(0.0, spent)
 
     def add_steps(self, seconds: float, paused_before: float) -> None:
         """``seconds`` inside ``run.steps`` as steps, less the checkpoints and evaluations
@@ -58,9 +91,9 @@ class AttemptTimes:
     def counting(
         self,
         part: Literal["resume", "checkpoint", "evaluation"],
-        clock: Callable[[], float] = time.perf_counter,
     ) -> Iterator[None]:
         """The time inside counted as ``part``, unless it is inside another span."""
+        clock = self.clock
         started, outermost = clock(), self._open == 0
         self._open += 1
         try:
@@ -97,6 +130,7 @@ def attempt_account(
     redone = times.steps_s * steps_redone / steps_taken if steps_taken else 0.0
     before_training = times.paused_before_training_s
     paused_before = times.paused_s if before_training is None else before_training
+    how, ending = times.ending_s()
     parts = {
         "startup_s": max(0.0, training - start - times.resume_s - paused_before),
         "resume_s": times.resume_s,
@@ -104,6 +138,8 @@ def attempt_account(
         "redone_s": redone,
         "checkpoint_s": times.checkpoint_s,
         "evaluation_s": times.evaluation_s,
+        "stop_s": ending if how == "stop" else 0.0,
+        "end_s": ending if how == "end" else 0.0,
     }
     parts["other_s"] = max(0.0, allocation - sum(parts.values()))
     return {
@@ -124,8 +160,15 @@ def unsplit_account(allocation_s: float) -> dict[str, float]:
 def is_account(value: object) -> TypeGuard[dict[str, Any]]:
     """Whether ``value`` is an attempt's account as :func:`attempt_account` writes it (a
     record edited by hand or cut short is passed over, never a reason to fail)."""
-    keys = (*(f"{part}_s" for part in PARTS), "allocation_s", "goodput_percent")
+    keys = (*(f"{part}_s" for part in KEPT_SINCE_FIRST), "allocation_s", "goodput_percent")
     return isinstance(value, dict) and all(is_number(value.get(key)) for key in keys)
+
+
+def part_s(account: Mapping[str, Any], part: str) -> float:
+    """Seconds of ``part`` in an account :func:`is_account` took (0 where an older record
+    has no such part)."""
+    value = account.get(f"{part}_s", 0.0)
+    return float(value) if is_number(value) else 0.0
 
 
 def is_number(value: object) -> TypeGuard[int | float]:
@@ -144,8 +187,8 @@ def run_account(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if is_account(attempt.get("account")) and is_number(attempt.get("ranks", 1))
     ]
     totals = {
-        key: round(sum(float(account[key]) for account, _ in accounts), 3)
-        for key in (*(f"{part}_s" for part in PARTS), "allocation_s")
+        f"{part}_s": round(sum(part_s(account, part) for account, _ in accounts), 3)
+        for part in (*PARTS, "allocation")
     }
     allocation = totals["allocation_s"]
     queued = 0.0
@@ -176,7 +219,7 @@ def goodput_metrics(account: Mapping[str, Any]) -> dict[str, float]:
 def account_line(account: Mapping[str, Any]) -> str:
     """An attempt's parts in one line: "41.2 s: startup 5.1, resume 0.3, ... goodput 73%"."""
     parts = ", ".join(
-        f"{name} {float(account[f'{name}_s']):.1f}" for name in PARTS if f"{name}_s" in account
+        f"{name} {part_s(account, name):.1f}" for name in PARTS if f"{name}_s" in account
     )
     return (
         f"{float(account['allocation_s']):.1f} s: {parts}; "

@@ -29,6 +29,7 @@ def finish_run(
 ) -> dict[str, Any]:
     """The end of :meth:`hpc_ddp.Run.finish` (see there); the summary on every rank.
     ``finish_training``: the final checkpoint, returning what the loop says of the run."""
+    context.times.begin_ending("end")
     phases = {"final_checkpoint": time.perf_counter()}
     loop_facts = finish_training()
     phases["summary"] = time.perf_counter()
