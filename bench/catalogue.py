@@ -17,7 +17,7 @@ from bench.report_io import (
     requeue_section,
     usage_section,
 )
-from bench.report_scale import scale_section, tracking_section
+from bench.report_scale import scale_section, tracking_busy_section, tracking_section
 from bench.report_sharded import checksum_section, sharded_section
 from bench.report_steps import (
     iterations_section,
@@ -53,6 +53,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("data_memory", "bench.data_memory", data_memory_section),
     Benchmark("scale", "bench.scale", scale_section, needs="cluster"),
     Benchmark("tracking_cost", "bench.tracking_cost", tracking_section),
+    Benchmark("tracking_busy", "bench.tracking_busy", tracking_busy_section),
     Benchmark("sweep_scale", "bench.sweep_scale", sweep_section),
     Benchmark("checks_cost", "bench.checks_cost", checks_section),
     Benchmark("requeue_cost", "bench.requeue_cost", requeue_section, needs="cluster"),

@@ -185,3 +185,33 @@ def _short_run(data: dict[str, Any]) -> str:
         f"(`close`) median {data['short_run_end_median_s']:.2f} s over "
         f"{len(data['short_run_end_s'])} runs.\n\n"
     )
+
+
+def tracking_busy_section(data: dict[str, Any]) -> str:
+    """Tracking's cost to a converted user script whose ranks keep every core busy."""
+    off = [run["whole_s_per_iteration"] for run in data["off"]]
+    tracked = [run["whole_s_per_iteration"] for run in data["tracked"]]
+    return (
+        "### Tracking where the ranks use every core\n\n"
+        "`python -m bench.tracking_busy`: pytorch/examples' imagenet/main.py as "
+        "docs/converting.md converts it (tests/programs/imagenet_shape.py, a small ResNet, "
+        f"{data['epochs']} epochs of {data['steps_per_epoch']} steps, top-1 accuracy logged "
+        "every step) on 2 local ranks of one thread each, so the ranks keep this machine's 2 "
+        "cores busy and rank 0's tracking process has none of its own. Tracking off and the "
+        f"default (an existing embedded store) alternate, {data['pairs']} pairs. Time per "
+        "iteration from the run's interval metrics; CPU time of the processes from /proc.\n\n"
+        "| | tracked / off (median of the pairs) |\n"
+        "|---|---:|\n"
+        f"| time per iteration, whole run | {data['whole_ratio_median']:.3f} |\n"
+        f"| time per iteration, after the first epoch | {data['steady_ratio_median']:.3f} |\n"
+        "| tracking process's CPU / the ranks' CPU, whole run | "
+        f"{100 * data['tracking_cpu_share']:.2f}% |\n"
+        "| tracking process's CPU / the ranks' CPU, after the first epoch | "
+        f"{100 * data['steady_tracking_cpu_share']:.2f}% |\n\n"
+        f"Single runs' time per iteration ranged from {min(off) * 1000:.1f} to "
+        f"{max(off) * 1000:.1f} ms off and {min(tracked) * 1000:.1f} to "
+        f"{max(tracked) * 1000:.1f} ms tracked: this machine's run-to-run spread is wider than "
+        "tracking's cost, so the CPU share is the figure to read. The tracking process used "
+        f"{data['tracking_cpu_s_median']:.2f} s of CPU a run (median), most of it mlflow's "
+        "import at the start.\n\n" + _notes("tracking_busy")
+    )

@@ -81,6 +81,16 @@ def killed_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
     return _FaultOnRankOne(num_features, num_classes, 12, _kill_in_the_first_attempt)
 
 
+def killed_while_building(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    """Rank 1 of a Slurm job's first attempt is killed (SIGKILL, as by a failing host) while
+    the model is built, before the first step; elsewhere the plain linear model of
+    :func:`killed_model` (the same weights)."""
+    first_attempt = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+    if "SLURM_JOB_ID" in os.environ and first_attempt and os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _FaultOnRankOne(num_features, num_classes, 0, _kill_in_the_first_attempt)
+
+
 def _freeze_in_the_first_attempt(linear: nn.Linear) -> None:
     if "SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
         os.kill(os.getpid(), signal.SIGSTOP)  # every thread stops, as on a frozen host

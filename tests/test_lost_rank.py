@@ -230,13 +230,15 @@ def test_the_batch_script_keeps_sruns_status_when_no_host_is_to_blame(tmp_path: 
     with redirect_stderr(stderr):
         assert answer(143, ["srun: error: node2: task 1: Exited with exit code 1"], {}) == 143
         assert stderr.getvalue() == ""
-        # Killed, but rank 0 never said where the run is (it died before training began).
+        # Killed, but rank 0 never said where the run is (lost before it claimed the run's
+        # directory).
         environ = {"SLURM_JOB_ID": "185", HANDOFF_VARIABLE: str(tmp_path / "none.json")}
         assert answer(137, killed, environ) == 137
     assert stderr.getvalue() == (
         "hpc-ddp: task 1 on node2 was killed by SIGKILL; rank 0 said nothing of its run, so "
-        "node2 is not left out and the job not requeued\nHINT: a rank lost before training "
-        "began ends the job; resubmit it with --exclude=node2\n"
+        "node2 is not left out and the job not requeued\nHINT: a rank lost before rank 0 "
+        "claimed the run's directory (while Python imported, or rank 0's own host lost) ends "
+        "the job; resubmit it with --exclude=node2\n"
     )
 
 

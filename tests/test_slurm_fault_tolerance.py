@@ -450,17 +450,52 @@ def test_a_rank_killed_on_one_node_leaves_it_out_and_the_job_resumes_on_the_othe
     resumed_without(slurm, job, node, 8, settings, work, log)
 
 
+def test_a_rank_lost_while_its_model_is_built_leaves_its_node_out_too(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """Rank 1 of a 2-node job is killed (SIGKILL, as by a failing host) while it builds the
+    model, before the first step and any checkpoint. Rank 0 handed the run to the batch script
+    when it claimed the run's directory, before the rendezvous, so the node is left out and the
+    job requeued as for a rank lost mid-run; the next attempt trains from the start on the
+    other two nodes to the weights of a run never killed."""
+    work = prepare_workdir(tmp_path)
+    settings = ["model.kind=custom", "model.factory=tests.factories:killed_while_building",
+                "checkpoint.every_steps=8", "checkpoint.save_mode=single_file",
+                "tracking.enabled=false", *SMALL]  # fmt: skip
+    job = slurm.sbatch(
+        ["--nodes=2", "--ntasks-per-node=1", TRAIN, "configs/synthetic.yaml",
+         f"run.output_dir={work / 'runs'}", *settings],
+        work,
+    )  # fmt: skip
+    state = slurm.wait(job, timeout=300)
+    log = (work / f"hpc-ddp-{job}.out").read_text()
+    assert state == "COMPLETED", (state, log[-3000:])
+    killed = re.search(r"srun: error: (\S+): task 1: Killed", log)
+    assert killed, log[-3000:]
+    node = killed.group(1)
+    assert "rank 0 said nothing of its run" not in log, log[-3000:]
+    why = f"task 1 on {node} was killed by SIGKILL"
+    assert f"hpc-ddp: {why}: left {node} out of job {job} (ExcNodeList: {node})" in log, log[-3000:]
+    run_dir = next((work / "runs").glob(f"*/{job}"))
+    failures = json.loads((run_dir / "excluded_hosts.json").read_text())
+    assert [(f["hosts"], f["event"], f["restart_count"], f["requeued"]) for f in failures] == [
+        ([node], "lost a rank", 0, True)
+    ]
+    resumed_without(slurm, job, node, None, settings, work, log)
+
+
 def resumed_without(
     slurm: SlurmCluster,
     job: str,
     node: str,
-    from_step: int,
+    from_step: int | None,
     settings: list[str],
     work: Path,
     log: str,
 ) -> None:
     """``job`` (submitted from ``work``, its output ``log``) left ``node`` out and was
-    requeued once; its second attempt ran on the other two nodes from ``from_step`` and ended
+    requeued once; its second attempt ran on the other two nodes from ``from_step`` (None: from
+    the start, no checkpoint had been written) and ended
     with the weights of a local run of ``settings`` never stopped, on as many threads a rank
     (a CPU's sums change with the thread count: the torchrun template's one rank a node takes
     both of a node's CPUs, `hpc-ddp local` shares this machine's between its ranks)."""

@@ -23,11 +23,13 @@ from hpc_ddp.runtime.tracking.base import (
 from hpc_ddp.runtime.tracking.mlflow_import import LEFT_OUT
 from hpc_ddp.runtime.tracking.worker import (
     MLFLOW_HTTP_SETTINGS,
+    STEADY_NICE,
     WorkerTracker,
     _prestarted,
     discard_prestarted,
     prestart,
     probably_rank_0,
+    spawn_worker,
     take_prestarted,
 )
 from tests.helpers import REPO, clean_environ
@@ -56,6 +58,23 @@ def test_the_worker_ignores_job_signals_and_ends_with_the_run(tmp_path: Path) ->
     assert run.data.metrics == {"loss": 0.5}
     assert run.data.params == {"lr": "0.1"}
     assert [item.path for item in client.list_artifacts(run.info.run_id)] == ["summary.json"]
+
+
+@pytest.mark.e2e
+def test_the_worker_steps_down_in_priority_once_its_mlflow_run_exists(tmp_path: Path) -> None:
+    """mlflow's import and the run's creation at the rank's priority (a busy node must not
+    starve them); the logging after at STEADY_NICE more, out of training's way."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    worker = spawn_worker()
+    assert os.getpriority(os.PRIO_PROCESS, worker.process.pid) == own, "starting"
+    record = RunRecord(name="worker", params={}, tags={})
+    tracker = WorkerTracker(default_tracking_uri(tmp_path), "worker-test",
+                            tmp_path / "artifacts", record, (0, 1), worker)  # fmt: skip
+    expected = min(own + STEADY_NICE, 19)
+    assert os.getpriority(os.PRIO_PROCESS, worker.process.pid) == expected, "the run exists"
+    tracker.log_metrics({"loss": 0.5}, 1)
+    assert os.getpriority(os.PRIO_PROCESS, worker.process.pid) == expected, "stepped down once"
+    tracker.finish("FINISHED")
 
 
 @pytest.mark.e2e

@@ -52,8 +52,9 @@ def answer(status: int, lines: Sequence[str], environ: Mapping[str, str]) -> int
     handoff = read_handoff(environ)
     if handoff is None:
         print(f"hpc-ddp: {lost.why}; rank 0 said nothing of its run, so {lost.host} is not "
-              "left out and the job not requeued\nHINT: a rank lost before training began "
-              f"ends the job; resubmit it with --exclude={lost.host}", file=sys.stderr)  # fmt: skip
+              "left out and the job not requeued\nHINT: a rank lost before rank 0 claimed the "
+              "run's directory (while Python imported, or rank 0's own host lost) ends the "
+              f"job; resubmit it with --exclude={lost.host}", file=sys.stderr)  # fmt: skip
         return status
     from hpc_ddp.runtime.preempt.exclusion import leave_out
 

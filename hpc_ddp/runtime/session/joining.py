@@ -48,6 +48,7 @@ from hpc_ddp.runtime.place.plan import (
 from hpc_ddp.runtime.place.rundir import claim_run_dir
 from hpc_ddp.runtime.place.sharedfs import check_every_rank_sees
 from hpc_ddp.runtime.place.slurm import allocation_task_count
+from hpc_ddp.runtime.preempt.lost_rank import write_handoff
 from hpc_ddp.runtime.preempt.requeue import agent_signal_gap, check_job_signal
 from hpc_ddp.runtime.session.ending import install_excepthook
 
@@ -221,11 +222,15 @@ def join_ranks(
     timeline: dict[str, float],
 ) -> Joined:
     """The run directory claimed (rank 0, before the process group: a refusal costs no
-    rendezvous), the process group joined within dist.init_timeout_s, the gloo groups made,
-    torchrun's restart count agreed, and the run directory seen by every rank."""
+    rendezvous) and handed to the batch script, the process group joined within
+    dist.init_timeout_s, the gloo groups made, torchrun's restart count agreed, and the run
+    directory seen by every rank."""
     dist_env = plan.dist_env
     if dist_env.is_main:
         claim_run_dir(plan.run_dir)
+        # From here a rank lost to its host (in the rendezvous, the checks, building the
+        # model) leaves the host out and the job requeued, as one lost mid-run does.
+        write_handoff(environ, plan.run_dir, settings.preempt)
         if settings.checkpoint.enabled:
             prepare_checkpoint_dir(plan.run_dir)
     init_distributed(dist_env, plan.device, settings.dist, timeline)

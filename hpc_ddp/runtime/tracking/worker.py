@@ -2,10 +2,12 @@
 
 mlflow's import (about 2 s of CPU), the store's schema check and every call after them run in
 a child process, so none of it holds the training process's GIL: in a thread of rank 0 they
-stalled rank 0's steps, and every other rank waited for rank 0 in the next all-reduce. It runs
-at the rank's own CPU priority: at nice 10 it took no measurable time from training (a
-2-rank CPU run: 4.3-4.6 s either way), but on cores busy with other work it got so little
-that a short run ended before its MLflow run existed (45 s against 13 s at nice 0). The
+stalled rank 0's steps, and every other rank waited for rank 0 in the next all-reduce. It
+starts at the rank's own CPU priority: at nice 10 from the start, on cores busy with other
+work it got so little that a short run ended before its MLflow run existed (45 s against
+13 s at nice 0). Once the MLflow run exists it steps down to :data:`STEADY_NICE`: what is
+left is a call a second at most (a few ms of CPU each), which then takes the cores' idle
+moments before training's time, where the ranks keep every core busy. The
 parent side (:class:`WorkerTracker`) is a Tracker whose calls block until the child answered;
 GuardedTracker makes them on its background thread.
 
@@ -16,6 +18,7 @@ killed outright would leave it).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -218,6 +221,17 @@ def _start(
         ) from None
 
 
+#: The tracking process's niceness above the rank's once its MLflow run exists.
+STEADY_NICE = 10
+
+
+def step_down() -> None:
+    """Lower this process's CPU priority by :data:`STEADY_NICE` (a process may always lower
+    its own; a system that refuses leaves it as it was)."""
+    with contextlib.suppress(OSError):
+        os.nice(STEADY_NICE)
+
+
 def answer_call(tracker: Any, method: str, args: tuple[Any, ...]) -> tuple[Any, Any]:
     """The tracker after the parent's call, and the call's value. A call that wants a
     package this process left out (mlflow_import) is made again with it; "start" is not,
@@ -243,8 +257,11 @@ def serve(connection: Connection) -> int:
         except (EOFError, OSError):
             return 0
         try:
+            started = tracker is not None
             tracker, value = answer_call(tracker, method, args)
             answer: tuple[str, Any] = ("ok", value)
+            if not started and tracker is not None:
+                step_down()
         except Exception as error:
             lines = str(error).strip().splitlines()
             answer = ("error", f"{type(error).__name__}: {lines[0] if lines else ''}")
