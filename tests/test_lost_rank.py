@@ -6,6 +6,7 @@ need scontrol: test_slurm_fault_tolerance.py runs them on the real test cluster.
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 from contextlib import redirect_stderr
@@ -25,6 +26,7 @@ from hpc_ddp.runtime.preempt.lost_rank import (
     read_handoff,
     silent_rank,
     torchrun_lost_rank,
+    withdraw_handoff,
     write_handoff,
 )
 from hpc_ddp.runtime.preempt.node_record import left_out_lines
@@ -207,8 +209,10 @@ def test_a_device_error_ends_the_rank_with_its_own_exit_code_and_traceback() -> 
 def test_rank_0_hands_the_run_and_its_settings_to_the_batch_script(tmp_path: Path) -> None:
     config = PreemptConfig(max_node_failures=5, requeue_delay_s=30.0)
     environ = {HANDOFF_VARIABLE: str(tmp_path / "handoff.json")}
-    write_handoff(environ, tmp_path / "run", config)
-    assert read_handoff(environ) == (tmp_path / "run", config)
+    write_handoff(environ, tmp_path / "run", config, "setup")
+    assert read_handoff(environ) == (tmp_path / "run", config, "setup")
+    write_handoff(environ, tmp_path / "run", config, "training")
+    assert read_handoff(environ) == (tmp_path / "run", config, "training")
     assert read_handoff({}) is None
     assert read_handoff({HANDOFF_VARIABLE: str(tmp_path / "none.json")}) is None
     (tmp_path / "handoff.json").write_text('{"run_dir": "x"}')
@@ -216,12 +220,14 @@ def test_rank_0_hands_the_run_and_its_settings_to_the_batch_script(tmp_path: Pat
     (tmp_path / "handoff.json").write_text('{"run_dir": "x", "preempt": {"max_node_failures": -1}}')
     assert read_handoff(environ) is None  # settings no run would start with
     (tmp_path / "handoff.json").unlink()
-    write_handoff(environ, tmp_path / "run", config)
+    write_handoff(environ, tmp_path / "run", config, "training")
     (tmp_path / "link.json").symlink_to(tmp_path / "handoff.json")
     assert read_handoff({HANDOFF_VARIABLE: str(tmp_path / "link.json")}) is None
     (tmp_path / "link.json").unlink()
-    write_handoff({}, tmp_path / "run", config)  # no file asked for: nothing written
+    write_handoff({}, tmp_path / "run", config, "training")  # no file asked for: nothing written
     assert sorted(path.name for path in tmp_path.iterdir()) == ["handoff.json"]
+    withdraw_handoff(environ)  # the run was found finished: a rank lost now changes nothing
+    assert read_handoff(environ) is None and not (tmp_path / "handoff.json").exists()
 
 
 def test_the_batch_script_keeps_sruns_status_when_no_host_is_to_blame(tmp_path: Path) -> None:
@@ -271,3 +277,27 @@ def test_scontrol_requeue_outlives_the_sigterm_its_requeue_sends(
         assert requeue_job({"SLURM_JOB_ID": "7"}, 0, PreemptConfig())
     assert (tmp_path / "requeued").read_text() == "requeue 7\n"
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_second_rank_lost_before_training_in_a_row_ends_the_job(tmp_path: Path) -> None:
+    """The attempt before this one was requeued after a rank lost before training: a second
+    loss in the same phase is likelier the program's own start than another bad host."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    environ = {"SLURM_JOB_ID": "185", "SLURM_RESTART_COUNT": "1",
+               HANDOFF_VARIABLE: str(tmp_path / "handoff.json")}  # fmt: skip
+    write_handoff(environ, run_dir, PreemptConfig(), "setup")
+    (run_dir / "excluded_hosts.json").write_text(json.dumps([
+        {"job": "185", "hosts": ["node3"], "event": "lost a rank before training",
+         "why": ["task 1 on node3 was killed by SIGKILL"], "restart_count": 0, "requeued": True},
+    ]))  # fmt: skip
+    killed = ["srun: error: node2: task 1: Killed", *STEP_ENDED_BY_SRUN]
+    stderr = io.StringIO()
+    with redirect_stderr(stderr):
+        assert answer(137, killed, environ) == 137
+    assert stderr.getvalue().startswith(
+        "hpc-ddp: task 1 on node2 was killed by SIGKILL before training, as in this job's "
+        "attempt before: the program's own start, not a host, is the likelier cause; not "
+        "requeueing\nHINT: run it outside the job (hpc-ddp local)"
+    )
+    assert len(json.loads((run_dir / "excluded_hosts.json").read_text())) == 1, "nothing added"

@@ -479,7 +479,7 @@ def test_a_rank_lost_while_its_model_is_built_leaves_its_node_out_too(
     run_dir = next((work / "runs").glob(f"*/{job}"))
     failures = json.loads((run_dir / "excluded_hosts.json").read_text())
     assert [(f["hosts"], f["event"], f["restart_count"], f["requeued"]) for f in failures] == [
-        ([node], "lost a rank", 0, True)
+        ([node], "lost a rank before training", 0, True)
     ]
     resumed_without(slurm, job, node, None, settings, work, log)
 

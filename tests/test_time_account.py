@@ -336,3 +336,20 @@ def test_a_record_that_cannot_be_kept_costs_one_warning_and_the_run_still_ends(
     assert "the attempt's time account was not recorded (ValueError: could not convert" in (
         caplog.text
     )
+
+
+def test_an_attempt_that_only_finishes_charges_its_end_to_the_end_not_to_its_start() -> None:
+    """A requeued attempt whose epochs were all done (the stop came at the last step): it
+    begins training, yields no step and calls run.finish()."""
+    clock = HandClock()
+    times = AttemptTimes(clock=clock)
+    with times.counting("resume"):
+        clock.now += 1.0
+    times.training_began()  # at 5 s: run.epochs() yields nothing
+    times.begin_ending("end")  # run.finish()
+    with times.counting("checkpoint"):
+        clock.now += 2.0
+    clock.now += 1.0
+    account = attempt_account({"entry_unix": 0.0, "training_unix": 5.0}, 8.0, times, 0, 0)
+    assert (account["startup_s"], account["resume_s"], account["checkpoint_s"]) == (4.0, 1.0, 2.0)
+    assert (account["end_s"], account["other_s"]) == (1.0, 0.0)

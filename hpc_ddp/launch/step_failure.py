@@ -15,6 +15,7 @@ import os
 import stat
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from hpc_ddp.runtime.errors import EXIT_NODES_FAILED
 
@@ -57,9 +58,16 @@ def answer(status: int, lines: Sequence[str], environ: Mapping[str, str]) -> int
               f"job; resubmit it with --exclude={lost.host}", file=sys.stderr)  # fmt: skip
         return status
     from hpc_ddp.runtime.preempt.exclusion import leave_out
+    from hpc_ddp.runtime.preempt.lost_rank import LOST_IN
 
-    run_dir, config = handoff
-    outcome, line = leave_out([lost.host], [lost.why], run_dir, environ, config, "lost a rank")
+    run_dir, config, phase = handoff
+    if phase == "setup" and lost_before_training_before(run_dir, environ):
+        print(f"hpc-ddp: {lost.why} before training, as in this job's attempt before: the "
+              "program's own start, not a host, is the likelier cause; not requeueing\nHINT: "
+              f"run it outside the job (hpc-ddp local) to see the crash; {run_dir}/"
+              "excluded_hosts.json names the hosts left out before", file=sys.stderr)  # fmt: skip
+        return status
+    outcome, line = leave_out([lost.host], [lost.why], run_dir, environ, config, LOST_IN[phase])
     if line:
         print(f"hpc-ddp: {lost.why}: {line}", file=sys.stderr)
     if outcome == "exhausted":
@@ -67,6 +75,23 @@ def answer(status: int, lines: Sequence[str], environ: Mapping[str, str]) -> int
               "preempt.max_node_failures", file=sys.stderr)  # fmt: skip
         return EXIT_NODES_FAILED
     return 0 if outcome == "requeued" else status
+
+
+def lost_before_training_before(run_dir: Path, environ: Mapping[str, str]) -> bool:
+    """Whether this job's attempt just before this one was requeued after a rank lost before
+    training: a second such loss in a row is more likely the program's (a crash of its own
+    in building the model) than another bad host, and requeueing again would cost one more
+    wait in the queue and one more good host each time."""
+    from hpc_ddp.runtime.preempt.lost_rank import LOST_IN
+    from hpc_ddp.runtime.preempt.node_record import node_failures, of_job
+    from hpc_ddp.runtime.preempt.requeue import requeue_target
+
+    restart = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    return any(
+        failure.get("event") == LOST_IN["setup"] and failure.get("requeued")
+        and failure.get("restart_count") == restart - 1
+        for failure in of_job(node_failures(run_dir), requeue_target(environ))
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

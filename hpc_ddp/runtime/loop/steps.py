@@ -133,12 +133,14 @@ class StepLoop:
         self._begun = False
 
     def begin(self, before_first_step: Callable[[], object]) -> None:
-        """Once, before the first step: ``before_first_step`` (the resume), the stop
-        agreement, and the garbage collector told that everything alive now stays."""
+        """Once, before the first step: ``before_first_step`` (the resume), the time account
+        told that training begins, the stop agreement, and the garbage collector told that
+        everything alive now stays."""
         if self._begun:
             return
         self._begun = True
         before_first_step()
+        self.context.times.training_began()
         self.stopper.begin()
         self.metrics.progress = Progress(self.limits.max_steps, enabled=self.context.env.is_main)
         self._watchdog = start_watchdog(self.context, self.position)

@@ -18,6 +18,7 @@ from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.monitor.timeline import this_process_start_unix
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.preempt.job_end import StopBeforeEnd, job_end_for
+from hpc_ddp.runtime.preempt.lost_rank import write_handoff
 from hpc_ddp.runtime.preempt.node_record import requeues_for_nodes
 from hpc_ddp.runtime.preempt.progress import no_progress_refusal, record_attempt
 from hpc_ddp.runtime.preempt.requeue import requeue_job, requeue_target
@@ -50,11 +51,14 @@ class Stopper:
 
     def begin(self) -> None:
         """Before the first step: the agreement's background exchange; on rank 0 of a Slurm
-        job, the job's end and when the stop before it will come."""
+        job, the job's end and when the stop before it will come, and the hand-off to the
+        batch script marked as training."""
         several = self.context.env.world_size > 1
         self._agreement = StepAgreement(self.context.control_group if several else None)
         preempt = self.context.config.preempt
         self._record_the_attempt()
+        if self.context.env.is_main:
+            write_handoff(self.context.environ, self.context.run_dir, preempt, "training")
         job_end = job_end_for(self.context.environ, preempt) if self.context.env.is_main else None
         if job_end is not None:
             self._before_end = StopBeforeEnd(job_end.start(), self._save_s, preempt.end_margin_s)

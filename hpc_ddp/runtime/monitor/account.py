@@ -65,6 +65,12 @@ class AttemptTimes:
         out: a stop agreed inside ``run.steps`` is not a step)."""
         return self.checkpoint_s + self.evaluation_s + self.ending_s()[1]
 
+    def training_began(self) -> None:
+        """Training begins (the first ``run.epochs``/``run.steps``): the checkpoints and
+        evaluations so far were part of the start, those after are not."""
+        if self.paused_before_training_s is None:
+            self.paused_before_training_s = self.checkpoint_s + self.evaluation_s
+
     def begin_ending(self, how: Ending) -> None:
         """The attempt begins to end (the ranks agreed to stop, or ``run.finish()``); what
         follows is charged to ``how``, less its checkpoints and evaluations. Only the first

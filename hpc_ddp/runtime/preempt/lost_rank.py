@@ -14,6 +14,7 @@ so rank 0 writes that, with the preempt settings, to the file HPC_DDP_STEP_HANDO
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -23,6 +24,7 @@ import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from hpc_ddp.runtime.config import PreemptConfig
 from hpc_ddp.runtime.errors import EXIT_DEVICE_ERROR, EXIT_PEER_LOST, HpcDdpError
@@ -173,12 +175,20 @@ def silent_rank(lines: Sequence[str]) -> LostRank | None:
     return None
 
 
-def write_handoff(environ: Mapping[str, str], run_dir: Path, config: PreemptConfig) -> None:
-    """Rank 0: where the run keeps its record and the preempt settings, for the batch script
-    (nothing when the job template asked for none)."""
+#: Where the run was when its rank 0 last wrote the hand-off.
+Phase = Literal["setup", "training"]
+#: The event a host lost a rank in, as excluded_hosts.json records it, by phase.
+LOST_IN = {"setup": "lost a rank before training", "training": "lost a rank"}
+
+
+def write_handoff(
+    environ: Mapping[str, str], run_dir: Path, config: PreemptConfig, phase: Phase
+) -> None:
+    """Rank 0: where the run keeps its record, the preempt settings and whether it trains
+    yet, for the batch script (nothing when the job template asked for none)."""
     path = environ.get(HANDOFF_VARIABLE)
     if path:
-        handoff = {"run_dir": str(run_dir), "preempt": dataclasses.asdict(config)}
+        handoff = {"run_dir": str(run_dir), "preempt": dataclasses.asdict(config), "phase": phase}
         try:
             replace_bytes(Path(path), json.dumps(handoff).encode())
         except OSError as error:
@@ -186,7 +196,15 @@ def write_handoff(environ: Mapping[str, str], run_dir: Path, config: PreemptConf
                                  "host ends the job instead of leaving the host out")  # fmt: skip
 
 
-def read_handoff(environ: Mapping[str, str]) -> tuple[Path, PreemptConfig] | None:
+def withdraw_handoff(environ: Mapping[str, str]) -> None:
+    """Rank 0 of a run that found itself finished: a rank lost now leaves its files alone."""
+    path = environ.get(HANDOFF_VARIABLE)
+    if path:
+        with contextlib.suppress(OSError):
+            Path(path).unlink()
+
+
+def read_handoff(environ: Mapping[str, str]) -> tuple[Path, PreemptConfig, Phase] | None:
     """What rank 0 handed off this attempt, or None when it wrote nothing readable. The file
     sits in a shared temporary folder under a name others can guess: one that is a link or
     another user's is not trusted."""
@@ -198,6 +216,9 @@ def read_handoff(environ: Mapping[str, str]) -> tuple[Path, PreemptConfig] | Non
         if not stat.S_ISREG(seen.st_mode) or seen.st_uid != os.getuid():
             return None
         handoff = json.loads(Path(path).read_text())
-        return Path(handoff["run_dir"]), PreemptConfig(**handoff["preempt"])
-    except (OSError, ValueError, TypeError, KeyError, HpcDdpError):
+        phase = handoff.get("phase", "training")
+        if phase not in LOST_IN:
+            return None
+        return Path(handoff["run_dir"]), PreemptConfig(**handoff["preempt"]), phase
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, HpcDdpError):
         return None

@@ -13,6 +13,7 @@ from hpc_ddp.runtime.errors import AlreadyFinished
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.monitor.timeline import durations, process_resources, rank_spread
+from hpc_ddp.runtime.preempt.lost_rank import withdraw_handoff
 from hpc_ddp.runtime.preempt.progress import forget_attempt
 from hpc_ddp.runtime.session.ending import Ending
 from hpc_ddp.runtime.session.summary import run_facts, write_summary
@@ -86,6 +87,7 @@ def _write_summary(context: RunContext, facts: dict[str, Any]) -> Path | None:
 def end_already_finished(context: RunContext, ending: Ending, resumed: Resumed) -> NoReturn:
     """The run finished before and nothing is left to train: leave its files alone."""
     if context.env.is_main:
+        withdraw_handoff(context.environ)
         forget_attempt(context.run_dir, context.attempt_id)
         if isinstance(context.tracker, JournalTracker):
             context.tracker.restore_previous()

@@ -230,7 +230,7 @@ def join_ranks(
         claim_run_dir(plan.run_dir)
         # From here a rank lost to its host (in the rendezvous, the checks, building the
         # model) leaves the host out and the job requeued, as one lost mid-run does.
-        write_handoff(environ, plan.run_dir, settings.preempt)
+        write_handoff(environ, plan.run_dir, settings.preempt, "setup")
         if settings.checkpoint.enabled:
             prepare_checkpoint_dir(plan.run_dir)
     init_distributed(dist_env, plan.device, settings.dist, timeline)

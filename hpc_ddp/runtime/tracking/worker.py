@@ -228,7 +228,7 @@ STEADY_NICE = 10
 def step_down() -> None:
     """Lower this process's CPU priority by :data:`STEADY_NICE` (a process may always lower
     its own; a system that refuses leaves it as it was)."""
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no os.nice here
         os.nice(STEADY_NICE)
 
 
@@ -256,12 +256,10 @@ def serve(connection: Connection) -> int:
             method, args = connection.recv()
         except (EOFError, OSError):
             return 0
+        started = tracker is not None
         try:
-            started = tracker is not None
             tracker, value = answer_call(tracker, method, args)
             answer: tuple[str, Any] = ("ok", value)
-            if not started and tracker is not None:
-                step_down()
         except Exception as error:
             lines = str(error).strip().splitlines()
             answer = ("error", f"{type(error).__name__}: {lines[0] if lines else ''}")
@@ -269,6 +267,8 @@ def serve(connection: Connection) -> int:
             connection.send(answer)
         except OSError:
             return 0
+        if not started and tracker is not None:
+            step_down()
         if method == "finish":
             # Every call was synchronous, so all is stored: skip mlflow's exit hooks (about
             # a second of interpreter teardown) that the parent would otherwise wait for.
