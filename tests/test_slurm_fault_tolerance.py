@@ -421,21 +421,7 @@ def test_a_rank_killed_on_one_node_leaves_it_out_and_the_job_resumes_on_the_othe
     task; the batch script leaves that task's node out of the job (ExcNodeList) and requeues
     it; the next attempt runs on the other two nodes from step 8 and ends with the weights of a
     run that was never killed."""
-    work = prepare_workdir(tmp_path)
-    settings = ["model.kind=custom", "model.factory=tests.factories:killed_model",
-                "checkpoint.every_steps=8", "checkpoint.save_mode=single_file",
-                "tracking.enabled=false", *SMALL]  # fmt: skip
-    job = slurm.sbatch(
-        ["--nodes=2", "--ntasks-per-node=1", TRAIN, "configs/synthetic.yaml",
-         f"run.output_dir={work / 'runs'}", *settings],
-        work,
-    )  # fmt: skip
-    state = slurm.wait(job, timeout=300)
-    log = (work / f"hpc-ddp-{job}.out").read_text()
-    assert state == "COMPLETED", (state, log[-3000:])
-    killed = re.search(r"srun: error: (\S+): task 1: Killed", log)
-    assert killed, log[-3000:]
-    node = killed.group(1)
+    work, settings, job, log, node = left_a_node_out(slurm, tmp_path, "killed_model")
     why = f"task 1 on {node} was killed by SIGKILL"
     assert f"hpc-ddp: {why}: left {node} out of job {job} (ExcNodeList: {node})" in log, log[-3000:]
     run_dir = next((work / "runs").glob(f"*/{job}"))
@@ -458,8 +444,26 @@ def test_a_rank_lost_while_its_model_is_built_leaves_its_node_out_too(
     when it claimed the run's directory, before the rendezvous, so the node is left out and the
     job requeued as for a rank lost mid-run; the next attempt trains from the start on the
     other two nodes to the weights of a run never killed."""
+    work, settings, job, log, node = left_a_node_out(slurm, tmp_path, "killed_while_building")
+    assert "rank 0 said nothing of its run" not in log, log[-3000:]
+    why = f"task 1 on {node} was killed by SIGKILL"
+    assert f"hpc-ddp: {why}: left {node} out of job {job} (ExcNodeList: {node})" in log, log[-3000:]
+    run_dir = next((work / "runs").glob(f"*/{job}"))
+    failures = json.loads((run_dir / "excluded_hosts.json").read_text())
+    assert [(f["hosts"], f["event"], f["restart_count"], f["requeued"]) for f in failures] == [
+        ([node], "lost a rank before training", 0, True)
+    ]
+    resumed_without(slurm, job, node, None, settings, work, log)
+
+
+def left_a_node_out(
+    slurm: SlurmCluster, tmp_path: Path, factory: str
+) -> tuple[Path, list[str], str, str, str]:
+    """A 2-node train.sh job of tests.factories' ``factory`` (it SIGKILLs rank 1 in the
+    first attempt), checkpointing every 8 steps, run to COMPLETED: its work folder,
+    settings, id, log and the node srun named for the killed task."""
     work = prepare_workdir(tmp_path)
-    settings = ["model.kind=custom", "model.factory=tests.factories:killed_while_building",
+    settings = ["model.kind=custom", f"model.factory=tests.factories:{factory}",
                 "checkpoint.every_steps=8", "checkpoint.save_mode=single_file",
                 "tracking.enabled=false", *SMALL]  # fmt: skip
     job = slurm.sbatch(
@@ -473,15 +477,7 @@ def test_a_rank_lost_while_its_model_is_built_leaves_its_node_out_too(
     killed = re.search(r"srun: error: (\S+): task 1: Killed", log)
     assert killed, log[-3000:]
     node = killed.group(1)
-    assert "rank 0 said nothing of its run" not in log, log[-3000:]
-    why = f"task 1 on {node} was killed by SIGKILL"
-    assert f"hpc-ddp: {why}: left {node} out of job {job} (ExcNodeList: {node})" in log, log[-3000:]
-    run_dir = next((work / "runs").glob(f"*/{job}"))
-    failures = json.loads((run_dir / "excluded_hosts.json").read_text())
-    assert [(f["hosts"], f["event"], f["restart_count"], f["requeued"]) for f in failures] == [
-        ([node], "lost a rank before training", 0, True)
-    ]
-    resumed_without(slurm, job, node, None, settings, work, log)
+    return work, settings, job, log, node
 
 
 def resumed_without(
