@@ -196,7 +196,8 @@ def tracking_busy_section(data: dict[str, Any]) -> str:
         "`python -m bench.tracking_busy`: pytorch/examples' imagenet/main.py as "
         "docs/converting.md converts it (tests/programs/imagenet_shape.py, a small ResNet, "
         f"{data['epochs']} epochs of {data['steps_per_epoch']} steps, top-1 accuracy logged "
-        "every step) on 2 local ranks of one thread each, so the ranks keep this machine's 2 "
+        f"every step, interval metrics every {data.get('pairs_print_freq', 4)} steps) on 2 "
+        "local ranks of one thread each, so the ranks keep this machine's 2 "
         "cores busy and rank 0's tracking process has none of its own. Tracking off and the "
         f"default (an existing embedded store) alternate, {data['pairs']} pairs. Time per "
         "iteration from the run's interval metrics; CPU time of the processes from /proc.\n\n"
@@ -207,11 +208,24 @@ def tracking_busy_section(data: dict[str, Any]) -> str:
         "| tracking process's CPU / the ranks' CPU, whole run | "
         f"{100 * data['tracking_cpu_share']:.2f}% |\n"
         "| tracking process's CPU / the ranks' CPU, after the first epoch | "
-        f"{100 * data['steady_tracking_cpu_share']:.2f}% |\n\n"
+        f"{100 * data['steady_tracking_cpu_share']:.2f}% |\n{_default_interval_rows(data)}\n"
         f"Single runs' time per iteration ranged from {min(off) * 1000:.1f} to "
         f"{max(off) * 1000:.1f} ms off and {min(tracked) * 1000:.1f} to "
         f"{max(tracked) * 1000:.1f} ms tracked: this machine's run-to-run spread is wider than "
         "tracking's cost, so the CPU share is the figure to read. The tracking process used "
         f"{data['tracking_cpu_s_median']:.2f} s of CPU a run (median), most of it mlflow's "
         "import at the start.\n\n" + _notes("tracking_busy")
+    )
+
+
+def _default_interval_rows(data: dict[str, Any]) -> str:
+    """The CPU shares of the tracked runs at the default log interval (none in older sets)."""
+    if "default_interval" not in data:
+        return ""
+    runs = len(data["default_interval"])
+    return (
+        f"| the same, at the default log interval (about 5 s; {runs} tracked runs), whole run | "
+        f"{100 * data['default_interval_tracking_cpu_share']:.2f}% |\n"
+        "| the same, at the default log interval, after the first epoch | "
+        f"{100 * data['default_interval_steady_tracking_cpu_share']:.2f}% |\n"
     )

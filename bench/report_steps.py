@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.harness import REPO
+
 
 def model_label(name: str, hidden: list[int]) -> str:
     return f"{name} MLP 64-{'-'.join(map(str, hidden))}-10"
@@ -19,7 +21,9 @@ def overhead_paired_section(data: dict[str, Any]) -> str:
         f"nothing else): same model, synthetic data, {data['world_size']} gloo ranks, global "
         f"batch {data['global_batch']}. hpc_ddp runs with its defaults (interval metrics and a "
         "progress line about every 5 s, stop-signal agreement about once per second, both "
-        "timed over the first 20 steps), tracking and checkpoints off. "
+        "timed over the first 20 steps) and the monitor on (each training forward timed, the "
+        "wait for each batch timed, a reading of the machine every 10 s), tracking and "
+        "checkpoints off. "
         "Target: ratio >= 0.99.",
         "",
         "### 1a. Paired, step by step in the same ranks (the measurement of record)",
@@ -81,6 +85,9 @@ def overhead_paired_section(data: dict[str, Any]) -> str:
         "each other, not with 1b.",
         "",
     ]
+    notes = REPO / "bench" / "notes" / "overhead_paired.md"
+    if notes.exists():
+        lines += [notes.read_text()]
     separate = data.get("separate_processes")
     return "\n".join(lines) + "\n" + (_separate_processes(separate) if separate else "")
 
@@ -122,10 +129,10 @@ def _separate_processes(data: dict[str, Any]) -> str:
     if below:
         lines += [
             "",
-            f"Below 0.99 here: {', '.join(below)}. Sets of this kind have read from 0.956 to "
-            "1.022 for the same code (earlier sets, for the built-in trainer: compute_bound "
-            "0.956 and 1.020, tiny 1.022), a swing of several percent either way, while the "
-            "paired figure for the same models shows no gap.",
+            f"Below 0.99 here: {', '.join(below)}. Earlier sets of this kind read from 0.956 "
+            "to 1.022 for unchanged code (the built-in trainer: compute_bound 0.956 and 1.020, "
+            "tiny 1.022), a swing of several percent either way: the paired figure (1a) is the "
+            "one that resolves 1%.",
         ]
     return "\n".join(lines) + "\n\n"
 

@@ -33,6 +33,9 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--wd", "--weight-decay", default=1e-4, type=float, dest="weight_decay")
     parser.add_argument("--step-size", default=1, type=int, help="StepLR: epochs per decay")
     parser.add_argument("-e", "--evaluate", action="store_true")
+    parser.add_argument(
+        "-p", "--print-freq", default=4, type=int, help="steps per log interval (0: about 5 s)"
+    )
     parser.add_argument("--train-images", default=320, type=int)
     parser.add_argument("--val-images", default=64, type=int)
     parser.add_argument("--image-size", default=32, type=int)
@@ -42,7 +45,9 @@ def parse() -> tuple[argparse.Namespace, list[str]]:
 
 def main() -> None:
     args, overrides = parse()
-    run = hpc_ddp.start(overrides=overrides, params=vars(args), log_interval=4)
+    run = hpc_ddp.start(
+        overrides=overrides, params=vars(args), log_interval=args.print_freq or None
+    )
     model = run.wrap(resnet(args.width, args.classes))
     criterion = nn.CrossEntropyLoss()
     optimizer = torch.optim.SGD(
