@@ -76,6 +76,13 @@ def base_environ() -> dict[str, str]:
     return environment
 
 
+def bench_notes(name: str) -> str:
+    """The hand-written reading of a benchmark's figures, bench/notes/<name>.md, for its
+    README section ("" when there is none)."""
+    path = REPO / "bench" / "notes" / f"{name}.md"
+    return path.read_text() + "\n" if path.exists() else ""
+
+
 def launch(
     nproc: int, module: str, args: list[str], timeout: float = 600
 ) -> tuple[dict[str, Any], float]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench.harness import REPO
+from bench.harness import REPO, bench_notes
 
 PLOT = REPO / "bench" / "scale.png"
 #: Start-up phases, each the time from the previous mark to this one (latest rank's marks,
@@ -119,13 +119,7 @@ def scale_section(data: dict[str, Any]) -> str:
             f"{latest['control_group'] - latest['rendezvous']:.2f} s), rank 0's sockets "
             f"{eager['open_sockets']} (lazy: {lazy['open_sockets']}).",
         ]
-    return "\n".join(lines) + "\n\n" + _notes("scale")
-
-
-def _notes(name: str) -> str:
-    """The hand-written reading of a benchmark's figures: bench/notes/<name>.md."""
-    path = REPO / "bench" / "notes" / f"{name}.md"
-    return path.read_text() + "\n" if path.exists() else ""
+    return "\n".join(lines) + "\n\n" + bench_notes("scale")
 
 
 def tracking_section(data: dict[str, Any]) -> str:
@@ -150,7 +144,7 @@ def tracking_section(data: dict[str, Any]) -> str:
         f"{100 * _paired_median(data):+.1f}%.\n\n"
         + _short_run(data)
         + _per_step(data)
-        + _notes("tracking")
+        + bench_notes("tracking")
     )
 
 
@@ -214,7 +208,7 @@ def tracking_busy_section(data: dict[str, Any]) -> str:
         f"{max(tracked) * 1000:.1f} ms tracked: this machine's run-to-run spread is wider than "
         "tracking's cost, so the CPU share is the figure to read. The tracking process used "
         f"{data['tracking_cpu_s_median']:.2f} s of CPU a run (median), most of it mlflow's "
-        "import at the start.\n\n" + _notes("tracking_busy")
+        "import at the start.\n\n" + bench_notes("tracking_busy")
     )
 
 

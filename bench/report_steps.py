@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.harness import REPO
+from bench.harness import bench_notes
 
 
 def model_label(name: str, hidden: list[int]) -> str:
@@ -85,9 +85,7 @@ def overhead_paired_section(data: dict[str, Any]) -> str:
         "each other, not with 1b.",
         "",
     ]
-    notes = REPO / "bench" / "notes" / "overhead_paired.md"
-    if notes.exists():
-        lines += [notes.read_text()]
+    lines += [bench_notes("overhead_paired").removesuffix("\n")]
     separate = data.get("separate_processes")
     return "\n".join(lines) + "\n" + (_separate_processes(separate) if separate else "")
 
