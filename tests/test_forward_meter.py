@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import logging
 import random
@@ -238,6 +239,7 @@ def test_a_model_that_cannot_run_on_shapes_is_said_once_and_trains_on(
     assert len(failed) == 1 and "HINT: set monitor.flops_per_sample" in failed[0], said.messages
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
 def test_a_model_the_meter_times_can_be_saved_whole_and_is_left_as_it_came(
     tmp_path: Path,
 ) -> None:
@@ -247,9 +249,102 @@ def test_a_model_the_meter_times_can_be_saved_whole_and_is_left_as_it_came(
     torch.save(model, tmp_path / "whole.pt")
     loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
     assert torch.equal(loaded(torch.ones(1, 4)), model(torch.ones(1, 4)))
-    assert meter.take().forwards == 1, "the loaded copy's hooks do nothing"
-    meter.detach()  # at run.finish(): the model is left without them (TorchScript needs that)
-    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert meter.take().forwards == 1, "the loaded copy is not timed"
+    assert loaded.forward.__self__ is loaded, "bound to the loaded model"
+    meter.detach()  # at run.finish(): the model is left as it came (TorchScript needs that)
+    assert "forward" not in vars(model)
+    scripted = torch.jit.script(model)
+    assert torch.equal(scripted(torch.ones(1, 4)), model(torch.ones(1, 4)))
+    assert meter.take().forwards == 0
+
+
+class Doubler(nn.Module):
+    """A model of a script's own class, with a keyword argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, batch: torch.Tensor, *, scale: float = 2.0) -> torch.Tensor:
+        doubled: torch.Tensor = self.layer(batch) * scale
+        return doubled
+
+
+def test_a_timed_model_keeps_torchs_fast_call_and_its_copies_are_not_timed() -> None:
+    clock = HandClock()
+    meter = ForwardMeter(CPU, False, map_tensors, clock)
+    model = Doubler()
+    signature = inspect.signature(model.forward)
+    meter.attach(model)
+    # No hook on the module: Module.__call__ goes straight to forward (hooks cost a small
+    # model's step about a tenth of its time on a CPU).
+    assert not (model._forward_pre_hooks or model._forward_hooks)
+    assert not (model._backward_pre_hooks or model._backward_hooks)
+    assert inspect.signature(model.forward) == signature
+    batch = torch.randn(2, 4)
+    assert torch.equal(model(batch, scale=3.0), model.layer(batch) * 3.0)
+    assert meter.take().forwards == 1
+    ema = copy.deepcopy(model)  # an EMA's copy: its own forward, bound to it, not timed
+    assert getattr(ema.forward, "__self__", None) is ema
+    assert torch.equal(ema(batch), model.layer(batch) * 2.0)
+    assert meter.take().forwards == 0
+    meter.detach()
+    assert "forward" not in vars(model)
+    assert getattr(model.forward, "__func__", None) is Doubler.forward
+
+
+def test_a_forward_the_script_set_on_the_model_is_timed_and_given_back() -> None:
+    clock = HandClock()
+    meter = ForwardMeter(CPU, False, map_tensors, clock)
+    model = nn.Linear(4, 4)
+
+    def own_forward(batch: torch.Tensor) -> torch.Tensor:
+        clock.now += 0.25
+        return batch + 1
+
+    model.forward = own_forward  # type: ignore[method-assign,assignment]
+    meter.attach(model)
+    assert torch.equal(model(torch.zeros(1, 4)), torch.ones(1, 4))
+    assert meter.take() == (0.25, 1, None)
+    meter.detach()
+    assert model.forward is own_forward
+    meter.detach()  # twice: nothing more
+    assert model.forward is own_forward
+
+
+class Ticking(nn.Module):
+    """BatchNorm (buffers DDP broadcasts before each forward) and a forward that moves the
+    hand clock."""
+
+    def __init__(self, clock: HandClock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.norm = nn.BatchNorm1d(4)
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        self.clock.now += 1.5
+        out: torch.Tensor = self.layer(self.norm(batch))
+        return out
+
+
+def test_the_module_inside_ddp_is_timed_without_ddps_own_work() -> None:
+    """One gloo rank in this process (an in-memory store: nothing listens)."""
+    clock = HandClock()
+    meter = ForwardMeter(CPU, True, map_tensors, clock)
+    store = torch.distributed.HashStore()  # type: ignore[attr-defined]
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        wrapped = nn.parallel.DistributedDataParallel(Ticking(clock))
+        meter.attach(wrapped.module)
+        batch = torch.randn(8, 4)
+        wrapped(batch).sum().backward()
+        wrapped(batch).sum().backward()
+    finally:
+        torch.distributed.destroy_process_group()
+    expected = count(Ticking(HandClock()), batch)
+    assert meter.take() == (3.0, 2, 2 * expected)
+    assert int(wrapped.module.norm.num_batches_tracked) == 2
 
 
 class Nested(nn.Module):
@@ -290,14 +385,21 @@ def test_the_meter_times_the_outermost_training_forward_and_a_failed_one_ends() 
     assert meter.take() == (0.0, 0, None)
 
 
-def test_a_compiled_model_is_not_timed_and_says_so() -> None:
+@pytest.mark.parametrize("model_class", [nn.Linear, Doubler], ids=["torch's", "script's"])
+def test_a_compiled_model_is_not_timed_and_says_so(
+    model_class: type[nn.Module], said: pytest.LogCaptureFixture
+) -> None:
     meter = ForwardMeter(CPU, True, map_tensors, HandClock())
-    model = nn.Linear(4, 4)
+    model = model_class(4, 4) if model_class is nn.Linear else model_class()
     meter.attach(model)
-    compiled = torch.compile(model, backend="eager")
-    compiled(torch.randn(2, 4))
-    assert meter.compiled and meter.take().forwards == 0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # a graph break raises
+    batch = torch.randn(2, 4)
+    expected = inspect.unwrap(model.forward)(batch)
+    assert torch.equal(compiled(batch), expected)
+    assert meter.compiled and meter.take() == (0.0, 0, None)
     assert not meter.timing(main=True)
+    assert sum("runs under torch.compile" in line for line in said.messages) == 1
 
 
 def test_the_slowest_rank_against_the_median() -> None:

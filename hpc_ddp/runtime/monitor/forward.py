@@ -7,19 +7,25 @@ its length is the rank's own compute: a slow GPU, a throttled node or a larger b
 there. It is timed with CUDA events on a GPU (read once done: nothing waits for the GPU)
 and with the clock on a CPU; a forward without gradients (an evaluation's) is not timed.
 
+The module's ``forward`` is replaced, while the run lasts, by a :class:`TimedForward` that
+calls the original: a module with forward hooks takes torch's slow path through
+``Module.__call__`` (about ten Python calls more a forward, as much as a small model's step
+on a CPU), one with its own ``forward`` attribute keeps the fast one.
+
 The FLOPs are counted once, on the first training forward (see
 :mod:`hpc_ddp.runtime.monitor.flops`).
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.monitor.flops import MapTensors, flop_text, training_flops
@@ -28,35 +34,11 @@ from hpc_ddp.runtime.monitor.flops import MapTensors, flop_text, training_flops
 #: log interval): past it the oldest are read or dropped.
 MOST_EVENTS = 4096
 
-
-def _nothing(*_: Any) -> None:
-    return None
-
-
 #: torch.compiler.is_compiling (torch >= 2.3), else torch._dynamo's.
 _is_compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
 
-
-class Hook:
-    """One of the meter's hooks on the user's module. Traced by torch.compile it does
-    nothing but say so (a Python clock in the graph would break it). A copy of the module
-    (an EMA's ``copy.deepcopy``) and a module saved whole (``torch.save(model)``) get a hook
-    that does nothing in its place, so the copy is not timed and the module can be pickled."""
-
-    def __init__(self, call: Callable[..., None], compiled: Callable[[], None] = _nothing) -> None:
-        self.call, self.compiled = call, compiled
-
-    def __call__(self, *args: Any) -> None:
-        if _is_compiling():
-            self.compiled()
-        else:
-            self.call(*args)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Hook:
-        return Hook(_nothing)
-
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (Hook, (_nothing,))
+#: A module's FLOPs not counted yet.
+_NOT_YET = object()
 
 
 class ForwardTake(NamedTuple):
@@ -66,6 +48,125 @@ class ForwardTake(NamedTuple):
     seconds: float
     forwards: int
     flops: float | None
+
+
+@dataclass
+class ForwardTally:
+    """The training forwards of the attached models since the last take, and the forwards
+    under way (a model called inside another is in its caller's time)."""
+
+    seconds: float = 0.0
+    forwards: int = 0
+    counted_flops: float = 0.0
+    uncounted: int = 0
+    depth: int = 0
+    #: CUDA (start, end) event pairs not read yet.
+    events: list[tuple[Any, Any]] = field(default_factory=list)
+    #: True once a forward ran inside torch.compile's tracing: that model is not timed.
+    compiled: bool = False
+
+    def read_events(self, keep: int) -> None:
+        """Add up the finished event pairs; keep at most ``keep`` of the others."""
+        waiting = []
+        for start, end in self.events:
+            if end.query():
+                self.seconds += start.elapsed_time(end) / 1000.0
+            else:
+                waiting.append((start, end))
+        self.events = waiting[-keep:] if keep else []
+
+
+def _untimed(call: Callable[..., Any]) -> Callable[..., Any]:
+    return call
+
+
+class TimedForward:
+    """A module's ``forward`` while the meter times it: the original's call, its time added
+    to the tally when it is the outermost training forward (with gradients, in training
+    mode). Traced by torch.compile it only says so (a Python clock in the graph would break
+    it). A copy of the module (an EMA's ``copy.deepcopy``, the FLOP count's meta twin) and
+    a module saved whole (``torch.save(model)``) get the original forward, bound to them."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        tally: ForwardTally,
+        clock: Callable[[], float],
+        cuda: bool,
+        count: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], float | None] | None,
+    ) -> None:
+        """``count`` gives the FLOPs of the module's first training forward (None: not
+        counted)."""
+        #: What ``module.forward`` was before (its own attribute, or its class's method).
+        self.original: Callable[..., Any] | None = module.__dict__.get("forward")
+        self.call: Callable[..., Any] = module.forward
+        self.__wrapped__ = self.call  # inspect.signature shows the original's
+        self.module, self.tally, self.clock, self.cuda, self.count = (
+            module, tally, clock, cuda, count
+        )  # fmt: skip
+        self.flops: Any = _NOT_YET if count is not None else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            self.tally.compiled = True
+            return self.call(*args, **kwargs)
+        tally = self.tally
+        if tally.depth or not (self.module.training and torch.is_grad_enabled()):
+            tally.depth += 1
+            try:
+                return self.call(*args, **kwargs)
+            finally:
+                tally.depth -= 1
+        flops = self.flops
+        if flops is _NOT_YET:
+            flops = self.flops = self.count(self.module, args, kwargs)  # type: ignore[misc]
+        tally.forwards += 1
+        if flops is None:
+            tally.uncounted += 1
+        else:
+            tally.counted_flops += flops
+        if self.cuda:
+            return self._on_gpu(args, kwargs)
+        started = self.clock()
+        tally.depth += 1
+        try:
+            return self.call(*args, **kwargs)
+        finally:
+            tally.depth -= 1
+            tally.seconds += self.clock() - started
+
+    def _on_gpu(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        tally = self.tally
+        capturing = torch.cuda.is_current_stream_capturing()  # no event inside a CUDA graph
+        start = None if capturing else torch.cuda.Event(enable_timing=True)
+        if start is not None:
+            start.record()
+        tally.depth += 1
+        try:
+            return self.call(*args, **kwargs)
+        finally:
+            tally.depth -= 1
+            if start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                tally.events.append((start, end))
+                if len(tally.events) > MOST_EVENTS:
+                    tally.read_events(keep=MOST_EVENTS // 2)
+
+    def remove(self) -> None:
+        """Give the module its forward back (if this is still its forward)."""
+        if self.module.__dict__.get("forward") is not self:
+            return
+        if self.original is None:
+            del self.module.__dict__["forward"]
+        else:
+            self.module.__dict__["forward"] = self.original
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., Any]:
+        return copy.deepcopy(self.call, memo)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_untimed, (self.call,))
 
 
 class ForwardMeter:
@@ -84,34 +185,33 @@ class ForwardMeter:
         times forwards on a CPU (None: ``time.perf_counter``)."""
         self._device = device
         self._map_tensors = map_tensors
-        self._cuda = device.type == "cuda"
         self._clock = clock or time.perf_counter
         self._counting = count_flops
-        #: True once a model's forward is timed (a script's own DDP is not).
-        self.attached = False
-        #: True once a hook ran inside torch.compile's tracing: that model is not timed.
-        self.compiled = False
+        self._tally = ForwardTally()
+        self._timed: list[TimedForward] = []
         self._said_compiled = False
-        self._handles: list[RemovableHandle] = []
-        self._flops: dict[int, float | None] = {}  # by id(module); None: could not count
-        self._seconds, self._forwards, self._counted_flops, self._uncounted = 0.0, 0, 0.0, 0
-        self._started: float | None = None
-        self._events: list[tuple[Any, Any]] = []  # CUDA (start, end) pairs not read yet
-        #: One entry per forward under way, outermost first: whether it is timed.
-        self._open: list[bool] = []
+
+    @property
+    def attached(self) -> bool:
+        """True once a model's forward is timed (a script's own DDP is not)."""
+        return bool(self._timed)
+
+    @property
+    def compiled(self) -> bool:
+        """True once a timed forward ran inside torch.compile's tracing: not timed."""
+        return self._tally.compiled
 
     def attach(self, module: nn.Module) -> None:
         """Time ``module``'s training forwards until :meth:`detach`."""
-        before = Hook(lambda _module, args, kwargs: self._before(module, args, kwargs))
-        after = Hook(lambda *_: self._after(), self._saw_compiled)
-        self._handles += [
-            module.register_forward_pre_hook(before, with_kwargs=True),
-            module.register_forward_hook(after, always_call=True),
-        ]
-        self.attached = True
-
-    def _saw_compiled(self) -> None:
-        self.compiled = True
+        timed = TimedForward(
+            module,
+            self._tally,
+            self._clock,
+            self._device.type == "cuda",
+            self._count if self._counting else None,
+        )
+        module.__dict__["forward"] = timed
+        self._timed.append(timed)
 
     def timing(self, main: bool) -> bool:
         """Whether the forwards are timed: a model is attached, and not compiled (which
@@ -126,76 +226,27 @@ class ForwardMeter:
         return self.attached and not self.compiled
 
     def detach(self) -> None:
-        """Take the hooks off every module (the run ended: a model left as it came, which
-        TorchScript can script)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Give every module its forward back (the run ended: a model left as it came,
+        which TorchScript can script)."""
+        for timed in reversed(self._timed):
+            timed.remove()
 
     def flops_of(self, module: nn.Module) -> float | None:
         """The FLOPs counted for a training forward of ``module`` and its backward (None:
         not counted, or it could not be)."""
-        return self._flops.get(id(module))
-
-    def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        # The outermost forward of a training step (an evaluation's, without gradients or
-        # in eval mode, is the evaluation's time; a model called inside another is in its
-        # caller's).
-        timed = not self._open and torch.is_grad_enabled() and module.training
-        if timed and self._counting and id(module) not in self._flops:
-            self._flops[id(module)] = self._count(module, args, kwargs)
-        self._open.append(timed)
-        if not timed:
-            return
-        self._forwards += 1
-        flops = self._flops.get(id(module))
-        if flops is None:
-            self._uncounted += 1
-        else:
-            self._counted_flops += flops
-        if self._cuda:
-            if torch.cuda.is_current_stream_capturing():  # no event inside a CUDA graph
-                self._open[-1] = False
-                return
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._events.append((start, None))
-        else:
-            self._started = self._clock()
-
-    def _after(self) -> None:
-        if not self._open or not self._open.pop():
-            return
-        if self._cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._events[-1] = (self._events[-1][0], end)
-            if len(self._events) > MOST_EVENTS:
-                self._read_events(keep=MOST_EVENTS // 2)
-        elif self._started is not None:
-            self._seconds += self._clock() - self._started
-            self._started = None
-
-    def _read_events(self, keep: int) -> None:
-        """Add up the finished pairs; keep at most ``keep`` of the others."""
-        waiting = []
-        for start, end in self._events:
-            if end is not None and end.query():
-                self._seconds += start.elapsed_time(end) / 1000.0
-            elif end is not None:
-                waiting.append((start, end))
-        self._events = waiting[-keep:] if keep else []
+        for timed in self._timed:
+            if timed.module is module and timed.flops is not _NOT_YET:
+                return timed.flops  # type: ignore[no-any-return]
+        return None
 
     def take(self) -> ForwardTake:
         """The training forwards since the last take; on a GPU the seconds of those it has
-        finished, the others read at a later take. Called between steps: a forward left
-        open (ended by an exception its hook did not see) is closed."""
-        self._open, self._started = [], None
-        if self._cuda:
-            self._read_events(keep=MOST_EVENTS)
-        counted = self._counting and not self._uncounted and self._forwards > 0
-        taken = ForwardTake(self._seconds, self._forwards, self._counted_flops if counted else None)
-        self._seconds, self._forwards, self._counted_flops, self._uncounted = 0.0, 0, 0.0, 0
+        finished, the others read at a later take."""
+        tally = self._tally
+        tally.read_events(keep=MOST_EVENTS)
+        counted = self._counting and not tally.uncounted and tally.forwards > 0
+        taken = ForwardTake(tally.seconds, tally.forwards, tally.counted_flops if counted else None)
+        tally.seconds, tally.forwards, tally.counted_flops, tally.uncounted = 0.0, 0, 0.0, 0
         return taken
 
     def _count(
