@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import gc
 import inspect
 import json
 import logging
 import random
 import re
+import types
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -247,15 +251,22 @@ def test_a_model_the_meter_times_can_be_saved_whole_and_is_left_as_it_came(
     model = nn.Sequential(nn.Linear(4, 4))
     meter.attach(model)
     torch.save(model, tmp_path / "whole.pt")
+    assert b"hpc_ddp" not in (tmp_path / "whole.pt").read_bytes(), "loads without this package"
     loaded = torch.load(tmp_path / "whole.pt", weights_only=False)
     assert torch.equal(loaded(torch.ones(1, 4)), model(torch.ones(1, 4)))
     assert meter.take().forwards == 1, "the loaded copy is not timed"
     assert loaded.forward.__self__ is loaded, "bound to the loaded model"
-    meter.detach()  # at run.finish(): the model is left as it came (TorchScript needs that)
-    assert "forward" not in vars(model)
-    scripted = torch.jit.script(model)
-    assert torch.equal(scripted(torch.ones(1, 4)), model(torch.ones(1, 4)))
+    kept = copy.deepcopy(model)  # a copy made during the run and not called in it
+    meter.detach()  # at run.finish(): the models are left as they came (TorchScript needs that)
+    assert "forward" not in vars(model) and "forward" not in vars(kept)
+    for whole in (model, kept, loaded):
+        scripted = torch.jit.script(whole)
+        assert torch.equal(scripted(torch.ones(1, 4)), model(torch.ones(1, 4)))
     assert meter.take().forwards == 0
+    held = weakref.ref(model)
+    del model, scripted
+    gc.collect()  # TorchScript's own cycles
+    assert held() is None, "the meter holds no model after detach"
 
 
 class Doubler(nn.Module):
@@ -288,8 +299,23 @@ def test_a_timed_model_keeps_torchs_fast_call_and_its_copies_are_not_timed() -> 
     assert getattr(ema.forward, "__self__", None) is ema
     assert torch.equal(ema(batch), model.layer(batch) * 2.0)
     assert meter.take().forwards == 0
+    gc.disable()  # a copy let go of is freed at once: it holds no cycle through its forward
+    try:
+        snapshot = weakref.ref(copy.deepcopy(model))
+        assert snapshot() is None
+    finally:
+        gc.enable()
+    # A library that wraps the forward by rebinding its function (as accelerate does) keeps
+    # it timed.
+    rebound = types.MethodType(getattr(model.forward, "__func__"), model)  # noqa: B009
+    model.forward = functools.partial(rebound, scale=1.0)  # type: ignore[method-assign]
+    assert torch.equal(model(batch), model.layer(batch))
+    assert meter.take().forwards == 1
     meter.detach()
-    assert "forward" not in vars(model)
+    assert getattr(model.forward, "func", None) is rebound
+    model(batch)
+    assert meter.take().forwards == 0, "not timed after detach, even through a wrapper"
+    del model.forward
     assert getattr(model.forward, "__func__", None) is Doubler.forward
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import random
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+
+from hpc_ddp.runtime.logs import get_logger
 
 #: The hook tables of a module that are walked on the copy: hooks of torch's own (old-style
 #: weight_norm's, for one) are part of the model and stay; others (a script's, this
@@ -121,3 +124,39 @@ def flop_text(flops: float) -> str:
         if flops >= scale:
             return f"{flops / scale:.4g} {prefix}FLOP"
     return f"{flops:.4g} FLOP"
+
+
+def logged_flops(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    map_tensors: MapTensors,
+    device: torch.device,
+) -> float | None:
+    """:func:`training_flops`, said in the log (or why there is no count: None)."""
+    started = time.perf_counter()
+    name = type(module).__name__
+    try:
+        flops = training_flops(module, args, kwargs, map_tensors, device)
+    except Exception as error:  # the model's own code, run on shapes: any error it raises
+        first = str(error).splitlines()[0] if str(error) else ""
+        get_logger().info(
+            f"monitor: the FLOPs of {name} could not be counted on the meta device "
+            f"({type(error).__name__}: {first}): no interval/tflops or MFU. HINT: set "
+            "monitor.flops_per_sample (about 6 x parameters x tokens per sample for a "
+            "transformer)"
+        )
+        return None
+    if not flops:
+        get_logger().info(
+            f"monitor: the forward and backward of {name} hold no operation "
+            "FlopCounterMode counts: no interval/tflops or MFU. HINT: set "
+            "monitor.flops_per_sample"
+        )
+        return None
+    get_logger().info(
+        f"monitor: a training forward of {name} and its backward is {flop_text(flops)} "
+        f"(counted on the meta device from the first, in {time.perf_counter() - started:.2f}"
+        " s); monitor.flops_per_sample overrides it"
+    )
+    return float(flops)

@@ -19,7 +19,9 @@ The FLOPs are counted once, on the first training forward (see
 from __future__ import annotations
 
 import copy
+import functools
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.monitor.flops import MapTensors, flop_text, training_flops
+from hpc_ddp.runtime.monitor.flops import MapTensors, logged_flops
 
 #: CUDA event pairs kept unread at most (a script that wraps a model and never closes a
 #: log interval): past it the oldest are read or dropped.
@@ -76,16 +78,59 @@ class ForwardTally:
         self.events = waiting[-keep:] if keep else []
 
 
-def _untimed(call: Callable[..., Any]) -> Callable[..., Any]:
-    return call
+#: The copies' untimed forwards not called yet, released when a meter detaches.
+_COPIES: weakref.WeakSet[UntimedForward] = weakref.WeakSet()
+
+
+class UntimedForward:
+    """What a copy of a timed module (an EMA's ``copy.deepcopy``, the FLOP count's meta twin,
+    a module saved whole and loaded) holds as its ``forward``: at its first call it takes
+    itself off the copy, which then runs its class's forward, untimed. It holds the copy
+    weakly, so a copy let go of is freed at once (no cycle for the collector to find)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)
+        _COPIES.add(self)
+
+    def _alive(self) -> nn.Module:
+        module = self.__dict__["module"]()
+        if module is None:
+            raise ReferenceError("the module of this forward was freed")
+        return module  # type: ignore[no-any-return]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._alive()
+        if module.__dict__.get("forward") is self:
+            del module.__dict__["forward"]
+        return module.forward(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # __self__, __func__, __name__, __code__, ...
+        module = self._alive()
+        return getattr(type(module).forward.__get__(module), name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> UntimedForward:
+        return UntimedForward(copy.deepcopy(self._alive(), memo))
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (getattr, (self._alive(), "forward"))
+
+    def release(self) -> None:
+        """Take this off the copy now (the run ended: the copy is left as TorchScript
+        wants it)."""
+        module = self.module()
+        if module is not None and module.__dict__.get("forward") is self:
+            del module.__dict__["forward"]
 
 
 class TimedForward:
     """A module's ``forward`` while the meter times it: the original's call, its time added
     to the tally when it is the outermost training forward (with gradients, in training
     mode). Traced by torch.compile it only says so (a Python clock in the graph would break
-    it). A copy of the module (an EMA's ``copy.deepcopy``, the FLOP count's meta twin) and
-    a module saved whole (``torch.save(model)``) get the original forward, bound to them."""
+    it). It reads as the original method does (``__name__``, ``__doc__``, ``__code__``,
+    ``__self__``, a signature); its ``__func__`` rebound to the module (as some libraries
+    wrap a forward) times as it does. A copy of the module (an EMA's ``copy.deepcopy``, the
+    FLOP count's meta twin) and a module saved whole (``torch.save(model)``) get an
+    :class:`UntimedForward`."""
 
     def __init__(
         self,
@@ -100,11 +145,25 @@ class TimedForward:
         #: What ``module.forward`` was before (its own attribute, or its class's method).
         self.original: Callable[..., Any] | None = module.__dict__.get("forward")
         self.call: Callable[..., Any] = module.forward
-        self.__wrapped__ = self.call  # inspect.signature shows the original's
+        functools.update_wrapper(self, self.call, updated=())
         self.module, self.tally, self.clock, self.cuda, self.count = (
             module, tally, clock, cuda, count
         )  # fmt: skip
         self.flops: Any = _NOT_YET if count is not None else None
+        function = getattr(self.call, "__func__", None)
+        if function is not None:
+            self.__func__ = functools.wraps(function)(self._function_of(function))
+
+    def _function_of(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if module is self.module:
+                return self(*args, **kwargs)
+            return function(module, *args, **kwargs)
+
+        return forward
+
+    def __getattr__(self, name: str) -> Any:  # __self__, __name__, __code__, ...
+        return getattr(self.__dict__["call"], name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _is_compiling():
@@ -154,7 +213,11 @@ class TimedForward:
                     tally.read_events(keep=MOST_EVENTS // 2)
 
     def remove(self) -> None:
-        """Give the module its forward back (if this is still its forward)."""
+        """Give the module its forward back (if this is still its forward); a wrapper of
+        this one that a script kept is no longer timed."""
+        self.tally = ForwardTally()
+        if self.flops is _NOT_YET:
+            self.flops = None
         if self.module.__dict__.get("forward") is not self:
             return
         if self.original is None:
@@ -163,10 +226,16 @@ class TimedForward:
             self.module.__dict__["forward"] = self.original
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., Any]:
-        return copy.deepcopy(self.call, memo)
+        if self.original is not None:
+            return copy.deepcopy(self.original, memo)
+        return UntimedForward(copy.deepcopy(self.module, memo))
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (_untimed, (self.call,))
+        # The file names nothing of this package: loaded, the module's forward attribute is
+        # its own method (or the script's forward).
+        if self.original is not None:
+            return (copy.copy, (self.original,))
+        return (getattr, (self.module, "forward"))
 
 
 class ForwardMeter:
@@ -193,7 +262,7 @@ class ForwardMeter:
 
     @property
     def attached(self) -> bool:
-        """True once a model's forward is timed (a script's own DDP is not)."""
+        """True while a model's forward is timed (a script's own DDP is not)."""
         return bool(self._timed)
 
     @property
@@ -208,7 +277,9 @@ class ForwardMeter:
             self._tally,
             self._clock,
             self._device.type == "cuda",
-            self._count if self._counting else None,
+            functools.partial(logged_flops, map_tensors=self._map_tensors, device=self._device)
+            if self._counting
+            else None,
         )
         module.__dict__["forward"] = timed
         self._timed.append(timed)
@@ -230,6 +301,9 @@ class ForwardMeter:
         which TorchScript can script)."""
         for timed in reversed(self._timed):
             timed.remove()
+        self._timed = []  # the meter keeps no model alive
+        for untimed in list(_COPIES):
+            untimed.release()
 
     def flops_of(self, module: nn.Module) -> float | None:
         """The FLOPs counted for a training forward of ``module`` and its backward (None:
@@ -248,33 +322,3 @@ class ForwardMeter:
         taken = ForwardTake(tally.seconds, tally.forwards, tally.counted_flops if counted else None)
         tally.seconds, tally.forwards, tally.counted_flops, tally.uncounted = 0.0, 0, 0.0, 0
         return taken
-
-    def _count(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> float | None:
-        started = time.perf_counter()
-        name = type(module).__name__
-        try:
-            flops = training_flops(module, args, kwargs, self._map_tensors, self._device)
-        except Exception as error:  # the model's own code, run on shapes: any error it raises
-            first = str(error).splitlines()[0] if str(error) else ""
-            get_logger().info(
-                f"monitor: the FLOPs of {name} could not be counted on the meta device "
-                f"({type(error).__name__}: {first}): no interval/tflops or MFU. HINT: set "
-                "monitor.flops_per_sample (about 6 x parameters x tokens per sample for a "
-                "transformer)"
-            )
-            return None
-        if not flops:
-            get_logger().info(
-                f"monitor: the forward and backward of {name} hold no operation "
-                "FlopCounterMode counts: no interval/tflops or MFU. HINT: set "
-                "monitor.flops_per_sample"
-            )
-            return None
-        get_logger().info(
-            f"monitor: a training forward of {name} and its backward is {flop_text(flops)} "
-            f"(counted on the meta device from the first, in {time.perf_counter() - started:.2f}"
-            " s); monitor.flops_per_sample overrides it"
-        )
-        return float(flops)
