@@ -428,6 +428,18 @@ def test_a_compiled_model_is_not_timed_and_says_so(
     assert sum("runs under torch.compile" in line for line in said.messages) == 1
 
 
+def test_a_model_exported_during_the_run_is_still_timed() -> None:
+    meter = ForwardMeter(CPU, False, map_tensors, HandClock())
+    model = Doubler()
+    meter.attach(model)
+    batch = torch.randn(2, 4)
+    exported = torch.export.export(model, (batch,))
+    assert torch.equal(exported.module()(batch), model.layer(batch) * 2.0)
+    assert not meter.compiled and meter.take().forwards == 0
+    model(batch)
+    assert meter.timing(main=True) and meter.take().forwards == 1
+
+
 def test_the_slowest_rank_against_the_median() -> None:
     slowest = slowest_rank([1.0, 3.0, 1.5, 3.0])
     assert slowest is not None

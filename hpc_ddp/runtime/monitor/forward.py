@@ -167,7 +167,8 @@ class TimedForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _is_compiling():
-            self.tally.compiled = True
+            if not torch.compiler.is_exporting():  # an export is a copy, the model trains on
+                self.tally.compiled = True
             return self.call(*args, **kwargs)
         tally = self.tally
         if tally.depth or not (self.module.training and torch.is_grad_enabled()):
