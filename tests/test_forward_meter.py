@@ -297,8 +297,15 @@ def test_a_timed_model_keeps_torchs_fast_call_and_its_copies_are_not_timed() -> 
     assert meter.take().forwards == 1
     ema = copy.deepcopy(model)  # an EMA's copy: its own forward, bound to it, not timed
     assert getattr(ema.forward, "__self__", None) is ema
+    assert inspect.signature(ema.forward) == signature
     assert torch.equal(ema(batch), model.layer(batch) * 2.0)
     assert meter.take().forwards == 0
+    alone = copy.deepcopy(model.forward)  # the forward copied alone keeps its module's copy
+    assert torch.equal(alone(batch), model.layer(batch) * 2.0)
+    target = copy.deepcopy(model)  # a copy made during the run, then wrapped too
+    meter.attach(target)
+    assert torch.equal(target(batch), model.layer(batch) * 2.0)
+    assert meter.take().forwards == 1
     gc.disable()  # a copy let go of is freed at once: it holds no cycle through its forward
     try:
         snapshot = weakref.ref(copy.deepcopy(model))

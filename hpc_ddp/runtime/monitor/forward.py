@@ -82,44 +82,55 @@ class ForwardTally:
 _COPIES: weakref.WeakSet[UntimedForward] = weakref.WeakSet()
 
 
+def copied_forward(module: nn.Module, memo: dict[int, Any]) -> Callable[..., Any]:
+    """The forward a deep copy of ``module`` gets: within a copy of the module, an
+    :class:`UntimedForward` of the copy; copied alone, the copy's own method (which keeps
+    that copy alive)."""
+    within = id(module) in memo
+    copied = copy.deepcopy(module, memo)
+    if within:
+        return UntimedForward(copied)
+    method: Callable[..., Any] = type(copied).forward.__get__(copied)
+    return method
+
+
 class UntimedForward:
-    """What a copy of a timed module (an EMA's ``copy.deepcopy``, the FLOP count's meta twin,
-    a module saved whole and loaded) holds as its ``forward``: at its first call it takes
-    itself off the copy, which then runs its class's forward, untimed. It holds the copy
-    weakly, so a copy let go of is freed at once (no cycle for the collector to find)."""
+    """What a copy of a timed module (an EMA's ``copy.deepcopy``, the FLOP count's meta twin)
+    holds as its ``forward``: at its first call it takes itself off the copy, which then
+    runs its class's forward, untimed. It holds the copy weakly, so a copy let go of is
+    freed at once (no cycle for the collector to find)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = weakref.ref(module)
         _COPIES.add(self)
 
-    def _alive(self) -> nn.Module:
+    def _method(self) -> Callable[..., Any]:
+        """The copy's class forward, bound to it."""
         module = self.__dict__["module"]()
         if module is None:
-            raise ReferenceError("the module of this forward was freed")
-        return module  # type: ignore[no-any-return]
+            raise AttributeError("the module of this forward was freed")
+        return type(module).forward.__get__(module)  # type: ignore[no-any-return]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._alive()
-        if module.__dict__.get("forward") is self:
-            del module.__dict__["forward"]
-        return module.forward(*args, **kwargs)
+        self.release()
+        return self._method()(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # __self__, __func__, __name__, __code__, ...
-        module = self._alive()
-        return getattr(type(module).forward.__get__(module), name)
+        method = self._method()
+        return method if name == "__wrapped__" else getattr(method, name)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> UntimedForward:
-        return UntimedForward(copy.deepcopy(self._alive(), memo))
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., Any]:
+        return copied_forward(self._method().__self__, memo)  # type: ignore[attr-defined]
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
-        return (getattr, (self._alive(), "forward"))
+        return (getattr, (self._method().__self__, "forward"))  # type: ignore[attr-defined]
 
     def release(self) -> None:
-        """Take this off the copy now (the run ended: the copy is left as TorchScript
-        wants it)."""
+        """Take this off the copy now (its first call, or the run ended: the copy is left
+        as TorchScript wants it)."""
         module = self.module()
         if module is not None and module.__dict__.get("forward") is self:
-            del module.__dict__["forward"]
+            module.__dict__.pop("forward", None)
 
 
 class TimedForward:
@@ -142,6 +153,9 @@ class TimedForward:
     ) -> None:
         """``count`` gives the FLOPs of the module's first training forward (None: not
         counted)."""
+        before = module.__dict__.get("forward")
+        if isinstance(before, UntimedForward):  # a copy made during the run, wrapped too
+            before.release()
         #: What ``module.forward`` was before (its own attribute, or its class's method).
         self.original: Callable[..., Any] | None = module.__dict__.get("forward")
         self.call: Callable[..., Any] = module.forward
@@ -222,14 +236,14 @@ class TimedForward:
         if self.module.__dict__.get("forward") is not self:
             return
         if self.original is None:
-            del self.module.__dict__["forward"]
+            self.module.__dict__.pop("forward", None)
         else:
             self.module.__dict__["forward"] = self.original
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., Any]:
         if self.original is not None:
             return copy.deepcopy(self.original, memo)
-        return UntimedForward(copy.deepcopy(self.module, memo))
+        return copied_forward(self.module, memo)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # The file names nothing of this package: loaded, the module's forward attribute is
