@@ -36,8 +36,8 @@ from hpc_ddp.runtime.monitor.flops import MapTensors, logged_flops
 #: log interval): past it the oldest are read or dropped.
 MOST_EVENTS = 4096
 
-#: torch.compiler.is_compiling (torch >= 2.3), else torch._dynamo's.
-_is_compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+#: Looked up once: it is read on every forward.
+_is_compiling = torch.compiler.is_compiling
 
 #: A module's FLOPs not counted yet.
 _NOT_YET = object()
