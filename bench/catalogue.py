@@ -14,6 +14,7 @@ from bench.report_io import (
     checkpoint_section,
     checks_section,
     data_memory_section,
+    record_writes_section,
     requeue_section,
     usage_section,
 )
@@ -54,6 +55,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("scale", "bench.scale", scale_section, needs="cluster"),
     Benchmark("tracking_cost", "bench.tracking_cost", tracking_section),
     Benchmark("tracking_busy", "bench.tracking_busy", tracking_busy_section),
+    Benchmark("record_writes", "bench.record_writes", record_writes_section),
     Benchmark("sweep_scale", "bench.sweep_scale", sweep_section),
     Benchmark("checks_cost", "bench.checks_cost", checks_section),
     Benchmark("requeue_cost", "bench.requeue_cost", requeue_section, needs="cluster"),

@@ -145,3 +145,24 @@ def usage_section(data: dict[str, Any]) -> str:
         "interval, reads only each process's CPU time. Both grow with the processes a rank "
         "holds, not with the ranks of the job.\n\n"
     )
+
+
+def record_writes_section(data: dict[str, Any]) -> str:
+    background, in_line = data["background"], data["in_line"]
+    return (
+        "### Rank 0's record at each log interval\n\n"
+        f"`python -m bench.record_writes`: one process, {data['calls']:,} intervals of "
+        f"{data['metrics']} metrics logged through rank 0's journal (metrics.jsonl, "
+        "status.json) into a run directory in the home folder, each call timed as the "
+        "training thread sees it.\n\n"
+        "| files written | median | 99th percentile |\n"
+        "|---|---:|---:|\n"
+        f"| by the record's background thread (as runs do) | {background['median_us']:.0f} µs "
+        f"| {background['p99_us']:.0f} µs |\n"
+        f"| in line (the thread waits for them) | {in_line['median_us']:.0f} µs "
+        f"| {in_line['p99_us']:.0f} µs |\n\n"
+        "Every rank waits for rank 0's time here at the next collective. On a local disk the "
+        "files cost a few hundred microseconds; on a shared file system (NFS, Lustre), where "
+        "creating and renaming a file waits for the metadata server, the in-line figure "
+        "grows with that server's latency, and the background one does not.\n\n"
+    )

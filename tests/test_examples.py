@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
-from hpc_ddp.runtime.tracking.journal import read_metrics
+from hpc_ddp.runtime.tracking.record import read_metrics
 from hpc_ddp.view.runs import load_run
 from tests.examples import CNN, LM, TUTORIAL, Example, run_dir, settings
 from tests.helpers import REPO, clean_environ, read_summary, run_local_program

@@ -21,7 +21,7 @@ from hpc_ddp.launch.shipped import CONFIG_DIR, find_config, shipped_config_name,
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.loop.metrics import scalar_metrics
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
-from hpc_ddp.runtime.tracking.journal import current_points, read_metrics
+from hpc_ddp.runtime.tracking.record import current_points, read_metrics
 from tests.helpers import REPO, clean_environ
 
 LM = str(REPO / "tests" / "programs" / "lm_loop.py")

@@ -32,7 +32,7 @@ from hpc_ddp.runtime.monitor.timeline import (
 )
 from hpc_ddp.runtime.place.dist import gather_object_to_main
 from hpc_ddp.runtime.place.limits import open_files_needed
-from hpc_ddp.runtime.tracking.journal import read_tracked_run_id
+from hpc_ddp.runtime.tracking.record import read_tracked_run_id
 from tests.helpers import REPO
 
 WORLD = 3

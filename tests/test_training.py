@@ -20,7 +20,7 @@ from hpc_ddp.runtime.loop.metrics import PENDING_MAX, Sums
 from hpc_ddp.runtime.loop.replicas import replica_entries, replica_fingerprint
 from hpc_ddp.runtime.monitor.system import metric_part
 from hpc_ddp.runtime.session.evaluation import ShardedEvalSampler
-from hpc_ddp.runtime.tracking.journal import read_metrics
+from hpc_ddp.runtime.tracking.record import read_metrics
 from hpc_ddp.trainer.schedule import LrSchedule, lr_factor
 from tests.helpers import (
     REPO,

@@ -14,7 +14,8 @@ from matplotlib.image import imread
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.tracking.base import NullTracker
-from hpc_ddp.runtime.tracking.journal import JournalTracker, read_status
+from hpc_ddp.runtime.tracking.journal import JournalTracker
+from hpc_ddp.runtime.tracking.record import read_status
 from hpc_ddp.view.plot import curves, plot_run
 from hpc_ddp.view.runs import find_run, find_runs, format_runs, load_run
 from tests.helpers import REPO, clean_environ, run_local_program
@@ -236,6 +237,7 @@ def test_a_damaged_record_is_one_line_and_every_other_run_still_lists(
     for run_id in ("good", "damaged"):
         journal = JournalTracker(NullTracker(), tmp_path / "name" / run_id, lambda: (3, 0), "7", 1)
         journal.log_metrics({"loss": 0.5}, 3)
+        journal.flush()
     status_file = tmp_path / "name" / "damaged" / "status.json"
     status_file.write_text(json.dumps({**json.loads(status_file.read_text()), **damage}))
     result = hpc_ddp_command("runs", str(tmp_path))
@@ -253,6 +255,7 @@ def test_damaged_lines_of_metrics_jsonl_are_left_out_of_runs_plot_and_sync(tmp_p
     run_dir = tmp_path / "name" / "id"
     journal = JournalTracker(NullTracker(), run_dir, lambda: (3, 0), "7", 1)
     journal.log_metrics({"loss": 0.5, "val_accuracy": 0.75}, 3)
+    journal.flush()
     with (run_dir / "metrics.jsonl").open("a") as record:
         for damaged in (
             {"step": "x", "global_step": 4, "epoch": 0, "time": 1.0, "metrics": {"loss": 1.0}},
@@ -281,6 +284,7 @@ def test_tracking_sync_into_a_store_that_cannot_open_is_one_line(
     run_dir = tmp_path / "name" / "id"
     journal = JournalTracker(NullTracker(), run_dir, lambda: (3, 0), "7", 1)
     journal.log_metrics({"loss": 0.5}, 3)
+    journal.flush()
     (run_dir / "status.json").write_text(json.dumps({"state": "finished"}))
     (run_dir / "tracking.json").write_text(json.dumps({"uri": "sqlite:///unused.db"}))
     if store == "damaged-sqlite":
@@ -298,6 +302,7 @@ def test_a_plot_to_a_file_matplotlib_cannot_write_is_one_line(tmp_path: Path, ou
 
     journal = JournalTracker(NullTracker(), tmp_path / "name" / "id", lambda: (3, 0), "7", 1)
     journal.log_metrics({"loss": 0.5}, 3)
+    journal.flush()
     (tmp_path / "folder").mkdir()
     said = {
         "curves.badext": "extension '.badext'",

@@ -22,7 +22,7 @@ from hpc_ddp.cli.commands import local_words, program_arguments, with_settings
 from hpc_ddp.launch.program import DEFAULT_CONFIG, Program
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.safefiles import folder_made
-from hpc_ddp.runtime.tracking.journal import read_status
+from hpc_ddp.runtime.tracking.record import read_status
 
 #: The exit code of a check that found a difference (bad input exits 2).
 EXIT_DIFFERS = 1

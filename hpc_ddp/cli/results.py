@@ -9,7 +9,7 @@ from pathlib import Path
 
 def runs(args: argparse.Namespace) -> int:
     from hpc_ddp.runtime.errors import HpcDdpError
-    from hpc_ddp.runtime.tracking.journal import STATUS_FILE
+    from hpc_ddp.runtime.tracking.record import STATUS_FILE
     from hpc_ddp.view.runs import find_run, find_runs, format_run, format_runs
 
     given = Path(args.output_dir)

@@ -22,8 +22,8 @@ from hpc_ddp.launch.program import Program, run_program
 from hpc_ddp.runtime.config import OVERRIDES_VARIABLE, environment_overrides
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.preempt.startup_signals import hold_stop_signals
-from hpc_ddp.runtime.tracking.journal import read_tracked_run_id
 from hpc_ddp.runtime.tracking.membership import SweepMembership, write_membership
+from hpc_ddp.runtime.tracking.record import read_tracked_run_id
 from hpc_ddp.runtime.tracking.worker import discard_prestarted, prestart
 from hpc_ddp.sweep import manifest
 from hpc_ddp.sweep.spec import program_words, setting_words

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.runtime.tracking.journal import read_metrics
+from hpc_ddp.runtime.tracking.record import read_metrics
 
 Series = dict[str, tuple[list[float], list[float]]]
 

@@ -8,7 +8,7 @@ from typing import Any
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.monitor.account import is_number
 from hpc_ddp.runtime.preempt.progress import read_attempts
-from hpc_ddp.runtime.tracking.journal import read_metrics
+from hpc_ddp.runtime.tracking.record import read_metrics
 from hpc_ddp.view.machines import draw_usage, usage_series
 from hpc_ddp.view.runs import RunView, metric_kind
 from hpc_ddp.view.steptime import draw_step_time, step_time_series

@@ -17,7 +17,7 @@ from hpc_ddp.runtime.checkpoint.sharded import full_tensors, read_blobs, read_me
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.monitor.paces import PACE_METRICS
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS
-from hpc_ddp.runtime.tracking.journal import read_metrics
+from hpc_ddp.runtime.tracking.record import read_metrics
 
 #: What may differ between two runs that computed the same: times, ids, how they started.
 NOT_COMPARED = ("run.train_time_s", "run.mlflow_run_id", "run.restart_count", "run.finished")

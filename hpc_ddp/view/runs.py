@@ -16,7 +16,7 @@ from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS
 from hpc_ddp.runtime.preempt.node_record import left_out_lines, node_failures
 from hpc_ddp.runtime.preempt.progress import read_attempts
 from hpc_ddp.runtime.safefiles import read_records
-from hpc_ddp.runtime.tracking.journal import (
+from hpc_ddp.runtime.tracking.record import (
     PROVENANCE_FILE,
     STATUS_FILE,
     pid_alive,

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.runtime.tracking.journal import read_metrics
+from hpc_ddp.runtime.tracking.record import read_metrics
 
 #: The recorded parts, bottom to top, with their labels; the rest of the step goes between
 #: the forward and the checkpoints.

@@ -24,7 +24,7 @@ from hpc_ddp.runtime.monitor.account import (
     unsplit_account,
 )
 from hpc_ddp.runtime.safefiles import read_records, write_records
-from hpc_ddp.runtime.tracking.journal import last_logged
+from hpc_ddp.runtime.tracking.record import last_logged
 
 RECORD = "attempts.json"
 

@@ -49,9 +49,9 @@ from hpc_ddp.runtime.session.joining import (
 )
 from hpc_ddp.runtime.session.run import Run
 from hpc_ddp.runtime.tracking.base import NullTracker, Tracker
-from hpc_ddp.runtime.tracking.journal import STATUS_FILE
 from hpc_ddp.runtime.tracking.opening import open_tracker
 from hpc_ddp.runtime.tracking.provenance import agree_on_code
+from hpc_ddp.runtime.tracking.record import STATUS_FILE
 from hpc_ddp.runtime.tracking.worker import discard_prestarted
 
 __all__ = ["end_active_run", "start"]

@@ -134,6 +134,7 @@ class GuardedTracker:
         #: A call taken from the queue while gathering metrics, made next.
         self._taken: Call | None = None
         self._thread: threading.Thread | None = None
+        self._starting = threading.Lock()
         #: The MLflow run once created; still named after MLflow failed (a resume reopens it).
         self._run_id: str | None = None
         self._status = "ok"
@@ -145,9 +146,13 @@ class GuardedTracker:
         return self._status
 
     def _ensure_started(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="hpc-ddp-tracker", daemon=True)
-            self._thread.start()
+        # Called from the training thread and from the journal's writer (metrics handed on).
+        with self._starting:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._work, name="hpc-ddp-tracker", daemon=True
+                )
+                self._thread.start()
 
     def _work(self) -> None:
         tracker: StoreTracker | None = None

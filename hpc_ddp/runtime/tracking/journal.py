@@ -1,21 +1,8 @@
-"""The run's own record in its directory, readable without MLflow or a server.
-
-Rank 0 keeps two small files in ``<output_dir>/<name>/<run id>/``:
-
-- ``status.json``: the state (running, requeued, finished, failed, stopped), the attempt
-  count, the step and epoch reached, where the current attempt runs (host, pid, job id),
-  replaced atomically at every log interval and at the end;
-- ``metrics.jsonl``: one line per logged batch of metrics, ``{"step", "global_step",
-  "epoch", "time", "metrics"}``, appended; before an attempt's first one, a line
-  ``{"attempt", "from_step", "time"}`` says where the attempt's training state began, and
-  readers drop the points earlier attempts logged after that step (a run restarted from an
-  earlier checkpoint, or from nothing, supersedes them);
-- ``tracking.json`` (when tracking is on): where the run is tracked (MLflow URI, experiment,
-  run name, params, tags, and the MLflow run's id once known), so that
-  ``hpc-ddp tracking sync`` can replay the record into MLflow after an outage.
-
-``hpc-ddp runs`` and ``hpc-ddp plot`` read them. Writing is best effort: a full disk or a
-lost mount costs the record, never the training.
+"""Rank 0 writes the run's own record (:mod:`hpc_ddp.runtime.tracking.record` says what it
+holds), then hands each call on to MLflow or to nothing. Writing is best effort: a full disk
+or a lost mount costs the record, never the training. The files are written off the
+training thread (:mod:`hpc_ddp.runtime.tracking.background`): a slow shared file system
+delays the record, not the next step of every rank.
 """
 
 from __future__ import annotations
@@ -25,151 +12,28 @@ import math
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.runtime.arguments import is_number
+from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.safefiles import make_dirs, open_append, replace_bytes
+from hpc_ddp.runtime.tracking.background import BackgroundWrites
 from hpc_ddp.runtime.tracking.base import Tracker
+from hpc_ddp.runtime.tracking.record import (
+    METRICS_FILE,
+    STATUS_FILE,
+    TRACKING_FILE,
+    parsed_object,
+    replace_json,
+)
 
-STATUS_FILE = "status.json"
-METRICS_FILE = "metrics.jsonl"
-TRACKING_FILE = "tracking.json"
-#: Each attempt's code and environment (:mod:`hpc_ddp.runtime.tracking.provenance`).
-PROVENANCE_FILE = "provenance.json"
+#: The longest the training thread waits for the record's files to be written, where it
+#: waits at all (the attempt's start and end); past it, the run goes on and says so.
+SETTLE_LIMIT_S = 30.0
 
 #: What a tracker's final status means for the run.
 END_STATES = {"FINISHED": "finished", "FAILED": "failed", "KILLED": "stopped"}
-
-
-def _parsed(text: str | None) -> dict[str, Any]:
-    try:
-        status = json.loads(text) if text else {}
-    except ValueError:
-        return {}
-    return status if isinstance(status, dict) else {}
-
-
-def read_status(run_dir: Path) -> dict[str, Any] | None:
-    """The run's status.json, or None if it has none (or it cannot be read)."""
-    try:
-        text = (run_dir / STATUS_FILE).read_text()
-    except OSError:
-        return None
-    return _parsed(text) or None
-
-
-def read_tracked_run_id(run_dir: Path) -> str | None:
-    """The MLflow run named in the run's tracking.json (None: none known)."""
-    try:
-        run_id = json.loads((run_dir / TRACKING_FILE).read_text()).get("run_id")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return run_id if isinstance(run_id, str) and run_id else None
-
-
-def read_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
-    """The run's metrics.jsonl in order, the points a later attempt superseded left out; a
-    torn last line (a killed writer) is skipped."""
-    try:
-        lines = (run_dir / METRICS_FILE).read_text().splitlines()
-    except OSError:
-        return
-    yield from current_points(lines)
-
-
-def last_logged(
-    run_dir: Path, since_unix: float, before_unix: float, tail_bytes: int = 65536
-) -> tuple[float, int] | None:
-    """The time and global step of the newest interval logged from ``since_unix`` to before
-    ``before_unix`` (an attempt's last sign of life, before the next attempt began), if that
-    is the newest logged before ``before_unix``; None without one. Reads the file from its
-    end, a window at a time: a long run's record is not read whole."""
-    try:
-        with (run_dir / METRICS_FILE).open("rb") as file:
-            size = file.seek(0, os.SEEK_END)
-            while True:
-                start = max(0, size - tail_bytes)
-                file.seek(start)
-                lines = file.read(size - start).decode(errors="replace").splitlines()
-                whole = lines if start == 0 else lines[1:]  # the first may be cut
-                found = _newest_interval(whole, before_unix)
-                if found is not None or start == 0:
-                    break
-                tail_bytes *= 2
-    except OSError:
-        return None
-    return found if found is not None and found[0] >= since_unix else None
-
-
-def _newest_interval(lines: list[str], before_unix: float) -> tuple[float, int] | None:
-    for line in reversed(lines):
-        entry = _parsed(line)
-        logged, step = entry.get("time"), entry.get("global_step")
-        if isinstance(logged, int | float) and isinstance(step, int) and logged < before_unix:
-            return float(logged), step
-    return None
-
-
-def current_points(lines: Iterable[str]) -> list[dict[str, Any]]:
-    """The metric entries of ``lines`` that the run's final history holds: at an attempt's
-    start line, the earlier attempts' points after its ``from_step`` are dropped, and at
-    ``from_step`` itself a metric the new attempt logs again replaces the old value."""
-    kept: list[dict[str, Any]] = []
-    earlier = 0  # kept[:earlier] are the earlier attempts' points
-    restart: int | None = None  # the current attempt's from_step
-    for line in lines:
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if not isinstance(entry, dict):
-            continue
-        if isinstance(entry.get("metrics"), dict):
-            entry = _whole_entry(entry)
-            if entry is None:
-                continue
-            if restart is not None and entry.get("step") == restart:
-                for old in kept[:earlier]:
-                    if old.get("step") == restart:
-                        old["metrics"] = {
-                            name: value
-                            for name, value in old["metrics"].items()
-                            if name not in entry["metrics"]
-                        }
-            kept.append(entry)
-        elif isinstance(entry.get("from_step"), int):
-            restart = entry["from_step"]
-            kept = [old for old in kept if not _step_after(old, restart)]
-            earlier = len(kept)
-    return [entry for entry in kept if entry["metrics"]]
-
-
-def _whole_entry(entry: dict[str, Any]) -> dict[str, Any] | None:
-    """A metric entry as readers need it (whole-number steps, time and epoch; each value a
-    number or None), or None for a damaged one; a damaged value alone is left out."""
-    steps = [entry.get(key, 0) for key in ("step", "global_step", "epoch")]
-    if not all(isinstance(step, int) and not isinstance(step, bool) for step in steps):
-        return None
-    if not is_number(entry.get("time", 0.0)):
-        return None
-    metrics = {
-        name: value
-        for name, value in entry["metrics"].items()
-        if isinstance(name, str) and (value is None or is_number(value))
-    }
-    return {**entry, "metrics": metrics}
-
-
-def _step_after(entry: Mapping[str, Any], step: int) -> bool:
-    value = entry.get("step")
-    return isinstance(value, int | float) and value > step
-
-
-def replace_json(path: Path, data: Any) -> None:
-    """Write a small JSON file so that readers see the old one or the new one, never half."""
-    replace_bytes(path, (json.dumps(data, sort_keys=True, default=str) + "\n").encode())
 
 
 def _finite(value: float) -> float | None:
@@ -180,7 +44,9 @@ class JournalTracker:
     """Rank 0's tracker: the run's files in its directory, then ``inner`` (MLflow or none).
 
     ``position`` gives (global step, epoch) when called; ``began_at`` the step this
-    attempt's training state began from (0, or the checkpoint's)."""
+    attempt's training state began from (0, or the checkpoint's). A log interval's writes,
+    and then its call to ``inner``, are handed to a background thread; the attempt's start,
+    end and suspension wait for every one before them (at most ``settle_limit_s``)."""
 
     def __init__(
         self,
@@ -191,8 +57,12 @@ class JournalTracker:
         world_size: int,
         tracking: Mapping[str, Any] | None = None,
         began_at: Callable[[], int] = lambda: 0,
+        settle_limit_s: float = SETTLE_LIMIT_S,
     ) -> None:
         self._inner = inner
+        self._writes = BackgroundWrites()
+        self._settle_limit_s = settle_limit_s
+        self._late_said = False
         self._began_at = began_at
         self._began_said = False
         self._run_dir = run_dir
@@ -202,7 +72,7 @@ class JournalTracker:
             self._previous_text: str | None = (run_dir / STATUS_FILE).read_text()
         except OSError:
             self._previous_text = None
-        previous = _parsed(self._previous_text)
+        previous = parsed_object(self._previous_text)
         self._status: dict[str, Any] = {
             "state": "running",
             "attempts": int(previous.get("attempts", 0)) + 1,
@@ -219,10 +89,11 @@ class JournalTracker:
         except OSError:
             self._previous_tracking = None
         self._write_tracking()
+        self.flush()
 
     def _write_tracking(self) -> None:
         """tracking.json, with the MLflow run's id once the tracker knows it."""
-        tracking = self._tracking
+        tracking = dict(self._tracking) if self._tracking is not None else None
         if tracking is not None:
             self._guarded(lambda: replace_json(self._run_dir / TRACKING_FILE, tracking))
 
@@ -240,17 +111,32 @@ class JournalTracker:
         return self._inner.status
 
     def _guarded(self, write: Callable[[], None]) -> None:
-        try:
-            write()
-        except OSError as error:
-            if self._failed_write is None:
-                from hpc_ddp.runtime.logs import get_logger
+        """Hand ``write`` to the background thread, which says its first error once."""
 
-                get_logger().warning(
-                    f"cannot write the run's record in {self._run_dir} ({error}); training "
-                    "goes on. HINT: check the file system's space and permissions"
-                )
-            self._failed_write = str(error)
+        def attempt() -> None:
+            try:
+                write()
+            except OSError as error:
+                if self._failed_write is None:
+                    get_logger().warning(
+                        f"cannot write the run's record in {self._run_dir} ({error}); "
+                        "training goes on. HINT: check the file system's space and permissions"
+                    )
+                self._failed_write = str(error)
+
+        self._writes.submit(attempt)
+
+    def flush(self) -> None:
+        """Wait, at most ``settle_limit_s``, until everything handed over so far is written
+        (and handed on); past it, one warning."""
+        if self._writes.drain(self._settle_limit_s) or self._late_said:
+            return
+        self._late_said = True
+        get_logger().warning(
+            f"the run's record in {self._run_dir} was not written within "
+            f"{self._settle_limit_s:.0f} s; the run goes on without waiting for it. HINT: the "
+            "file system there does not answer; check the mount (df, dmesg)"
+        )
 
     def _write_status(self, state: str | None = None) -> None:
         step, epoch = self._position()
@@ -280,6 +166,7 @@ class JournalTracker:
                     replace_bytes(self._run_dir / name, previous.encode())
 
         self._guarded(put_back)
+        self.flush()
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         global_step, epoch = self._position()
@@ -303,7 +190,10 @@ class JournalTracker:
 
         self._guarded(append)
         self._write_status()
-        self._inner.log_metrics(metrics, step)
+        # After the line is written: MLflow, recovering from an outage, replays the file and
+        # then sends only the points it did not find there.
+        handed_on = dict(metrics)
+        self._writes.submit(lambda: self._inner.log_metrics(handed_on, step))
         self._note_run_id()  # as soon as MLflow named it, for a resume
 
     def log_json_artifact(self, name: str, data: Any) -> None:
@@ -314,21 +204,14 @@ class JournalTracker:
 
     def finish(self, status: str) -> None:
         self._write_status(END_STATES.get(status, status.lower()))
+        self.flush()  # the metrics handed on reach MLflow before its run ends
         self._inner.finish(status)
         self._note_run_id()
+        self.flush()
 
     def suspend(self) -> None:
         self._write_status("requeued")
+        self.flush()
         self._inner.suspend()
         self._note_run_id()
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        self.flush()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.safefiles import make_dirs
-from hpc_ddp.runtime.tracking.journal import replace_json
+from hpc_ddp.runtime.tracking.record import replace_json
 
 MEMBERSHIP_FILE = "sweep-task.json"
 

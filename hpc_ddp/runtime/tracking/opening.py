@@ -1,27 +1,43 @@
 """Rank 0's tracker for a run being started: the run's record (its name, parameters, tags and
-the MLflow run it continues) and MLflow behind the run's own journal."""
+the MLflow run it continues) and MLflow behind the run's own journal; none off rank 0 or
+with tracking off, else a guarded MLflow run in a child process, retried in the background
+after a failure."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime import configfile
 from hpc_ddp.runtime.checkpoint.files import Found, saved_world_size
-from hpc_ddp.runtime.config import RuntimeConfig
+from hpc_ddp.runtime.config import RuntimeConfig, TrackingConfig
 from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.tracking.base import (
+    NullTracker,
     RunRecord,
+    StoreTracker,
     Tracker,
     artifact_root,
     run_tags,
+    store_lock,
     tracking_uri,
 )
-from hpc_ddp.runtime.tracking.factory import start_tracker
-from hpc_ddp.runtime.tracking.journal import JournalTracker, read_tracked_run_id
+from hpc_ddp.runtime.tracking.guard import GuardedTracker
+from hpc_ddp.runtime.tracking.journal import JournalTracker
 from hpc_ddp.runtime.tracking.membership import read_membership
+from hpc_ddp.runtime.tracking.mlflow_tracker import MlflowTracker
 from hpc_ddp.runtime.tracking.provenance import AttemptCode
+from hpc_ddp.runtime.tracking.record import read_tracked_run_id
+from hpc_ddp.runtime.tracking.sync import sync_run
+from hpc_ddp.runtime.tracking.worker import (
+    WorkerTracker,
+    cpu_seconds,
+    spawn_worker,
+    take_prestarted,
+)
 
 
 def open_tracker(
@@ -101,3 +117,43 @@ def tracking_record(settings: RuntimeConfig, record: RunRecord) -> dict[str, Any
         "tags": dict(record.tags),
         "run_id": record.resume_run_id,
     }
+
+
+def start_tracker(
+    config: TrackingConfig,
+    output_dir: str,
+    record: RunRecord,
+    run_dir: Path | None = None,
+    world_size: int = 1,
+) -> Tracker:
+    """An MLflow run (rank 0 only: other ranks use a NullTracker) driven from a child process
+    started now (see tracking_worker), the run created or reopened on first use; a failing
+    MLflow never stops training (see GuardedTracker). A ``record`` with a ``resume_run_id``
+    continues that run. With ``run_dir``, a tracker that failed is tried again now and then:
+    the run's record is replayed into MLflow and tracking goes on. ``world_size``: the
+    run's, for the tracking process's log lines."""
+    if not config.enabled:
+        return NullTracker()
+    uri = tracking_uri(config, output_dir)
+    artifacts = artifact_root(output_dir)
+    # Started at the rank's first line where it could be (prestart), else now: its imports
+    # overlap the run's start.
+    worker = take_prestarted() or spawn_worker()
+
+    def start() -> StoreTracker:
+        return WorkerTracker(uri, config.experiment, artifacts, record, (0, world_size), worker)
+
+    def recover() -> tuple[StoreTracker, set[tuple[str, int]]]:
+        assert run_dir is not None
+        report = sync_run(run_dir, uri, live=True)
+        again = dataclasses.replace(record, resume_run_id=report.run_id)
+        with store_lock(uri):
+            return MlflowTracker(uri, config.experiment, artifacts, again), report.points
+
+    return GuardedTracker(
+        start,
+        uri,
+        recover=recover if run_dir is not None else None,
+        retry_s=config.retry_s,
+        cpu_seconds=lambda: cpu_seconds(worker.process.pid),
+    )

@@ -23,7 +23,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.safefiles import read_records, write_records
-from hpc_ddp.runtime.tracking.journal import PROVENANCE_FILE
+from hpc_ddp.runtime.tracking.record import PROVENANCE_FILE
 
 #: Where the run directory keeps each attempt's code and environment.
 RECORD = PROVENANCE_FILE

@@ -17,7 +17,7 @@ from typing import Any
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.names import name_problem
 from hpc_ddp.runtime.tracking.base import experiment_folder, store_lock
-from hpc_ddp.runtime.tracking.journal import (
+from hpc_ddp.runtime.tracking.record import (
     TRACKING_FILE,
     pid_alive,
     read_metrics,
