@@ -4,6 +4,7 @@ it waits until someone reads, as a write to a hung mount waits."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,13 +25,19 @@ NEVER_S = 60.0
 
 
 class Recording(NullTracker):
-    """MLflow's place: the points handed on."""
+    """MLflow's place: the calls handed on, in order."""
 
     def __init__(self) -> None:
-        self.handed_on: list[tuple[dict[str, float], int]] = []
+        self.handed_on: list[tuple[object, ...]] = []
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        self.handed_on.append((dict(metrics), step))
+        self.handed_on.append(("log_metrics", dict(metrics), step))
+
+    def log_text_artifact(self, name: str, text: str) -> None:
+        self.handed_on.append(("log_text_artifact", name))
+
+    def finish(self, status: str) -> None:
+        self.handed_on.append(("finish", status))
 
 
 def returns_without_waiting(call: Callable[[], None]) -> bool:
@@ -57,6 +64,7 @@ def test_a_file_system_that_does_not_answer_holds_back_the_record_not_the_traini
     assert returns_without_waiting(lambda: journal.log_metrics({"loss": 0.5}, 5)), (
         f"log_metrics did not return within {NEVER_S:.0f} s: it waited for the file system"
     )
+    journal.log_text_artifact("config.yaml", "lr: 0.1\n")
     assert inner.handed_on == [], "MLflow gets a point only once metrics.jsonl holds it"
     assert read_status(run_dir)["global_step"] == 0, "status.json waits behind the line"  # type: ignore[index]
 
@@ -66,7 +74,10 @@ def test_a_file_system_that_does_not_answer_holds_back_the_record_not_the_traini
     assert [(line.get("attempt"), line.get("from_step")) for line in lines[:1]] == [(1, 0)]
     assert (lines[1]["step"], lines[1]["global_step"], lines[1]["metrics"]) == (5, 5, {"loss": 0.5})
     journal.flush()
-    assert inner.handed_on == [({"loss": 0.5}, 5)]
+    assert inner.handed_on == [
+        ("log_metrics", {"loss": 0.5}, 5),
+        ("log_text_artifact", "config.yaml"),
+    ], "the calls reach MLflow in the order they were made"
     assert read_status(run_dir)["global_step"] == 5  # type: ignore[index]
 
 
@@ -74,7 +85,8 @@ def test_the_end_waits_for_the_record_only_so_long_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     run_dir = tmp_path / "name" / "id"
-    journal = JournalTracker(NullTracker(), run_dir, lambda: (3, 0), "7", 1, settle_limit_s=0.2)
+    inner = Recording()
+    journal = JournalTracker(inner, run_dir, lambda: (3, 0), "7", 1, settle_limit_s=0.2)
     os.mkfifo(run_dir / "metrics.jsonl")  # nobody reads: the write can never finish
     assert returns_without_waiting(lambda: journal.log_metrics({"loss": 0.5}, 3))
     with caplog.at_level(logging.WARNING, logger="hpc_ddp"):
@@ -85,6 +97,9 @@ def test_the_end_waits_for_the_record_only_so_long_and_says_so(
         assert json.loads(reader.read().splitlines()[-1])["metrics"] == {"loss": 0.5}
     journal.flush()
     assert read_status(run_dir)["state"] == "finished"  # type: ignore[index]
+    assert inner.handed_on == [("finish", "FINISHED")], (
+        "MLflow's run ended at the limit; the point that was still waiting is not sent after it"
+    )
 
 
 def test_a_write_that_fails_is_said_and_the_writes_after_it_still_run(
@@ -105,3 +120,62 @@ def test_a_write_that_fails_is_said_and_the_writes_after_it_still_run(
     assert [r.message for r in caplog.records] == [
         "a write of the run's record failed: ValueError: no such value"
     ]
+
+
+def test_the_wait_of_the_oldest_write_is_known_while_it_waits() -> None:
+    now = [100.0]
+    writes = BackgroundWrites(name="record-test-clock", clock=lambda: now[0])
+    release = threading.Event()
+    writes.submit(lambda: None)
+    assert writes.drain(NEVER_S) and writes.waiting_s() == 0.0
+
+    def held() -> None:
+        release.wait()
+
+    writes.submit(held)
+    now[0] = 130.5
+    assert writes.waiting_s() == 30.5
+    release.set()
+    assert writes.drain(NEVER_S) and writes.waiting_s() == 0.0
+
+
+def test_an_idle_writer_thread_ends_and_a_later_write_starts_another() -> None:
+    """A process that runs many runs keeps no thread (and no tracker) per finished run."""
+    name = "record-test-idle"
+    writes = BackgroundWrites(name=name, idle_exit_s=0.01)
+    done: list[int] = []
+    for round_ in range(2):
+        writes.submit(functools.partial(done.append, round_))
+        assert writes.drain(NEVER_S)
+        threads = [thread for thread in threading.enumerate() if thread.name == name]
+        for thread in threads:
+            thread.join(NEVER_S)
+        assert threads and not any(thread.is_alive() for thread in threads), (
+            f"the idle writer thread did not end within {NEVER_S:.0f} s"
+        )
+    assert done == [0, 1]
+
+
+@pytest.mark.e2e
+def test_a_child_forked_from_rank_0_does_not_wait_for_its_parents_writes(tmp_path: Path) -> None:
+    """A user's helper forked while a write is held up exits at once: the writes, and the
+    thread that makes them, are the parent's."""
+    from hpc_ddp.runtime.tracking import background
+
+    run_dir = tmp_path / "name" / "id"
+    journal = JournalTracker(NullTracker(), run_dir, lambda: (3, 0), "7", 1)
+    os.mkfifo(run_dir / "metrics.jsonl")
+    assert returns_without_waiting(lambda: journal.log_metrics({"loss": 0.5}, 3))
+    reading, writing = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: say how many writers its exit would wait for
+        os.write(writing, str(len(background._LIVE)).encode())
+        os._exit(0)
+    os.close(writing)
+    said = os.read(reading, 16).decode()
+    os.waitpid(child, 0)
+    os.close(reading)
+    with open(run_dir / "metrics.jsonl") as pipe:  # lets the parent's writer go
+        pipe.read()
+    assert journal.flush()
+    assert said == "0", f"the forked child would wait at exit for {said} writers of its parent"

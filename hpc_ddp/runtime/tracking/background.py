@@ -9,7 +9,9 @@ long at the next collective. Handed to this thread, the write delays only the re
 from __future__ import annotations
 
 import atexit
+import os
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -20,28 +22,39 @@ from hpc_ddp.runtime.logs import get_logger
 #: At the interpreter's exit, how long the writes still queued may take (a hung mount must
 #: not hold the process).
 EXIT_WAIT_S = 10.0
+#: A writer thread with nothing to write for this long ends (a later write starts another):
+#: a process that runs many runs keeps no thread, and no tracker, per finished one.
+IDLE_EXIT_S = 30.0
 
 _LIVE: weakref.WeakSet[BackgroundWrites] = weakref.WeakSet()
 
 
 class BackgroundWrites:
-    """Writes run on one daemon thread, started with the first, in the order submitted.
+    """Writes run on a daemon thread, started with the first, in the order submitted.
 
     A write handles its own file errors; anything else it raises is said as a warning, and
     the writes after it still run."""
 
-    def __init__(self, name: str = "hpc-ddp-record") -> None:
+    def __init__(
+        self,
+        name: str = "hpc-ddp-record",
+        idle_exit_s: float = IDLE_EXIT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._name = name
-        self._queued: deque[Callable[[], None]] = deque()
+        self._idle_exit_s = idle_exit_s
+        self._clock = clock
+        #: (when it was submitted, the write), oldest first.
+        self._queued: deque[tuple[float, Callable[[], None]]] = deque()
         self._changed = threading.Condition()
-        self._writing = False
+        self._writing_since: float | None = None
         self._thread: threading.Thread | None = None
         _LIVE.add(self)
 
     def submit(self, write: Callable[[], None]) -> None:
         """Queue ``write``; never waits for the file system."""
         with self._changed:
-            self._queued.append(write)
+            self._queued.append((self._clock(), write))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name=self._name, daemon=True)
                 self._thread.start()
@@ -53,22 +66,30 @@ class BackgroundWrites:
         with self._changed:
             return self._changed.wait_for(self._idle, timeout_s)
 
+    def waiting_s(self) -> float:
+        """How long the oldest write not yet done has waited (0: none)."""
+        with self._changed:
+            oldest = self._writing_since or (self._queued[0][0] if self._queued else None)
+        return 0.0 if oldest is None else self._clock() - oldest
+
     def _idle(self) -> bool:
-        return not self._queued and not self._writing
+        return not self._queued and self._writing_since is None
 
     def _work(self) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: bool(self._queued))
-                write = self._queued.popleft()
-                self._writing = True
+                if not self._changed.wait_for(lambda: bool(self._queued), self._idle_exit_s):
+                    self._thread = None
+                    return
+                self._writing_since, write = self._queued.popleft()
             try:
                 write()
             except Exception as error:
                 get_logger().warning(f"a write of the run's record failed: {error_line(error)}")
             finally:
+                del write  # holds its tracker: not kept while waiting for the next
                 with self._changed:
-                    self._writing = False
+                    self._writing_since = None
                     self._changed.notify_all()
 
 
@@ -77,3 +98,8 @@ def _drain_at_exit() -> None:
     """A script that ends without ``run.finish()`` still leaves its record whole."""
     for writes in list(_LIVE):
         writes.drain(EXIT_WAIT_S)
+
+
+# A child forked from rank 0 (a user's helper process) has no writer thread: its exit must
+# not wait for writes that are its parent's.
+os.register_at_fork(after_in_child=_LIVE.clear)

@@ -40,6 +40,28 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None  # strict JSON has no NaN
 
 
+def text_or_none(path: Path) -> str | None:
+    """The file's text; None where it cannot be read (none yet)."""
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def attempt_status(previous: Mapping[str, Any], job_id: str, world_size: int) -> dict[str, Any]:
+    """status.json of an attempt starting now in this process, after ``previous`` (the
+    run's status.json as found; {} for a new run)."""
+    return {
+        "state": "running",
+        "attempts": int(previous.get("attempts", 0)) + 1,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "job_id": job_id,
+        "world_size": world_size,
+        "started": previous.get("started", time.time()),
+    }
+
+
 class JournalTracker:
     """Rank 0's tracker: the run's files in its directory, then ``inner`` (MLflow or none).
 
@@ -63,31 +85,17 @@ class JournalTracker:
         self._writes = BackgroundWrites()
         self._settle_limit_s = settle_limit_s
         self._late_said = False
+        self._inner_ended = False
         self._began_at = began_at
         self._began_said = False
         self._run_dir = run_dir
         self._position = position
         self._failed_write: str | None = None
-        try:
-            self._previous_text: str | None = (run_dir / STATUS_FILE).read_text()
-        except OSError:
-            self._previous_text = None
-        previous = parsed_object(self._previous_text)
-        self._status: dict[str, Any] = {
-            "state": "running",
-            "attempts": int(previous.get("attempts", 0)) + 1,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "job_id": job_id,
-            "world_size": world_size,
-            "started": previous.get("started", time.time()),
-        }
+        self._previous_text = text_or_none(run_dir / STATUS_FILE)
+        self._status = attempt_status(parsed_object(self._previous_text), job_id, world_size)
         self._write_status()
         self._tracking = dict(tracking) if tracking is not None else None
-        try:
-            self._previous_tracking: str | None = (run_dir / TRACKING_FILE).read_text()
-        except OSError:
-            self._previous_tracking = None
+        self._previous_tracking = text_or_none(run_dir / TRACKING_FILE)
         self._write_tracking()
         self.flush()
 
@@ -126,10 +134,16 @@ class JournalTracker:
 
         self._writes.submit(attempt)
 
-    def flush(self) -> None:
+    def flush(self) -> bool:
         """Wait, at most ``settle_limit_s``, until everything handed over so far is written
-        (and handed on); past it, one warning."""
-        if self._writes.drain(self._settle_limit_s) or self._late_said:
+        (and handed on); whether it was. Past the limit, one warning."""
+        if self._writes.drain(self._settle_limit_s):
+            return True
+        self._say_late()
+        return False
+
+    def _say_late(self) -> None:
+        if self._late_said:
             return
         self._late_said = True
         get_logger().warning(
@@ -137,6 +151,16 @@ class JournalTracker:
             f"{self._settle_limit_s:.0f} s; the run goes on without waiting for it. HINT: the "
             "file system there does not answer; check the mount (df, dmesg)"
         )
+
+    def _hand_on(self, call: Callable[[], None]) -> None:
+        """``call`` to the inner tracker, after the writes before it; none once the inner
+        tracker's run ended while they waited."""
+
+        def after_writes() -> None:
+            if not self._inner_ended:
+                call()
+
+        self._writes.submit(after_writes)
 
     def _write_status(self, state: str | None = None) -> None:
         step, epoch = self._position()
@@ -184,34 +208,43 @@ class JournalTracker:
             began = {"attempt": self._status["attempts"], "from_step": self._began_at()}
             lines.insert(0, {**began, "time": entry["time"]})
 
+        # Made here: a value JSON cannot hold fails in the caller's frame, not in the writer.
+        text = "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines)
+
         def append() -> None:
             with open_append(self._run_dir / METRICS_FILE) as handle:
-                handle.write("".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
+                handle.write(text)
 
         self._guarded(append)
         self._write_status()
         # After the line is written: MLflow, recovering from an outage, replays the file and
         # then sends only the points it did not find there.
         handed_on = dict(metrics)
-        self._writes.submit(lambda: self._inner.log_metrics(handed_on, step))
+        self._hand_on(lambda: self._inner.log_metrics(handed_on, step))
         self._note_run_id()  # as soon as MLflow named it, for a resume
+        if self._writes.waiting_s() > self._settle_limit_s:
+            self._say_late()
 
     def log_json_artifact(self, name: str, data: Any) -> None:
-        self._inner.log_json_artifact(name, data)
+        self._hand_on(lambda: self._inner.log_json_artifact(name, data))
 
     def log_text_artifact(self, name: str, text: str) -> None:
-        self._inner.log_text_artifact(name, text)
+        self._hand_on(lambda: self._inner.log_text_artifact(name, text))
 
     def finish(self, status: str) -> None:
         self._write_status(END_STATES.get(status, status.lower()))
-        self.flush()  # the metrics handed on reach MLflow before its run ends
-        self._inner.finish(status)
-        self._note_run_id()
-        self.flush()
+        self._end_inner(lambda: self._inner.finish(status))
 
     def suspend(self) -> None:
         self._write_status("requeued")
-        self.flush()
-        self._inner.suspend()
+        self._end_inner(self._inner.suspend)
+
+    def _end_inner(self, end: Callable[[], None]) -> None:
+        """End the inner tracker's run once what was handed on reached it; when the files
+        do not get written in time, at once, and what still waits is not sent after it."""
+        written = self.flush()
+        self._inner_ended = not written
+        end()
         self._note_run_id()
-        self.flush()
+        if written:
+            self.flush()
