@@ -550,6 +550,10 @@ CASES: list[Case] = [
     script(f'{RUN}\nrun.log("loss", 1.0, 0)', says="the count must be a number above 0"),
     script(f'{RUN}\nrun.log("loss", 1.0, -4)', says="count=-4"),
     script(f'{RUN}\nrun.log_metrics({{"acc@1": 0.5}})', says="run.log_metrics('acc@1', ...)"),
+    script(
+        f'{RUN}\nrun.log_metrics({{"acc": 0.5}}, step=1.5)',
+        says="step=1.5): the step must be a whole number of 0 or more",
+    ),
     script(f'{RUN}\nrun.log_text("../notes.txt", "x")', says="reads as the path"),
     script(
         f"{RUN}\nrun.finish()\nimport os, signal, time\nos.kill(os.getpid(), signal.SIGUSR1)\n"

@@ -179,3 +179,19 @@ def test_a_child_forked_from_rank_0_does_not_wait_for_its_parents_writes(tmp_pat
         pipe.read()
     assert journal.flush()
     assert said == "0", f"the forked child would wait at exit for {said} writers of its parent"
+
+
+def test_a_step_from_numpy_or_a_tensor_is_a_whole_number_json_can_hold() -> None:
+    """Before, ``run.log_metrics(values, step=np.int64(3))`` ended in a TypeError from the
+    record's JSON; a fractional step went through to MLflow."""
+    import numpy as np
+    import torch
+
+    from hpc_ddp.runtime.errors import HpcDdpError
+    from hpc_ddp.runtime.loop.logged import logged_step
+
+    steps = [logged_step(step) for step in (np.int64(3), torch.tensor(4), 5)]
+    assert steps == [3, 4, 5] and json.dumps(steps) == "[3, 4, 5]"
+    for wrong in (1.5, True, -1, torch.tensor(1.5), "3"):
+        with pytest.raises(HpcDdpError, match="the step must be a whole number of 0 or more"):
+            logged_step(wrong)

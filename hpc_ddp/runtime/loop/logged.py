@@ -1,7 +1,12 @@
 """What ``run.log`` takes: a name that is not one of the run's own interval metrics, and a
-total over a count that can be checked without a device sync."""
+total over a count that can be checked without a device sync; and the step
+``run.log_metrics`` takes."""
 
 from __future__ import annotations
+
+import contextlib
+import operator
+from typing import SupportsIndex
 
 import torch
 
@@ -46,3 +51,18 @@ def check_logged_value(name: str, total: torch.Tensor | float, count: torch.Tens
             f"run.log({name!r}, ..., count={count!r}): the count must be a number above 0",
             "pass how many items the total sums over (e.g. the batch's size)",
         )
+
+
+def logged_step(step: object) -> int:
+    """The step ``run.log_metrics`` was given, as an int: a whole number of 0 or more (a
+    NumPy or 0-d tensor integer too)."""
+    whole = None
+    if isinstance(step, SupportsIndex) and not isinstance(step, bool):
+        with contextlib.suppress(TypeError, RuntimeError):  # a float tensor; a tensor of many
+            whole = operator.index(step)
+    if whole is None or whole < 0:
+        raise HpcDdpError(
+            f"run.log_metrics(..., step={step!r}): the step must be a whole number of 0 or more",
+            "pass the global step the values belong to (e.g. run.global_step), or leave it out",
+        )
+    return whole

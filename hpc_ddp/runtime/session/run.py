@@ -16,6 +16,7 @@ from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.data import StepLoader
 from hpc_ddp.runtime.loop.intervals import metric_text
+from hpc_ddp.runtime.loop.logged import logged_step
 from hpc_ddp.runtime.loop.metrics import Sum, Sums, scalar_metrics
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import Ticks, step_source
@@ -284,7 +285,7 @@ class Run(ModelView):
         """Record values that are already the same on every rank (rank 0 writes them), at
         ``step`` (default: the global step). A :class:`hpc_ddp.Sum` is logged as its mean,
         so ``run.log_metrics(sums.reduce())`` logs an evaluation's means."""
-        step = self.global_step if step is None else step
+        step = self.global_step if step is None else logged_step(step)
         values = scalar_metrics(metrics)
         self._context.tracker.log_metrics(values, step)
         if self.is_main:  # what a script logs reaches its terminal too
