@@ -4,7 +4,6 @@ it waits until someone reads, as a write to a hung mount waits."""
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -35,6 +34,9 @@ class Recording(NullTracker):
 
     def log_text_artifact(self, name: str, text: str) -> None:
         self.handed_on.append(("log_text_artifact", name))
+
+    def log_json_artifact(self, name: str, data: object) -> None:
+        self.handed_on.append(("log_json_artifact", name, data))
 
     def finish(self, status: str) -> None:
         self.handed_on.append(("finish", status))
@@ -85,6 +87,7 @@ def test_the_end_waits_for_the_record_only_so_long_and_says_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     run_dir = tmp_path / "name" / "id"
+    run_dir.mkdir(parents=True)  # the start's own writes may outlast the short limit
     inner = Recording()
     journal = JournalTracker(inner, run_dir, lambda: (3, 0), "7", 1, settle_limit_s=0.2)
     os.mkfifo(run_dir / "metrics.jsonl")  # nobody reads: the write can never finish
@@ -141,19 +144,16 @@ def test_the_wait_of_the_oldest_write_is_known_while_it_waits() -> None:
 
 def test_an_idle_writer_thread_ends_and_a_later_write_starts_another() -> None:
     """A process that runs many runs keeps no thread (and no tracker) per finished run."""
-    name = "record-test-idle"
-    writes = BackgroundWrites(name=name, idle_exit_s=0.01)
-    done: list[int] = []
-    for round_ in range(2):
-        writes.submit(functools.partial(done.append, round_))
+    writes = BackgroundWrites(name="record-test-idle", idle_exit_s=0.01)
+    writers: list[threading.Thread] = []
+    for _ in range(2):
+        writes.submit(lambda: writers.append(threading.current_thread()))
         assert writes.drain(NEVER_S)
-        threads = [thread for thread in threading.enumerate() if thread.name == name]
-        for thread in threads:
-            thread.join(NEVER_S)
-        assert threads and not any(thread.is_alive() for thread in threads), (
+        writers[-1].join(NEVER_S)
+        assert not writers[-1].is_alive(), (
             f"the idle writer thread did not end within {NEVER_S:.0f} s"
         )
-    assert done == [0, 1]
+    assert writers[0] is not writers[1], "the second write had a thread of its own"
 
 
 @pytest.mark.e2e
@@ -195,3 +195,18 @@ def test_a_step_from_numpy_or_a_tensor_is_a_whole_number_json_can_hold() -> None
     for wrong in (1.5, True, -1, torch.tensor(1.5), "3"):
         with pytest.raises(HpcDdpError, match="the step must be a whole number of 0 or more"):
             logged_step(wrong)
+
+
+def test_a_json_artifact_is_sent_as_it_was_when_logged(tmp_path: Path) -> None:
+    """The end's summary gains a field for the file after it is handed over; MLflow's copy
+    must not."""
+    inner = Recording()
+    journal = JournalTracker(inner, tmp_path / "name" / "id", lambda: (3, 0), "7", 1)
+    summary: dict[str, object] = {"loss": 1.0}
+    journal.log_json_artifact("summary.json", summary)
+    summary["summary_path"] = "runs/name/id/summary.json"
+    journal.finish("FINISHED")
+    assert inner.handed_on == [
+        ("log_json_artifact", "summary.json", {"loss": 1.0}),
+        ("finish", "FINISHED"),
+    ]

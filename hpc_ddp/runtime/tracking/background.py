@@ -69,8 +69,16 @@ class BackgroundWrites:
     def waiting_s(self) -> float:
         """How long the oldest write not yet done has waited (0: none)."""
         with self._changed:
-            oldest = self._writing_since or (self._queued[0][0] if self._queued else None)
+            oldest = self._writing_since
+            if oldest is None and self._queued:
+                oldest = self._queued[0][0]
         return 0.0 if oldest is None else self._clock() - oldest
+
+    def forget_parent(self) -> None:
+        """In a forked child: none of the parent's writes, thread or lock."""
+        self._changed = threading.Condition()
+        self._queued.clear()
+        self._writing_since, self._thread = None, None
 
     def _idle(self) -> bool:
         return not self._queued and self._writing_since is None
@@ -100,6 +108,12 @@ def _drain_at_exit() -> None:
         writes.drain(EXIT_WAIT_S)
 
 
-# A child forked from rank 0 (a user's helper process) has no writer thread: its exit must
-# not wait for writes that are its parent's.
-os.register_at_fork(after_in_child=_LIVE.clear)
+def _forget_in_child() -> None:
+    """A child forked from rank 0 (a user's helper process) has no writer thread: its exit
+    must not wait for writes that are its parent's, and a write of its own starts its own."""
+    for writes in list(_LIVE):
+        writes.forget_parent()
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

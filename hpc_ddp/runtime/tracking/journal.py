@@ -7,6 +7,7 @@ delays the record, not the next step of every rank.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -226,7 +227,8 @@ class JournalTracker:
             self._say_late()
 
     def log_json_artifact(self, name: str, data: Any) -> None:
-        self._hand_on(lambda: self._inner.log_json_artifact(name, data))
+        kept = copy.deepcopy(data)  # as it is now: the caller may change it before it is sent
+        self._hand_on(lambda: self._inner.log_json_artifact(name, kept))
 
     def log_text_artifact(self, name: str, text: str) -> None:
         self._hand_on(lambda: self._inner.log_text_artifact(name, text))
@@ -242,7 +244,7 @@ class JournalTracker:
     def _end_inner(self, end: Callable[[], None]) -> None:
         """End the inner tracker's run once what was handed on reached it; when the files
         do not get written in time, at once, and what still waits is not sent after it."""
-        written = self.flush()
+        written = not self._inner_ended and self.flush()  # once late, an end waits no more
         self._inner_ended = not written
         end()
         self._note_run_id()
