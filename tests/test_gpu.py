@@ -133,5 +133,5 @@ def test_the_gpu_a_rank_trains_on_is_read_through_nvml_and_recorded(tmp_path: Pa
     [record] = tmp_path.glob("*/nvml/metrics.jsonl")
     names = {name for line in record.read_text().splitlines()
              for name in json.loads(line).get("metrics", {})}  # fmt: skip
-    assert any(name.endswith(f"/gpu{source.gpu_index}/utilization_percent") for name in names)
+    assert any(name.endswith(f"/gpu{source.gpu_name}/utilization_percent") for name in names)
     assert "system/idle_gpus" in names

@@ -206,7 +206,7 @@ def test_the_metrics_add_up_per_host_and_name_each_gpu_once() -> None:
         (50.0, 300.0, 2.0, 100.0, NAN, NAN, 30.0),
         (25.0, NAN, NAN, NAN, NAN, NAN, NAN),
     ]
-    places = [Place("node1", 0), Place("node1", 1), Place("node 2", None)]
+    places = [Place("node1", "0"), Place("node1", "1"), Place("node 2", None)]
     assert system_metrics(rows, places) == {
         "system/node1/cpu_percent": 200.0,
         "system/node1/memory_mib": 1000.0,
@@ -224,7 +224,7 @@ def test_the_metrics_add_up_per_host_and_name_each_gpu_once() -> None:
 
 def test_an_idle_gpu_is_named_once_and_counted_while_it_stays_idle() -> None:
     alarm = IdleGpuAlarm(5.0, 900.0)
-    places = [Place("node1", 0), Place("node1", 1)]
+    places = [Place("node1", "0"), Place("node1", "1")]
     busy, idle = (0.0,) * 6 + (NAN,), (0.0,) * 6 + (960.0,)
     assert alarm.observe([busy, (0.0,) * 6 + (600.0,)], places) == (0, [])
     count, lines = alarm.observe([busy, idle], places)
@@ -311,7 +311,8 @@ from hpc_ddp.runtime.monitor.nvml import GpuSource
 def stand_in(device):
     rank = int(__import__("os").environ["RANK"])
     busy = 90.0 if rank == 0 else 1.0
-    return GpuSource(lambda: usage.GpuReading(busy, 1000.0 + rank, 250.0, 60.0 + rank), rank, "")
+    reading = usage.GpuReading(busy, 1000.0 + rank, 250.0, 60.0 + rank)
+    return GpuSource(lambda: reading, str(rank), "")
 
 system.gpu_source = stand_in
 run = hpc_ddp.start(tracking={"enabled": False}, log_interval=4)

@@ -11,7 +11,7 @@ from hpc_ddp.runtime.tracking.record import read_metrics
 
 Series = dict[str, tuple[list[float], list[float]]]
 
-GPU_BUSY = re.compile(r"^system/(?P<host>[^/]+)/gpu(?P<gpu>\d+)/utilization_percent$")
+GPU_BUSY = re.compile(r"^system/(?P<host>[^/]+)/gpu(?P<gpu>[^/]+)/utilization_percent$")
 CPU_BUSY = re.compile(r"^system/(?P<host>[^/]+)/cpu_percent$")
 
 

@@ -30,10 +30,10 @@ GPU_METRICS = {
 
 class Place(NamedTuple):
     """Where a rank runs: its host (Slurm's node name where there is one) and its GPU's
-    index on that host (None without a GPU)."""
+    name on that host (``"3"``, a MIG slice ``"3-mig1.0"``; None without a GPU)."""
 
     host: str
-    gpu: int | None
+    gpu: str | None
 
 
 def metric_part(host: str) -> str:
@@ -47,6 +47,7 @@ def system_metrics(rows: Sequence[Sequence[float]], places: Sequence[Place]) -> 
     its figures (read by its first rank). A value not known is left out."""
     fields = {name: index for index, name in enumerate(USAGE_FIELDS)}
     metrics: dict[str, float] = {}
+    read: set[Place] = set()
     for row, place in zip(rows, places, strict=True):
         host = f"system/{metric_part(place.host)}"
         cpu = row[fields["cpu_percent"]]
@@ -54,8 +55,9 @@ def system_metrics(rows: Sequence[Sequence[float]], places: Sequence[Place]) -> 
         if not math.isnan(row[fields["memory_mib"]]):
             key = f"{host}/memory_mib"
             metrics[key] = metrics.get(key, 0.0) + row[fields["memory_mib"]]
-        if place.gpu is None or f"{host}/gpu{place.gpu}/utilization_percent" in metrics:
+        if place.gpu is None or place in read:
             continue
+        read.add(place)
         for field, name in GPU_METRICS.items():
             value = row[fields[field]]
             if not math.isnan(value):
@@ -70,6 +72,12 @@ def gpu_text(system: dict[str, float]) -> str:
         return ""
     low, high = min(busy), max(busy)
     return f", GPU {low:.0f}%" if round(low) == round(high) else f", GPU {low:.0f}-{high:.0f}%"
+
+
+def mig_slice_names(places: Sequence[Place]) -> str:
+    """The MIG slices among ``places``, for a line ("node1 GPU 3-mig1.0, ..."; "" for none)."""
+    named = dict.fromkeys(f"{p.host} GPU {p.gpu}" for p in places if p.gpu and "-mig" in p.gpu)
+    return ", ".join(named)
 
 
 class IdleGpuAlarm:
@@ -120,13 +128,19 @@ class SystemMonitor:
         source = gpu_source(device)
         self.sampler = UsageSampler(settings.every_s, settings.idle_gpu_percent, source.read)
         self.sampler.start()
-        self.places = gather_object_to_main(Place(host, source.gpu_index), group)
+        self.places = gather_object_to_main(Place(host, source.gpu_name), group)
         self.alarm = IdleGpuAlarm(settings.idle_gpu_percent, settings.idle_after_s)
         #: Called once a GPU is idle past the limit, with monitor.idle_stop (None: not asked).
         self.stop = stop if settings.idle_stop else None
         if main and source.read is None:
             get_logger().info(
                 f"monitor: each host's CPU and memory are recorded; no GPU metrics ({source.why})"
+            )
+        if main and (slices := mig_slice_names(self.places)):
+            get_logger().info(
+                f"monitor: MIG slices {slices}: NVML gives a slice no utilisation, so their "
+                "memory and their GPU's temperature are recorded, and the idle-GPU alarm "
+                "cannot watch them"
             )
 
     def metrics(self, rows: Sequence[Sequence[float]]) -> dict[str, float]:

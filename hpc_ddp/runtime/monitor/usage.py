@@ -184,7 +184,8 @@ class UsageSampler:
                 return
             self._gpu.append(reading)
             self._last_gpu = reading
-            if reading.utilization_percent >= self.idle_percent:
+            # NaN (a MIG slice has no utilisation): no evidence of an idle GPU.
+            if not reading.utilization_percent < self.idle_percent:
                 self._idle_since = None
             elif self._idle_since is None:
                 self._idle_since = now

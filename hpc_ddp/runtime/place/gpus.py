@@ -7,7 +7,10 @@ The layouts that give every rank its own k GPUs:
 - ``--ntasks-per-node=T --gpus-per-node=k*T``: each task sees the node's k*T GPUs and drives
   ``local_rank*k .. local_rank*k+k-1``;
 - ``--gpus-per-task=k``: each task sees only its own k GPUs, ``cuda:0 .. cuda:k-1``;
-- torchrun (or any launcher but Slurm) with at least ``k * local ranks`` GPUs visible.
+- torchrun (or any launcher but Slurm) with at least ``k * local ranks`` GPUs visible;
+- MIG slices (``CUDA_VISIBLE_DEVICES=MIG-...``), one per rank: CUDA shows a process one slice
+  only, so where the node's tasks share a list of slices, each rank keeps the slice at its
+  local rank (:func:`own_mig_slice`) before CUDA starts, and drives it as ``cuda:0``.
 
 Every other layout is refused with a HINT before any process group.
 """
@@ -31,12 +34,68 @@ def visible_gpu_count(cuda_visible_devices: str | None, cuda_device_count: int) 
     return len([item for item in cuda_visible_devices.split(",") if item.strip() and item != "-1"])
 
 
+def mig_slices(cuda_visible_devices: str | None) -> list[str]:
+    """The MIG slices ``CUDA_VISIBLE_DEVICES`` names, in order (``MIG-<uuid>``, or the older
+    ``MIG-GPU-<uuid>/<gi>/<ci>``); [] where it names whole GPUs or nothing."""
+    entries = [item.strip() for item in (cuda_visible_devices or "").split(",") if item.strip()]
+    return [entry for entry in entries if entry.startswith("MIG-")]
+
+
+def own_mig_slice(env: DistEnv) -> str | None:
+    """The one MIG slice this rank keeps where the node's tasks share a list of them (the
+    slice at its local rank); None where CUDA_VISIBLE_DEVICES names one slice or none."""
+    slices = mig_slices(env.cuda_visible_devices)
+    if len(slices) < 2 or len(slices) != env.local_world_size:
+        return None
+    return slices[env.local_rank]
+
+
+def check_kept_slice(own: str, seen: str, slices: list[str]) -> None:
+    """Refuse a rank whose CUDA shows another slice of the list than the one it kept
+    (``seen``: ``MIG-`` and the UUID CUDA gives): CUDA had started before the rank kept its
+    own, so every rank of the node would train on the same slice."""
+    if seen in slices and seen != own:
+        raise HpcDdpError(
+            f"this rank was to drive MIG slice {own} (its local rank's), but CUDA shows "
+            f"{seen}: CUDA started before hpc_ddp.start() and took the first slice of "
+            "CUDA_VISIBLE_DEVICES, so the node's ranks would share one slice",
+            "call hpc_ddp.start() before any torch.cuda call (torch.cuda.is_available() "
+            "starts CUDA), or have Slurm give each task its own slice (srun "
+            "--gpus-per-task=1)",
+        )
+
+
+def _mig_placement(env: DistEnv, slices: list[str], k: int) -> tuple[list[int], str]:
+    if k != 1:
+        raise HpcDdpError(
+            f"dist.gpus_per_rank={k} with MIG slices ({', '.join(slices)}): CUDA shows a "
+            "process one MIG slice only",
+            "set dist.gpus_per_rank=1 (one slice per rank), or request whole GPUs",
+        )
+    if len(slices) == 1:
+        return [0], f"this rank's MIG slice {slices[0]} is cuda:0"
+    if len(slices) == env.local_world_size:
+        return [0], (
+            f"{len(slices)} MIG slices shared by {env.local_world_size} tasks: this rank keeps "
+            f"slice LOCAL_RANK ({slices[env.local_rank]}) as cuda:0"
+        )
+    raise HpcDdpError(
+        f"{len(slices)} MIG slices visible to each of the {env.local_world_size} task(s) on "
+        f"node {env.hostname}: CUDA shows a process one slice only, so the tasks cannot "
+        "share them out",
+        f"run one task per slice: --ntasks-per-node={len(slices)}, or request "
+        f"{env.local_world_size} slice(s) per node",
+    )
+
+
 def _by_local_rank(env: DistEnv, k: int) -> list[int]:
     return list(range(env.local_rank * k, env.local_rank * k + k))
 
 
 def cuda_indices(env: DistEnv, visible: int, k: int = 1) -> tuple[list[int], str]:
     """The visible GPUs (indices) this rank drives, and why (see the module docstring)."""
+    if slices := mig_slices(env.cuda_visible_devices):
+        return _mig_placement(env, slices, k)
     per_node = env.local_world_size
     each = "one GPU" if k == 1 else f"{k} GPUs"
     if env.gpus_per_task is not None:

@@ -35,6 +35,7 @@ from hpc_ddp.runtime.place.env import (
     resolve_dist_env,
     with_agreed_elastic_restarts,
 )
+from hpc_ddp.runtime.place.gpus import check_kept_slice, mig_slices, own_mig_slice
 from hpc_ddp.runtime.place.limits import open_file_warning, open_files_needed, raise_open_file_limit
 from hpc_ddp.runtime.place.plan import (
     LaunchPlan,
@@ -88,7 +89,13 @@ def resolve_launch(settings: RuntimeConfig, name: str, environ: Mapping[str, str
     )
     check_job_signal(environ, settings.preempt.signal)
     check_socket_interfaces(environ, [name for _index, name in socket.if_nameindex()])
+    own_slice = own_mig_slice(dist_env)
+    if own_slice is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = own_slice  # read when CUDA starts, and only then
     cuda_count = torch.cuda.device_count() if settings.dist.device != "cpu" else 0
+    if own_slice is not None and cuda_count > 0:
+        seen = f"MIG-{torch.cuda.get_device_properties(0).uuid}"
+        check_kept_slice(own_slice, seen, mig_slices(dist_env.cuda_visible_devices))
     return make_launch_plan(settings.dist, settings.run, name, dist_env, cuda_count)
 
 
