@@ -622,3 +622,78 @@ def test_a_run_that_logs_no_metric_of_its_own_still_plots_its_step_time(tmp_path
     (run_dir / "metrics.jsonl").write_text("")
     with pytest.raises(HpcDdpError, match="has no metrics yet"):
         plot_run(run)
+
+
+#: Under FSDP: two sharded blocks whose own compute takes 1 s (rank 0) and 3 s (rank 1) a
+#: forward on the stand-in clock, and a pre-hook on each that moves rank 0's clock 5 s, where
+#: FSDP's own pre-hook waits for the other ranks' share of the block's parameters (a rank
+#: that waits for a slower one looks slowest there; the gathers themselves are real).
+SLOW_RANK_1_SHARDED = """
+import os
+import torch
+import hpc_ddp
+from hpc_ddp.runtime.monitor import forward
+
+class Clock:
+    now = 0.0
+    def __call__(self):
+        return self.now
+
+clock = Clock()
+forward.time = type("time", (), {"perf_counter": clock})
+rank = int(os.environ["RANK"])
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(32, 32)
+    def forward(self, batch):
+        clock.now += 1.5 if rank == 1 else 0.5
+        return torch.relu(self.layer(batch))
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(32, 1)
+    def forward(self, batch):
+        for block in self.blocks:
+            batch = block(batch)
+        return self.head(batch)
+
+def waits_for_the_gather(module, args):
+    clock.now += 5.0 if rank == 0 else 0.0
+
+run = hpc_ddp.start(tracking={"enabled": False}, log_interval=4)
+model = run.wrap(Model())
+for block in model.blocks:
+    block.register_forward_pre_hook(waits_for_the_gather, prepend=True)
+optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+for batch in run.steps(run.train_loader(torch.randn(512, 32), batch_size=16)):
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+run.finish()
+"""
+
+
+@pytest.mark.e2e
+def test_under_fsdp_the_rank_slower_in_its_blocks_compute_is_named(tmp_path: Path) -> None:
+    script = tmp_path / "slow_rank_sharded.py"
+    script.write_text(SLOW_RANK_1_SHARDED)
+    settings = [f"run.output_dir={tmp_path}", "monitor.every_s=0", "dist.strategy=fsdp"]
+    result = run_local_program(2, [arg for s in settings for arg in ("--set", s)] + [str(script)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if "is the slowest for" in line]
+    assert len(said) == 1, result.stderr[-3000:]
+    # 4 steps an interval, 2 blocks a step: 12 s against rank 0's 4 s, 8 s the median. Rank
+    # 0's 5 s a block in the pre-hook (the gather's wait) is not its compute.
+    assert "rank 1 is the slowest for 3 log intervals in a row" in said[0]
+    assert "1.50x the median rank's (12 s against 8 s" in said[0]
+    [record] = tmp_path.glob("*/*/metrics.jsonl")
+    entries = [json.loads(line) for line in record.read_text().splitlines()]
+    logged = [e["metrics"] for e in entries if "interval/slowest_rank" in e.get("metrics", {})]
+    assert len(logged) >= 3, entries
+    assert all(metrics["interval/slowest_rank"] == 1.0 for metrics in logged)
+    assert not re.search(r"Traceback", result.stderr)

@@ -34,6 +34,18 @@ def sharded_blocks(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if isinstance(module, fsdp.FSDPModule)]
 
 
+def innermost_sharded_blocks(model: nn.Module) -> list[nn.Module]:
+    """The sharded blocks of ``model`` that hold no other sharded block (the model itself
+    where it is the only one)."""
+    blocks = sharded_blocks(model)
+    inner = {id(block) for block in blocks}
+    return [
+        block
+        for block in blocks
+        if not any(id(module) in inner for module in block.modules() if module is not block)
+    ]
+
+
 def holds_shards(value: object) -> bool:
     """A module sharded by ``fully_shard`` (itself or a submodule: after a forward pass
     without backward, an evaluation, the root's parameters are whole tensors until the next

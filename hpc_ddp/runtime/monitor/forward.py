@@ -12,8 +12,15 @@ calls the original: a module with forward hooks takes torch's slow path through
 ``Module.__call__`` (about ten Python calls more a forward, as much as a small model's step
 on a CPU), one with its own ``forward`` attribute keeps the fast one.
 
+Under FSDP (``dist.strategy=fsdp``) a forward holds the all-gathers of the sharded blocks'
+parameters, which wait for every rank, so the model's forward would not name a slow rank
+either. There each innermost sharded block is timed instead: FSDP gathers its parameters in
+its forward pre-hook and frees them in its forward hook, both outside the block's
+``forward``, so what is timed is the block's own compute. What the model does outside those
+blocks (an embedding, a head) is not timed there.
+
 The FLOPs are counted once, on the first training forward (see
-:mod:`hpc_ddp.runtime.monitor.flops`).
+:mod:`hpc_ddp.runtime.monitor.flops`); a sharded block's are not.
 """
 
 from __future__ import annotations
@@ -285,15 +292,16 @@ class ForwardMeter:
         """True once a timed forward ran inside torch.compile's tracing: not timed."""
         return self._tally.compiled
 
-    def attach(self, module: nn.Module) -> None:
-        """Time ``module``'s training forwards until :meth:`detach`."""
+    def attach(self, module: nn.Module, count_flops: bool = True) -> None:
+        """Time ``module``'s training forwards until :meth:`detach`; ``count_flops`` False:
+        never count its FLOPs (a sharded block, whose count would gather its parameters)."""
         timed = TimedForward(
             module,
             self._tally,
             self._clock,
             self._device.type == "cuda",
             functools.partial(logged_flops, map_tensors=self._map_tensors, device=self._device)
-            if self._counting
+            if self._counting and count_flops
             else None,
         )
         module.__dict__["forward"] = timed

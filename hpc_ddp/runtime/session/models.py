@@ -21,7 +21,12 @@ from hpc_ddp.runtime.session.meta import (
     sharded_on_device,
 )
 from hpc_ddp.runtime.session.rank import RankView
-from hpc_ddp.runtime.shards import any_sharded, holds_shards, sharded_blocks
+from hpc_ddp.runtime.shards import (
+    any_sharded,
+    holds_shards,
+    innermost_sharded_blocks,
+    sharded_blocks,
+)
 
 
 def whole_weights(context: RunContext, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -81,6 +86,8 @@ class ModelView(RankView):
                 init_weights if on_meta else None,
                 on_meta,
             )
+            for block in innermost_sharded_blocks(sharded):
+                self._context.forward.attach(block, count_flops=False)
             self._context.wrapped.append(sharded)
             return sharded  # type: ignore[return-value]
         if on_meta:
