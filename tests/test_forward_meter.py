@@ -29,11 +29,14 @@ from hpc_ddp.runtime.logs import LOGGER_NAME, get_logger
 from hpc_ddp.runtime.loop.streams import map_tensors
 from hpc_ddp.runtime.monitor.flops import flop_text, training_flops
 from hpc_ddp.runtime.monitor.forward import ForwardMeter
-from hpc_ddp.runtime.monitor.paces import IntervalPaces, RankTimes, step_time_percent
-from hpc_ddp.runtime.monitor.straggler import (
+from hpc_ddp.runtime.monitor.optimizer import OptimizerMeter
+from hpc_ddp.runtime.monitor.paces import (
     INTERVALS_BEFORE_SAYING,
+    IntervalPaces,
+    RankTimes,
     StragglerAlarm,
     slowest_rank,
+    step_time_percent,
 )
 from hpc_ddp.runtime.monitor.throughput import counted_flops_per_s, throughput
 from hpc_ddp.view.plot import plot_run
@@ -565,9 +568,10 @@ def test_a_rank_slower_in_forward_is_named_and_the_flops_counted(tmp_path: Path)
 
 
 def test_an_intervals_parts_are_shares_of_its_length() -> None:
-    times = RankTimes(10.0, [1.0, 3.0], [2.0, 4.0], checkpoint_s=0.5, evaluation_s=20.0)
+    times = RankTimes(10.0, [1.0, 3.0], [2.0, 4.0], [0.5, 1.5], checkpoint_s=0.5, evaluation_s=20.0)
     assert step_time_percent(times) == {
-        "forward_percent": 30.0, "checkpoint_percent": 5.0, "evaluation_percent": 100.0,
+        "forward_percent": 30.0, "optimizer_percent": 10.0, "checkpoint_percent": 5.0,
+        "evaluation_percent": 100.0,
     }  # fmt: skip
     metrics, said = IntervalPaces(resolve_config(None, [], {}, {}).monitor).read(
         times, "", ["node1", "node2"]
@@ -575,7 +579,7 @@ def test_an_intervals_parts_are_shares_of_its_length() -> None:
     assert metrics["data_wait_percent"] == 20.0 and metrics["data_wait_percent_max"] == 30.0
     assert metrics["slowest_rank"] == 1.0 and metrics["slowest_rank_ratio"] == 4.0 / 3.0
     assert said == [], "said only after several intervals in a row"
-    untimed = RankTimes(10.0, None, None, checkpoint_s=0.0, evaluation_s=0.0)
+    untimed = RankTimes(10.0, None, None, None, checkpoint_s=0.0, evaluation_s=0.0)
     metrics, said = IntervalPaces(resolve_config(None, [], {}, {}).monitor).read(untimed, "", None)
     assert metrics == {"checkpoint_percent": 0.0, "evaluation_percent": 0.0} and said == []
 
@@ -600,6 +604,14 @@ def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
     *_, panel = plot_run(run).axes
     assert panel.get_title() == "where each interval's time went (%)"
     assert [text.get_text() for text in panel.get_legend().get_texts()] == list(series)
+    # The optimizer's steps timed too: the rest of the step is the backward and the waits.
+    both = parts(10, 30, 0) | {"interval/optimizer_percent": 15.0}
+    assert step_time_series(run_with_metrics(tmp_path / "both", [both]))[1] == {
+        "waiting for data": [10.0],
+        "forward": [30.0],
+        "backward, waits for ranks": [45.0],
+        "optimizer": [15.0],
+    }, "the checkpoints took no time: not drawn"
     # Without the forward timed (a script's own DDP, FSDP), the step is one part.
     other = run_with_metrics(tmp_path / "other", [parts(10, None, 0)])
     assert step_time_series(other)[1] == {
@@ -697,3 +709,108 @@ def test_under_fsdp_the_rank_slower_in_its_blocks_compute_is_named(tmp_path: Pat
     assert len(logged) >= 3, entries
     assert all(metrics["interval/slowest_rank"] == 1.0 for metrics in logged)
     assert not re.search(r"Traceback", result.stderr)
+
+
+class SteppedByHand(torch.optim.SGD):
+    """An SGD whose step takes ``seconds`` on a stand-in clock."""
+
+    def __init__(self, params: Any, clock: HandClock, seconds: float) -> None:
+        super().__init__(params, lr=0.1)
+        self.clock, self.seconds = clock, seconds
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        self.clock.now += self.seconds
+        return super().step(closure)
+
+
+class Wrapping(torch.optim.Optimizer):
+    """An optimizer that steps another (as a lookahead or a scheduler-free wrapper does)."""
+
+    def __init__(self, inner: torch.optim.Optimizer, clock: HandClock) -> None:
+        super().__init__(inner.param_groups, {})
+        self.inner, self.clock = inner, clock
+
+    def step(self, closure: Any = None) -> Any:
+        self.clock.now += 1.0
+        return self.inner.step(closure)
+
+
+def test_every_optimizers_steps_are_timed_once_and_none_after_detach() -> None:
+    clock = HandClock(0.0)
+    weight = torch.nn.Parameter(torch.ones(3))
+    meter = OptimizerMeter(CPU, clock)
+    meter.attach()
+    try:
+        assert meter.take() is None, "no step taken"
+        plain = SteppedByHand([weight], clock, 0.25)
+        for _ in range(4):
+            weight.grad = torch.ones(3)
+            plain.step()
+        assert meter.take() == 1.0
+        wrapped = Wrapping(SteppedByHand([weight], clock, 0.5), clock)
+        wrapped.step()
+        assert meter.take() == 1.5, "a step inside another is in its caller's time, once"
+        assert meter.take() is None
+    finally:
+        meter.detach()
+    plain.step()
+    assert meter.take() is None, "not timed once detached"
+
+
+#: Two ranks whose forward takes 1 µs and optimizer step 3 µs a step on a stand-in clock
+#: (the shares of the interval's real length are then small, and their ratio exact).
+OPTIMIZER_THREE_TIMES_FORWARD = """
+import torch
+import hpc_ddp
+from hpc_ddp.runtime.monitor import forward, optimizer
+
+class Clock:
+    now = 0.0
+    def __call__(self):
+        return self.now
+
+clock = Clock()
+forward.time = optimizer.time = type("time", (), {"perf_counter": clock})
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 1)
+    def forward(self, batch):
+        clock.now += 1e-6
+        return self.layer(batch)
+
+class Slow(torch.optim.SGD):
+    @torch.no_grad()
+    def step(self, closure=None):
+        clock.now += 3e-6
+        return super().step(closure)
+
+run = hpc_ddp.start(tracking={"enabled": False}, log_interval=4)
+model = run.wrap(Model())
+opt = Slow(model.parameters(), lr=1e-3)
+for batch in run.steps(run.train_loader(torch.randn(256, 8), batch_size=16)):
+    model(batch).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+run.finish()
+"""
+
+
+@pytest.mark.e2e
+def test_each_ranks_optimizer_steps_are_a_part_of_the_interval(tmp_path: Path) -> None:
+    script = tmp_path / "optimizer_share.py"
+    script.write_text(OPTIMIZER_THREE_TIMES_FORWARD)
+    settings = [f"run.output_dir={tmp_path}", "monitor.every_s=0"]
+    result = run_local_program(2, [arg for s in settings for arg in ("--set", s)] + [str(script)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    [record] = tmp_path.glob("*/*/metrics.jsonl")
+    entries = [json.loads(line) for line in record.read_text().splitlines()]
+    logged = [e["metrics"] for e in entries if "interval/forward_percent" in e.get("metrics", {})]
+    assert len(logged) >= 3, entries  # 8 steps, a log every 4 (and the epoch's end)
+    for metrics in logged:
+        assert metrics["interval/optimizer_percent"] == pytest.approx(
+            3 * metrics["interval/forward_percent"], rel=1e-9
+        )
+        assert 0 < metrics["interval/optimizer_percent"] < 100

@@ -174,7 +174,7 @@ def test_bf16_and_three_ranks_with_workers(tmp_path: Path) -> None:
     # model counted once on the meta device, so the TFLOP/s need no setting.
     intervals = [metrics for metrics in logged if "interval/samples_per_s" in metrics]
     for metrics in intervals:
-        for part in ("data_wait", "forward", "checkpoint", "evaluation"):
+        for part in ("data_wait", "forward", "optimizer", "checkpoint", "evaluation"):
             assert 0 <= metrics[f"interval/{part}_percent"] <= 100, metrics
         assert metrics["interval/forward_percent"] > 0
         assert metrics["interval/slowest_rank"] in (0.0, 1.0, 2.0)

@@ -1,6 +1,7 @@
 """The step-time panel of `hpc-ddp plot`: where each log interval's time went, stacked to
-100 %: waiting for data and the forward (the ranks' means), checkpoint stalls and evaluation
-(rank 0's), and the rest of the step (backward, optimizer, waiting for the other ranks)."""
+100 %: waiting for data, the forward and the optimizer's steps (the ranks' means),
+checkpoint stalls and evaluation (rank 0's), and the rest of the step (backward, waiting for
+the other ranks)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ from typing import Any
 from hpc_ddp.runtime.tracking.record import read_metrics
 
 #: The recorded parts, bottom to top, with their labels; the rest of the step goes between
-#: the forward and the checkpoints.
+#: the forward and the optimizer.
 RECORDED = (
     ("interval/data_wait_percent", "waiting for data"),
     ("interval/forward_percent", "forward"),
+    ("interval/optimizer_percent", "optimizer"),
     ("interval/checkpoint_percent", "checkpoint stalls"),
     ("interval/evaluation_percent", "evaluation"),
 )
+REST_AFTER_BOTH = "backward, waits for ranks"
 REST_AFTER_FORWARD = "backward, optimizer, waits for ranks"
+REST_BUT_OPTIMIZER = "forward, backward, waits for ranks"
 REST_WHOLE = "the step"
 
 
@@ -39,11 +43,18 @@ def step_time_series(run_dir: Path) -> tuple[list[float], dict[str, list[float]]
     if not steps:
         return [], {}
     timed_forward = any(recorded["interval/forward_percent"])
+    timed_optimizer = any(recorded["interval/optimizer_percent"])
     rest = [max(0.0, 100.0 - sum(parts)) for parts in zip(*recorded.values(), strict=True)]
+    rest_label = {
+        (True, True): REST_AFTER_BOTH,
+        (True, False): REST_AFTER_FORWARD,
+        (False, True): REST_BUT_OPTIMIZER,
+        (False, False): REST_WHOLE,
+    }[(timed_forward, timed_optimizer)]
     series: dict[str, list[float]] = {}
     for name, label in RECORDED:
-        if name == "interval/checkpoint_percent":
-            series[REST_AFTER_FORWARD if timed_forward else REST_WHOLE] = rest
+        if name == "interval/optimizer_percent":
+            series[rest_label] = rest
         if any(recorded[name]) or name == "interval/data_wait_percent":
             series[label] = recorded[name]
     return steps, series

@@ -22,7 +22,13 @@ from hpc_ddp.runtime.loop.metrics import (
 )
 from hpc_ddp.runtime.loop.streams import Ticks, batch_length
 from hpc_ddp.runtime.monitor.datawait import DataWait, loader_settings
-from hpc_ddp.runtime.monitor.paces import IntervalPaces, RankTimes
+from hpc_ddp.runtime.monitor.optimizer import OptimizerMeter
+from hpc_ddp.runtime.monitor.paces import (
+    NO_OPTIMIZER_STEP,
+    IntervalPaces,
+    RankTimes,
+    optimizer_times,
+)
 from hpc_ddp.runtime.monitor.system import SystemMonitor, gpu_text
 from hpc_ddp.runtime.monitor.throughput import (
     Throughput,
@@ -30,6 +36,10 @@ from hpc_ddp.runtime.monitor.throughput import (
     throughput,
 )
 from hpc_ddp.runtime.monitor.usage import USAGE_FIELDS, from_slot, to_slot
+
+#: A rank's slot begins with its seconds waiting for data, in forward and in optimizer steps;
+#: its machine's figures (:data:`USAGE_FIELDS`) follow.
+SLOT_TIMES = 3
 
 
 def run_throughput(context: RunContext) -> Throughput:
@@ -102,7 +112,10 @@ class MetricLog:
         self._data_timed = True
         self._throughput = run_throughput(context)
         self.system = system_monitor(context)
-        self._slot_width = 2 + (len(USAGE_FIELDS) if self.system else 0)
+        #: This rank's time in its optimizer's steps (torch's global step hooks).
+        self.optimizer_time = OptimizerMeter(context.device)
+        self.optimizer_time.attach()
+        self._slot_width = SLOT_TIMES + (len(USAGE_FIELDS) if self.system else 0)
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
         """A training metric's total over ``count`` items (see :meth:`hpc_ddp.Run.log`);
@@ -117,6 +130,7 @@ class MetricLog:
         """End the progress display and the readings of the machine."""
         self.progress.close()
         self.context.forward.detach()
+        self.optimizer_time.detach()
         if self.system is not None:
             self.system.close()
 
@@ -146,6 +160,7 @@ class MetricLog:
         self._data_timed = not isinstance(getattr(loader, "batches", None), Ticks)
         self.data_wait.take()
         self.context.forward.take()
+        self.optimizer_time.take()
         self._paused = (self.context.times.checkpoint_s, self.context.times.evaluation_s)
 
     def _move_interval_to_epoch(self) -> tuple[list[str], torch.Tensor]:
@@ -174,7 +189,9 @@ class MetricLog:
         slots = torch.zeros(shape, dtype=torch.float64, device=local.device)
         usage = to_slot(self.system.sampler.take()) if self.system else ()
         forward = self.context.forward.take()
-        mine = (self.data_wait.take(), forward.seconds, *usage)
+        optimizer_s = self.optimizer_time.take()
+        optimizer = NO_OPTIMIZER_STEP if optimizer_s is None else optimizer_s
+        mine = (self.data_wait.take(), forward.seconds, optimizer, *usage)
         for index, value in enumerate(mine):  # a fill each: a handful per interval
             slots[env.rank, index] = value
         local = torch.cat([local, slots.reshape(-1)])
@@ -209,7 +226,7 @@ class MetricLog:
         rate, pace = rate_of(report, self.global_batch_size, self._throughput, flops_per_s)
         metrics.update(pace)
         if self.system and self.context.env.is_main:
-            system = self.system.metrics([from_slot(row[2:]) for row in rows])
+            system = self.system.metrics([from_slot(row[SLOT_TIMES:]) for row in rows])
             metrics.update(system)
             rate += gpu_text(system)
         self.progress.update(report.step, report.epoch, means, rate)
@@ -226,6 +243,7 @@ class MetricLog:
             report.seconds,
             [float(row[0]) for row in rows] if report.data_timed else None,
             [float(row[1]) for row in rows] if self.context.forward.timing(main=True) else None,
+            optimizer_times([float(row[2]) for row in rows]),
             report.checkpoint_s,
             report.evaluation_s,
         )

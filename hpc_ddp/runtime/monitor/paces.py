@@ -1,42 +1,138 @@
 """Where one log interval's time went, as rank 0 reads it from every rank's slot: waiting
-for data, the model's forward, checkpoint stalls and evaluation, with the rest of the step
-(backward, optimizer, waiting for the other ranks) what is left; and the two warnings that
-come from those figures (a rank waiting for its data, a rank slower than the others)."""
+for data, the model's forward, the optimizer's steps, checkpoint stalls and evaluation, with
+the rest of the step (backward, waiting for the other ranks) what is left; and the two warnings that
+come from those figures (a rank waiting for its data, a rank slower than the others: the
+one with the most time in its model's forward, see :mod:`hpc_ddp.runtime.monitor.forward`)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hpc_ddp.runtime.config import MonitorConfig
 from hpc_ddp.runtime.monitor.datawait import DataWaitAlarm, data_wait_shares
-from hpc_ddp.runtime.monitor.straggler import STRAGGLER_METRICS, StragglerAlarm
+
+#: Intervals in a row a rank must be the straggler before it is named in a warning (one
+#: slow interval is a hiccup: a page fault storm, a neighbour's burst).
+INTERVALS_BEFORE_SAYING = 3
+
+
+@dataclass(frozen=True)
+class Slowest:
+    """One interval's slowest rank: its forward seconds against the median rank's."""
+
+    rank: int
+    seconds: float
+    median_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.median_s
+
+
+def slowest_rank(per_rank_s: Sequence[float]) -> Slowest | None:
+    """The rank with the most forward time (the lowest such rank on a tie); None with one
+    rank or where the median rank spent no time in forward (nothing to compare)."""
+    if len(per_rank_s) < 2:
+        return None
+    median = statistics.median(per_rank_s)
+    if median <= 0:
+        return None
+    rank = max(range(len(per_rank_s)), key=lambda index: (per_rank_s[index], -index))
+    return Slowest(rank, per_rank_s[rank], median)
+
+
+class StragglerAlarm:
+    """Names, once per rank, a rank whose forward takes more than ``ratio`` times the median
+    rank's for :data:`INTERVALS_BEFORE_SAYING` intervals in a row."""
+
+    def __init__(self, ratio: float) -> None:
+        self.ratio = ratio
+        self._rank: int | None = None
+        self._in_a_row = 0
+        self._said: set[int] = set()
+
+    def observe(self, slowest: Slowest | None, host: str | None) -> str | None:
+        """The warning to say after this interval, if any."""
+        if slowest is None or slowest.ratio <= self.ratio:
+            self._rank, self._in_a_row = None, 0
+            return None
+        if slowest.rank != self._rank:
+            self._rank, self._in_a_row = slowest.rank, 0
+        self._in_a_row += 1
+        if self._in_a_row < INTERVALS_BEFORE_SAYING or slowest.rank in self._said:
+            return None
+        self._said.add(slowest.rank)
+        where = f" on {host}" if host else ""
+        return (
+            f"rank {slowest.rank}{where} is the slowest for {self._in_a_row} log intervals in "
+            f"a row: its model's forward took {slowest.ratio:.2f}x the median rank's "
+            f"({slowest.seconds:.3g} s against {slowest.median_s:.3g} s in the last interval; "
+            f"monitor.straggler_ratio={self.ratio:g}), and every rank's step waits for it. "
+            "HINT: a larger share of the data on that rank (uneven batches or sequence "
+            "lengths), or a slow node: compare its GPU's clocks and temperature "
+            f"(system/<host>/gpu<N>/..., nvidia-smi -q{' on ' + host if host else ''}); "
+            "leave a bad node out with sbatch --exclude=<node>"
+        )
+
+    def metrics(
+        self, per_rank_s: Sequence[float], hosts: Sequence[str] | None
+    ) -> tuple[dict[str, float], str | None]:
+        """One interval's ``slowest_rank`` and ``slowest_rank_ratio`` (without
+        ``interval/``; none with one rank or no forward timed), and the warning to say."""
+        slowest = slowest_rank(per_rank_s)
+        if slowest is None:
+            return {}, self.observe(None, None)
+        host = hosts[slowest.rank] if hosts else None
+        found = {"slowest_rank": float(slowest.rank), "slowest_rank_ratio": slowest.ratio}
+        return found, self.observe(slowest, host)
+
+
+#: The interval metrics :class:`StragglerAlarm` logs: the machine's pace, not the training.
+STRAGGLER_METRICS = ("slowest_rank", "slowest_rank_ratio")
+
 
 #: The interval's parts (as ``interval/<part>_percent``) besides the data wait, in the order
 #: a step's time passes; what they leave of 100 % is the rest of the step.
-STEP_TIME_PARTS = ("forward", "checkpoint", "evaluation")
+STEP_TIME_PARTS = ("forward", "optimizer", "checkpoint", "evaluation")
+
+#: A rank's optimizer seconds in its slot where it took no optimizer step in the interval.
+NO_OPTIMIZER_STEP = -1.0
+
+
+def optimizer_times(per_rank: Sequence[float]) -> list[float] | None:
+    """Each rank's optimizer seconds from the slots, 0 for a rank that took no step; None
+    where no rank took one (a script that updates its weights by hand)."""
+    if all(value == NO_OPTIMIZER_STEP for value in per_rank):
+        return None
+    return [max(0.0, value) for value in per_rank]
 
 
 @dataclass(frozen=True)
 class RankTimes:
-    """One interval as rank 0 sees it: its length, each rank's seconds waiting for data and
-    in forward (None: not timed), rank 0's seconds in checkpoint stalls and evaluation."""
+    """One interval as rank 0 sees it: its length, each rank's seconds waiting for data, in
+    forward and in optimizer steps (None: not timed), rank 0's seconds in checkpoint stalls
+    and evaluation."""
 
     seconds: float
     data_wait_s: Sequence[float] | None
     forward_s: Sequence[float] | None
+    optimizer_s: Sequence[float] | None
     checkpoint_s: float
     evaluation_s: float
 
 
 def step_time_percent(times: RankTimes) -> dict[str, float]:
-    """``<part>_percent`` of :data:`STEP_TIME_PARTS` (without ``interval/``): forward as the
-    ranks' mean share, checkpoints and evaluation as rank 0's, each at most 100."""
+    """``<part>_percent`` of :data:`STEP_TIME_PARTS` (without ``interval/``): forward and
+    optimizer as the ranks' mean shares, checkpoints and evaluation as rank 0's, each at most
+    100."""
     length = max(times.seconds, 1e-9)
     found = {}
-    if times.forward_s:
-        mean = sum(times.forward_s) / len(times.forward_s)
-        found["forward_percent"] = min(100.0, 100.0 * mean / length)
+    for part, per_rank in (("forward", times.forward_s), ("optimizer", times.optimizer_s)):
+        if per_rank:
+            mean = sum(per_rank) / len(per_rank)
+            found[f"{part}_percent"] = min(100.0, 100.0 * mean / length)
     found["checkpoint_percent"] = min(100.0, 100.0 * times.checkpoint_s / length)
     found["evaluation_percent"] = min(100.0, 100.0 * times.evaluation_s / length)
     return found

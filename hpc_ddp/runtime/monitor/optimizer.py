@@ -1,0 +1,88 @@
+"""Each rank's time in its optimizer's steps, a part of the step apart from the backward and
+the wait for the other ranks.
+
+Timed through torch's global optimizer step hooks (``register_optimizer_step_pre_hook`` and
+``..._post_hook``), so every ``torch.optim`` optimizer of the script is timed without being
+handed to the toolkit, a ``GradScaler``'s step included. A step inside another (an optimizer
+that wraps one) is in its caller's time. CUDA events on a GPU (read once done: nothing
+waits for the GPU), the clock on a CPU, as for the forward
+(:mod:`hpc_ddp.runtime.monitor.forward`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from hpc_ddp.runtime.monitor.forward import MOST_EVENTS, ForwardTally
+
+
+class OptimizerMeter:
+    """This rank's seconds in optimizer steps since the last :meth:`take`, from
+    :meth:`attach` to :meth:`detach`."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float] | None = None) -> None:
+        self._cuda = device.type == "cuda"
+        self._clock = clock or time.perf_counter
+        self._tally = ForwardTally()
+        self._started: Any = None
+        self._handles: list[Any] = []
+
+    def attach(self) -> None:
+        """Time every optimizer step of the process from now on."""
+        if not self._handles:
+            self._handles = [
+                register_optimizer_step_pre_hook(self._before),
+                register_optimizer_step_post_hook(self._after),
+            ]
+
+    def detach(self) -> None:
+        """Stop timing (the run ended)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        tally = self._tally
+        tally.depth += 1
+        if tally.depth > 1:
+            return
+        tally.forwards += 1
+        if not self._cuda:
+            self._started = self._clock()
+        elif not torch.cuda.is_current_stream_capturing():
+            self._started = torch.cuda.Event(enable_timing=True)
+            self._started.record()
+
+    def _after(self, _optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        tally = self._tally
+        tally.depth = max(0, tally.depth - 1)
+        if tally.depth:
+            return
+        started, self._started = self._started, None
+        if started is None:
+            return
+        if not self._cuda:
+            tally.seconds += self._clock() - started
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        tally.events.append((started, end))
+        if len(tally.events) > MOST_EVENTS:
+            tally.read_events(keep=MOST_EVENTS // 2)
+
+    def take(self) -> float | None:
+        """Seconds in the optimizer steps since the last take (on a GPU, those finished; the
+        others are read at a later take); None where no step was taken."""
+        tally = self._tally
+        tally.read_events(keep=MOST_EVENTS)
+        taken = tally.seconds if tally.forwards else None
+        tally.seconds, tally.forwards = 0.0, 0
+        return taken
