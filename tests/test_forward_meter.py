@@ -814,3 +814,53 @@ def test_each_ranks_optimizer_steps_are_a_part_of_the_interval(tmp_path: Path) -
             3 * metrics["interval/forward_percent"], rel=1e-9
         )
         assert 0 < metrics["interval/optimizer_percent"] < 100
+
+
+class TwoSeconds(nn.Module):
+    """A block whose forward takes 2 s on a stand-in clock."""
+
+    def __init__(self, clock: HandClock) -> None:
+        super().__init__()
+        self.layer, self.clock = nn.Linear(4, 4), clock
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        self.clock.now += 2.0
+        out: torch.Tensor = torch.tanh(self.layer(batch))
+        return out
+
+
+def test_a_forward_recomputed_inside_the_backward_is_not_timed() -> None:
+    """Activation checkpointing runs a block's forward again inside the backward (under FSDP
+    the timed blocks are what scripts checkpoint): that is the backward's time."""
+    clock = HandClock(0.0)
+    meter = ForwardMeter(CPU, False, map_tensors, clock)
+    block = TwoSeconds(clock)
+    meter.attach(block)
+    try:
+        batch = torch.randn(3, 4, requires_grad=True)
+        out = torch.utils.checkpoint.checkpoint(block, batch, use_reentrant=False)
+        out.sum().backward()
+        assert clock.now == 4.0, "the block ran twice: its forward and its recomputation"
+        taken = meter.take()
+        assert (taken.forwards, taken.seconds) == (1, 2.0)
+    finally:
+        meter.detach()
+
+
+def test_a_step_that_raised_does_not_stop_the_timing_of_later_ones() -> None:
+    clock = HandClock(0.0)
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    meter = OptimizerMeter(CPU, clock)
+    meter.attach()
+    try:
+        failing = SteppedByHand([weight], clock, 0.25)
+        failing.step(closure=lambda: (_ for _ in ()).throw(RuntimeError("out of memory")))
+    except RuntimeError:
+        pass  # a script that catches it and goes on (torch runs no post hook then)
+    try:
+        meter.take()  # where the interval closes
+        SteppedByHand([weight], clock, 0.5).step()
+        assert meter.take() == 0.5
+    finally:
+        meter.detach()

@@ -754,3 +754,26 @@ def test_time_outside_an_epochs_steps_is_not_charged_to_its_first_interval(
     assert step == 4
     assert metrics["interval/evaluation_percent"] == 0.0
     assert metrics["interval/checkpoint_percent"] == 25.0
+
+
+def test_a_closing_log_leaves_no_global_optimizer_hook_behind(tmp_path: Path) -> None:
+    from torch.optim import optimizer
+
+    before = (
+        len(optimizer._global_optimizer_pre_hooks),
+        len(optimizer._global_optimizer_post_hooks),
+    )
+    log = MetricLog(context_in(tmp_path))
+    assert len(optimizer._global_optimizer_pre_hooks) == before[0] + 1, "the step is timed"
+
+    def broken() -> None:
+        raise OSError("the terminal went away")
+
+    log.progress.close = broken  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        log.close()
+    after = (
+        len(optimizer._global_optimizer_pre_hooks),
+        len(optimizer._global_optimizer_post_hooks),
+    )
+    assert after == before, "a later run in this process would be timed twice"

@@ -14,6 +14,7 @@ import types
 from typing import Any
 
 import pytest
+import torch
 
 from hpc_ddp.runtime.config import DistConfig, RunConfig, RuntimeConfig
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -184,3 +185,28 @@ def test_two_slices_of_one_gpu_are_recorded_apart() -> None:
     assert mig_slice_names([*places, Place("node2", "0")]) == (
         "node1 GPU 3-mig1.0, node1 GPU 3-mig2.0"
     )
+
+
+def test_a_rank_whose_cuda_shows_another_slice_of_the_list_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # A GPU stands in: CUDA counts one device, the first slice of the list (a script that
+    # started CUDA before hpc_ddp.start()), or the rank's own.
+    environ = {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": SLICES,
+        "TORCHELASTIC_RUN_ID": "mig",
+    }  # fmt: skip
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", SLICES)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    settings = RuntimeConfig(
+        dist=DistConfig(device="cuda"), run=RunConfig(output_dir=str(tmp_path), id="mig")
+    )
+    shown = types.SimpleNamespace(uuid="aaaa")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda _index: shown)
+    with pytest.raises(HpcDdpError) as refused:
+        resolve_launch(settings, "mig", environ)
+    assert "to drive MIG slice MIG-bbbb" in str(refused.value)
+    assert "CUDA shows MIG-aaaa" in str(refused.value)
+    shown.uuid = "bbbb"
+    assert resolve_launch(settings, "mig", environ).device.devices == ("cuda:0",)

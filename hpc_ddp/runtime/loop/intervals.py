@@ -67,8 +67,9 @@ def system_monitor(context: RunContext) -> SystemMonitor | None:
 @dataclass(frozen=True)
 class IntervalReport:
     """One log interval's metrics, summed across ranks in the background, followed by a
-    slot per rank: its seconds of waiting for data and in its model's forward, then (with
-    the system monitor on) its figures in :data:`USAGE_FIELDS` order."""
+    slot per rank: its seconds of waiting for data, in its model's forward and in optimizer
+    steps (:data:`SLOT_TIMES`), then (with the system monitor on) its figures in
+    :data:`USAGE_FIELDS` order."""
 
     sums: PendingSums
     names: list[str]
@@ -127,12 +128,14 @@ class MetricLog:
         self.interval.add(name, total, count)
 
     def close(self) -> None:
-        """End the progress display and the readings of the machine."""
-        self.progress.close()
-        self.context.forward.detach()
-        self.optimizer_time.detach()
-        if self.system is not None:
-            self.system.close()
+        """End the progress display and the readings of the machine and of the step."""
+        try:
+            self.progress.close()
+        finally:
+            self.context.forward.detach()
+            self.optimizer_time.detach()
+            if self.system is not None:
+                self.system.close()
 
     def measure_batch(self, batch: Any, grad_accum_steps: int) -> None:
         """The global batch of a user's iterable, from a micro-batch (for samples/s and the

@@ -17,7 +17,8 @@ parameters, which wait for every rank, so the model's forward would not name a s
 either. There each innermost sharded block is timed instead: FSDP gathers its parameters in
 its forward pre-hook and frees them in its forward hook, both outside the block's
 ``forward``, so what is timed is the block's own compute. What the model does outside those
-blocks (an embedding, a head) is not timed there.
+blocks (an embedding, a head) is not timed there. A forward run again inside the backward
+(activation checkpointing's recomputation) is not timed: it is in the backward's time.
 
 The FLOPs are counted once, on the first training forward (see
 :mod:`hpc_ddp.runtime.monitor.flops`); a sharded block's are not.
@@ -43,8 +44,9 @@ from hpc_ddp.runtime.monitor.flops import MapTensors, logged_flops
 #: log interval): past it the oldest are read or dropped.
 MOST_EVENTS = 4096
 
-#: Looked up once: it is read on every forward.
+#: Looked up once: they are read on every forward.
 _is_compiling = torch.compiler.is_compiling
+_current_graph_task_id = torch._C._current_graph_task_id
 
 #: A module's FLOPs not counted yet.
 _NOT_YET = object()
@@ -192,7 +194,9 @@ class TimedForward:
                 self.tally.compiled = True
             return self.call(*args, **kwargs)
         tally = self.tally
-        if tally.depth or not (self.module.training and torch.is_grad_enabled()):
+        # Inside a backward: activation checkpointing's recomputation, not a forward.
+        training = self.module.training and torch.is_grad_enabled()
+        if tally.depth or not training or _current_graph_task_id() != -1:
             tally.depth += 1
             try:
                 return self.call(*args, **kwargs)

@@ -3,9 +3,11 @@ the wait for the other ranks.
 
 Timed through torch's global optimizer step hooks (``register_optimizer_step_pre_hook`` and
 ``..._post_hook``), so every ``torch.optim`` optimizer of the script is timed without being
-handed to the toolkit, a ``GradScaler``'s step included. A step inside another (an optimizer
-that wraps one) is in its caller's time. CUDA events on a GPU (read once done: nothing
-waits for the GPU), the clock on a CPU, as for the forward
+handed to the toolkit, the step a ``GradScaler`` makes included (not its unscale and inf
+check, which run before; nor a step it skips). A step inside another (an optimizer that wraps
+one) is in its caller's time. What runs inside a step is in it: the closure of an
+optimizer that takes one (LBFGS), the collectives of ``ZeroRedundancyOptimizer``. CUDA events
+on a GPU (read once done: nothing waits for the GPU), the clock on a CPU, as for the forward
 (:mod:`hpc_ddp.runtime.monitor.forward`).
 """
 
@@ -80,9 +82,11 @@ class OptimizerMeter:
 
     def take(self) -> float | None:
         """Seconds in the optimizer steps since the last take (on a GPU, those finished; the
-        others are read at a later take); None where no step was taken."""
+        others are read at a later take); None where no step was taken nor read."""
         tally = self._tally
         tally.read_events(keep=MOST_EVENTS)
-        taken = tally.seconds if tally.forwards else None
+        taken = tally.seconds if tally.forwards or tally.seconds else None
         tally.seconds, tally.forwards = 0.0, 0
+        # Between steps: a step that raised (torch runs no post hook then) is over.
+        tally.depth, self._started = 0, None
         return taken

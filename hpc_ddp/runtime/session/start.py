@@ -189,9 +189,15 @@ def start(
             forward=forward_meter(settings, plan),
         )
         loop = StepLoop(context, position)
-        record_end = _attempt_record(context, timeline)
-        ending = Ending(signals, str(plan.dist_env.rank), tracker, loop.close, position, record_end)
-        handle = Run(context, loop, ending, resume, started, timeline)
+        try:
+            record_end = _attempt_record(context, timeline)
+            ending = Ending(
+                signals, str(plan.dist_env.rank), tracker, loop.close, position, record_end
+            )
+            handle = Run(context, loop, ending, resume, started, timeline)
+        except BaseException:
+            loop.close(wait=False)  # its monitor's thread and torch's global hooks
+            raise
         torch.manual_seed(settings.run.seed)  # the same initial weights on every rank
         random.seed(settings.run.seed)
     except BaseException:
