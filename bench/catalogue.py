@@ -16,6 +16,7 @@ from bench.report_io import (
     data_memory_section,
     record_writes_section,
     requeue_section,
+    step_timers_section,
     usage_section,
 )
 from bench.report_scale import scale_section, tracking_busy_section, tracking_section
@@ -60,6 +61,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("checks_cost", "bench.checks_cost", checks_section),
     Benchmark("requeue_cost", "bench.requeue_cost", requeue_section, needs="cluster"),
     Benchmark("usage_cost", "bench.usage_cost", usage_section),
+    Benchmark("step_timers", "bench.step_timers", step_timers_section),
     Benchmark("gpu", "bench.gpu", gpu_section, needs="gpu", absent=GPU_NOTE),
     Benchmark("gpu_sharded", "bench.gpu_sharded", gpu_sharded_section, needs="gpu"),
     Benchmark("deterministic_cost", "bench.deterministic_cost", deterministic_section, needs="gpu"),

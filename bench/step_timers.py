@@ -1,0 +1,99 @@
+"""Benchmark: what timing the step's parts costs the training thread on a CPU: torch's global
+optimizer step hooks (``interval/optimizer_percent``) a step, and the forward timer
+(``interval/forward_percent``, the slowest rank) a timed forward, as under FSDP where every
+sharded block has one.
+
+One process, one thread: the same small optimizer step and the same small block's forward,
+in rounds that alternate with and without the timer, so the machine's drift hits both
+alike. A round's figure is its mean per call; the cost is the median over rounds of the
+difference.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bench.harness import write_result
+
+ROUNDS = 40
+CALLS = 2000
+
+
+def _per_call_us(call: Callable[[], Any]) -> float:
+    started = time.perf_counter()
+    for _ in range(CALLS):
+        call()
+    return (time.perf_counter() - started) / CALLS * 1e6
+
+
+def _paired(
+    timed: Callable[[], Any], untimed: Callable[[], Any], on: Any, off: Any
+) -> dict[str, float]:
+    """Rounds of ``timed`` (after ``on()``) and ``untimed`` (after ``off()``), alternating."""
+    with_timer, without = [], []
+    for _ in range(ROUNDS):
+        on()
+        with_timer.append(_per_call_us(timed))
+        off()
+        without.append(_per_call_us(untimed))
+    return {
+        "with_us": statistics.median(with_timer),
+        "without_us": statistics.median(without),
+        "cost_us": statistics.median(a - b for a, b in zip(with_timer, without, strict=True)),
+    }
+
+
+def _optimizer_hooks() -> dict[str, float]:
+    from hpc_ddp.runtime.monitor.optimizer import OptimizerMeter
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    meter = OptimizerMeter(torch.device("cpu"))
+
+    def detach() -> None:
+        meter.take()
+        meter.detach()
+
+    return _paired(optimizer.step, optimizer.step, meter.attach, detach)
+
+
+def _forward_timer() -> dict[str, float]:
+    from hpc_ddp.runtime.loop.streams import map_tensors
+    from hpc_ddp.runtime.monitor.forward import ForwardMeter
+
+    block = torch.nn.Linear(64, 64)
+    batch = torch.randn(8, 64)
+    meter = ForwardMeter(torch.device("cpu"), False, map_tensors)
+
+    def detach() -> None:
+        meter.take()
+        meter.detach()
+
+    return _paired(lambda: block(batch), lambda: block(batch), lambda: meter.attach(block), detach)
+
+
+def run() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {
+        "rounds": ROUNDS,
+        "calls": CALLS,
+        "optimizer_step": _optimizer_hooks(),
+        "timed_forward": _forward_timer(),
+    }
+    for part in ("optimizer_step", "timed_forward"):
+        found = result[part]
+        print(f"{part}: {found['without_us']:.2f} us, timed {found['with_us']:.2f} us "
+              f"(+{found['cost_us']:.2f} us)")  # fmt: skip
+    write_result("step_timers", result)
+    return result
+
+
+if __name__ == "__main__":
+    run()
