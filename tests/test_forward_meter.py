@@ -500,10 +500,8 @@ def test_a_straggler_ratio_below_one_is_refused() -> None:
     assert "monitor.straggler_ratio" in str(refused.value)
 
 
-#: Two ranks whose forwards take 1 s (rank 0) and 3 s (rank 1) on a stand-in clock that
-#: only the model moves (no slow GPU exists here; the times enter where the clock's would,
-#: and all after them is the real path: hooks, the interval's all-reduce, the alarm).
-SLOW_RANK_1 = """
+#: A rank's program's first lines: the forward timer reads a clock that only the program moves.
+STAND_IN_CLOCK = """
 import os
 import torch
 import hpc_ddp
@@ -517,7 +515,14 @@ class Clock:
 clock = Clock()
 forward.time = type("time", (), {"perf_counter": clock})
 rank = int(os.environ["RANK"])
+"""
 
+#: Two ranks whose forwards take 1 s (rank 0) and 3 s (rank 1) on a stand-in clock that
+#: only the model moves (no slow GPU exists here; the times enter where the clock's would,
+#: and all after them is the real path: hooks, the interval's all-reduce, the alarm).
+SLOW_RANK_1 = (
+    STAND_IN_CLOCK
+    + """
 class Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -536,25 +541,35 @@ for batch in run.steps(run.train_loader(torch.randn(512, 64), batch_size=16)):
     optimizer.zero_grad()
 run.finish()
 """
+)
+
+
+def ran_on_2_ranks(
+    tmp_path: Path, program: str, *settings: str
+) -> tuple[str, list[dict[str, Any]]]:
+    """``program`` run on 2 local ranks without the system monitor: what it printed, and
+    the metrics.jsonl entries of its run."""
+    script = tmp_path / "program.py"
+    script.write_text(program)
+    settings = (f"run.output_dir={tmp_path}", "monitor.every_s=0", *settings)
+    result = run_local_program(2, [arg for s in settings for arg in ("--set", s)] + [str(script)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not re.search(r"Traceback", result.stderr)
+    [record] = tmp_path.glob("*/*/metrics.jsonl")
+    return result.stderr, [json.loads(line) for line in record.read_text().splitlines()]
 
 
 @pytest.mark.e2e
 def test_a_rank_slower_in_forward_is_named_and_the_flops_counted(tmp_path: Path) -> None:
-    script = tmp_path / "slow_rank.py"
-    script.write_text(SLOW_RANK_1)
-    settings = [f"run.output_dir={tmp_path}", "monitor.every_s=0"]
-    result = run_local_program(2, [arg for s in settings for arg in ("--set", s)] + [str(script)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    said = [line for line in result.stderr.splitlines() if "is the slowest for" in line]
-    assert len(said) == 1, result.stderr[-3000:]
+    printed, entries = ran_on_2_ranks(tmp_path, SLOW_RANK_1)
+    said = [line for line in printed.splitlines() if "is the slowest for" in line]
+    assert len(said) == 1, printed[-3000:]
     # No host without the system monitor (every_s=0): the rank alone is named.
     assert "rank 1 is the slowest for 3 log intervals in a row" in said[0]
     assert "1.50x the median rank's (12 s against 8 s" in said[0]
     # Linear(64, 32) on 8 samples a rank: forward 2*8*64*32, the weights' gradient as much again:
     # 8192 per sample.
-    assert "a training forward of Model and its backward is 65.54 kFLOP" in result.stderr
-    [record] = tmp_path.glob("*/*/metrics.jsonl")
-    entries = [json.loads(line) for line in record.read_text().splitlines()]
+    assert "a training forward of Model and its backward is 65.54 kFLOP" in printed
     logged = [e["metrics"] for e in entries if "interval/slowest_rank" in e.get("metrics", {})]
     assert len(logged) >= 3, entries  # 16 steps, a log every 4
     for metrics in logged:
@@ -564,7 +579,6 @@ def test_a_rank_slower_in_forward_is_named_and_the_flops_counted(tmp_path: Path)
             metrics["interval/samples_per_s"] * 8192 / 1e12, rel=1e-9
         )
         assert "interval/mfu_percent" not in metrics, "no peak is known for a CPU"
-    assert not re.search(r"Traceback", result.stderr)
 
 
 def test_an_intervals_parts_are_shares_of_its_length() -> None:
@@ -640,21 +654,9 @@ def test_a_run_that_logs_no_metric_of_its_own_still_plots_its_step_time(tmp_path
 #: forward on the stand-in clock, and a pre-hook on each that moves rank 0's clock 5 s, where
 #: FSDP's own pre-hook waits for the other ranks' share of the block's parameters (a rank
 #: that waits for a slower one looks slowest there; the gathers themselves are real).
-SLOW_RANK_1_SHARDED = """
-import os
-import torch
-import hpc_ddp
-from hpc_ddp.runtime.monitor import forward
-
-class Clock:
-    now = 0.0
-    def __call__(self):
-        return self.now
-
-clock = Clock()
-forward.time = type("time", (), {"perf_counter": clock})
-rank = int(os.environ["RANK"])
-
+SLOW_RANK_1_SHARDED = (
+    STAND_IN_CLOCK
+    + """
 class Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -688,27 +690,21 @@ for batch in run.steps(run.train_loader(torch.randn(512, 32), batch_size=16)):
     optimizer.zero_grad()
 run.finish()
 """
+)
 
 
 @pytest.mark.e2e
 def test_under_fsdp_the_rank_slower_in_its_blocks_compute_is_named(tmp_path: Path) -> None:
-    script = tmp_path / "slow_rank_sharded.py"
-    script.write_text(SLOW_RANK_1_SHARDED)
-    settings = [f"run.output_dir={tmp_path}", "monitor.every_s=0", "dist.strategy=fsdp"]
-    result = run_local_program(2, [arg for s in settings for arg in ("--set", s)] + [str(script)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    said = [line for line in result.stderr.splitlines() if "is the slowest for" in line]
-    assert len(said) == 1, result.stderr[-3000:]
+    printed, entries = ran_on_2_ranks(tmp_path, SLOW_RANK_1_SHARDED, "dist.strategy=fsdp")
+    said = [line for line in printed.splitlines() if "is the slowest for" in line]
+    assert len(said) == 1, printed[-3000:]
     # 4 steps an interval, 2 blocks a step: 12 s against rank 0's 4 s, 8 s the median. Rank
     # 0's 5 s a block in the pre-hook (the gather's wait) is not its compute.
     assert "rank 1 is the slowest for 3 log intervals in a row" in said[0]
     assert "1.50x the median rank's (12 s against 8 s" in said[0]
-    [record] = tmp_path.glob("*/*/metrics.jsonl")
-    entries = [json.loads(line) for line in record.read_text().splitlines()]
     logged = [e["metrics"] for e in entries if "interval/slowest_rank" in e.get("metrics", {})]
     assert len(logged) >= 3, entries
     assert all(metrics["interval/slowest_rank"] == 1.0 for metrics in logged)
-    assert not re.search(r"Traceback", result.stderr)
 
 
 class SteppedByHand(torch.optim.SGD):
@@ -800,13 +796,7 @@ run.finish()
 
 @pytest.mark.e2e
 def test_each_ranks_optimizer_steps_are_a_part_of_the_interval(tmp_path: Path) -> None:
-    script = tmp_path / "optimizer_share.py"
-    script.write_text(OPTIMIZER_THREE_TIMES_FORWARD)
-    settings = [f"run.output_dir={tmp_path}", "monitor.every_s=0"]
-    result = run_local_program(2, [arg for s in settings for arg in ("--set", s)] + [str(script)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    [record] = tmp_path.glob("*/*/metrics.jsonl")
-    entries = [json.loads(line) for line in record.read_text().splitlines()]
+    _printed, entries = ran_on_2_ranks(tmp_path, OPTIMIZER_THREE_TIMES_FORWARD)
     logged = [e["metrics"] for e in entries if "interval/forward_percent" in e.get("metrics", {})]
     assert len(logged) >= 3, entries  # 8 steps, a log every 4 (and the epoch's end)
     for metrics in logged:

@@ -27,6 +27,12 @@ from hpc_ddp.runtime.session.joining import resolve_launch
 from tests.helpers import HandClock
 
 SLICES = "MIG-aaaa,MIG-bbbb"
+#: torchrun's second rank of a node's two, the node's slices listed for both.
+RANK_1_OF_2_SHARING_SLICES = {
+    "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": SLICES,
+    "TORCHELASTIC_RUN_ID": "mig",
+}  # fmt: skip
 
 
 def placed(
@@ -80,11 +86,7 @@ def test_a_rank_whose_cuda_started_on_another_slice_of_the_list_is_refused() -> 
 def test_start_narrows_cuda_visible_devices_to_the_ranks_own_slice(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    environ = {
-        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": SLICES,
-        "TORCHELASTIC_RUN_ID": "mig",
-    }  # fmt: skip
+    environ = RANK_1_OF_2_SHARING_SLICES
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", SLICES)
     settings = RuntimeConfig(
         dist=DistConfig(device="cuda"), run=RunConfig(output_dir=str(tmp_path), id="mig")
@@ -192,11 +194,7 @@ def test_a_rank_whose_cuda_shows_another_slice_of_the_list_is_refused_at_start(
 ) -> None:
     # A GPU stands in: CUDA counts one device, the first slice of the list (a script that
     # started CUDA before hpc_ddp.start()), or the rank's own.
-    environ = {
-        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": SLICES,
-        "TORCHELASTIC_RUN_ID": "mig",
-    }  # fmt: skip
+    environ = RANK_1_OF_2_SHARING_SLICES
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", SLICES)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     settings = RuntimeConfig(
