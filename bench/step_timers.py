@@ -32,15 +32,15 @@ def _per_call_us(call: Callable[[], Any]) -> float:
 
 
 def _paired(
-    timed: Callable[[], Any], untimed: Callable[[], Any], on: Any, off: Any
+    call: Callable[[], Any], on: Callable[[], Any], off: Callable[[], Any]
 ) -> dict[str, float]:
-    """Rounds of ``timed`` (after ``on()``) and ``untimed`` (after ``off()``), alternating."""
+    """Rounds of ``call`` timed (after ``on()``) and not (after ``off()``), alternating."""
     with_timer, without = [], []
     for _ in range(ROUNDS):
         on()
-        with_timer.append(_per_call_us(timed))
+        with_timer.append(_per_call_us(call))
         off()
-        without.append(_per_call_us(untimed))
+        without.append(_per_call_us(call))
     return {
         "with_us": statistics.median(with_timer),
         "without_us": statistics.median(without),
@@ -61,7 +61,7 @@ def _optimizer_hooks() -> dict[str, float]:
         meter.take()
         meter.detach()
 
-    return _paired(optimizer.step, optimizer.step, meter.attach, detach)
+    return _paired(optimizer.step, meter.attach, detach)
 
 
 def _forward_timer() -> dict[str, float]:
@@ -76,7 +76,7 @@ def _forward_timer() -> dict[str, float]:
         meter.take()
         meter.detach()
 
-    return _paired(lambda: block(batch), lambda: block(batch), lambda: meter.attach(block), detach)
+    return _paired(lambda: block(batch), lambda: meter.attach(block), detach)
 
 
 def run() -> dict[str, Any]:
