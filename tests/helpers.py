@@ -101,6 +101,22 @@ def run_local_program(
     return run_python(command, environment=environment or clean_environ(), timeout=timeout)
 
 
+def ran_on_ranks(
+    nproc: int, tmp_path: Path, program: str, *settings: str
+) -> tuple[str, list[dict[str, Any]]]:
+    """``program`` run on ``nproc`` local ranks without the system monitor: what it printed,
+    and the metrics.jsonl entries of its run."""
+    script = tmp_path / "program.py"
+    script.write_text(program)
+    settings = (f"run.output_dir={tmp_path}", "monitor.every_s=0", *settings)
+    options = [arg for setting in settings for arg in ("--set", setting)]
+    result = run_local_program(nproc, [*options, str(script)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    [record] = tmp_path.glob("*/*/metrics.jsonl")
+    return result.stderr, [json.loads(line) for line in record.read_text().splitlines()]
+
+
 def run_train(
     args: list[str], environment: dict[str, str], timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,6 @@ import inspect
 import json
 import logging
 import random
-import re
 import types
 import weakref
 from pathlib import Path
@@ -42,7 +41,7 @@ from hpc_ddp.runtime.monitor.throughput import counted_flops_per_s, throughput
 from hpc_ddp.view.plot import plot_run
 from hpc_ddp.view.runs import load_run
 from hpc_ddp.view.steptime import step_time_series
-from tests.helpers import HandClock, run_local_program, run_with_metrics
+from tests.helpers import HandClock, ran_on_ranks, run_with_metrics
 
 CPU = torch.device("cpu")
 
@@ -544,24 +543,9 @@ run.finish()
 )
 
 
-def ran_on_2_ranks(
-    tmp_path: Path, program: str, *settings: str
-) -> tuple[str, list[dict[str, Any]]]:
-    """``program`` run on 2 local ranks without the system monitor: what it printed, and
-    the metrics.jsonl entries of its run."""
-    script = tmp_path / "program.py"
-    script.write_text(program)
-    settings = (f"run.output_dir={tmp_path}", "monitor.every_s=0", *settings)
-    result = run_local_program(2, [arg for s in settings for arg in ("--set", s)] + [str(script)])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert not re.search(r"Traceback", result.stderr)
-    [record] = tmp_path.glob("*/*/metrics.jsonl")
-    return result.stderr, [json.loads(line) for line in record.read_text().splitlines()]
-
-
 @pytest.mark.e2e
 def test_a_rank_slower_in_forward_is_named_and_the_flops_counted(tmp_path: Path) -> None:
-    printed, entries = ran_on_2_ranks(tmp_path, SLOW_RANK_1)
+    printed, entries = ran_on_ranks(2, tmp_path, SLOW_RANK_1)
     said = [line for line in printed.splitlines() if "is the slowest for" in line]
     assert len(said) == 1, printed[-3000:]
     # No host without the system monitor (every_s=0): the rank alone is named.
@@ -695,7 +679,7 @@ run.finish()
 
 @pytest.mark.e2e
 def test_under_fsdp_the_rank_slower_in_its_blocks_compute_is_named(tmp_path: Path) -> None:
-    printed, entries = ran_on_2_ranks(tmp_path, SLOW_RANK_1_SHARDED, "dist.strategy=fsdp")
+    printed, entries = ran_on_ranks(2, tmp_path, SLOW_RANK_1_SHARDED, "dist.strategy=fsdp")
     said = [line for line in printed.splitlines() if "is the slowest for" in line]
     assert len(said) == 1, printed[-3000:]
     # 4 steps an interval, 2 blocks a step: 12 s against rank 0's 4 s, 8 s the median. Rank
@@ -796,7 +780,7 @@ run.finish()
 
 @pytest.mark.e2e
 def test_each_ranks_optimizer_steps_are_a_part_of_the_interval(tmp_path: Path) -> None:
-    _printed, entries = ran_on_2_ranks(tmp_path, OPTIMIZER_THREE_TIMES_FORWARD)
+    _printed, entries = ran_on_ranks(2, tmp_path, OPTIMIZER_THREE_TIMES_FORWARD)
     logged = [e["metrics"] for e in entries if "interval/forward_percent" in e.get("metrics", {})]
     assert len(logged) >= 3, entries  # 8 steps, a log every 4 (and the epoch's end)
     for metrics in logged:

@@ -1,7 +1,7 @@
 """The step-time panel of `hpc-ddp plot`: where each log interval's time went, stacked to
-100 %: waiting for data, the forward and the optimizer's steps (the ranks' means),
-checkpoint stalls and evaluation (rank 0's), and the rest of the step (backward, waiting for
-the other ranks)."""
+100 %: waiting for data, the forward, the wait for the gradients' all-reduce and the
+optimizer's steps (the ranks' means), checkpoint stalls and evaluation (rank 0's), and the
+rest of the step (the backward, and what of the step was not timed)."""
 
 from __future__ import annotations
 
@@ -11,19 +11,28 @@ from typing import Any
 
 from hpc_ddp.runtime.tracking.record import read_metrics
 
-#: The recorded parts, bottom to top, with their labels; the rest of the step goes between
-#: the forward and the optimizer.
+#: The recorded parts, bottom to top, with their labels; the rest of the step (the
+#: backward) goes between the forward and the wait for the gradients.
 RECORDED = (
     ("interval/data_wait_percent", "waiting for data"),
     ("interval/forward_percent", "forward"),
+    ("interval/gradient_sync_percent", "waiting for the gradients' all-reduce"),
     ("interval/optimizer_percent", "optimizer"),
     ("interval/checkpoint_percent", "checkpoint stalls"),
     ("interval/evaluation_percent", "evaluation"),
 )
-REST_AFTER_BOTH = "backward, waits for ranks"
-REST_AFTER_FORWARD = "backward, optimizer, waits for ranks"
-REST_BUT_OPTIMIZER = "forward, backward, waits for ranks"
 REST_WHOLE = "the step"
+
+
+def rest_label(forward: bool, gradient_sync: bool, optimizer: bool) -> str:
+    """The rest band's label: the backward and the parts of the step not timed."""
+    if not (forward or gradient_sync or optimizer):
+        return REST_WHOLE
+    untimed = [] if forward else ["forward"]
+    untimed.append("backward")
+    untimed += [] if optimizer else ["optimizer"]
+    untimed += [] if gradient_sync else ["waits for ranks"]
+    return ", ".join(untimed)
 
 
 def step_time_series(run_dir: Path) -> tuple[list[float], dict[str, list[float]]]:
@@ -42,19 +51,16 @@ def step_time_series(run_dir: Path) -> tuple[list[float], dict[str, list[float]]
             recorded[name].append(float(value) if ok else 0.0)
     if not steps:
         return [], {}
-    timed_forward = any(recorded["interval/forward_percent"])
-    timed_optimizer = any(recorded["interval/optimizer_percent"])
     rest = [max(0.0, 100.0 - sum(parts)) for parts in zip(*recorded.values(), strict=True)]
-    rest_label = {
-        (True, True): REST_AFTER_BOTH,
-        (True, False): REST_AFTER_FORWARD,
-        (False, True): REST_BUT_OPTIMIZER,
-        (False, False): REST_WHOLE,
-    }[(timed_forward, timed_optimizer)]
+    rest_name = rest_label(
+        any(recorded["interval/forward_percent"]),
+        any(recorded["interval/gradient_sync_percent"]),
+        any(recorded["interval/optimizer_percent"]),
+    )
     series: dict[str, list[float]] = {}
     for name, label in RECORDED:
-        if name == "interval/optimizer_percent":
-            series[rest_label] = rest
+        if name == "interval/gradient_sync_percent":
+            series[rest_name] = rest
         if any(recorded[name]) or name == "interval/data_wait_percent":
             series[label] = recorded[name]
     return steps, series

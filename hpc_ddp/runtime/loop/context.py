@@ -16,6 +16,7 @@ from hpc_ddp.runtime.config import RuntimeConfig
 from hpc_ddp.runtime.loop.streams import map_tensors
 from hpc_ddp.runtime.monitor.account import AttemptTimes
 from hpc_ddp.runtime.monitor.forward import ForwardMeter
+from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
 from hpc_ddp.runtime.place.env import DistEnv
 from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.preempt.signals import StopSignals
@@ -52,6 +53,10 @@ class RunContext:
     #: This rank's time in its wrapped models' forward (and their FLOPs, where counted).
     forward: ForwardMeter = field(
         default_factory=lambda: ForwardMeter(torch.device("cpu"), False, map_tensors)
+    )
+    #: This rank's wait for its wrapped models' gradient all-reduce (DDP).
+    gradient_sync: GradientSyncMeter = field(
+        default_factory=lambda: GradientSyncMeter(torch.device("cpu"))
     )
     #: Names this attempt's entry in the run's attempts.json.
     attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex)

@@ -21,14 +21,8 @@ from hpc_ddp.runtime.loop.metrics import (
     saved_sums,
 )
 from hpc_ddp.runtime.loop.streams import Ticks, batch_length
-from hpc_ddp.runtime.monitor.datawait import DataWait, loader_settings
-from hpc_ddp.runtime.monitor.optimizer import OptimizerMeter
-from hpc_ddp.runtime.monitor.paces import (
-    NO_OPTIMIZER_STEP,
-    IntervalPaces,
-    RankTimes,
-    optimizer_times,
-)
+from hpc_ddp.runtime.monitor.datawait import loader_settings
+from hpc_ddp.runtime.monitor.paces import IntervalPaces, RankTimes, StepTimers, timed_per_rank
 from hpc_ddp.runtime.monitor.system import SystemMonitor, gpu_text
 from hpc_ddp.runtime.monitor.throughput import (
     Throughput,
@@ -37,9 +31,9 @@ from hpc_ddp.runtime.monitor.throughput import (
 )
 from hpc_ddp.runtime.monitor.usage import USAGE_FIELDS, from_slot, to_slot
 
-#: A rank's slot begins with its seconds waiting for data, in forward and in optimizer steps;
-#: its machine's figures (:data:`USAGE_FIELDS`) follow.
-SLOT_TIMES = 3
+#: A rank's slot begins with its seconds waiting for data, in forward, in optimizer steps and
+#: waiting for the gradients' all-reduce; its machine's figures (:data:`USAGE_FIELDS`) follow.
+SLOT_TIMES = 4
 
 
 def run_throughput(context: RunContext) -> Throughput:
@@ -67,9 +61,9 @@ def system_monitor(context: RunContext) -> SystemMonitor | None:
 @dataclass(frozen=True)
 class IntervalReport:
     """One log interval's metrics, summed across ranks in the background, followed by a
-    slot per rank: its seconds of waiting for data, in its model's forward and in optimizer
-    steps (:data:`SLOT_TIMES`), then (with the system monitor on) its figures in
-    :data:`USAGE_FIELDS` order."""
+    slot per rank: its seconds of waiting for data, in its model's forward, in optimizer
+    steps and waiting for the gradients' all-reduce (:data:`SLOT_TIMES`), then (with the
+    system monitor on) its figures in :data:`USAGE_FIELDS` order."""
 
     sums: PendingSums
     names: list[str]
@@ -104,8 +98,8 @@ class MetricLog:
         self._pending: IntervalReport | None = None
         self._checked_names: set[str] = set()
         self._non_finite = NonFiniteWarnings(context.env.is_main)
-        #: This rank's wait inside the loader's ``next`` (the loop times it).
-        self.data_wait = DataWait()
+        #: This rank's timers of the step's parts (the loop times the wait for data).
+        self.timers = StepTimers(context.forward, context.gradient_sync, context.device)
         self._paces = IntervalPaces(context.config.monitor)
         #: Checkpoint and evaluation seconds where the last interval closed.
         self._paused = (context.times.checkpoint_s, context.times.evaluation_s)
@@ -113,9 +107,6 @@ class MetricLog:
         self._data_timed = True
         self._throughput = run_throughput(context)
         self.system = system_monitor(context)
-        #: This rank's time in its optimizer's steps (torch's global step hooks).
-        self.optimizer_time = OptimizerMeter(context.device)
-        self.optimizer_time.attach()
         self._slot_width = SLOT_TIMES + (len(USAGE_FIELDS) if self.system else 0)
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
@@ -132,8 +123,7 @@ class MetricLog:
         try:
             self.progress.close()
         finally:
-            self.context.forward.detach()
-            self.optimizer_time.detach()
+            self.timers.close()
             if self.system is not None:
                 self.system.close()
 
@@ -161,9 +151,7 @@ class MetricLog:
         the wait counted before it (an epoch's partial interval) is dropped."""
         self._loader_settings = loader_settings(loader)
         self._data_timed = not isinstance(getattr(loader, "batches", None), Ticks)
-        self.data_wait.take()
-        self.context.forward.take()
-        self.optimizer_time.take()
+        self.timers.take()
         self._paused = (self.context.times.checkpoint_s, self.context.times.evaluation_s)
 
     def _move_interval_to_epoch(self) -> tuple[list[str], torch.Tensor]:
@@ -191,10 +179,8 @@ class MetricLog:
         shape = (env.world_size, self._slot_width)
         slots = torch.zeros(shape, dtype=torch.float64, device=local.device)
         usage = to_slot(self.system.sampler.take()) if self.system else ()
-        forward = self.context.forward.take()
-        optimizer_s = self.optimizer_time.take()
-        optimizer = NO_OPTIMIZER_STEP if optimizer_s is None else optimizer_s
-        mine = (self.data_wait.take(), forward.seconds, optimizer, *usage)
+        parts, forward = self.timers.take()
+        mine = (*parts, *usage)
         for index, value in enumerate(mine):  # a fill each: a handful per interval
             slots[env.rank, index] = value
         local = torch.cat([local, slots.reshape(-1)])
@@ -246,9 +232,10 @@ class MetricLog:
             report.seconds,
             [float(row[0]) for row in rows] if report.data_timed else None,
             [float(row[1]) for row in rows] if self.context.forward.timing(main=True) else None,
-            optimizer_times([float(row[2]) for row in rows]),
+            timed_per_rank([float(row[2]) for row in rows]),
             report.checkpoint_s,
             report.evaluation_s,
+            timed_per_rank([float(row[3]) for row in rows]),
         )
         hosts = [place.host for place in self.system.places] if self.system else None
         found, said = self._paces.read(times, self._loader_settings, hosts)

@@ -188,7 +188,7 @@ class StepLoop:
         try:
             batches = iter(loader) if left > 0 else iter(())
             while left > 0:
-                batch = self.metrics.data_wait.next_of(batches, _END)
+                batch = self.metrics.timers.data_wait.next_of(batches, _END)
                 if batch is _END:
                     ran_out = True
                     break

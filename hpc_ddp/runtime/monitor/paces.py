@@ -1,8 +1,9 @@
 """Where one log interval's time went, as rank 0 reads it from every rank's slot: waiting
-for data, the model's forward, the optimizer's steps, checkpoint stalls and evaluation, with
-the rest of the step (backward, waiting for the other ranks) what is left; and the two warnings that
-come from those figures (a rank waiting for its data, a rank slower than the others: the
-one with the most time in its model's forward, see :mod:`hpc_ddp.runtime.monitor.forward`)."""
+for data, the model's forward, the wait for the gradients' all-reduce, the optimizer's steps,
+checkpoint stalls and evaluation, with the rest of the step (the backward, and what is not
+timed) what is left; and the two warnings that come from those figures (a rank waiting for
+its data, a rank slower than the others: the one with the most time in its model's forward,
+see :mod:`hpc_ddp.runtime.monitor.forward`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,13 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from hpc_ddp.runtime.config import MonitorConfig
-from hpc_ddp.runtime.monitor.datawait import DataWaitAlarm, data_wait_shares
+from hpc_ddp.runtime.monitor.datawait import DataWait, DataWaitAlarm, data_wait_shares
+from hpc_ddp.runtime.monitor.forward import ForwardMeter, ForwardTake
+from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
+from hpc_ddp.runtime.monitor.optimizer import OptimizerMeter
 
 #: Intervals in a row a rank must be the straggler before it is named in a warning (one
 #: slow interval is a hiccup: a page fault storm, a neighbour's burst).
@@ -95,25 +101,64 @@ STRAGGLER_METRICS = ("slowest_rank", "slowest_rank_ratio")
 
 #: The interval's parts (as ``interval/<part>_percent``) besides the data wait, in the order
 #: a step's time passes; what they leave of 100 % is the rest of the step.
-STEP_TIME_PARTS = ("forward", "optimizer", "checkpoint", "evaluation")
+STEP_TIME_PARTS = ("forward", "gradient_sync", "optimizer", "checkpoint", "evaluation")
 
-#: A rank's optimizer seconds in its slot where it took no optimizer step in the interval.
-NO_OPTIMIZER_STEP = -1.0
+#: A rank's seconds in its slot for a part it did not time in the interval (no optimizer
+#: step taken, no gradient all-reduce timed).
+NOT_TIMED = -1.0
 
 
-def optimizer_times(per_rank: Sequence[float]) -> list[float] | None:
-    """Each rank's optimizer seconds from the slots, 0 for a rank that took no step; None
-    where no rank took one (a script that updates its weights by hand)."""
-    if all(value == NO_OPTIMIZER_STEP for value in per_rank):
+def timed_per_rank(per_rank: Sequence[float]) -> list[float] | None:
+    """Each rank's seconds in a part from the slots, 0 for a rank that did not time it; None
+    where no rank did (a script that updates its weights by hand, a model not under DDP)."""
+    if all(value == NOT_TIMED for value in per_rank):
         return None
     return [max(0.0, value) for value in per_rank]
+
+
+class StepTimers:
+    """This rank's timers of the step's parts, read into its slot as each interval closes:
+    the wait inside the loader's ``next`` (the loop times it), the wrapped models' forward,
+    the optimizers' steps (torch's global step hooks, from now to :meth:`close`) and the
+    wait for the gradients' all-reduce."""
+
+    def __init__(
+        self, forward: ForwardMeter, gradient_sync: GradientSyncMeter, device: torch.device
+    ) -> None:
+        self.data_wait = DataWait()
+        self.forward = forward
+        self.gradient_sync = gradient_sync
+        self.optimizer = OptimizerMeter(device)
+        self.optimizer.attach()
+
+    def take(self) -> tuple[tuple[float, float, float, float], ForwardTake]:
+        """The seconds since the last take, in slot order (data wait, forward, optimizer,
+        gradient sync; :data:`NOT_TIMED` for a part not timed), and the forward's take."""
+        forward = self.forward.take()
+        optimizer, sync = self.optimizer.take(), self.gradient_sync.take()
+        seconds = (
+            self.data_wait.take(),
+            forward.seconds,
+            NOT_TIMED if optimizer is None else optimizer,
+            NOT_TIMED if sync is None else sync,
+        )
+        return seconds, forward
+
+    def close(self) -> None:
+        """Stop timing (the run ended): every model gets its forward back, no global hook
+        is left."""
+        try:
+            self.forward.detach()
+            self.gradient_sync.detach()
+        finally:
+            self.optimizer.detach()
 
 
 @dataclass(frozen=True)
 class RankTimes:
     """One interval as rank 0 sees it: its length, each rank's seconds waiting for data, in
-    forward and in optimizer steps (None: not timed), rank 0's seconds in checkpoint stalls
-    and evaluation."""
+    forward, waiting for the gradients' all-reduce and in optimizer steps (None: not timed),
+    rank 0's seconds in checkpoint stalls and evaluation."""
 
     seconds: float
     data_wait_s: Sequence[float] | None
@@ -121,15 +166,20 @@ class RankTimes:
     optimizer_s: Sequence[float] | None
     checkpoint_s: float
     evaluation_s: float
+    gradient_sync_s: Sequence[float] | None = None
 
 
 def step_time_percent(times: RankTimes) -> dict[str, float]:
-    """``<part>_percent`` of :data:`STEP_TIME_PARTS` (without ``interval/``): forward and
-    optimizer as the ranks' mean shares, checkpoints and evaluation as rank 0's, each at most
-    100."""
+    """``<part>_percent`` of :data:`STEP_TIME_PARTS` (without ``interval/``): forward, the
+    gradients' all-reduce and optimizer as the ranks' mean shares, checkpoints and evaluation
+    as rank 0's, each at most 100."""
     length = max(times.seconds, 1e-9)
     found = {}
-    for part, per_rank in (("forward", times.forward_s), ("optimizer", times.optimizer_s)):
+    for part, per_rank in (
+        ("forward", times.forward_s),
+        ("gradient_sync", times.gradient_sync_s),
+        ("optimizer", times.optimizer_s),
+    ):
         if per_rank:
             mean = sum(per_rank) / len(per_rank)
             found[f"{part}_percent"] = min(100.0, 100.0 * mean / length)

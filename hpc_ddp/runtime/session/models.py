@@ -94,6 +94,7 @@ class ModelView(RankView):
             materialise(model, self.device, init_weights)
         wrapped = wrap_in_ddp(model, self.device, ddp_options)
         self._context.forward.attach(wrapped.module)
+        self._context.gradient_sync.attach(wrapped)
         self._context.wrapped.append(wrapped.module)
         return wrapped
 

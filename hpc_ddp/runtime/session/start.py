@@ -34,6 +34,7 @@ from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import map_tensors
 from hpc_ddp.runtime.monitor.forward import ForwardMeter
+from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
 from hpc_ddp.runtime.monitor.timeline import mark, new_timeline
 from hpc_ddp.runtime.place.checking import check_before_training, record_checks
 from hpc_ddp.runtime.place.plan import LaunchPlan
@@ -187,6 +188,7 @@ def start(
             fingerprint=values,
             log_interval=log_interval,
             forward=forward_meter(settings, plan),
+            gradient_sync=GradientSyncMeter(torch.device(plan.device.device)),
         )
         loop = StepLoop(context, position)
         try:
