@@ -149,6 +149,7 @@ def usage_section(data: dict[str, Any]) -> str:
 
 def step_timers_section(data: dict[str, Any]) -> str:
     optimizer, forward = data["optimizer_step"], data["timed_forward"]
+    sync = data.get("gradient_sync")
     return (
         "### Timing the step's parts\n\n"
         f"`python -m bench.step_timers`: one process, one thread, {data['rounds']} rounds of "
@@ -161,11 +162,21 @@ def step_timers_section(data: dict[str, Any]) -> str:
         f"{optimizer['cost_us']:.2f} µs |\n"
         f"| a `Linear(64, 64)` forward on 8 samples (the forward timer; under FSDP each "
         f"sharded block has one) | {forward['without_us']:.2f} µs | {forward['with_us']:.2f} "
-        f"µs | {forward['cost_us']:.2f} µs |\n\n"
+        f"µs | {forward['cost_us']:.2f} µs |\n"
+        + (
+            f"| a forward and backward of the MLP under DDP (monitor.time_gradient_sync's "
+            f"communication hook; one rank over loopback gloo) | {sync['without_us']:.2f} µs | "
+            f"{sync['with_us']:.2f} µs | {sync['cost_us']:.2f} µs |\n"
+            if sync
+            else ""
+        )
+        + "\n"
         "The optimizer hooks are torch's own and process-wide: in the paired benchmark (§1) "
         "the hand-written side's steps pass through them too, so this row is their cost, not "
         "§1's. On a GPU each timed call records two CUDA events instead of reading the clock, "
-        "and the events are read once done, at the log interval.\n\n"
+        "and the events are read once done, at the log interval. The communication hook is "
+        "a Python call, a multiply and a future more for each gradient bucket; it is off by "
+        "default for that.\n\n"
     )
 
 

@@ -1,7 +1,9 @@
 """Benchmark: what timing the step's parts costs the training thread on a CPU: torch's global
-optimizer step hooks (``interval/optimizer_percent``) a step, and the forward timer
+optimizer step hooks (``interval/optimizer_percent``) a step, the forward timer
 (``interval/forward_percent``, the slowest rank) a timed forward, as under FSDP where every
-sharded block has one.
+sharded block has one, and the communication hook of ``monitor.time_gradient_sync``
+(``interval/gradient_sync_percent``) a DDP backward (one rank over loopback gloo, so the
+all-reduce itself costs next to nothing and the hook's own work shows).
 
 One process, one thread: the same small optimizer step and the same small block's forward,
 in rounds that alternate with and without the timer, so the machine's drift hits both
@@ -11,6 +13,7 @@ difference.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -79,6 +82,42 @@ def _forward_timer() -> dict[str, float]:
     return _paired(lambda: block(batch), lambda: meter.attach(block), detach)
 
 
+def _gradient_sync_hook() -> dict[str, float]:
+    """A backward of one DDP model with the timing hook against one of its twin without it
+    (DDP keeps a hook for good, so the two alternate instead of one switched)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        timed, plain = DistributedDataParallel(net), DistributedDataParallel(copy.deepcopy(net))
+        meter = GradientSyncMeter(torch.device("cpu"), enabled=True)
+        meter.attach(timed)
+        batch = torch.randn(16, 32)
+        timed(batch)  # its first training forward registers the hook
+
+        def backward(model: torch.nn.Module) -> Callable[[], None]:
+            return lambda: model(batch).sum().backward()
+
+        with_timer, without = [], []
+        for _ in range(ROUNDS):
+            with_timer.append(_per_call_us(backward(timed)))
+            meter.take()
+            without.append(_per_call_us(backward(plain)))
+        meter.detach()
+    finally:
+        dist.destroy_process_group()
+    return {
+        "with_us": statistics.median(with_timer),
+        "without_us": statistics.median(without),
+        "cost_us": statistics.median(a - b for a, b in zip(with_timer, without, strict=True)),
+    }
+
+
 def run() -> dict[str, Any]:
     torch.set_num_threads(1)
     result: dict[str, Any] = {
@@ -86,8 +125,9 @@ def run() -> dict[str, Any]:
         "calls": CALLS,
         "optimizer_step": _optimizer_hooks(),
         "timed_forward": _forward_timer(),
+        "gradient_sync": _gradient_sync_hook(),
     }
-    for part in ("optimizer_step", "timed_forward"):
+    for part in ("optimizer_step", "timed_forward", "gradient_sync"):
         found = result[part]
         print(f"{part}: {found['without_us']:.2f} us, timed {found['with_us']:.2f} us "
               f"(+{found['cost_us']:.2f} us)")  # fmt: skip

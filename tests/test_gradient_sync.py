@@ -18,7 +18,7 @@ from hpc_ddp.runtime.monitor.paces import (
     timed_per_rank,
 )
 from hpc_ddp.view.steptime import rest_label, step_time_series
-from tests.helpers import ran_on_ranks, run_with_metrics
+from tests.helpers import ran_on_ranks, run_local_program, run_with_metrics
 
 #: At 3 ranks a gradient times 1/3 and a gradient divided by 3 differ in the last bit for
 #: about half the elements: only DDP's own multiply gives its bits. A sparse gradient
@@ -42,6 +42,7 @@ torch.manual_seed(0)
 whole = Model()
 timed = run.wrap(copy.deepcopy(whole))
 own = DistributedDataParallel(whole)
+run.register(model=timed, own=own)  # the script's own DDP laid out as run.wrap's
 optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (timed, own)]
 tokens = torch.randint(0, 64, (72, 5), generator=torch.Generator().manual_seed(1))
 equal = []
@@ -60,7 +61,7 @@ run.finish()
 
 @pytest.mark.e2e
 def test_the_timed_reduction_gives_the_bits_of_ddps_own_at_3_ranks(tmp_path: Path) -> None:
-    printed, entries = ran_on_ranks(3, tmp_path, SAME_BITS)
+    printed, entries = ran_on_ranks(3, tmp_path, SAME_BITS, "monitor.time_gradient_sync=true")
     said = sorted(re.findall(r"rank (\d): gradients equal at (\d+) of (\d+) steps", printed))
     assert said == [(str(rank), "6", "6") for rank in range(3)], printed[-3000:]
     logged = [e["metrics"] for e in entries if "interval/forward_percent" in e.get("metrics", {})]
@@ -73,7 +74,7 @@ def test_the_timed_reduction_gives_the_bits_of_ddps_own_at_3_ranks(tmp_path: Pat
 #: 5 µs a wait on rank 0, 1 µs on rank 1, and 1 µs a forward on both (no slow peer exists
 #: here; all after the readings is the real path: the hook, the slots, the all-reduce).
 WAITS_ON_A_STAND_IN_CLOCK = """
-import os, torch, hpc_ddp
+import os, sys, torch, hpc_ddp
 from hpc_ddp.runtime.monitor import forward, gradsync
 
 class Ticks:
@@ -95,13 +96,21 @@ for batch in run.steps(run.train_loader(torch.randn(256, 8), batch_size=16)):
     model(batch).pow(2).mean().backward()
     optimizer.step()
     optimizer.zero_grad()
+print(f"rank {rank}: hook {model._get_ddp_logging_data().get('comm_hook')}", file=sys.stderr)
 run.finish()
 """
 
 
 @pytest.mark.e2e
 def test_each_ranks_wait_for_the_gradients_is_a_part_of_the_interval(tmp_path: Path) -> None:
-    _printed, entries = ran_on_ranks(2, tmp_path, WAITS_ON_A_STAND_IN_CLOCK)
+    printed, entries = ran_on_ranks(
+        2, tmp_path, WAITS_ON_A_STAND_IN_CLOCK, "monitor.time_gradient_sync=true"
+    )
+    # DDP's logging data names the hook by its qualified name.
+    timing_hook = "GradientSyncMeter._register_once.<locals>.<lambda>"
+    assert sorted(re.findall(r"rank (\d): hook (\S+)", printed)) == [
+        ("0", timing_hook), ("1", timing_hook),
+    ], printed[-3000:]  # fmt: skip
     logged = [e["metrics"] for e in entries if "interval/forward_percent" in e.get("metrics", {})]
     assert len(logged) >= 3, entries  # 8 steps, a log every 4 (and the epoch's end)
     for metrics in logged:  # the ranks' mean: (5 + 1) / 2 µs a step, 1 µs a forward
@@ -133,13 +142,41 @@ run.finish()
 
 
 @pytest.mark.e2e
-def test_a_scripts_own_communication_hook_is_kept_and_the_wait_not_timed(tmp_path: Path) -> None:
-    printed, entries = ran_on_ranks(2, tmp_path, OWN_HOOK)
-    said = sorted(re.findall(r"rank (\d): my hook reduced (\d+) buckets", printed))
-    assert said == [("0", "16"), ("1", "16")], printed[-3000:]  # one bucket, 16 steps
+def test_by_default_no_hook_is_registered_and_the_wait_not_timed(tmp_path: Path) -> None:
+    printed, entries = ran_on_ranks(2, tmp_path, WAITS_ON_A_STAND_IN_CLOCK)
+    assert sorted(re.findall(r"rank (\d): hook (\S+)", printed)) == [
+        ("0", "None"), ("1", "None"),
+    ], printed[-3000:]  # fmt: skip
     logged = [e["metrics"] for e in entries if "interval/forward_percent" in e.get("metrics", {})]
     assert logged, entries
     assert not any("interval/gradient_sync_percent" in metrics for metrics in logged)
+
+
+@pytest.mark.e2e
+def test_a_scripts_own_communication_hook_is_kept_and_the_wait_not_timed(tmp_path: Path) -> None:
+    printed, entries = ran_on_ranks(2, tmp_path, OWN_HOOK, "monitor.time_gradient_sync=true")
+    said = sorted(re.findall(r"rank (\d): my hook reduced (\d+) buckets", printed))
+    assert said == [("0", "16"), ("1", "16")], printed[-3000:]  # one bucket, 16 steps
+    assert printed.count("the model has a communication hook of the script's own") == 1
+    logged = [e["metrics"] for e in entries if "interval/forward_percent" in e.get("metrics", {})]
+    assert logged, entries
+    assert not any("interval/gradient_sync_percent" in metrics for metrics in logged)
+
+
+@pytest.mark.e2e
+def test_ddp_options_that_divide_otherwise_are_refused_with_a_hint(tmp_path: Path) -> None:
+    script = tmp_path / "program.py"
+    script.write_text(
+        "import torch, hpc_ddp\n"
+        "run = hpc_ddp.start(tracking={'enabled': False})\n"
+        "run.wrap(torch.nn.Linear(8, 4), gradient_as_bucket_view=True)\n"
+    )
+    settings = ["--set", f"run.output_dir={tmp_path}", "--set", "monitor.time_gradient_sync=true"]
+    result = run_local_program(1, [*settings, str(script)])
+    assert result.returncode != 0
+    assert "DistributedDataParallel(gradient_as_bucket_view=True)" in result.stderr
+    assert "HINT: leave gradient_as_bucket_view out" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
 def test_a_part_no_rank_timed_is_left_out_and_a_rank_that_did_not_counts_0() -> None:

@@ -7,14 +7,21 @@ the first layers' gradients) is ready when the backward's compute is done, so th
 its being ready to its sum being done is what the rank waited: for a slower rank to reach
 the same bucket, and for the network. A fast rank waits there for a slow one.
 
-It is timed through a DDP communication hook that reduces exactly as DDP's own (each
-gradient times 1/world size, a dense bucket's in one multiply as DDP's copy into the bucket
-does, then a sum): the same bits as without it. DDP takes one communication hook a model,
-so it is registered at the model's first training forward, and only where the script has
-registered none by then (its own hook, PowerSGD or fp16 compression, is left alone and
-the wait is not timed). CUDA events on a GPU (read once done: nothing waits for the GPU),
-the clock on a CPU. Not timed: under FSDP (its reduce-scatters are waited for inside the
-backward's hooks), steps inside ``no_sync`` (they reduce nothing).
+It is timed, where ``monitor.time_gradient_sync`` asks for it, through a DDP communication
+hook that reduces exactly as DDP's own (each gradient times 1/world size, a dense bucket's
+in one multiply as DDP's copy into the bucket does, then a sum): the same bits as without
+it. Off by default: the hook is a Python call, a multiply and a callback more a bucket
+(tens of µs a backward on a CPU, see bench/README.md; DDP's buckets hold 25 MB each).
+Refused with the DDP options under which DDP divides otherwise
+(``gradient_as_bucket_view``, ``batched_grad_copy``).
+DDP takes one communication hook a model, so it is registered at the end of the model's
+first training forward, and only where none is registered by then (the script's own,
+PowerSGD or fp16 compression, DDP's for an optimizer in the backward): those are kept and
+the wait is not timed. A hook the script registers after that forward DDP refuses. CUDA
+events on a GPU (read once done: nothing waits for the GPU), the clock on a CPU. Not timed:
+under FSDP (its reduce-scatters are waited for inside the backward's hooks), steps inside
+``no_sync`` (they reduce nothing), a model under ``Join`` with
+``divide_by_initial_world_size=False`` (DDP then divides by the ranks still active).
 """
 
 from __future__ import annotations
@@ -25,74 +32,88 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.monitor.forward import MOST_EVENTS
 
 
 class GradientSyncMeter:
     """This rank's seconds waiting for its DDP models' last gradient bucket since the last
-    :meth:`take`, from :meth:`attach` to :meth:`detach`."""
+    :meth:`take`, from :meth:`attach` to :meth:`detach` (``enabled``: monitor
+    .time_gradient_sync; ``say``: this rank speaks for all)."""
 
-    def __init__(self, device: torch.device, clock: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        enabled: bool = False,
+        say: bool = False,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
         self._cuda = device.type == "cuda"
+        self._enabled = enabled
+        self._say = say
         self._clock = clock or time.perf_counter
-        #: Waits finished (seconds on a CPU, event pairs on a GPU), appended by the
-        #: communication library's thread: a deque, whose append and popleft are atomic.
+        #: Waits finished (seconds on a CPU, event pairs on a GPU), appended where the
+        #: all-reduce's future runs its callback: a deque, whose append and popleft are
+        #: atomic.
         self._finished: collections.deque[Any] = collections.deque()
         self._unread: list[tuple[Any, Any]] = []
-        self._handles: list[Any] = []
+        #: The forward hooks waiting to register, by the id of their model.
+        self._handles: dict[int, Any] = {}
+        self._seen: list[DistributedDataParallel] = []
         self._models: list[DistributedDataParallel] = []
         self._timing = False
 
-    @property
-    def timed(self) -> bool:
-        """Whether a model's wait is timed (its hook registered)."""
-        return bool(self._models)
-
     def attach(self, model: DistributedDataParallel) -> None:
         """Time ``model``'s wait from its first training forward on (if the script registers
-        no communication hook of its own before it) until :meth:`detach`."""
+        no communication hook of its own before that forward ends) until :meth:`detach`."""
+        if not self._enabled:
+            return
+        check_same_bits(model)
         self._timing = True
-        handle: Any = None
+        self._handles[id(model)] = model.register_forward_hook(self._register_once)
 
-        def register(_module: Any, _args: Any) -> None:
-            if not torch.is_grad_enabled():
-                return
-            handle.remove()
-            self._handles.remove(handle)
-            if self._timing and self._register(model):
-                self._models.append(model)
+    def _register_once(self, module: Any, _args: Any, _output: Any) -> None:
+        """After a training forward (in its first, DDP registers the hooks of its own, such
+        as an optimizer's in the backward): register the timing hook, once."""
+        if not torch.is_grad_enabled() or any(module is seen for seen in self._seen):
+            return
+        self._seen.append(module)
+        handle = self._handles.pop(id(module), None)
+        if handle is not None:
+            handle.remove()  # torch's fast call path again
+        if not self._timing:
+            return
+        # DDP's logging data names the hook registered, if any (DDP has no public query).
+        logged: dict[str, Any] = getattr(module, "_get_ddp_logging_data", dict)()
+        if logged.get("comm_hook") or getattr(module, "_use_python_reducer", False):
+            if self._say:
+                get_logger().info(
+                    "monitor.time_gradient_sync: the model has a communication hook of the "
+                    f"script's own ({logged.get('comm_hook') or 'the Python reducer'}), kept: "
+                    "the wait for the gradients' all-reduce is not timed"
+                )
+            return
+        self._models.append(module)
+        group = module.process_group
+        scale = 1.0 / group.size()
+        # Unannotated, and the group held here, not as the hook's state: DDP compares a
+        # hook's annotations to its own types, and a DDP model copied whole copies the state.
+        module.register_comm_hook(None, lambda state, bucket: self._reduce(group, scale, bucket))
 
-        handle = model.register_forward_pre_hook(register)
-        self._handles.append(handle)
-
-    def _register(self, model: DistributedDataParallel) -> bool:
-        """Register the timing hook on ``model``; False where it has a hook already."""
-        # DDP says nowhere public whether a hook is registered; its Python list holds the
-        # hooks registered with register_comm_hook, the usual way, and a failed
-        # registration would leave an entry there. Compiled autograd's Python reducer
-        # calls hooks with (grad, param), not a bucket.
-        if getattr(model, "_comm_hooks", None) or getattr(model, "_use_python_reducer", False):
-            return False
-        group = model.process_group
-        try:  # unannotated: DDP compares a hook's annotations to its own types
-            model.register_comm_hook(group, lambda state, bucket: self._reduce(state, bucket))
-        except RuntimeError:  # a built-in hook (fp16 compression) is registered
-            return False
-        return True
-
-    def _reduce(self, group: Any, bucket: Any) -> Any:
-        """DDP's own reduction of ``bucket`` (the same bits), the last bucket's wait timed."""
+    def _reduce(self, group: Any, scale: float, bucket: Any) -> Any:
+        """DDP's own reduction of ``bucket`` (the same bits, through the group's own
+        all-reduce as DDP's: torch.distributed.all_reduce's checks cost more than a small
+        model's backward), the last bucket's wait timed."""
         started = self._started() if bucket.is_last() and self._timing else None
         buffer = bucket.buffer()
-        size = dist.get_world_size(group)
         if buffer.is_sparse:  # DDP divides a sparse gradient, and multiplies a dense one
-            buffer.div_(size)
+            buffer.div_(group.size())
         else:
-            buffer.mul_(1.0 / size)
-        future = dist.all_reduce(buffer, group=group, async_op=True).get_future()
+            buffer.mul_(scale)
+        future = group.allreduce([buffer]).get_future()
         if started is None:
             return future.then(_summed)
         return future.then(lambda done: self._done(started, done))
@@ -143,10 +164,23 @@ class GradientSyncMeter:
         """Stop timing (the run ended). A registered hook stays, as DDP keeps it, and goes on
         reducing as DDP would, untimed."""
         self._timing = False
-        for handle in self._handles:
+        for handle in self._handles.values():
             handle.remove()
-        self._handles = []
-        self._models = []
+        self._handles = {}
+        self._seen, self._models = [], []
+
+
+def check_same_bits(model: DistributedDataParallel) -> None:
+    """Refuse the DDP options under which DDP divides the gradients in a way a hook cannot
+    repeat bit for bit (in place in the bucket, or in one batch after copying)."""
+    for option in ("gradient_as_bucket_view", "batched_grad_copy"):
+        if getattr(model, option, False):
+            raise HpcDdpError(
+                f"monitor.time_gradient_sync=true with DistributedDataParallel({option}=True): "
+                "DDP then divides the gradients in a way the timing hook cannot repeat bit "
+                "for bit",
+                f"leave {option} out, or monitor.time_gradient_sync out (off)",
+            )
 
 
 def _summed(done: torch.futures.Future[Any]) -> torch.Tensor:

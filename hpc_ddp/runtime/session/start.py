@@ -188,7 +188,11 @@ def start(
             fingerprint=values,
             log_interval=log_interval,
             forward=forward_meter(settings, plan),
-            gradient_sync=GradientSyncMeter(torch.device(plan.device.device)),
+            gradient_sync=GradientSyncMeter(
+                torch.device(plan.device.device),
+                settings.monitor.time_gradient_sync,
+                plan.dist_env.is_main,
+            ),
         )
         loop = StepLoop(context, position)
         try:
