@@ -54,7 +54,7 @@ for batch in run.steps(run.train_loader(tokens, batch_size=12)):
     equal.append(all(torch.equal(a.grad.to_dense(), b.grad.to_dense()) for a, b in pairs))
     for optimizer in optimizers:
         optimizer.step()
-print(f"rank {run.rank}: gradients equal at {sum(equal)} of {len(equal)} steps", file=sys.stderr)
+sys.stderr.write(f"rank {run.rank}: gradients equal at {sum(equal)} of {len(equal)} steps\\n")
 run.finish()
 """
 
@@ -89,6 +89,10 @@ forward.time = type("time", (), {"perf_counter": Ticks(1e-6)})
 gradsync.time = type("time", (), {"perf_counter": Ticks(5e-6 if rank == 0 else 1e-6)})
 run = hpc_ddp.start(tracking={"enabled": False}, log_interval=4)
 model = run.wrap(torch.nn.Linear(8, 4))
+with torch.no_grad():
+    model(torch.randn(2, 8))
+after_evaluation = model._get_ddp_logging_data().get("comm_hook")
+sys.stderr.write(f"rank {rank}: after an evaluation, hook {after_evaluation}\\n")
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 for batch in run.steps(run.train_loader(torch.randn(256, 8), batch_size=16)):
     with torch.no_grad():
@@ -96,7 +100,8 @@ for batch in run.steps(run.train_loader(torch.randn(256, 8), batch_size=16)):
     model(batch).pow(2).mean().backward()
     optimizer.step()
     optimizer.zero_grad()
-print(f"rank {rank}: hook {model._get_ddp_logging_data().get('comm_hook')}", file=sys.stderr)
+hook = model._get_ddp_logging_data().get("comm_hook")
+sys.stderr.write(f"rank {rank}: hook {hook}, forward hooks {len(model._forward_hooks)}\\n")
 run.finish()
 """
 
@@ -107,9 +112,12 @@ def test_each_ranks_wait_for_the_gradients_is_a_part_of_the_interval(tmp_path: P
         2, tmp_path, WAITS_ON_A_STAND_IN_CLOCK, "monitor.time_gradient_sync=true"
     )
     # DDP's logging data names the hook by its qualified name.
-    timing_hook = "GradientSyncMeter._register_once.<locals>.<lambda>"
-    assert sorted(re.findall(r"rank (\d): hook (\S+)", printed)) == [
-        ("0", timing_hook), ("1", timing_hook),
+    timing_hook = "GradientSyncMeter._register_once.<locals>.reduce"
+    # Registered at the first training forward, not at an evaluation's; the forward hook
+    # that registered it is gone (torch's fast call path again).
+    assert re.findall(r"rank \d: after an evaluation, hook (\S+)", printed) == ["None"] * 2
+    assert sorted(re.findall(r"rank (\d): hook (\S+), forward hooks (\d+)", printed)) == [
+        ("0", timing_hook, "0"), ("1", timing_hook, "0"),
     ], printed[-3000:]  # fmt: skip
     logged = [e["metrics"] for e in entries if "interval/forward_percent" in e.get("metrics", {})]
     assert len(logged) >= 3, entries  # 8 steps, a log every 4 (and the epoch's end)
@@ -136,7 +144,7 @@ for batch in run.steps(run.train_loader(torch.randn(256, 8), batch_size=16)):
     model(batch).pow(2).mean().backward()
     optimizer.step()
     optimizer.zero_grad()
-print(f"rank {run.rank}: my hook reduced {len(reduced)} buckets", file=sys.stderr)
+sys.stderr.write(f"rank {run.rank}: my hook reduced {len(reduced)} buckets\\n")
 run.finish()
 """
 
@@ -144,8 +152,8 @@ run.finish()
 @pytest.mark.e2e
 def test_by_default_no_hook_is_registered_and_the_wait_not_timed(tmp_path: Path) -> None:
     printed, entries = ran_on_ranks(2, tmp_path, WAITS_ON_A_STAND_IN_CLOCK)
-    assert sorted(re.findall(r"rank (\d): hook (\S+)", printed)) == [
-        ("0", "None"), ("1", "None"),
+    assert sorted(re.findall(r"rank (\d): hook (\S+), forward hooks (\d+)", printed)) == [
+        ("0", "None", "0"), ("1", "None", "0"),
     ], printed[-3000:]  # fmt: skip
     logged = [e["metrics"] for e in entries if "interval/forward_percent" in e.get("metrics", {})]
     assert logged, entries
@@ -157,25 +165,28 @@ def test_a_scripts_own_communication_hook_is_kept_and_the_wait_not_timed(tmp_pat
     printed, entries = ran_on_ranks(2, tmp_path, OWN_HOOK, "monitor.time_gradient_sync=true")
     said = sorted(re.findall(r"rank (\d): my hook reduced (\d+) buckets", printed))
     assert said == [("0", "16"), ("1", "16")], printed[-3000:]  # one bucket, 16 steps
-    assert printed.count("the model has a communication hook of the script's own") == 1
+    assert printed.count("the model has a communication hook of its own") == 1
     logged = [e["metrics"] for e in entries if "interval/forward_percent" in e.get("metrics", {})]
     assert logged, entries
     assert not any("interval/gradient_sync_percent" in metrics for metrics in logged)
 
 
 @pytest.mark.e2e
-def test_ddp_options_that_divide_otherwise_are_refused_with_a_hint(tmp_path: Path) -> None:
+@pytest.mark.parametrize("option", ["gradient_as_bucket_view", "batched_grad_copy"])
+def test_ddp_options_that_divide_otherwise_are_refused_with_a_hint(
+    tmp_path: Path, option: str
+) -> None:
     script = tmp_path / "program.py"
     script.write_text(
         "import torch, hpc_ddp\n"
         "run = hpc_ddp.start(tracking={'enabled': False})\n"
-        "run.wrap(torch.nn.Linear(8, 4), gradient_as_bucket_view=True)\n"
+        f"run.wrap(torch.nn.Linear(8, 4), {option}=True)\n"
     )
     settings = ["--set", f"run.output_dir={tmp_path}", "--set", "monitor.time_gradient_sync=true"]
     result = run_local_program(1, [*settings, str(script)])
     assert result.returncode != 0
-    assert "DistributedDataParallel(gradient_as_bucket_view=True)" in result.stderr
-    assert "HINT: leave gradient_as_bucket_view out" in result.stderr
+    assert f"DistributedDataParallel({option}=True)" in result.stderr
+    assert f"HINT: leave {option} out" in result.stderr
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 

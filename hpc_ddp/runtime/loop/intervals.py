@@ -98,8 +98,6 @@ class MetricLog:
         self._pending: IntervalReport | None = None
         self._checked_names: set[str] = set()
         self._non_finite = NonFiniteWarnings(context.env.is_main)
-        #: This rank's timers of the step's parts (the loop times the wait for data).
-        self.timers = StepTimers(context.forward, context.gradient_sync, context.device)
         self._paces = IntervalPaces(context.config.monitor)
         #: Checkpoint and evaluation seconds where the last interval closed.
         self._paused = (context.times.checkpoint_s, context.times.evaluation_s)
@@ -108,6 +106,9 @@ class MetricLog:
         self._throughput = run_throughput(context)
         self.system = system_monitor(context)
         self._slot_width = SLOT_TIMES + (len(USAGE_FIELDS) if self.system else 0)
+        #: This rank's timers of the step's parts (the loop times the wait for data); last,
+        #: as they hook into torch for good until closed.
+        self.timers = StepTimers(context.forward, context.gradient_sync, context.device)
 
     def add(self, name: str, total: torch.Tensor | float, count: torch.Tensor | float) -> None:
         """A training metric's total over ``count`` items (see :meth:`hpc_ddp.Run.log`);
@@ -123,9 +124,11 @@ class MetricLog:
         try:
             self.progress.close()
         finally:
-            self.timers.close()
-            if self.system is not None:
-                self.system.close()
+            try:
+                self.timers.close()
+            finally:
+                if self.system is not None:
+                    self.system.close()
 
     def measure_batch(self, batch: Any, grad_accum_steps: int) -> None:
         """The global batch of a user's iterable, from a micro-batch (for samples/s and the

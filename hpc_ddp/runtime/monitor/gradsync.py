@@ -11,7 +11,7 @@ It is timed, where ``monitor.time_gradient_sync`` asks for it, through a DDP com
 hook that reduces exactly as DDP's own (each gradient times 1/world size, a dense bucket's
 in one multiply as DDP's copy into the bucket does, then a sum): the same bits as without
 it. Off by default: the hook is a Python call, a multiply and a callback more a bucket
-(tens of µs a backward on a CPU, see bench/README.md; DDP's buckets hold 25 MB each).
+(tens of µs a bucket on a CPU, see bench/README.md; DDP's buckets hold 25 MB each).
 Refused with the DDP options under which DDP divides otherwise
 (``gradient_as_bucket_view``, ``batched_grad_copy``).
 DDP takes one communication hook a model, so it is registered at the end of the model's
@@ -20,15 +20,15 @@ PowerSGD or fp16 compression, DDP's for an optimizer in the backward): those are
 the wait is not timed. A hook the script registers after that forward DDP refuses. CUDA
 events on a GPU (read once done: nothing waits for the GPU), the clock on a CPU. Not timed:
 under FSDP (its reduce-scatters are waited for inside the backward's hooks), steps inside
-``no_sync`` (they reduce nothing), a model under ``Join`` with
-``divide_by_initial_world_size=False`` (DDP then divides by the ranks still active).
+``no_sync`` (they reduce nothing). Under DDP's ``join(divide_by_initial_world_size=False)``
+DDP divides by the ranks still active, which a hook cannot know: the backward raises.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -66,12 +66,28 @@ class GradientSyncMeter:
         self._models: list[DistributedDataParallel] = []
         self._timing = False
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> GradientSyncMeter:
+        """One meter a run: a model copied whole (hooks and all) keeps this one."""
+        return self
+
+    def check_options(self, ddp_options: Mapping[str, Any]) -> None:
+        """Refuse, where the wait is timed, the DDP options under which DDP divides the
+        gradients in a way a hook cannot repeat bit for bit (in place in the bucket, or in
+        one batch after copying)."""
+        for option in ("gradient_as_bucket_view", "batched_grad_copy"):
+            if self._enabled and ddp_options.get(option):
+                raise HpcDdpError(
+                    f"monitor.time_gradient_sync=true with DistributedDataParallel({option}="
+                    "True): DDP then divides the gradients in a way the timing hook cannot "
+                    "repeat bit for bit",
+                    f"leave {option} out, or monitor.time_gradient_sync out (off)",
+                )
+
     def attach(self, model: DistributedDataParallel) -> None:
         """Time ``model``'s wait from its first training forward on (if the script registers
         no communication hook of its own before that forward ends) until :meth:`detach`."""
         if not self._enabled:
             return
-        check_same_bits(model)
         self._timing = True
         self._handles[id(model)] = model.register_forward_hook(self._register_once)
 
@@ -86,27 +102,43 @@ class GradientSyncMeter:
             handle.remove()  # torch's fast call path again
         if not self._timing:
             return
-        # DDP's logging data names the hook registered, if any (DDP has no public query).
-        logged: dict[str, Any] = getattr(module, "_get_ddp_logging_data", dict)()
-        if logged.get("comm_hook") or getattr(module, "_use_python_reducer", False):
-            if self._say:
-                get_logger().info(
-                    "monitor.time_gradient_sync: the model has a communication hook of the "
-                    f"script's own ({logged.get('comm_hook') or 'the Python reducer'}), kept: "
-                    "the wait for the gradients' all-reduce is not timed"
-                )
-            return
-        self._models.append(module)
         group = module.process_group
         scale = 1.0 / group.size()
-        # Unannotated, and the group held here, not as the hook's state: DDP compares a
-        # hook's annotations to its own types, and a DDP model copied whole copies the state.
-        module.register_comm_hook(None, lambda state, bucket: self._reduce(group, scale, bucket))
 
-    def _reduce(self, group: Any, scale: float, bucket: Any) -> Any:
+        def reduce(state: Any, bucket: Any) -> Any:
+            return self._reduce(module, group, scale, bucket)
+
+        # DDP compares a hook's annotations to its own types: these are strings here.
+        reduce.__annotations__ = {}
+        try:
+            # DDP's logging data names the hook registered, if any (DDP has no public
+            # query); the group is held by the hook, not as its state, which a DDP model
+            # copied whole would copy.
+            found = module._get_ddp_logging_data().get("comm_hook")
+            if not found and not getattr(module, "_use_python_reducer", False):
+                module.register_comm_hook(None, reduce)
+                self._models.append(module)
+                return
+        except (AssertionError, RuntimeError) as error:  # a hook DDP's logger never saw
+            found = str(error)
+        if self._say:
+            get_logger().info(
+                "monitor.time_gradient_sync: the model has a communication hook of its own "
+                f"({found or 'the Python reducer'}), kept: the wait for the gradients' "
+                "all-reduce is not timed"
+            )
+
+    def _reduce(self, module: Any, group: Any, scale: float, bucket: Any) -> Any:
         """DDP's own reduction of ``bucket`` (the same bits, through the group's own
         all-reduce as DDP's: torch.distributed.all_reduce's checks cost more than a small
         model's backward), the last bucket's wait timed."""
+        if not getattr(module, "_divide_by_initial_world_size", True):
+            raise HpcDdpError(
+                "monitor.time_gradient_sync=true under DistributedDataParallel.join("
+                "divide_by_initial_world_size=False): DDP then divides the gradients by the "
+                "ranks still active, which the timing hook cannot know",
+                "leave divide_by_initial_world_size out, or monitor.time_gradient_sync out",
+            )
         started = self._started() if bucket.is_last() and self._timing else None
         buffer = bucket.buffer()
         if buffer.is_sparse:  # DDP divides a sparse gradient, and multiplies a dense one
@@ -168,19 +200,6 @@ class GradientSyncMeter:
             handle.remove()
         self._handles = {}
         self._seen, self._models = [], []
-
-
-def check_same_bits(model: DistributedDataParallel) -> None:
-    """Refuse the DDP options under which DDP divides the gradients in a way a hook cannot
-    repeat bit for bit (in place in the bucket, or in one batch after copying)."""
-    for option in ("gradient_as_bucket_view", "batched_grad_copy"):
-        if getattr(model, option, False):
-            raise HpcDdpError(
-                f"monitor.time_gradient_sync=true with DistributedDataParallel({option}=True): "
-                "DDP then divides the gradients in a way the timing hook cannot repeat bit "
-                "for bit",
-                f"leave {option} out, or monitor.time_gradient_sync out (off)",
-            )
 
 
 def _summed(done: torch.futures.Future[Any]) -> torch.Tensor:

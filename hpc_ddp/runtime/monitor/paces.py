@@ -149,9 +149,11 @@ class StepTimers:
         is left."""
         try:
             self.forward.detach()
-            self.gradient_sync.detach()
         finally:
-            self.optimizer.detach()
+            try:
+                self.gradient_sync.detach()
+            finally:
+                self.optimizer.detach()
 
 
 @dataclass(frozen=True)
