@@ -52,7 +52,7 @@ def _paired(
 
 
 def _optimizer_hooks() -> dict[str, float]:
-    from hpc_ddp.runtime.monitor.optimizer import OptimizerMeter
+    from hpc_ddp.runtime.monitor.steptimers import OptimizerMeter
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     for parameter in model.parameters():

@@ -28,7 +28,6 @@ from hpc_ddp.runtime.logs import LOGGER_NAME, get_logger
 from hpc_ddp.runtime.loop.streams import map_tensors
 from hpc_ddp.runtime.monitor.flops import flop_text, training_flops
 from hpc_ddp.runtime.monitor.forward import ForwardMeter
-from hpc_ddp.runtime.monitor.optimizer import OptimizerMeter
 from hpc_ddp.runtime.monitor.paces import (
     INTERVALS_BEFORE_SAYING,
     IntervalPaces,
@@ -37,6 +36,7 @@ from hpc_ddp.runtime.monitor.paces import (
     slowest_rank,
     step_time_percent,
 )
+from hpc_ddp.runtime.monitor.steptimers import OptimizerMeter
 from hpc_ddp.runtime.monitor.throughput import counted_flops_per_s, throughput
 from hpc_ddp.view.plot import plot_run
 from hpc_ddp.view.runs import load_run

@@ -22,7 +22,8 @@ from hpc_ddp.runtime.loop.metrics import (
 )
 from hpc_ddp.runtime.loop.streams import Ticks, batch_length
 from hpc_ddp.runtime.monitor.datawait import loader_settings
-from hpc_ddp.runtime.monitor.paces import IntervalPaces, RankTimes, StepTimers, timed_per_rank
+from hpc_ddp.runtime.monitor.paces import IntervalPaces, RankTimes, timed_per_rank
+from hpc_ddp.runtime.monitor.steptimers import StepTimers
 from hpc_ddp.runtime.monitor.system import SystemMonitor, gpu_text
 from hpc_ddp.runtime.monitor.throughput import (
     Throughput,

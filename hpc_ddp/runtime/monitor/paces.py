@@ -11,13 +11,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from hpc_ddp.runtime.config import MonitorConfig
-from hpc_ddp.runtime.monitor.datawait import DataWait, DataWaitAlarm, data_wait_shares
-from hpc_ddp.runtime.monitor.forward import ForwardMeter, ForwardTake
-from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
-from hpc_ddp.runtime.monitor.optimizer import OptimizerMeter
+from hpc_ddp.runtime.monitor.datawait import DataWaitAlarm, data_wait_shares
 
 #: Intervals in a row a rank must be the straggler before it is named in a warning (one
 #: slow interval is a hiccup: a page fault storm, a neighbour's burst).
@@ -114,46 +109,6 @@ def timed_per_rank(per_rank: Sequence[float]) -> list[float] | None:
     if all(value == NOT_TIMED for value in per_rank):
         return None
     return [max(0.0, value) for value in per_rank]
-
-
-class StepTimers:
-    """This rank's timers of the step's parts, read into its slot as each interval closes:
-    the wait inside the loader's ``next`` (the loop times it), the wrapped models' forward,
-    the optimizers' steps (torch's global step hooks, from now to :meth:`close`) and the
-    wait for the gradients' all-reduce."""
-
-    def __init__(
-        self, forward: ForwardMeter, gradient_sync: GradientSyncMeter, device: torch.device
-    ) -> None:
-        self.data_wait = DataWait()
-        self.forward = forward
-        self.gradient_sync = gradient_sync
-        self.optimizer = OptimizerMeter(device)
-        self.optimizer.attach()
-
-    def take(self) -> tuple[tuple[float, float, float, float], ForwardTake]:
-        """The seconds since the last take, in slot order (data wait, forward, optimizer,
-        gradient sync; :data:`NOT_TIMED` for a part not timed), and the forward's take."""
-        forward = self.forward.take()
-        optimizer, sync = self.optimizer.take(), self.gradient_sync.take()
-        seconds = (
-            self.data_wait.take(),
-            forward.seconds,
-            NOT_TIMED if optimizer is None else optimizer,
-            NOT_TIMED if sync is None else sync,
-        )
-        return seconds, forward
-
-    def close(self) -> None:
-        """Stop timing (the run ended): every model gets its forward back, no global hook
-        is left."""
-        try:
-            self.forward.detach()
-        finally:
-            try:
-                self.gradient_sync.detach()
-            finally:
-                self.optimizer.detach()
 
 
 @dataclass(frozen=True)
