@@ -743,7 +743,7 @@ def test_every_optimizers_steps_are_timed_once_and_none_after_detach() -> None:
 OPTIMIZER_THREE_TIMES_FORWARD = """
 import torch
 import hpc_ddp
-from hpc_ddp.runtime.monitor import forward, optimizer
+from hpc_ddp.runtime.monitor import forward, steptimers
 
 class Clock:
     now = 0.0
@@ -751,7 +751,7 @@ class Clock:
         return self.now
 
 clock = Clock()
-forward.time = optimizer.time = type("time", (), {"perf_counter": clock})
+forward.time = steptimers.time = type("time", (), {"perf_counter": clock})
 
 class Model(torch.nn.Module):
     def __init__(self):
