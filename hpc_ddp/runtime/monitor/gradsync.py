@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.monitor.forward import MOST_EVENTS
+from hpc_ddp.runtime.monitor.forward import MOST_EVENTS, ForwardTally
 
 
 class GradientSyncMeter:
@@ -59,7 +59,9 @@ class GradientSyncMeter:
         #: all-reduce's future runs its callback: a deque, whose append and popleft are
         #: atomic.
         self._finished: collections.deque[Any] = collections.deque()
-        self._unread: list[tuple[Any, Any]] = []
+        #: The waits taken off ``_finished``: their seconds, and the GPU's event pairs not
+        #: done yet (read as the forward's are).
+        self._unread = ForwardTally()
         #: The forward hooks waiting to register, by the id of their model.
         self._handles: dict[int, Any] = {}
         self._seen: list[DistributedDataParallel] = []
@@ -176,20 +178,15 @@ class GradientSyncMeter:
         read at a later take); None where no model's wait is timed."""
         if not self._models:
             return None
-        seconds = 0.0
+        tally = self._unread
         while self._finished:
             wait = self._finished.popleft()
             if isinstance(wait, float):
-                seconds += wait
+                tally.seconds += wait
             else:
-                self._unread.append(wait)
-        waiting = []
-        for start, end in self._unread:
-            if end.query():
-                seconds += start.elapsed_time(end) / 1000.0
-            else:
-                waiting.append((start, end))
-        self._unread = waiting[-MOST_EVENTS:]
+                tally.events.append(wait)
+        tally.read_events(keep=MOST_EVENTS)
+        seconds, tally.seconds = tally.seconds, 0.0
         return seconds
 
     def detach(self) -> None:
