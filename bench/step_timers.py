@@ -1,9 +1,10 @@
 """Benchmark: what timing the step's parts costs the training thread on a CPU: torch's global
 optimizer step hooks (``interval/optimizer_percent``) a step, the forward timer
 (``interval/forward_percent``, the slowest rank) a timed forward, as under FSDP where every
-sharded block has one, and the communication hook of ``monitor.time_gradient_sync``
-(``interval/gradient_sync_percent``) a DDP backward (one rank over loopback gloo, so the
-all-reduce itself costs next to nothing and the hook's own work shows).
+sharded block has one, and the timer of ``monitor.time_gradient_sync``
+(``interval/gradient_sync_percent``: a gradient hook and two autograd callbacks) a DDP
+backward (one rank over loopback gloo, so the all-reduce itself costs next to nothing and
+the timer's own work shows).
 
 One process, one thread: the same small optimizer step and the same small block's forward,
 in rounds that alternate with and without the timer, so the machine's drift hits both
@@ -13,7 +14,6 @@ difference.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable
@@ -82,9 +82,8 @@ def _forward_timer() -> dict[str, float]:
     return _paired(lambda: block(batch), lambda: meter.attach(block), detach)
 
 
-def _gradient_sync_hook() -> dict[str, float]:
-    """A backward of one DDP model with the timing hook against one of its twin without it
-    (DDP keeps a hook for good, so the two alternate instead of one switched)."""
+def _gradient_sync_timer() -> dict[str, float]:
+    """A forward and backward of one DDP model, timed and not, alternating."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -94,28 +93,17 @@ def _gradient_sync_hook() -> dict[str, float]:
     try:
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-        timed, plain = DistributedDataParallel(net), DistributedDataParallel(copy.deepcopy(net))
+        model = DistributedDataParallel(net)
         meter = GradientSyncMeter(torch.device("cpu"), enabled=True)
-        meter.attach(timed)
         batch = torch.randn(16, 32)
-        timed(batch)  # its first training forward registers the hook
 
-        def backward(model: torch.nn.Module) -> Callable[[], None]:
-            return lambda: model(batch).sum().backward()
-
-        with_timer, without = [], []
-        for _ in range(ROUNDS):
-            with_timer.append(_per_call_us(backward(timed)))
+        def detach() -> None:
             meter.take()
-            without.append(_per_call_us(backward(plain)))
-        meter.detach()
+            meter.detach()
+
+        return _paired(lambda: model(batch).sum().backward(), lambda: meter.attach(model), detach)
     finally:
         dist.destroy_process_group()
-    return {
-        "with_us": statistics.median(with_timer),
-        "without_us": statistics.median(without),
-        "cost_us": statistics.median(a - b for a, b in zip(with_timer, without, strict=True)),
-    }
 
 
 def run() -> dict[str, Any]:
@@ -125,7 +113,7 @@ def run() -> dict[str, Any]:
         "calls": CALLS,
         "optimizer_step": _optimizer_hooks(),
         "timed_forward": _forward_timer(),
-        "gradient_sync": _gradient_sync_hook(),
+        "gradient_sync": _gradient_sync_timer(),
     }
     for part in ("optimizer_step", "timed_forward", "gradient_sync"):
         found = result[part]

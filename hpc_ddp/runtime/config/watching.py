@@ -119,10 +119,8 @@ class MonitorConfig:
         False,
         "Time each rank's wait at the end of its backward for DDP's gradient all-reduce "
         "(interval/gradient_sync_percent: where a fast rank waits for a slow one and for the "
-        "network), through a communication hook that reduces with DDP's own bits. Off by "
-        "default: a Python call and a callback a gradient bucket (tens of µs a bucket on a "
-        "CPU; bench/README.md). Models wrapped by run.wrap under DDP without a communication "
-        "hook of the script's own.",
+        "network), with a gradient hook and two autograd callbacks a backward (a few µs; "
+        "bench/README.md); DDP reduces as its own. Models wrapped by run.wrap under DDP.",
     )
 
     every_s: float = setting(

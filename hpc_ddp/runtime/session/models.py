@@ -92,7 +92,6 @@ class ModelView(RankView):
             return sharded  # type: ignore[return-value]
         if on_meta:
             materialise(model, self.device, init_weights)
-        self._context.gradient_sync.check_options(ddp_options)
         wrapped = wrap_in_ddp(model, self.device, ddp_options)
         self._context.forward.attach(wrapped.module)
         self._context.gradient_sync.attach(wrapped)

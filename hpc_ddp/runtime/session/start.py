@@ -189,9 +189,7 @@ def start(
             log_interval=log_interval,
             forward=forward_meter(settings, plan),
             gradient_sync=GradientSyncMeter(
-                torch.device(plan.device.device),
-                settings.monitor.time_gradient_sync,
-                plan.dist_env.is_main,
+                torch.device(plan.device.device), settings.monitor.time_gradient_sync
             ),
         )
         loop = StepLoop(context, position)
