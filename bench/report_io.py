@@ -174,12 +174,11 @@ def step_timers_section(data: dict[str, Any]) -> str:
         "The optimizer hooks are torch's own and process-wide: in the paired benchmark (§1) "
         "the hand-written side's steps pass through them too, so this row is their cost, not "
         "§1's. On a GPU each timed call records two CUDA events instead of reading the clock, "
-        "and the events are read once done, at the log interval. The gradient-sync timer is "
-        "a Python call and two autograd callbacks a backward, whatever the buckets; its "
-        "difference here is below what this bench resolves (three runs read -3.5 to -4.7 µs: "
-        "the timed rounds were not slower). Before, a communication hook that reduced in its "
-        "place cost 55 to 79 µs a bucket here. It is off by default until the paired "
-        "benchmark (§1) has measured it on.\n\n"
+        "and the events are read once done, at the log interval. The gradient-sync timer (on by default) is "
+        "a Python call and two autograd callbacks a backward, whatever the buckets (a few µs "
+        "either way is below what this bench resolves on a backward of 180 µs); a "
+        "communication hook that reduced in DDP's place, the timer before it, cost 55 to 79 µs "
+        "a bucket here.\n\n"
     )
 
 

@@ -37,13 +37,17 @@ def _per_call_us(call: Callable[[], Any]) -> float:
 def _paired(
     call: Callable[[], Any], on: Callable[[], Any], off: Callable[[], Any]
 ) -> dict[str, float]:
-    """Rounds of ``call`` timed (after ``on()``) and not (after ``off()``), alternating."""
+    """Rounds of ``call`` timed (after ``on()``) and not (after ``off()``), alternating,
+    each side first in every other round (so that which runs first is no bias)."""
     with_timer, without = [], []
-    for _ in range(ROUNDS):
+    for round_index in range(ROUNDS):
+        if round_index % 2:
+            without.append(_per_call_us(call))
         on()
         with_timer.append(_per_call_us(call))
         off()
-        without.append(_per_call_us(call))
+        if not round_index % 2:
+            without.append(_per_call_us(call))
     return {
         "with_us": statistics.median(with_timer),
         "without_us": statistics.median(without),

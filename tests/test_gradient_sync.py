@@ -5,11 +5,19 @@ script's own communication hook and any DDP option, and the plot's band."""
 from __future__ import annotations
 
 import re
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp.runtime.config import resolve_config
+from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
 from hpc_ddp.runtime.monitor.paces import (
     NOT_TIMED,
     IntervalPaces,
@@ -109,9 +117,7 @@ sys.stderr.write(f"rank {rank}: comm hook {hook}, gradient hooks {during} then {
 
 @pytest.mark.e2e
 def test_each_ranks_wait_for_the_gradients_is_a_part_of_the_interval(tmp_path: Path) -> None:
-    printed, entries = ran_on_ranks(
-        2, tmp_path, WAITS_ON_A_STAND_IN_CLOCK, "monitor.time_gradient_sync=true"
-    )
+    printed, entries = ran_on_ranks(2, tmp_path, WAITS_ON_A_STAND_IN_CLOCK)  # on by default
     # No communication hook (DDP reduces as its own); one gradient hook, removed at the end.
     assert sorted(re.findall(r"rank (\d): comm hook (\S+), gradient hooks (\d) then (\d)",
                              printed)) == [
@@ -149,8 +155,10 @@ run.finish()
 
 
 @pytest.mark.e2e
-def test_by_default_no_hook_is_registered_and_the_wait_not_timed(tmp_path: Path) -> None:
-    printed, entries = ran_on_ranks(2, tmp_path, WAITS_ON_A_STAND_IN_CLOCK)
+def test_switched_off_no_hook_is_registered_and_the_wait_not_timed(tmp_path: Path) -> None:
+    printed, entries = ran_on_ranks(
+        2, tmp_path, WAITS_ON_A_STAND_IN_CLOCK, "monitor.time_gradient_sync=false"
+    )
     assert sorted(re.findall(r"rank (\d): comm hook (\S+), gradient hooks (\d) then (\d)",
                              printed)) == [
         ("0", "None", "0", "0"), ("1", "None", "0", "0"),
@@ -207,3 +215,108 @@ def test_the_plot_draws_the_wait_for_the_gradients_after_the_backward(tmp_path: 
         "waiting for the gradients' all-reduce": [30.0],
         "optimizer": [10.0],
     }
+
+
+class HandedOver:
+    """The meter's clock, and a communication hook whose last bucket is summed only once the
+    meter has read the clock at the graph's end: the reducer then waits exactly ``wait`` on
+    this clock. Read in the wrong order (after the reducer's wait), the wait reads 0."""
+
+    def __init__(self, wait: float) -> None:
+        self.now, self.wait = 0.0, wait
+        self.read = threading.Event()
+        self.delay = True
+
+    def clock(self) -> float:
+        self.read.set()
+        return self.now
+
+    def hook(self, _state: object, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        summed: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        if not (bucket.is_last() and self.delay):
+            summed.set_result(bucket.buffer())
+            return summed
+        self.read.clear()
+
+        def sum_after_the_reading() -> None:
+            if self.read.wait(timeout=60):  # else the wait reads 0 and the test says so
+                self.now += self.wait
+            summed.set_result(bucket.buffer())
+
+        threading.Thread(target=sum_after_the_reading, daemon=True).start()
+        return summed
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """One gloo rank in this process (an in-memory store: nothing listens)."""
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def timed_ddp(
+    module: nn.Module, handed: HandedOver, meter: GradientSyncMeter, **options: Any
+) -> DistributedDataParallel:
+    model = DistributedDataParallel(module, bucket_cap_mb=1e-5, **options)  # a bucket each
+    # DDP compares a hook's annotations to its own types: these are strings here.
+    model.register_comm_hook(None, lambda state, bucket: handed.hook(state, bucket))
+    meter.attach(model)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("module", "options"),
+    [
+        (lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), {}),
+        (
+            lambda: nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4)),
+            {"find_unused_parameters": True},
+        ),
+        (lambda: nn.Linear(8, 4, bias=False), {}),
+    ],
+    ids=["buckets", "find_unused", "one_parameter"],
+)
+def test_the_wait_is_read_from_the_graphs_end_to_the_reducers_sums(
+    one_rank: None, module: Callable[[], nn.Module], options: dict[str, Any]
+) -> None:
+    handed = HandedOver(5.0)
+    meter = GradientSyncMeter(torch.device("cpu"), enabled=True, clock=handed.clock)
+    model = timed_ddp(module(), handed, meter, **options)
+    for _ in range(3):
+        model(torch.randn(2, 8)).sum().backward()
+    assert meter.take() == 15.0
+    assert meter.take() is None  # no backward since: not timed, rather than 0
+
+
+def test_a_static_graphs_first_step_and_forwards_in_no_sync_are_not_timed(one_rank: None) -> None:
+    handed = HandedOver(5.0)
+    meter = GradientSyncMeter(torch.device("cpu"), enabled=True, clock=handed.clock)
+    model = timed_ddp(nn.Linear(8, 4), handed, meter, static_graph=True)
+    handed.delay = False  # the first step: DDP reduces it all before the graph's end
+    model(torch.randn(2, 8)).sum().backward()
+    assert meter.take() is None
+    handed.delay = True
+    for _ in range(2):
+        model(torch.randn(2, 8)).sum().backward()
+    assert meter.take() == 10.0
+    handed.delay = False
+    with model.no_sync():
+        out = model(torch.randn(2, 8))
+    out.sum().backward()  # DDP decided at the forward: nothing reduced
+    assert meter.take() is None
+
+
+def test_two_models_in_one_backward_are_timed_once(one_rank: None) -> None:
+    handed = HandedOver(5.0)
+    meter = GradientSyncMeter(torch.device("cpu"), enabled=True, clock=handed.clock)
+    first = timed_ddp(nn.Linear(8, 4), handed, meter)
+    second = DistributedDataParallel(nn.Linear(4, 2), bucket_cap_mb=1e-5)
+    meter.attach(second)
+    (second(first(torch.randn(2, 8))).sum()).backward()
+    assert meter.take() == 5.0  # one pair of readings around both reducers' waits
+    meter.detach()
+    assert meter.take() is None

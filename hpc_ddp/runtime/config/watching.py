@@ -116,11 +116,11 @@ class MonitorConfig:
         "Models wrapped by run.wrap under DDP.",
     )
     time_gradient_sync: bool = setting(
-        False,
+        True,
         "Time each rank's wait at the end of its backward for DDP's gradient all-reduce "
         "(interval/gradient_sync_percent: where a fast rank waits for a slow one and for the "
-        "network), with a gradient hook and two autograd callbacks a backward (a few µs; "
-        "bench/README.md); DDP reduces as its own. Models wrapped by run.wrap under DDP.",
+        "network), with a gradient hook and two autograd callbacks a backward; DDP reduces "
+        "as its own. Models wrapped by run.wrap under DDP.",
     )
 
     every_s: float = setting(
