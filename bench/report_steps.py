@@ -22,7 +22,8 @@ def overhead_paired_section(data: dict[str, Any]) -> str:
         f"batch {data['global_batch']}. hpc_ddp runs with its defaults (interval metrics and a "
         "progress line about every 5 s, stop-signal agreement about once per second, both "
         "timed over the first 20 steps) and the monitor on (each training forward timed, the "
-        "wait for each batch timed, a reading of the machine every 10 s), tracking and "
+        "wait for each batch timed, the optimizer's steps and the wait for the gradients' "
+        "all-reduce timed, a reading of the machine every 10 s), tracking and "
         "checkpoints off. "
         "Target: ratio >= 0.99.",
         "",

@@ -258,6 +258,23 @@ def one_rank() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+class FirstLayerIgnored(nn.Module):
+    """Its last parameter (the first layer's, whose gradient comes last) is one DDP leaves
+    alone: the reducer has heard of all of its own before that gradient arrives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 4)
+        self.first = nn.Linear(8, 16)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            self, ["first.weight", "first.bias"]
+        )
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.first(batch))
+        return out
+
+
 def timed_ddp(
     module: nn.Module, handed: HandedOver, meter: GradientSyncMeter, **options: Any
 ) -> DistributedDataParallel:
@@ -277,8 +294,9 @@ def timed_ddp(
             {"find_unused_parameters": True},
         ),
         (lambda: nn.Linear(8, 4, bias=False), {}),
+        (lambda: FirstLayerIgnored(), {}),
     ],
-    ids=["buckets", "find_unused", "one_parameter"],
+    ids=["buckets", "find_unused", "one_parameter", "ignored_parameters"],
 )
 def test_the_wait_is_read_from_the_graphs_end_to_the_reducers_sums(
     one_rank: None, module: Callable[[], nn.Module], options: dict[str, Any]

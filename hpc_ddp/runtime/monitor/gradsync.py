@@ -21,9 +21,12 @@ Not timed (the interval then says so, rather than 0): under FSDP (its reduce-sca
 waited for inside the backward's hooks); steps whose forward ran inside ``no_sync`` (they
 reduce nothing); a step in which the hooked parameter gets no gradient; the first step of
 a ``static_graph`` model (DDP reduces it all in one callback queued when the backward
-starts); DDP's Python reducer (compiled autograd) and a model whose parameters DDP all
-leaves to ``delay_all_reduce_named_params``. Several DDP models in one backward are
-counted once, from the first hooked gradient on.
+starts); DDP's Python reducer (compiled autograd). Read short: a step in which a forward
+without gradients (an evaluation) ran between the training forward and its backward (DDP
+then forgets that the backward reduces; the step reads as not timed), and a hooked
+parameter inside a reentrant activation checkpoint (``use_reentrant=True``: its hook runs
+in the checkpoint's own backward, whose end is not the reducer's). Several DDP models in
+one backward are counted once, from the first hooked gradient on.
 """
 
 from __future__ import annotations
@@ -59,8 +62,8 @@ class GradientSyncMeter:
         self._clock = clock or time.perf_counter
         #: Waits finished (seconds on a CPU, event pairs on a GPU), appended by autograd's
         #: engine (on a GPU, from its device threads): a deque, whose append and popleft are
-        #: atomic.
-        self._finished: collections.deque[Any] = collections.deque()
+        #: atomic; bounded, as a script that never ends an interval never takes them.
+        self._finished: collections.deque[Any] = collections.deque(maxlen=MOST_EVENTS)
         #: The waits taken off ``_finished``: their seconds, and the GPU's event pairs not
         #: done yet (read as the forward's are).
         self._unread = ForwardTally()
@@ -76,10 +79,21 @@ class GradientSyncMeter:
 
     def attach(self, model: DistributedDataParallel) -> None:
         """Time ``model``'s wait at the end of each backward until :meth:`detach`."""
-        reduced = [p for p in model._module_parameters if p.requires_grad]
-        python_reducer = getattr(model, "_use_python_reducer", False)
-        all_delayed = getattr(model, "_delay_all_reduce_all_params", False)
-        if not self._enabled or not reduced or python_reducer or all_delayed:
+        if not self._enabled or getattr(model, "_use_python_reducer", False):
+            return
+        try:
+            self._hook(model)
+        except Exception as error:  # run.wrap goes on: the wait is only not timed
+            self._say_failed(error)
+
+    def _hook(self, model: DistributedDataParallel) -> None:
+        ignored: set[str] = getattr(model, "parameters_to_ignore", set())
+        reduced = [
+            parameter
+            for name, parameter in model.module.named_parameters()
+            if parameter.requires_grad and name not in ignored
+        ]
+        if not reduced:
             return
         held = weakref.ref(model)  # the hook must not keep a dropped model alive
         backwards = [0]
@@ -133,8 +147,8 @@ class GradientSyncMeter:
         if not self._failed:
             self._failed = True
             get_logger().warning(
-                f"monitor.time_gradient_sync: a reading failed ({error!r}); that step's "
-                "wait is left out"
+                f"monitor.time_gradient_sync: the timer failed ({error!r}); the wait for the "
+                "gradients' all-reduce is left out where it did"
             )
 
     def take(self) -> float | None:
