@@ -179,16 +179,17 @@ def test_the_wait_is_timed_with_a_scripts_own_hook_and_any_ddp_option(tmp_path: 
         assert 0 < metrics["interval/gradient_sync_percent"] < 100
 
 
-def test_a_part_no_rank_timed_is_left_out_and_a_rank_that_did_not_counts_0() -> None:
+def test_a_part_no_rank_timed_is_left_out_and_the_mean_is_of_the_ranks_that_timed_it() -> None:
     assert timed_per_rank([NOT_TIMED, NOT_TIMED]) is None
-    assert timed_per_rank([NOT_TIMED, 2.0]) == [0.0, 2.0]
-    times = RankTimes(10.0, None, [1.0, 1.0], None, 0.0, 0.0, gradient_sync_s=[4.0, 0.0])
+    assert timed_per_rank([NOT_TIMED, 2.0, 0.0]) == [2.0, 0.0]
+    sync = timed_per_rank([4.0, NOT_TIMED, 2.0])
+    times = RankTimes(10.0, None, [1.0, 1.0, 1.0], None, 0.0, 0.0, gradient_sync_s=sync)
     assert step_time_percent(times) == {
-        "forward_percent": 10.0, "gradient_sync_percent": 20.0, "checkpoint_percent": 0.0,
+        "forward_percent": 10.0, "gradient_sync_percent": 30.0, "checkpoint_percent": 0.0,
         "evaluation_percent": 0.0,
     }  # fmt: skip
     metrics, _said = IntervalPaces(resolve_config(None, [], {}, {}).monitor).read(times, "", None)
-    assert metrics["gradient_sync_percent"] == 20.0
+    assert metrics["gradient_sync_percent"] == 30.0
 
 
 def test_the_rest_of_the_step_is_named_by_what_was_not_timed() -> None:

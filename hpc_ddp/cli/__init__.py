@@ -1,5 +1,6 @@
-"""The command lines on top of the toolkit: ``hpc-ddp`` (:mod:`hpc_ddp.cli.app`, its commands
-in :mod:`hpc_ddp.cli.commands`) and the built-in trainer's ``python -m hpc_ddp.train``
+"""The command lines on top of the toolkit: ``hpc-ddp`` (:mod:`hpc_ddp.cli.app`, its parser
+in :mod:`hpc_ddp.cli.parser`, its commands in :mod:`hpc_ddp.cli.commands` and
+:mod:`hpc_ddp.cli.jobs`) and the built-in trainer's ``python -m hpc_ddp.train``
 (:mod:`hpc_ddp.cli.train`). Nothing here is imported until a command runs."""
 
 from __future__ import annotations

@@ -10,12 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc_ddp.cli.commands import (
-    check_builtin,
-    job_request,
-    program_arguments,
-    write_job_script,
-)
+from hpc_ddp.cli.commands import program_arguments
+from hpc_ddp.cli.jobs import check_builtin, job_request, write_job_script
 from hpc_ddp.launch.program import Program
 from hpc_ddp.launch.shipped import CONFIG_DIR, example_script, shipped_config_name
 from hpc_ddp.runtime.errors import HpcDdpError

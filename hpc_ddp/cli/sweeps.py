@@ -109,7 +109,7 @@ def _spec(args: argparse.Namespace) -> Any:
 
 def submit_command(args: argparse.Namespace) -> int:
     from hpc_ddp.cli.api import trainer_settings
-    from hpc_ddp.cli.commands import check_builtin, job_request, warning_signal
+    from hpc_ddp.cli.jobs import check_builtin, job_request, warning_signal
     from hpc_ddp.cli.snapshot import take_snapshot_saying
     from hpc_ddp.sweep.programs import runtime_settings, sweep_program
     from hpc_ddp.sweep.submit import submit_sweep

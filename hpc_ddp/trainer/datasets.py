@@ -13,7 +13,8 @@ from torch.utils.data import Dataset, TensorDataset
 from hpc_ddp import HpcDdpError
 from hpc_ddp.trainer.config import Config
 from hpc_ddp.trainer.models import call_factory
-from hpc_ddp.trainer.parquet import ParquetLoader, ParquetShard, check_columns
+from hpc_ddp.trainer.parquet import ParquetLoader, ParquetShard
+from hpc_ddp.trainer.parquetfiles import check_columns
 
 
 @dataclass(frozen=True)

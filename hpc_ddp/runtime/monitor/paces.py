@@ -104,11 +104,12 @@ NOT_TIMED = -1.0
 
 
 def timed_per_rank(per_rank: Sequence[float]) -> list[float] | None:
-    """Each rank's seconds in a part from the slots, 0 for a rank that did not time it; None
-    where no rank did (a script that updates its weights by hand, a model not under DDP)."""
-    if all(value == NOT_TIMED for value in per_rank):
-        return None
-    return [max(0.0, value) for value in per_rank]
+    """The seconds in a part of the ranks that timed it, from the slots; None where no rank
+    did (a script that updates its weights by hand, a model not under DDP). A rank that did
+    not time it is left out, not read as 0: under DDP every rank takes the same steps, so it
+    is one whose timer could not read (it said so), and a 0 would pull the mean down."""
+    timed = [value for value in per_rank if value != NOT_TIMED]
+    return timed or None
 
 
 @dataclass(frozen=True)
