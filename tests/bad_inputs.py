@@ -239,6 +239,37 @@ CASES: list[Case] = [
     cli("render", "--signal", "USR1", "preempt.signal=USR2", says="--signal USR1 but the config"),
     cli("render", "-o", "/nonexistent/dir/job.sh", says="the directory /nonexistent/dir does not"),
     cli("render", "train.epochz=1", says="unknown key 'train.epochz'"),
+    cli(
+        "local",
+        "--set",
+        "checkpoint.evry_steps=5",
+        "tests/programs/regression.py",
+        says="--set 'checkpoint.evry_steps=5': unknown key 'checkpoint.evry_steps' (did you mean "
+        "'checkpoint.every_steps'?)",
+    ),
+    cli(
+        "local",
+        "--set",
+        "checkpoint.every_steps=five",
+        "tests/programs/regression.py",
+        says="--set 'checkpoint.every_steps=five': checkpoint.every_steps: got 'five' (str)",
+    ),
+    cli(
+        "local",
+        "--set",
+        "train.epochz=3",
+        "--config",
+        "configs/digits.yaml",
+        says="--set 'train.epochz=3': unknown key 'train.epochz' (did you mean 'train.epochs'?)",
+    ),
+    cli(
+        "check-resume",
+        "--set",
+        "chekpoint.every_steps=1",
+        "tests/programs/regression.py",
+        says="--set 'chekpoint.every_steps=1': unknown section 'chekpoint' (did you mean "
+        "'checkpoint'?)",
+    ),
     cli("render", "missing.py", says="script 'missing.py' does not exist"),
     cli(
         "render",

@@ -271,6 +271,32 @@ def test_the_random_streams_are_said_restored_only_when_they_were(
     assert lines[1] == []
 
 
+def test_a_dataloader_taken_as_steps_draws_from_torchs_random_stream_only_when_iterated() -> None:
+    """A DataLoader's iter() draws its seed from torch's random stream. The stream is saved in
+    each checkpoint; a draw at run.steps() besides the one of the epoch's pass would move it
+    one draw further in a run resumed mid-epoch than in the run never stopped (its dropout
+    masks would differ). A replayed epoch draws nothing that stays."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2)
+    torch.manual_seed(0)
+    stream = BatchStream(loader, grad_accum_steps=1)
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(0).get_state())
+    assert not stream.endless and stream.steps_per_epoch == 4
+    assert BatchStream((batch for batch in loader), grad_accum_steps=1).endless
+
+    torch.manual_seed(0)
+    straight = iter(stream)  # the epoch's pass draws its seed
+    next(straight), next(straight)
+    at_checkpoint = torch.get_rng_state()
+    torch.set_rng_state(at_checkpoint)  # as a resume restores it
+    resumed = BatchStream(loader, grad_accum_steps=1)
+    resumed.set_position(epoch=0, step=2)
+    replayed = iter(resumed)
+    assert torch.equal(torch.get_rng_state(), at_checkpoint)
+    assert [batch[0].tolist() for batch in replayed] == [[4.0, 5.0], [6.0, 7.0]]
+
+
 def test_labelled_lines_are_written_whole_in_one_call() -> None:
     """What a rank's unbuffered print does (text, then the newline) reaches the stream as
     one write per line."""

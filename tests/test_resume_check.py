@@ -75,6 +75,33 @@ def test_each_kind_of_difference_names_its_likely_cause() -> None:
     assert counter.what.endswith("the script keeps an unregistered counter or total")
 
 
+def test_two_states_with_equal_sums_are_told_apart_by_their_first_differing_element() -> None:
+    """A random stream's state one draw apart holds the same bytes in another place: its sum
+    cannot show the difference, its first differing element does."""
+    straight = torch.tensor([[7, 1], [2, 9]], dtype=torch.uint8)
+    resumed = torch.tensor([[7, 2], [1, 9]], dtype=torch.uint8)
+    found = differences({"rank.0.rng.torch": straight}, {"rank.0.rng.torch": resumed})
+    assert found == [
+        Difference("rank.0.rng.torch", "tensor[2, 2] sum 19, [0, 1] 1",
+                   "tensor[2, 2] sum 19, [0, 1] 2")
+    ]  # fmt: skip
+    scalar = differences({"x": torch.tensor(1.0)}, {"x": torch.tensor(2.0)})
+    assert scalar == [Difference("x", "tensor[] sum 1", "tensor[] sum 2")]
+
+
+def test_weights_and_random_streams_that_differ_are_both_named() -> None:
+    """Weights that differ with the random streams: the verdict names the weights first, says
+    the streams differ too and never that no random stream does."""
+    weights = Difference("objects.model.weight", "a", "b")
+    stream = Difference("rank.0.rng.torch", "c", "d")
+    both = verdict([stream, weights], [(16, "interval/loss")], 30, 15)
+    assert both.what.startswith("objects.model.weight differs after the resume (a never")
+    assert "2 saved value(s) differ, the random streams (rank.0.rng.torch) among them" in both.what
+    assert "random stream does" not in both.what
+    assert "draws random numbers that the resume does not replay" in both.what
+    assert "DistributedSampler with set_epoch" in both.hint and "gen=generator" in both.hint
+
+
 def test_logged_points_differ_by_value_or_by_being_logged_once() -> None:
     straight = {(21, "interval/loss"): 0.5, (22, "interval/loss"): 0.25}
     assert metric_differences(straight, dict(straight)) == []

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hpc_ddp.cli.commands import local_words, program_arguments, with_settings
+from hpc_ddp.cli.commands import check_settings, local_words, program_arguments, with_settings
 from hpc_ddp.launch.program import DEFAULT_CONFIG, Program
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.safefiles import folder_made
@@ -216,6 +216,13 @@ def _check_tolerance(args: argparse.Namespace) -> None:
 def check_resume(args: argparse.Namespace) -> int:
     program = program_arguments(args, default_config=DEFAULT_CONFIG)
     program.check()  # a missing script or module is named before any run
+    check_settings(args.settings, builtin=program.kind == "builtin")
+    if args.target is None and args.config is None:
+        print(
+            f"check-resume: no script named: checking the built-in trainer ({DEFAULT_CONFIG}); "
+            "name yours to check it: hpc-ddp check-resume train.py [its arguments]",
+            file=sys.stderr,
+        )
     if args.stop_at is not None and args.stop_at >= args.steps:
         raise HpcDdpError(
             f"--stop-at {args.stop_at} is not before the end of the check (--steps {args.steps})",

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,6 +67,7 @@ def local(args: argparse.Namespace) -> int:
     from hpc_ddp.runtime.config import LOCAL_COMMAND_VARIABLE
 
     program = program_arguments(args, default_config=DEFAULT_CONFIG)
+    check_settings(args.settings, builtin=program.kind == "builtin")
     environ = with_settings(os.environ, args.settings)
     environ[LOCAL_COMMAND_VARIABLE] = shlex.join(local_words(args.nproc, args.settings, program))
     return launch_local(args.nproc, program, environ)
@@ -77,6 +79,45 @@ def local_words(nproc: int, settings: Sequence[str], program: Program) -> list[s
     if program.kind == "builtin":
         return [*words, *(["--config", program.name] if program.name else []), *program.args]
     return [*words, *program.template_args()]
+
+
+def check_settings(settings: Sequence[str], builtin: bool) -> None:
+    """Refuse here, once and before any rank starts, a ``--set`` every rank would refuse: an
+    unknown section or key (the nearest known one named), a value of the wrong type.
+    ``builtin``: the built-in trainer's sections count too."""
+    from hpc_ddp.runtime.config import resolve_config
+
+    def check(chosen: Sequence[str]) -> None:
+        if builtin:
+            from hpc_ddp.trainer.config import load_config
+
+            load_config(None, chosen)
+        else:
+            resolve_config(None, chosen, {}, {})
+
+    if not settings:
+        return
+    try:
+        check(settings)
+    except HpcDdpError as error:
+        # The first setting that is wrong on its own; else they are wrong together.
+        culprit = next((one for one in settings if _refused(check, one)), None)
+        shown = f"--set {culprit!r}" if culprit else "the --set settings together"
+        # What the ranks would name as its source (<defaults>, override '...') is this --set.
+        detail = re.sub(r"^(<[^>]*>( \+ overrides)?|override '[^']*'): ", "", error.message)
+        theirs = "" if builtin else " (your script's own settings go after it, as arguments)"
+        raise HpcDdpError(
+            f"{shown}: {detail}",
+            f"{error.hint}; `hpc-ddp config` lists every key with its default{theirs}",
+        ) from None
+
+
+def _refused(check: Callable[[Sequence[str]], None], setting: str) -> bool:
+    try:
+        check([setting])
+    except HpcDdpError:
+        return True
+    return False
 
 
 def with_settings(environ: Mapping[str, str], settings: Sequence[str]) -> dict[str, str]:

@@ -10,6 +10,7 @@ and the built-in trainer's config are both read with it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 import types
 import typing
@@ -127,8 +128,9 @@ def _build_section(defaults: Any, section: str, values: Any, source: str) -> Any
     valid = [item.name for item in dataclasses.fields(defaults)]
     unknown = sorted(set(values) - set(valid))
     if unknown:
+        guess = nearest(unknown[0], valid, f"{section}.")
         raise HpcDdpError(
-            f"{source}: unknown key '{section}.{unknown[0]}'",
+            f"{source}: unknown key '{section}.{unknown[0]}'{guess}",
             f"valid keys in '{section}': {', '.join(valid)}",
         )
     try:
@@ -142,13 +144,21 @@ def _build_section(defaults: Any, section: str, values: Any, source: str) -> Any
         ) from None
 
 
+def nearest(written: str, known: Sequence[str], prefix: str = "") -> str:
+    """`` (did you mean '<prefix>x'?)`` for the known name closest to a misspelt one, else
+    ""."""
+    close = difflib.get_close_matches(written, known, n=1, cutoff=0.6)
+    return f" (did you mean '{prefix}{close[0]}'?)" if close else ""
+
+
 def from_dict(cls: type[T], raw: Mapping[str, Any], source: str = "<dict>") -> T:
     """Build ``cls`` from nested plain data over its defaults, refusing anything unknown."""
     names = section_names(cls)
     unknown = sorted(set(raw) - set(names))
     if unknown:
         raise HpcDdpError(
-            f"{source}: unknown section '{unknown[0]}'", f"valid sections: {', '.join(names)}"
+            f"{source}: unknown section '{unknown[0]}'{nearest(unknown[0], names)}",
+            f"valid sections: {', '.join(names)}",
         )
     defaults = cls()
     sections = {
@@ -174,7 +184,7 @@ def parse_override(text: str, sections: Sequence[str]) -> tuple[str, str, Any]:
         )
     if name not in sections:
         raise HpcDdpError(
-            f"override {text!r}: unknown section '{name}'",
+            f"override {text!r}: unknown section '{name}'{nearest(name, sections)}",
             f"valid sections: {', '.join(sections)}",
         )
     try:

@@ -122,6 +122,26 @@ def _short(value: Any) -> str:
     return repr(value)[:60]
 
 
+def _shown(straight: Any, resumed: Any) -> tuple[str, str]:
+    """The two values shortly; two tensors of one shape also by their first differing
+    element, which their sums may not show (two random streams' states hold the same
+    numbers, one draw apart)."""
+    texts = _short(straight), _short(resumed)
+    both = isinstance(straight, torch.Tensor) and isinstance(resumed, torch.Tensor)
+    if not both or not straight.dim() or straight.shape != resumed.shape:
+        return texts
+    if straight.dtype != resumed.dtype:
+        return texts
+    unequal = (straight != resumed).flatten().nonzero()
+    if not len(unequal):
+        return texts
+    at = int(unequal[0])
+    place = torch.unravel_index(torch.tensor(at), straight.shape)
+    where = "[" + ", ".join(str(int(index)) for index in place) + "]"
+    first, second = straight.flatten()[at].item(), resumed.flatten()[at].item()
+    return f"{texts[0]}, {where} {first:.6g}", f"{texts[1]}, {where} {second:.6g}"
+
+
 def differences(
     straight: Mapping[str, Any], resumed: Mapping[str, Any], tolerance: Tolerance | None = None
 ) -> list[Difference]:
@@ -137,7 +157,7 @@ def differences(
             shown = [_short(run[key]) if key in run else "(none)" for run in (straight, resumed)]
             found.append(Difference(key, *shown))
         elif not _same(straight[key], resumed[key], _tolerance_for(key, tolerance)):
-            found.append(Difference(key, _short(straight[key]), _short(resumed[key])))
+            found.append(Difference(key, *_shown(straight[key], resumed[key])))
     return found
 
 
@@ -238,18 +258,24 @@ def verdict(
     # The run's metric sums are what the script logged: alone, they are a logged difference.
     states = [found for found in state_differences if not found.key.startswith("run.metrics.")]
     if states:
-        first = states[0]
+        first = next((found for found in states if found.key not in streams), states[0])
         logged = f"; the first logged difference is at step {metrics_differ[0][0]}" if (
             metrics_differ) else ""  # fmt: skip
+        also = f", the random streams ({', '.join(streams)}) among them" if streams else ""
+        draws = "the script draws random numbers that the resume does not replay, " if (
+            streams) else ""  # fmt: skip
         return Verdict(
             False,
             f"{first.key} differs after the resume ({first.straight} never stopped, "
-            f"{first.resumed} resumed; {len(states)} saved value(s) differ{logged}; {shown}), "
-            "but no registered setting, position or random stream does: the data order "
+            f"{first.resumed} resumed; {len(states)} saved value(s) differ{also}{logged}; "
+            f"{shown}), but no registered setting or position does: {draws}the data order "
             "differs, or state the script keeps is not registered",
-            "take batches from run.train_loader (a DataLoader with its own generator or "
-            "sampler restarts its order on a resume), and register every object with a "
-            "state_dict() that training changes (EMA copy, GradScaler, second optimizer)",
+            "a DataLoader's order must come from its sampler's seed and epoch "
+            "(DistributedSampler with set_epoch) or from a generator you register "
+            "(run.train_loader does both); draw random numbers from a generator you "
+            "register (run.register(gen=generator)) or from the sample and step; register "
+            "every object with a state_dict() that training changes (EMA copy, GradScaler, "
+            "second optimizer)",
         )
     if metrics_differ:
         step, name = metrics_differ[0]
