@@ -270,6 +270,13 @@ CASES: list[Case] = [
         says="--set 'chekpoint.every_steps=1': unknown section 'chekpoint' (did you mean "
         "'checkpoint'?)",
     ),
+    cli(
+        "check-resume",
+        "--epochs",
+        "3",
+        "tests/programs/regression.py",
+        says="HINT: hpc-ddp's options go before the program and the program's own after it",
+    ),
     cli("render", "missing.py", says="script 'missing.py' does not exist"),
     cli(
         "render",

@@ -618,6 +618,22 @@ def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
     assert step_time_series(run_with_metrics(tmp_path / "old", [{}])) == ([], {})
 
 
+def test_each_interval_is_drawn_over_the_steps_it_covers_a_lone_one_too(tmp_path: Path) -> None:
+    """A short run that closed one interval (at step 10) draws it over steps 0 to 10, not as
+    a line of no width; intervals after it over the steps since the one before."""
+    parts = {"interval/data_wait_percent": 25.0, "interval/checkpoint_percent": 0.0,
+             "interval/evaluation_percent": 0.0}  # fmt: skip
+    for entries, spans in (([parts], [(0.0, 10.0)]), ([parts, parts], [(0.0, 10.0), (10.0, 20.0)])):
+        run = load_run(run_with_metrics(tmp_path / str(len(entries)), entries))
+        assert run is not None
+        *_, panel = plot_run(run).axes
+        waiting = panel.collections[0]  # the bottom band: waiting for data
+        corners = waiting.get_paths()[0].vertices
+        assert (corners[:, 0].min(), corners[:, 0].max()) == (spans[0][0], spans[-1][1])
+        assert corners[:, 1].max() == 25.0
+        assert panel.get_xlim() == (0.0, spans[-1][1])
+
+
 def test_a_run_that_logs_no_metric_of_its_own_still_plots_its_step_time(tmp_path: Path) -> None:
     run_dir = run_with_metrics(tmp_path, [{}, {}])
     pace = {"interval/samples_per_s": 100.0, "interval/data_wait_percent": 10.0,

@@ -43,7 +43,8 @@ def usage_series(run_dir: Path) -> tuple[str, Series]:
 def draw_usage(axes: Any, title: str, series: Series) -> None:
     """The machines' panel on ``axes``: a line per GPU or host."""
     for label, (steps, values) in series.items():
-        axes.plot(steps, values, ".-", markersize=3, linewidth=1, label=label)
+        dots = 3 if len(steps) > 2 else 8  # a reading or two must still be seen
+        axes.plot(steps, values, ".-", markersize=dots, linewidth=1, label=label)
     axes.set_ylim(bottom=0)
     axes.set_title(title)
     axes.set_xlabel("step")

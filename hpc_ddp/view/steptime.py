@@ -67,11 +67,14 @@ def step_time_series(run_dir: Path) -> tuple[list[float], dict[str, list[float]]
 
 
 def draw_step_time(axes: Any, steps: list[float], series: dict[str, list[float]]) -> None:
-    """The panel on ``axes``: the parts stacked to 100 % at each interval's step."""
-    axes.stackplot(steps, *series.values(), labels=list(series), alpha=0.85)
+    """The panel on ``axes``: the parts stacked to 100 %, each interval's over the steps it
+    covers (from the step the one before it closed at, the first from 0), so a run that
+    closed one interval shows it too."""
+    edges = [0.0, *steps]
+    held = [[values[0], *values] for values in series.values()]
+    axes.stackplot(edges, *held, labels=list(series), alpha=0.85, step="pre")
     axes.set_ylim(0, 100)
-    if len(steps) > 1:  # one interval: matplotlib's own margins
-        axes.set_xlim(min(steps), max(steps))
+    axes.set_xlim(0, max(steps))
     axes.set_title("where each interval's time went (%)")
     axes.set_xlabel("step")
     axes.grid(alpha=0.3)
