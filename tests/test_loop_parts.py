@@ -285,6 +285,18 @@ def test_a_dataloader_taken_as_steps_draws_from_torchs_random_stream_only_when_i
     assert not stream.endless and stream.steps_per_epoch == 4
     assert BatchStream((batch for batch in loader), grad_accum_steps=1).endless
 
+    class FreshPasses:  # __next__ too, but each iter() a new pass: not one endless epoch
+        def __iter__(self) -> Iterator[int]:
+            return iter(range(4))
+
+        def __next__(self) -> int:
+            return 0
+
+        def __len__(self) -> int:
+            return 4
+
+    assert not BatchStream(FreshPasses(), grad_accum_steps=1).endless
+
     torch.manual_seed(0)
     straight = iter(stream)  # the epoch's pass draws its seed
     next(straight), next(straight)

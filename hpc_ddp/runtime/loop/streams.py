@@ -115,9 +115,13 @@ class BatchStream:
         self.batches = batches
         self.grad_accum_steps = grad_accum_steps
         self.stateful = is_stateful(batches)
-        # Asked of its type, not by calling iter(): a DataLoader's iter() draws a seed from
-        # torch's random stream (a resume would then differ) and starts its workers.
-        self.endless = isinstance(batches, Iterator) if not self.stateful else not _sized(batches)
+        # iter() only on what has __next__: a DataLoader's iter() draws a seed from torch's
+        # random stream (a resume would then differ) and starts its workers.
+        self.endless = (
+            isinstance(batches, Iterator) and iter(batches) is batches
+            if not self.stateful
+            else not _sized(batches)
+        )
         self.steps_per_epoch: int | None = (
             None if self.endless else len(batches) // grad_accum_steps  # type: ignore[arg-type]
         )
