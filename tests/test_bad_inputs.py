@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.cli import main as cli_main
+from hpc_ddp.cli.check_resume import CHECK_SETTINGS
+from hpc_ddp.cli.commands import check_settings
 from hpc_ddp.cli.train import main as train_main
+from hpc_ddp.launch.program import Program
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.trainer.config import load_config
 from tests.bad_inputs import CASES, FAULTS, Case, table
 from tests.helpers import REPO, clean_environ, run_python
 
@@ -98,3 +103,46 @@ def test_doctor_fails_the_check_of_a_job_signal_the_ranks_do_not_handle() -> Non
     (status, text), *_ = report["checks"]
     assert status == "FAIL" and "the job's warning signal is 'USR1'" in text
     assert diagnose(config.runtime, {**clean_environ(), "HPC_DDP_JOB_SIGNAL": "USR2"})["ok"]
+
+
+def test_a_set_is_judged_with_the_settings_the_ranks_put_around_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--set` is checked before any rank starts, with what the ranks apply around it: the
+    built-in trainer's config file and the overrides after it, $HPC_DDP_OVERRIDES, the
+    check's own settings; a setting that is wrong names itself with its own answer."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.delenv("HPC_DDP_OVERRIDES", raising=False)
+    gpu_config = Program("builtin", "configs/slurm-gpu.yaml")
+    check_settings(["model.stages=4"], gpu_config, {})  # 4 stages: that file's 3 layers allow it
+    with pytest.raises(HpcDdpError, match=r"expected 1 to 3"):
+        load_config(None, ["model.stages=4"])  # ... where the defaults' 2 layers do not
+    factory_after = Program("builtin", "", ("data.factory=pkg.mod:make",))
+    check_settings(["data.kind=custom"], factory_after, {})
+    custom = {"HPC_DDP_OVERRIDES": "data.kind=custom data.factory=a.b:c"}
+    check_settings(["data.factory=x.y:z"], Program("builtin", ""), custom)
+    check_settings(["train.epochs=1"], Program("module", "hpc_ddp.train"), {})
+
+    script = Program("script", "train.py")
+    with pytest.raises(HpcDdpError) as refused:
+        check_settings(["preempt.max_requeues=-1", "checkpoint.keep_last=0"], script, {})
+    assert refused.value.message == (
+        "--set 'preempt.max_requeues=-1': preempt.max_requeues=-1 is invalid: expected >= 0"
+    )
+    with pytest.raises(HpcDdpError) as refused:
+        check_settings(["dist.backend=nccl"], script, {}, after=CHECK_SETTINGS)
+    assert refused.value.message.startswith("--set 'dist.backend=nccl': dist.backend=nccl")
+    # Wrong without the --set settings: the ranks say so, not this check.
+    check_settings(["run.id=a"], script, {"HPC_DDP_OVERRIDES": "checkpoint.keep_last=0"})
+
+
+def test_only_a_command_that_starts_a_program_says_where_its_options_go(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for words, hinted in ((["runs", "--bogus"], False), (["local", "--epochs", "3", "x.py"], True)):
+        with pytest.raises(SystemExit) as ended:
+            cli_main(words)
+        assert ended.value.code == 2
+        said = capsys.readouterr().err
+        assert f"unrecognized arguments: {words[1]}" in said
+        assert ("the program's own after it" in said) == hinted, said

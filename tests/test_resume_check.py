@@ -87,6 +87,17 @@ def test_two_states_with_equal_sums_are_told_apart_by_their_first_differing_elem
     ]  # fmt: skip
     scalar = differences({"x": torch.tensor(1.0)}, {"x": torch.tensor(2.0)})
     assert scalar == [Difference("x", "tensor[] sum 1", "tensor[] sum 2")]
+    # A NaN in both is equal; the element is written in full (one float32 ulp apart).
+    nan, ulp = float("nan"), torch.nextafter(torch.tensor(0.5), torch.tensor(1.0)).item()
+    weights = differences({"w": torch.tensor([nan, 0.5])}, {"w": torch.tensor([nan, ulp])})
+    assert [(found.straight, found.resumed) for found in weights] == [
+        ("tensor[2] sum nan, [1] 0.5", "tensor[2] sum nan, [1] 0.5000000596046448")
+    ]
+    # Across sizes: the first element outside the tolerance.
+    near = differences(
+        {"w": torch.tensor([1.0, 1.0])}, {"w": torch.tensor([1.0000001, 2.0])}, Tolerance(1e-3, 0)
+    )
+    assert near[0].straight.endswith("[1] 1.0") and near[0].resumed.endswith("[1] 2.0")
 
 
 def test_weights_and_random_streams_that_differ_are_both_named() -> None:

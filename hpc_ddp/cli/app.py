@@ -34,6 +34,12 @@ def keep_programs_separator(parser: argparse.ArgumentParser, argv: list[str]) ->
     return [*argv[:at], KEPT_SEPARATOR, *argv[at + 1 :]]
 
 
+#: Said where a command that starts a program got an option it does not know.
+PROGRAM_OPTIONS_HINT = (
+    "\nHINT: hpc-ddp's options go before the program and the program's own after it: "
+    "hpc-ddp local --nproc 2 train.py --epochs 3"
+)
+
 #: Commands whose ranks or jobs start in the working directory.
 LAUNCHING_COMMANDS = ("local", "run", "train", "render", "submit", "sweep", "doctor")
 
@@ -50,7 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
     words, sweep_program = split_sweep_program(words)
-    args = parser.parse_args(keep_programs_separator(parser, words))
+    args, unknown = parser.parse_known_args(keep_programs_separator(parser, words))
+    if unknown:
+        where = PROGRAM_OPTIONS_HINT if hasattr(args, "target") else ""
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{where}")
     if sweep_program is not None:
         args.program = sweep_program
     if getattr(args, "target_args", None):

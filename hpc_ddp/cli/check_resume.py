@@ -213,10 +213,19 @@ def _check_tolerance(args: argparse.Namespace) -> None:
             )
 
 
+#: What every run of the check is given after the user's settings (which they win over): on
+#: CPU (the same kernels in every run), interval metrics at every step where the script sets
+#: no cadence (the logged steps then do not depend on the machine's pace), and never a
+#: requeue (the rehearsed stop is the warning signal's, which would requeue a surrounding
+#: Slurm job).
+CHECK_SETTINGS = ("tracking.enabled=false", "checkpoint.enabled=true", "run.log_interval=1",
+                  "dist.device=cpu", "preempt.requeue=false")  # fmt: skip
+
+
 def check_resume(args: argparse.Namespace) -> int:
     program = program_arguments(args, default_config=DEFAULT_CONFIG)
     program.check()  # a missing script or module is named before any run
-    check_settings(args.settings, builtin=program.kind == "builtin")
+    check_settings(args.settings, program, os.environ, after=CHECK_SETTINGS)
     if args.target is None and args.config is None:
         print(
             f"check-resume: no script named: checking the built-in trainer ({DEFAULT_CONFIG}); "
@@ -257,12 +266,7 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
     )
 
     output = folder / "runs"
-    # On CPU (the same kernels in every run), and interval metrics at every step where the
-    # script sets no cadence, so the logged steps do not depend on the machine's pace.
-    # Never a requeue: the rehearsed stop is the warning signal's, which would requeue a
-    # surrounding Slurm job.
-    common = [f"run.output_dir={output}", "tracking.enabled=false", "checkpoint.enabled=true",
-              "run.log_interval=1", "dist.device=cpu", "preempt.requeue=false"]  # fmt: skip
+    common = [f"run.output_dir={output}", *CHECK_SETTINGS]
     steps = args.steps
     ended = (0, EXIT_STOPPED)
     code, straight_s = _launch(args, program, folder, common, "straight", steps, "straight")

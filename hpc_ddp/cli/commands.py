@@ -67,7 +67,7 @@ def local(args: argparse.Namespace) -> int:
     from hpc_ddp.runtime.config import LOCAL_COMMAND_VARIABLE
 
     program = program_arguments(args, default_config=DEFAULT_CONFIG)
-    check_settings(args.settings, builtin=program.kind == "builtin")
+    check_settings(args.settings, program, os.environ)
     environ = with_settings(os.environ, args.settings)
     environ[LOCAL_COMMAND_VARIABLE] = shlex.join(local_words(args.nproc, args.settings, program))
     return launch_local(args.nproc, program, environ)
@@ -81,43 +81,57 @@ def local_words(nproc: int, settings: Sequence[str], program: Program) -> list[s
     return [*words, *program.template_args()]
 
 
-def check_settings(settings: Sequence[str], builtin: bool) -> None:
+def check_settings(
+    settings: Sequence[str],
+    program: Program,
+    environ: Mapping[str, str],
+    after: Sequence[str] = (),
+) -> None:
     """Refuse here, once and before any rank starts, a ``--set`` every rank would refuse: an
-    unknown section or key (the nearest known one named), a value of the wrong type.
-    ``builtin``: the built-in trainer's sections count too."""
-    from hpc_ddp.runtime.config import resolve_config
+    unknown section or key (the nearest known one named), a value of the wrong type. The
+    ranks' own settings are put around them as the ranks apply them ($HPC_DDP_OVERRIDES
+    before, ``after`` next; for the built-in trainer, its config file first and the
+    overrides after it last); where those fail without the ``--set`` ones, the ranks say so."""
+    from hpc_ddp.runtime.config import environment_overrides, resolve_config
+
+    if not settings or (program.kind == "module" and program.name == "hpc_ddp.train"):
+        return  # that module's config is in its own arguments: its ranks judge the whole
+    earlier = environment_overrides(environ)
+    builtin = program.kind == "builtin"
 
     def check(chosen: Sequence[str]) -> None:
         if builtin:
             from hpc_ddp.trainer.config import load_config
 
-            load_config(None, chosen)
+            config_file = find_config(program.name, Path.cwd()) if program.name else None
+            load_config(config_file, [*earlier, *chosen, *after, *program.args])
         else:
-            resolve_config(None, chosen, {}, {})
+            resolve_config(None, [*earlier, *chosen, *after], {}, {})
 
-    if not settings:
+    if _refusal(check, []) is not None or (whole := _refusal(check, settings)) is None:
         return
+    # The first setting wrong on its own, with its own answer; else they are wrong together.
+    culprit, error = next(
+        ((one, found) for one in settings if (found := _refusal(check, [one])) is not None),
+        (None, whole),
+    )
+    shown = f"--set {culprit!r}" if culprit else "the --set settings together"
+    # What the ranks would name as its source (<defaults>, override '...') is this --set.
+    detail = re.sub(r"^(<[^>]*>( \+ overrides)?|[^:]+ \+ overrides|override '[^']*'): ", "",
+                    error.message)  # fmt: skip
+    theirs = "" if builtin else " (your script's own settings go after it, as arguments)"
+    raise HpcDdpError(
+        f"{shown}: {detail}",
+        f"{error.hint}; `hpc-ddp config` lists every key with its default{theirs}",
+    )
+
+
+def _refusal(check: Callable[[Sequence[str]], None], chosen: Sequence[str]) -> HpcDdpError | None:
     try:
-        check(settings)
+        check(chosen)
     except HpcDdpError as error:
-        # The first setting that is wrong on its own; else they are wrong together.
-        culprit = next((one for one in settings if _refused(check, one)), None)
-        shown = f"--set {culprit!r}" if culprit else "the --set settings together"
-        # What the ranks would name as its source (<defaults>, override '...') is this --set.
-        detail = re.sub(r"^(<[^>]*>( \+ overrides)?|override '[^']*'): ", "", error.message)
-        theirs = "" if builtin else " (your script's own settings go after it, as arguments)"
-        raise HpcDdpError(
-            f"{shown}: {detail}",
-            f"{error.hint}; `hpc-ddp config` lists every key with its default{theirs}",
-        ) from None
-
-
-def _refused(check: Callable[[Sequence[str]], None], setting: str) -> bool:
-    try:
-        check([setting])
-    except HpcDdpError:
-        return True
-    return False
+        return error
+    return None
 
 
 def with_settings(environ: Mapping[str, str], settings: Sequence[str]) -> dict[str, str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import NoReturn
 
 from hpc_ddp.cli import commands as cmd
 from hpc_ddp.cli import jobs, results
@@ -37,19 +36,6 @@ PROGRAM_HELP = (
     "what every rank runs: your script and its arguments (train.py --lr 3e-4), -m and a "
     "module, or the built-in trainer: a .yaml config (or --config) and dotted overrides"
 )
-
-
-class CommandLineParser(argparse.ArgumentParser):
-    """argparse's parser, whose refusal of an option it does not know says where a
-    program's own options go."""
-
-    def error(self, message: str) -> NoReturn:
-        if message.startswith("unrecognized arguments"):
-            message += (
-                "\nHINT: hpc-ddp's options go before the program and the program's own after "
-                "it: hpc-ddp local --nproc 2 train.py --epochs 3"
-            )
-        super().error(message)
 
 
 def _add_program_arguments(parser: argparse.ArgumentParser, dry_run: bool = False) -> None:
@@ -139,7 +125,7 @@ def _command(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = CommandLineParser(
+    parser = argparse.ArgumentParser(
         prog="hpc-ddp", description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"hpc-ddp {_version()}")

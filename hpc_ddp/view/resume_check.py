@@ -122,24 +122,31 @@ def _short(value: Any) -> str:
     return repr(value)[:60]
 
 
-def _shown(straight: Any, resumed: Any) -> tuple[str, str]:
-    """The two values shortly; two tensors of one shape also by their first differing
-    element, which their sums may not show (two random streams' states hold the same
-    numbers, one draw apart)."""
+def _shown(straight: Any, resumed: Any, tolerance: Tolerance | None = None) -> tuple[str, str]:
+    """The two values shortly; two tensors of one shape also by their first element that
+    differs as :func:`_same` judges (a NaN in both is equal), written in full: their sums
+    may not show it (two random streams' states hold the same numbers, one draw apart)."""
     texts = _short(straight), _short(resumed)
     both = isinstance(straight, torch.Tensor) and isinstance(resumed, torch.Tensor)
     if not both or not straight.dim() or straight.shape != resumed.shape:
         return texts
-    if straight.dtype != resumed.dtype:
+    if straight.dtype != resumed.dtype or straight.is_complex():
         return texts
-    unequal = (straight != resumed).flatten().nonzero()
-    if not len(unequal):
+    first, second = straight.flatten(), resumed.flatten()
+    if tolerance is not None and first.is_floating_point():
+        close = torch.isclose(first.double(), second.double(), *tolerance, equal_nan=True)
+    elif first.is_floating_point():
+        close = (first == second) | (first.isnan() & second.isnan())
+    else:
+        close = first == second
+    if bool(close.all()):
         return texts
-    at = int(unequal[0])
-    place = torch.unravel_index(torch.tensor(at), straight.shape)
-    where = "[" + ", ".join(str(int(index)) for index in place) + "]"
-    first, second = straight.flatten()[at].item(), resumed.flatten()[at].item()
-    return f"{texts[0]}, {where} {first:.6g}", f"{texts[1]}, {where} {second:.6g}"
+    at = int((~close).to(torch.uint8).argmax())
+    place = ", ".join(str(int(i)) for i in torch.unravel_index(torch.tensor(at), straight.shape))
+    return (
+        f"{texts[0]}, [{place}] {first[at].item()!r}",
+        f"{texts[1]}, [{place}] {second[at].item()!r}",
+    )
 
 
 def differences(
@@ -157,7 +164,8 @@ def differences(
             shown = [_short(run[key]) if key in run else "(none)" for run in (straight, resumed)]
             found.append(Difference(key, *shown))
         elif not _same(straight[key], resumed[key], _tolerance_for(key, tolerance)):
-            found.append(Difference(key, *_shown(straight[key], resumed[key])))
+            pair = _shown(straight[key], resumed[key], _tolerance_for(key, tolerance))
+            found.append(Difference(key, *pair))
     return found
 
 
