@@ -2,10 +2,10 @@
 this machine: a second physical host cannot exist here).
 
 A 6-task sweep of a user's script (tests/programs/regression.py, 2 ranks per task) with
-concurrency 2: one task preempted with ``scancel --signal=USR1 JOB_TASK`` (requeued alone,
-resumed bitwise equal to its uninterrupted twin), one task whose learning rate makes the
-script fail, resumed with the setting fixed; every task runs the copy of the code taken at
-submission (--snapshot); one MLflow parent with one child per task. And a sweep larger than the
+concurrency 2: one task held at a step until it is preempted with ``scancel --signal=USR1
+JOB_TASK`` (requeued alone, resumed bitwise equal to its uninterrupted twin), one task whose
+learning rate makes the script fail, resumed with the setting fixed; every task runs the copy
+of the code taken at submission (--snapshot); one MLflow parent with one child per task. And a sweep larger than the
 cluster's MaxArraySize (8), submitted from Python as two arrays.
 """
 
@@ -31,8 +31,8 @@ PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
 SWEEP = """\
 name: lr
 list:
-  - {--lr: 0.05, --step-pause: 0.0}
-  - {--lr: 0.05, --step-pause: 0.1}
+  - {--lr: 0.05, --hold-at-step: 0}
+  - {--lr: 0.05, --hold-at-step: 30}
   - {--lr: 0.1}
   - {--lr: 0.02}
   - {--lr: 40}
@@ -119,13 +119,15 @@ def test_a_sweep_runs_two_at_a_time_survives_a_preemption_and_resumes_its_failed
     assert f"submitted job array {array} (--array=0-5%2): tasks 0-5" in submitted.stdout
     running = RunningCount(slurm, work, array)
     try:
-        # A sweep still running is not resumed: its tasks are named.
+        # A sweep still running is not resumed: its tasks are named. Task 1 (a twin of task
+        # 0) holds after step 30 until it is signalled: it is one of them, however fast the
+        # other tasks end.
         refused = hpc_ddp(slurm, work, "sweep", "resume", str(sweep_dir))
-        assert refused.returncode == 2 and "is still running: tasks 0 (" in refused.stderr
-        # Task 1 (a twin of task 0, slower) is preempted mid-run, alone.
+        assert refused.returncode == 2, refused.stderr
+        assert re.search(rf"is still running: tasks (.*, )?1 \({array}_1 ", refused.stderr)
+        # Task 1 is preempted while it holds, alone.
         slurm.wait_for_log(
-            sweep_dir / "logs" / f"lr-{array}_1.out",
-            r"\[rank 0/2\] INFO epoch 0 step ([2-9]\d)/200",
+            sweep_dir / "logs" / f"lr-{array}_1.out", r"HOLDING at step 30 \(rank 0\)"
         )
         signalled = slurm.run(["scancel", "--signal=USR1", f"{array}_1"], work)
         assert signalled.returncode == 0, signalled.stderr
@@ -142,7 +144,7 @@ def test_a_sweep_runs_two_at_a_time_survives_a_preemption_and_resumes_its_failed
     assert f"requeued job {array}_1" in log
     preempted, twin = summary(sweep_dir, 1), summary(sweep_dir, 0)
     assert preempted["restart_count"] == attempts[1] - 1
-    assert 0 < preempted["resumed_from_step"] < 200
+    assert 30 < preempted["resumed_from_step"] < 200
     assert preempted["weights_sha256"] == twin["weights_sha256"], "bitwise equal to its twin"
     assert twin["restart_count"] == 0
 
