@@ -5,8 +5,8 @@ A 6-task sweep of a user's script (tests/programs/regression.py, 2 ranks per tas
 concurrency 2: one task held at a step until it is preempted with ``scancel --signal=USR1
 JOB_TASK`` (requeued alone, resumed bitwise equal to its uninterrupted twin), one task whose
 learning rate makes the script fail, resumed with the setting fixed; every task runs the copy
-of the code taken at submission (--snapshot); one MLflow parent with one child per task. And a sweep larger than the
-cluster's MaxArraySize (8), submitted from Python as two arrays.
+of the code taken at submission (--snapshot); one MLflow parent with one child per task. And a
+sweep larger than the cluster's MaxArraySize (8), submitted from Python as two arrays.
 """
 
 from __future__ import annotations
