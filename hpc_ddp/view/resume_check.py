@@ -96,17 +96,23 @@ def saved_state(run_dir: Path) -> tuple[int, dict[str, Any]]:
     return int(blobs["run"]["global_step"]), state
 
 
+def _close(first: torch.Tensor, second: torch.Tensor, tolerance: Tolerance | None) -> torch.Tensor:
+    """Which elements of two tensors of one shape and dtype are equal: within ``tolerance``
+    for floating point where one is given, a NaN in both equal."""
+    if tolerance is not None and first.is_floating_point():
+        return torch.isclose(first.double(), second.double(), *tolerance, equal_nan=True)
+    if first.is_floating_point() or first.is_complex():
+        return (first == second) | (first.isnan() & second.isnan())
+    return first == second
+
+
 def _same(first: Any, second: Any, tolerance: Tolerance | None = None) -> bool:
     if isinstance(first, torch.Tensor) or isinstance(second, torch.Tensor):
         if not (isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor)):
             return False
         if first.shape != second.shape or first.dtype != second.dtype:
             return False
-        if tolerance is not None and first.is_floating_point():
-            return torch.allclose(first.double(), second.double(), *tolerance, equal_nan=True)
-        if first.is_floating_point() or first.is_complex():  # NaN where both have NaN
-            return bool(((first == second) | (first.isnan() & second.isnan())).all())
-        return torch.equal(first, second)
+        return bool(_close(first, second, tolerance).all())
     if isinstance(first, float) and isinstance(second, float):
         if first == second or (math.isnan(first) and math.isnan(second)):
             return True
@@ -124,7 +130,7 @@ def _short(value: Any) -> str:
 
 def _shown(straight: Any, resumed: Any, tolerance: Tolerance | None = None) -> tuple[str, str]:
     """The two values shortly; two tensors of one shape also by their first element that
-    differs as :func:`_same` judges (a NaN in both is equal), written in full: their sums
+    differs (:func:`_close`), written in full: their sums
     may not show it (two random streams' states hold the same numbers, one draw apart)."""
     texts = _short(straight), _short(resumed)
     both = isinstance(straight, torch.Tensor) and isinstance(resumed, torch.Tensor)
@@ -133,12 +139,7 @@ def _shown(straight: Any, resumed: Any, tolerance: Tolerance | None = None) -> t
     if straight.dtype != resumed.dtype or straight.is_complex():
         return texts
     first, second = straight.flatten(), resumed.flatten()
-    if tolerance is not None and first.is_floating_point():
-        close = torch.isclose(first.double(), second.double(), *tolerance, equal_nan=True)
-    elif first.is_floating_point():
-        close = (first == second) | (first.isnan() & second.isnan())
-    else:
-        close = first == second
+    close = _close(first, second, tolerance)
     if bool(close.all()):
         return texts
     at = int((~close).to(torch.uint8).argmax())
