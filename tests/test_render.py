@@ -113,8 +113,10 @@ def test_render_matches_golden_file(golden: str, workdir: Path) -> None:
     result = render(workdir, CASES[golden])
     assert result.returncode == 0, result.stderr
     assert (workdir / "logs").is_dir(), "render creates the job's log folder"
-    # The log folder is written absolutely: the submission directory varies from run to run.
-    rendered = result.stdout.replace(str(workdir), "<submission dir>")
+    # The log folder and the folder the job works in are written absolutely, and so is the
+    # python: they vary from run to run.
+    rendered = result.stdout.replace(str(workdir), "/the/folder/it/was/rendered/in")
+    rendered = rendered.replace(sys.executable, "/the/python/that/rendered/it")
     path = GOLDEN / golden
     if os.environ.get("HPC_DDP_UPDATE_GOLDEN") == "1":
         path.write_text(rendered)
@@ -148,6 +150,7 @@ def fake_slurm_bin(directory: Path) -> Path:
     srun.write_text(
         "#!/usr/bin/env python3\nimport json, sys, os\n"
         "open(os.environ['ARGV_LOG'], 'w').write(json.dumps(sys.argv[1:]))\n"
+        "open(os.environ['ARGV_LOG'] + '.cwd', 'w').write(os.getcwd())\n"
     )
     srun.chmod(0o755)
     return directory
@@ -158,9 +161,12 @@ def fake_slurm_bin(directory: Path) -> Path:
 BLOCKED_UNTIL_HELD = ["env", "--block-signal=USR1,USR2,TERM,HUP,ALRM"]
 
 
-def srun_argv(script: Path, workdir: Path, arguments: tuple[str, ...] = ()) -> list[str]:
-    """Run a rendered job script with a fake srun; return the argv srun was given, without
-    ``--label`` and the ``env --block-signal`` that starts python (both checked here)."""
+def srun_argv(
+    script: Path, workdir: Path, arguments: tuple[str, ...] = (), submitted_from: Path | None = None
+) -> list[str]:
+    """Run a rendered job script with a fake srun, from ``submitted_from`` (else ``workdir``);
+    return the argv srun was given, without ``--label`` and the ``env --block-signal`` that
+    starts python (both checked here). srun's working folder is left in argv.json.cwd."""
     bin_dir = workdir / "fakebin"
     if not bin_dir.is_dir():
         fake_slurm_bin(bin_dir)
@@ -173,7 +179,7 @@ def srun_argv(script: Path, workdir: Path, arguments: tuple[str, ...] = ()) -> l
     )
     subprocess.run(
         ["bash", str(script), *arguments],
-        cwd=workdir,
+        cwd=submitted_from or workdir,
         env=environment,
         check=True,
         capture_output=True,
@@ -190,7 +196,7 @@ def test_hostile_paths_reach_python_verbatim_and_run_nothing(workdir: Path) -> N
     result = render(workdir, [*CASES["cpu-hostile.sh"], "--output", str(script)])
     assert result.returncode == 0, result.stderr
     argv = srun_argv(script, workdir)
-    assert argv[:4] == ["--kill-on-bad-exit=1", "python", "-m", "hpc_ddp.train"]
+    assert argv[:4] == ["--kill-on-bad-exit=1", sys.executable, "-m", "hpc_ddp.train"]
     assert argv[4:] == ["--config", HOSTILE_CONFIG, *HOSTILE_OVERRIDES]
     assert not (workdir / "PWNED").exists() and not (workdir / "PWNED2").exists()
     assert not list(workdir.glob("*PWNED*"))
@@ -207,7 +213,7 @@ def test_a_users_script_and_its_arguments_reach_every_rank_verbatim(workdir: Pat
     argv = srun_argv(script, workdir)
     assert argv == [
         "--kill-on-bad-exit=1",
-        "python",
+        sys.executable,
         "-m",
         "hpc_ddp",
         "run",
@@ -215,6 +221,12 @@ def test_a_users_script_and_its_arguments_reach_every_rank_verbatim(workdir: Pat
         *HOSTILE_SCRIPT_ARGS,
     ]
     assert not list(workdir.glob("*PWNED*"))
+    elsewhere = workdir / "elsewhere"
+    elsewhere.mkdir()
+    assert srun_argv(script, workdir, submitted_from=elsewhere) == argv
+    assert (workdir / "argv.json.cwd").read_text() == str(workdir), (
+        "the job works in the folder it was rendered in, wherever it is submitted from"
+    )
     assert srun_argv(script, workdir, ("-m", "mypkg.train", "--epochs", "2"))[2:] == [
         "-m",
         "hpc_ddp",

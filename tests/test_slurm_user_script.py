@@ -7,6 +7,7 @@ two slurmd on this machine; a second physical host cannot exist here.)"""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -158,29 +159,38 @@ def test_an_iteration_based_loop_requeued_by_scancel_resumes_bitwise_in_one_mlfl
     assert evaluated == [0, 50, 100, 150, 200, 250], "each evaluation once across the requeue"
 
 
-def test_a_rendered_job_submitted_from_elsewhere_writes_its_log(
+def test_a_rendered_job_submitted_from_elsewhere_runs_in_its_folder_and_writes_its_log(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     """Outside a checkout there is no logs/ folder and Slurm does not create one: `hpc-ddp
-    render` creates it and names it absolutely, so the job runs from any directory."""
+    render` creates it and names it absolutely; the job works in the folder it was rendered
+    in, so the program's relative paths (the script, its output) hold wherever it is
+    submitted from."""
     project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
     project.mkdir()
     elsewhere.mkdir()
+    shutil.copy(LM, project / "train.py")
     rendered = subprocess.run(
         [sys.executable, "-m", "hpc_ddp", "render", "--nodes", "1", "--gpus-per-node", "0",
-         "--tasks-per-node", "2", "-o", "job.sh", LM, "--max-iters", "20",
-         f"run.output_dir={project / 'runs'}", "tracking.enabled=false"],
+         "--tasks-per-node", "2", "-o", "job.sh", "train.py", "--max-iters", "20",
+         "run.output_dir=runs", "tracking.enabled=false"],
         cwd=project, env=clean_environ(), capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert rendered.returncode == 0, rendered.stderr
     assert f"its log goes to {project / 'logs'}" in rendered.stderr
+    script = (project / "job.sh").read_text()
+    assert (
+        "# Written by hpc-ddp from its train.sh template; it runs: train.py --max-iters 20"
+        in script
+    )
     job = slurm.sbatch([str(project / "job.sh")], elsewhere)
     state = slurm.wait(job, timeout=240)
     log = project / "logs" / f"hpc-ddp-{job}.out"
     assert log.is_file(), f"no log: {sorted(project.rglob('*'))}"
     assert state == "COMPLETED", log.read_text()[-3000:]
     assert '"global_step": 20' in log.read_text(), "rank 0's RESULT line"
-    assert not (elsewhere / "logs").exists()
+    assert (project / "runs").is_dir(), "the run's record, beside the script it was rendered for"
+    assert sorted(elsewhere.iterdir()) == [], "nothing written where sbatch was called"
 
 
 VERSIONED = """

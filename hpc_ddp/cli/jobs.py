@@ -69,6 +69,7 @@ def render(args: argparse.Namespace) -> int:
         job_name=args.job_name,
         launcher=args.launcher,
         signal=warning_signal(args.signal, config),
+        **written_script(args.output),
     )
     script = render_sbatch(template_path(args.launcher).read_text(), request)
     if args.output in (None, "-"):
@@ -104,6 +105,16 @@ def job_request(
         sbatch_options=tuple(options.items()),
         **launch,
     )
+
+
+def written_script(output: str | None) -> dict[str, str | None]:
+    """What a job script written for a project holds of where it was written: its name, the
+    folder it works in and the python that wrote it (the one with hpc_ddp installed)."""
+    return {
+        "script_name": Path(output).name if output not in (None, "-") else "job.sh",
+        "workdir": str(Path.cwd()),
+        "python": sys.executable or None,
+    }
 
 
 def slurm_words(args: argparse.Namespace) -> list[tuple[str, str | None]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc_ddp.cli.commands import program_arguments
-from hpc_ddp.cli.jobs import check_builtin, job_request, write_job_script
+from hpc_ddp.cli.jobs import check_builtin, job_request, write_job_script, written_script
 from hpc_ddp.launch.program import Program
 from hpc_ddp.launch.shipped import CONFIG_DIR, example_script, shipped_config_name
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -78,7 +78,7 @@ def init(args: argparse.Namespace) -> int:
                 f"{path} exists already: hpc-ddp init leaves it as it is",
                 "remove it, or write the job script elsewhere with -o",
             )
-    request = job_request(args, program, logs)
+    request = job_request(args, program, logs, **written_script(args.output))
     text = render_sbatch(template_path().read_text(), request)
     try:
         logs.mkdir(exist_ok=True)

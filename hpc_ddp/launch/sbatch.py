@@ -23,6 +23,8 @@ TEMPLATE_NAMES = {"srun": "train.sh", "torchrun": "train-torchrun.sh"}
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_.,+-]{1,128}$")
 #: A folder Slurm reads from an #SBATCH line as it is: no spaces, quotes or shell syntax.
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.,+/-]{1,4000}$")
+_PYTHON_LINE = "python=${PYTHON:-python}"
+_STRICT_LINE = "set -euo pipefail"
 _DEFAULT_ARGS_LINE = re.compile(r"^DEFAULT_ARGS=\(.*\)$", re.MULTILINE)
 _SIGNAL_LINES = (
     re.compile(r"^(#SBATCH --signal=)[A-Z0-9]+(@\d+)$", re.MULTILINE),
@@ -59,6 +61,15 @@ class RenderRequest:
     #: Any other sbatch options (name without dashes: value, None for a flag), checked by
     #: :mod:`hpc_ddp.launch.slurmoptions`; written after the time limit.
     sbatch_options: tuple[tuple[str, str | None], ...] = ()
+    #: The written script's file name: its header then says how to submit it, in place of the
+    #: template's lines about slurm/train.sh. None keeps the template's header.
+    script_name: str | None = None
+    #: The folder the job works in (it cds there first), so that the program's relative paths
+    #: hold wherever the script is submitted from. None: the folder sbatch is called from.
+    workdir: str | None = None
+    #: The python that runs hpc_ddp in the job unless $PYTHON names another. None: the first
+    #: python on the job's PATH.
+    python: str | None = None
 
 
 def template_path(launcher: str = "srun") -> Path:
@@ -211,4 +222,71 @@ def render_sbatch(template: str, request: RenderRequest) -> str:
             "restore slurm/ from the repository",
         )
     default_args = "DEFAULT_ARGS=(" + " ".join(shlex.quote(arg) for arg in arguments) + ")"
-    return _DEFAULT_ARGS_LINE.sub(lambda _match: default_args, text, count=1)
+    text = _DEFAULT_ARGS_LINE.sub(lambda _match: default_args, text, count=1)
+    if request.python is not None:
+        text = _replace_once(
+            text,
+            _PYTHON_LINE,
+            "# The python this script was written with; $PYTHON names another.\n"
+            f"python=${{PYTHON:-{shlex.quote(_check_shell_value(request.python, 'python'))}}}",
+        )
+    if request.workdir is not None:
+        text = _replace_once(text, _STRICT_LINE, _workdir_lines(request.workdir))
+    if request.script_name is not None:
+        text = _own_header(
+            text, TEMPLATE_NAMES[request.launcher], request.script_name, arguments, request.workdir
+        )
+    return text
+
+
+def _replace_once(text: str, line: str, replacement: str) -> str:
+    if text.count(f"\n{line}\n") != 1:
+        raise HpcDdpError(
+            f"the template has no single line {line!r}", "restore slurm/ from the repository"
+        )
+    return text.replace(f"\n{line}\n", f"\n{replacement}\n", 1)
+
+
+def _workdir_lines(workdir: str) -> str:
+    folder = shlex.quote(_check_shell_value(workdir, "working folder"))
+    return (
+        f"{_STRICT_LINE}\n\n"
+        "# The folder the script was written in: the program's relative paths (the script, its\n"
+        "# configs, slurm/site.sh) are read from there, wherever the script is submitted from.\n"
+        f"cd -- {folder}"
+    )
+
+
+def _own_header(
+    text: str, template: str, script_name: str, arguments: list[str], workdir: str | None
+) -> str:
+    """The template's header with its usage lines (about slurm/train.sh) replaced by the
+    written script's own."""
+    lines = text.split("\n")
+    first_directive = next(i for i, line in enumerate(lines) if line.startswith("#SBATCH "))
+    blank = lines.index("#", 1)
+    if blank > first_directive:
+        raise HpcDdpError(
+            "the template's header has no '#' line before its #SBATCH lines",
+            "restore slurm/ from the repository",
+        )
+    name = shlex.quote(script_name)
+    program = " ".join(shlex.quote(arg) for arg in arguments) or "the built-in trainer"
+    where = (
+        f"# It works in {workdir}: relative paths are read from there.\n#\n"
+        if workdir is not None
+        else "# Relative paths are read from the folder sbatch is called from.\n#\n"
+    )
+    usage = [
+        (f"sbatch {name}", "as written"),
+        (f"sbatch --nodes=4 {name}", "sbatch's options override the directives below"),
+        (f"sbatch {name} other.py --lr 1e-3", "another program, or other arguments"),
+    ]
+    width = max(len(command) for command, _ in usage)
+    header = (
+        f"# Written by hpc-ddp from its {template} template; it runs: {program}\n#\n"
+        + "".join(f"#   {command:<{width}}  # {what}\n" for command, what in usage)
+        + "#\n"
+        + where
+    )
+    return "\n".join(lines[:blank]) + "\n" + header + "\n".join(lines[first_directive:])

@@ -1,15 +1,12 @@
 #!/bin/bash
 # hpc_ddp training job: one task per GPU on every allocated node, all started by srun.
+# Written by hpc-ddp from its train.sh template; it runs: 'configs/my runs/it'"'"'s; echo PWNED.yaml' 'run.name=$(touch PWNED)' 'run.output_dir=`touch PWNED2`' 'tracking.experiment="x y"'
 #
-#   sbatch --nodes=2 slurm/train.sh train.py --lr 3e-4           # your script and its arguments
-#   sbatch --nodes=2 slurm/train.sh -m mypkg.train --lr 3e-4     # your module
-#   sbatch slurm/train.sh                                        # the built-in trainer
-#   sbatch --nodes=2 slurm/train.sh configs/x.yaml train.epochs=5
-#   sbatch slurm/train.sh train.epochs=5                         # default config + overrides
+#   sbatch job.sh                     # as written
+#   sbatch --nodes=4 job.sh           # sbatch's options override the directives below
+#   sbatch job.sh other.py --lr 1e-3  # another program, or other arguments
 #
-# Options given to sbatch override the directives below. `hpc-ddp render` writes a copy of
-# this file with other values filled in. Submit from the repository root: relative paths
-# (configs, the job's log) are resolved against the directory sbatch was called from.
+# It works in /the/folder/it/was/rendered/in: relative paths are read from there.
 #
 #SBATCH --job-name=hpc-ddp
 # Nodes to spread the job over.
@@ -29,8 +26,8 @@
 # it before the script runs and never creates its folder (a missing one fails the job with no
 # log at all): as checked in, it goes to the directory sbatch was called from; `hpc-ddp
 # render` writes its --log-dir here (./logs by default) and creates it.
-#SBATCH --output=<submission dir>/logs/%x-%j.out
-#SBATCH --error=<submission dir>/logs/%x-%j.out
+#SBATCH --output=/the/folder/it/was/rendered/in/logs/%x-%j.out
+#SBATCH --error=/the/folder/it/was/rendered/in/logs/%x-%j.out
 # Append, so a requeued job adds its attempt to the same log instead of truncating it.
 #SBATCH --open-mode=append
 # SIGUSR1 to every task 120 s before the time limit: time to checkpoint and stop.
@@ -39,6 +36,10 @@
 #SBATCH --requeue
 
 set -euo pipefail
+
+# The folder the script was written in: the program's relative paths (the script, its
+# configs, slurm/site.sh) are read from there, wherever the script is submitted from.
+cd -- /the/folder/it/was/rendered/in
 
 # The warning signal of the --signal directive above: the ranks check that it is the one they
 # handle (preempt.signal) and refuse to start if not. `hpc-ddp render` writes both; if you pass
@@ -50,10 +51,10 @@ export HPC_DDP_JOB_SIGNAL=${HPC_DDP_JOB_SIGNAL:-USR1}
 DEFAULT_ARGS=('configs/my runs/it'"'"'s; echo PWNED.yaml' 'run.name=$(touch PWNED)' 'run.output_dir=`touch PWNED2`' 'tracking.experiment="x y"')
 
 # Where NCCL's flight-recorder dumps go, beside the job's log (`hpc-ddp render` writes both).
-HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-<submission dir>/logs}
+HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-/the/folder/it/was/rendered/in/logs}
 
 # Site specifics (module load, venv or conda activation, NCCL settings) go in one optional
-# file: $HPC_DDP_SITE, else slurm/site.sh in the submission directory.
+# file: $HPC_DDP_SITE, else slurm/site.sh in the folder the job works in.
 site_file=${HPC_DDP_SITE:-slurm/site.sh}
 if [[ -f $site_file ]]; then
     # shellcheck source=/dev/null
@@ -62,7 +63,8 @@ fi
 
 # The part both job templates share (NCCL's flight recorder, the program every rank runs),
 # from the installed hpc_ddp: this script runs from Slurm's spool, away from any checkout.
-python=${PYTHON:-python}
+# The python this script was written with; $PYTHON names another.
+python=${PYTHON:-/the/python/that/rendered/it}
 if ! body=$("$python" -m hpc_ddp.launch.templates); then
     echo "error: $python cannot import hpc_ddp. HINT: activate its environment in" \
         "slurm/site.sh (or \$HPC_DDP_SITE), or set PYTHON to its python" >&2

@@ -1,11 +1,13 @@
 #!/bin/bash
 # hpc_ddp training job, torchrun flavour: ONE Slurm task per node runs torchrun, which starts
 # one rank per GPU on its node. The ranks meet at a c10d rendezvous on the first node.
+# Written by hpc-ddp from its train-torchrun.sh template; it runs: configs/synthetic.yaml
 #
-#   sbatch --nodes=2 slurm/train-torchrun.sh train.py --lr 3e-4     # your script
-#   sbatch --nodes=2 slurm/train-torchrun.sh -m mypkg.train          # your module
-#   sbatch slurm/train-torchrun.sh                                   # the built-in trainer
-#   sbatch --nodes=2 slurm/train-torchrun.sh configs/x.yaml train.epochs=5
+#   sbatch job.sh                     # as written
+#   sbatch --nodes=4 job.sh           # sbatch's options override the directives below
+#   sbatch job.sh other.py --lr 1e-3  # another program, or other arguments
+#
+# It works in /the/folder/it/was/rendered/in: relative paths are read from there.
 #
 #SBATCH --job-name=hpc-ddp-torchrun
 # Nodes to spread the job over (torchrun's --nnodes is read from Slurm, never written twice).
@@ -19,14 +21,18 @@
 # Wall-clock limit (HH:MM:SS).
 #SBATCH --time=1-00:00:00
 # The job's log, <job name>-<job id>.out, where sbatch was called (see slurm/train.sh).
-#SBATCH --output=<submission dir>/logs/%x-%j.out
-#SBATCH --error=<submission dir>/logs/%x-%j.out
+#SBATCH --output=/the/folder/it/was/rendered/in/logs/%x-%j.out
+#SBATCH --error=/the/folder/it/was/rendered/in/logs/%x-%j.out
 #SBATCH --open-mode=append
 # SIGUSR1 to the tasks 120 s before the time limit.
 #SBATCH --signal=USR1@120
 #SBATCH --requeue
 
 set -euo pipefail
+
+# The folder the script was written in: the program's relative paths (the script, its
+# configs, slurm/site.sh) are read from there, wherever the script is submitted from.
+cd -- /the/folder/it/was/rendered/in
 
 # The warning signal of the --signal directive above: the ranks check that it is the one they
 # handle (preempt.signal) and refuse to start if not. `hpc-ddp render` writes both; if you pass
@@ -37,7 +43,7 @@ export HPC_DDP_JOB_SIGNAL=${HPC_DDP_JOB_SIGNAL:-USR1}
 DEFAULT_ARGS=(configs/synthetic.yaml)
 
 # Where NCCL's flight-recorder dumps go, beside the job's log (`hpc-ddp render` writes both).
-HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-<submission dir>/logs}
+HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-/the/folder/it/was/rendered/in/logs}
 
 site_file=${HPC_DDP_SITE:-slurm/site.sh}
 if [[ -f $site_file ]]; then
@@ -47,7 +53,8 @@ fi
 
 # The part both job templates share (NCCL's flight recorder, the program every rank runs),
 # from the installed hpc_ddp: this script runs from Slurm's spool, away from any checkout.
-python=${PYTHON:-python}
+# The python this script was written with; $PYTHON names another.
+python=${PYTHON:-/the/python/that/rendered/it}
 if ! body=$("$python" -m hpc_ddp.launch.templates); then
     echo "error: $python cannot import hpc_ddp. HINT: activate its environment in" \
         "slurm/site.sh (or \$HPC_DDP_SITE), or set PYTHON to its python" >&2

@@ -53,7 +53,7 @@ DEFAULT_ARGS=(configs/digits.yaml)
 HPC_DDP_LOG_DIR=${HPC_DDP_LOG_DIR:-$PWD}
 
 # Site specifics (module load, venv or conda activation, NCCL settings) go in one optional
-# file: $HPC_DDP_SITE, else slurm/site.sh in the submission directory.
+# file: $HPC_DDP_SITE, else slurm/site.sh in the folder the job works in.
 site_file=${HPC_DDP_SITE:-slurm/site.sh}
 if [[ -f $site_file ]]; then
     # shellcheck source=/dev/null
