@@ -131,7 +131,7 @@ def test_the_curves_mark_where_each_later_attempt_resumed(tmp_path: Path) -> Non
         dotted = [line.get_xdata() for line in axes.lines if line.get_linestyle() == ":"]
         assert [list(x) for x in dotted] == [[100, 100]], "one line for attempts 2 and 3"
         assert [text.get_text() for text in axes.texts] == [" attempts 2, 3"]
-    assert mark_texts([(2, 100), (3, 180)]) == [" attempt 2", " attempt 3"]
+    assert mark_texts([(2, 100), (3, 180)]) == [" attempt 2", "attempt 3 "], "the last at the edge"
 
 
 def mark_texts(resumes: list[tuple[int, int]]) -> list[str]:
@@ -139,6 +139,21 @@ def mark_texts(resumes: list[tuple[int, int]]) -> list[str]:
     axes = figure.add_subplot(1, 1, 1)
     mark_attempts(axes, resumes)
     return [text.get_text() for text in axes.texts]
+
+
+def test_a_panel_that_ends_before_an_attempt_began_reaches_its_line_and_names_it_inside() -> None:
+    """A panel whose data ends before the step a later attempt resumed from (its last
+    interval closed earlier) still shows that attempt's line, named inside the panel."""
+    figure = Figure()
+    axes = figure.add_subplot(1, 1, 1)
+    axes.plot([0, 440], [1.0, 2.0])
+    mark_attempts(axes, [(2, 448)])
+    assert axes.get_xlim()[1] >= 448, "the line is inside the panel's step range"
+    (name,) = axes.texts
+    assert (name.get_text(), name.get_horizontalalignment()) == ("attempt 2 ", "right")
+    figure.canvas.draw()
+    inside = axes.get_window_extent().x1 - name.get_window_extent().x1
+    assert inside >= 0, "the name ends inside the panel"
 
 
 def test_a_damaged_resume_step_is_passed_over(tmp_path: Path) -> None:

@@ -79,17 +79,25 @@ def resume_steps(run_dir: Path) -> list[tuple[int, int]]:
 
 def mark_attempts(axes: Any, resumes: list[tuple[int, int]]) -> None:
     """A dotted line where later attempts took over, named at the top of the panel (one
-    line for attempts that resumed from the same step: a crash before the next checkpoint)."""
+    line for attempts that resumed from the same step: a crash before the next checkpoint).
+    The panel's step range reaches every line; a name near its right edge sits to its left."""
     at_step: dict[int, list[int]] = {}
     for number, step in resumes:
         at_step.setdefault(step, []).append(number)
+    if not at_step:
+        return
+    left, right = axes.get_xlim()
+    left, right = min(left, *at_step), max(right, *at_step)
+    axes.set_xlim(left, right)
     for step, numbers in at_step.items():
         plural = "s" if len(numbers) > 1 else ""
-        named = f" attempt{plural} {', '.join(map(str, numbers))}"
+        named = f"attempt{plural} {', '.join(map(str, numbers))}"
+        near_right = step > left + 0.8 * (right - left)
         axes.axvline(step, color="0.45", linestyle=":", linewidth=1, zorder=1)
         axes.text(
-            step, 0.99, named, transform=axes.get_xaxis_transform(), fontsize="x-small",
-            color="0.35", va="top", ha="left",
+            step, 0.99, f"{named} " if near_right else f" {named}",
+            transform=axes.get_xaxis_transform(), fontsize="x-small", color="0.35", va="top",
+            ha="right" if near_right else "left",
         )  # fmt: skip
 
 
