@@ -323,7 +323,8 @@ def test_sbatch_refusing_a_later_array_says_which_tasks_are_queued_and_how_to_su
     """Five tasks in arrays of two (a stand-in sbatch, the cluster's refusal in its place):
     the second array refused leaves the first queued; the message names both sets and the
     resume that submits the rest, which then queues every task that did not finish."""
-    from hpc_ddp.sweep.submit import resume_sweep, submit_sweep
+    from hpc_ddp.sweep.resume import resume_sweep
+    from hpc_ddp.sweep.submit import submit_sweep
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -144,7 +144,7 @@ def status_command(args: argparse.Namespace) -> int:
 
 def resume_command(args: argparse.Namespace) -> int:
     from hpc_ddp.cli.api import trainer_settings
-    from hpc_ddp.sweep.submit import resume_sweep
+    from hpc_ddp.sweep.resume import resume_sweep
 
     resume_sweep(
         Path(args.sweep_dir), args.settings, os.environ, trainer_settings=trainer_settings()

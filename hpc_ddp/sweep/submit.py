@@ -1,4 +1,4 @@
-"""Submitting a sweep as job arrays, and resubmitting the tasks of it that did not finish.
+"""Submitting a sweep as job arrays (and a resume's tasks: :mod:`hpc_ddp.sweep.resume`).
 
 Nothing stays alive on the login node: the sweep's state lives in its record (sweep.json and
 the files beside it), in its tasks' run directories and in Slurm's queue.
@@ -22,18 +22,12 @@ from hpc_ddp.sweep import arrays, manifest
 from hpc_ddp.sweep.calls import CallableProgram, check_calls, pickled, write_program
 from hpc_ddp.sweep.programs import (
     check_settings,
-    recorded_program,
     refuse_conflicts,
     runtime_settings,
 )
 from hpc_ddp.sweep.spec import (
-    Settings,
     SweepSpec,
-    check_key,
-    command_line_key,
     expand,
-    value_text,
-    with_overrides,
 )
 
 Say = Callable[[str], None]
@@ -126,7 +120,7 @@ def submit_sweep(
         write_program(sweep_dir, code)
     if tracking is not None:
         _make_parent(sweep_dir, tracking, spec, len(tasks), output_dir, say)
-    _submit(sweep_dir, list(range(len(tasks))), max_size, environ, say)
+    submit_tasks(sweep_dir, list(range(len(tasks))), max_size, environ, say)
     return sweep_dir
 
 
@@ -168,7 +162,7 @@ def _make_parent(
     manifest.update_definition(sweep_dir, note)
 
 
-def _submit(
+def submit_tasks(
     sweep_dir: Path, tasks: list[int], max_size: int, environ: Mapping[str, str], say: Say
 ) -> list[str]:
     """Render and sbatch the arrays that run ``tasks``, each after the one before, so the
@@ -202,7 +196,7 @@ def _submit(
         previous = job_id
         _record_array(sweep_dir, job_id, array, script)
         spec = arrays.array_spec(array.indices, data["concurrency"])
-        say(f"submitted job array {job_id} (--array={spec}): tasks {_ranges(array.tasks)}")
+        say(f"submitted job array {job_id} (--array={spec}): tasks {ranges(array.tasks)}")
     return submitted
 
 
@@ -219,8 +213,8 @@ def _partly_submitted(
         return refused
     left = sorted(set(tasks) - set(queued))
     return HpcDdpError(
-        f"{refused.message}; tasks {_ranges(queued)} are queued (job arrays "
-        f"{', '.join(submitted)}), tasks {_ranges(left)} are not",
+        f"{refused.message}; tasks {ranges(queued)} are queued (job arrays "
+        f"{', '.join(submitted)}), tasks {ranges(left)} are not",
         f"{refused.hint}; then, once the queued tasks ended (or after scancel "
         f"{' '.join(submitted)}), `hpc-ddp sweep resume {sweep_dir}` submits every task that "
         "did not finish",
@@ -243,86 +237,6 @@ def _record_array(sweep_dir: Path, job_id: str, array: arrays.Array, script: Pat
     manifest.record_array(sweep_dir, job_id, array.offset, list(array.tasks), str(script))
 
 
-def _ranges(tasks: Sequence[int]) -> str:
+def ranges(tasks: Sequence[int]) -> str:
+    """Tasks as a short text: 0-3, 7."""
     return arrays.array_spec(tasks, None).replace(",", ", ")
-
-
-def live_jobs(data: Mapping[str, Any], environ: Mapping[str, str]) -> dict[str, str]:
-    """Slurm's state of the sweep's queued and running array tasks; HpcDdpError when
-    squeue cannot be asked."""
-    live = arrays.live_tasks([array["job_id"] for array in data["arrays"]], environ)
-    if live is None:
-        raise HpcDdpError(
-            "cannot ask Slurm which of the sweep's tasks still run (squeue failed)",
-            "run this on a host where squeue answers (a login node)",
-        )
-    return live
-
-
-def resume_sweep(
-    sweep_dir: Path,
-    overrides: Sequence[str] = (),
-    environ: Mapping[str, str] = os.environ,
-    say: Say = print,
-    trainer_settings: Collection[str] = (),
-) -> list[int]:
-    """Resubmit the tasks that did not finish (failed, lost, never started) as new arrays,
-    each in its own run directory again, with ``overrides`` (``KEY=VALUE``) applied to
-    them; refused while any task of the sweep is queued or running. Returns the tasks.
-    ``trainer_settings``: the built-in trainer's dotted keys, for a sweep of it."""
-    pairs = [_override(text) for text in overrides]  # bad words refused before asking Slurm
-    data = manifest.read_manifest(sweep_dir)
-    live = live_jobs(data, environ)
-    running = [
-        task
-        for task in data["tasks"]
-        if task.get("job") in live and task["state"] not in manifest.ENDED
-    ]
-    if running:
-        named = ", ".join(
-            f"{task['index']} ({task['job']} {live[task['job']]})" for task in running
-        )
-        raise HpcDdpError(
-            f"sweep {data['name']} is still running: tasks {named}",
-            "wait for them to end (hpc-ddp sweep status shows them), or scancel them first",
-        )
-    chosen = [task["index"] for task in data["tasks"] if task["state"] != "finished"]
-    if not chosen:
-        say(f"every task of sweep {data['name']} finished: nothing to resume")
-        return []
-    if pairs:  # a callable is loaded (its module imported) only to check changed arguments
-        program = recorded_program(sweep_dir, data)
-        check_settings([key for key, _ in pairs], program, trainer_settings)
-        refuse_conflicts(program, {key for key, _ in pairs})
-        if isinstance(program, CallableProgram):
-            changed = [with_overrides(data["tasks"][index]["settings"], pairs) for index in chosen]
-            check_calls(program, changed, overriding=True)
-
-    def reset(task: dict[str, Any]) -> None:
-        settings: Settings = with_overrides(task["settings"], pairs)
-        task.update(state="pending", settings=settings, error=None, job=None)
-        task["since_array"] = len(data["arrays"])  # its job: an array submitted from now on
-        if pairs:
-            task["overrides"] = [*task.get("overrides", ()), *(f"{k}={v}" for k, v in pairs)]
-
-    manifest.update_tasks(sweep_dir, [data["tasks"][index] for index in chosen], reset)
-    tracking = data.get("tracking") or {}
-    if tracking.get("parent_run_id"):
-        from hpc_ddp.sweep.parent import set_parent_status
-
-        set_parent_status(tracking["uri"], tracking["parent_run_id"], "RUNNING")
-    say(f"resubmitting {len(chosen)} of {len(data['tasks'])} tasks: {_ranges(chosen)}")
-    _submit(sweep_dir, chosen, arrays.read_max_array_size(environ), environ, say)
-    return chosen
-
-
-def _override(text: str) -> tuple[str, str]:
-    key, equals, value = text.partition("=")
-    key = command_line_key(key)
-    if not equals:
-        raise HpcDdpError(
-            f"--set {text!r} is not KEY=VALUE",
-            "e.g. --set lr=0.05 (your --lr) or --set train.epochs=3",
-        )
-    check_key(key, "--set")
-    return key, value_text(value, f"--set {key}")
