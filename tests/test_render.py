@@ -239,6 +239,30 @@ def test_a_users_script_and_its_arguments_reach_every_rank_verbatim(workdir: Pat
 
 
 @pytest.mark.e2e
+def test_a_rendered_script_whose_folder_moved_stops_saying_so(
+    workdir: Path, tmp_path: Path
+) -> None:
+    """The job works in the folder it was rendered in: moved away, it stops with the fix
+    instead of starting the ranks elsewhere."""
+    script = workdir / "job.sh"
+    assert render(workdir, ["--output", str(script), *CASES["script-2nodes.sh"]]).returncode == 0
+    moved = tmp_path.parent / f"{tmp_path.name}-moved"
+    script.rename(tmp_path.parent / f"{tmp_path.name}-job.sh")
+    workdir.rename(moved)
+    moved.joinpath("elsewhere").mkdir()
+    result = subprocess.run(
+        ["bash", str(tmp_path.parent / f"{tmp_path.name}-job.sh")],
+        cwd=moved / "elsewhere", env=clean_environ(SLURM_JOB_ID="1"), capture_output=True,
+        text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert f"error: cannot work in {workdir}, the folder this script was written in" in (
+        result.stderr
+    )
+    assert "HINT: write it again with hpc-ddp render" in result.stderr
+
+
+@pytest.mark.e2e
 def test_render_refuses_a_script_that_does_not_exist(workdir: Path) -> None:
     result = render(workdir, ["--nodes", "2", "missing.py", "--lr", "1"])
     assert result.returncode == 2

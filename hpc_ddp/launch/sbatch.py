@@ -253,7 +253,12 @@ def _workdir_lines(workdir: str) -> str:
         f"{_STRICT_LINE}\n\n"
         "# The folder the script was written in: the program's relative paths (the script, its\n"
         "# configs, slurm/site.sh) are read from there, wherever the script is submitted from.\n"
-        f"cd -- {folder}"
+        f"workdir={folder}\n"
+        'if ! cd -- "$workdir"; then\n'
+        '    echo "error: cannot work in $workdir, the folder this script was written in." \\\n'
+        '        "HINT: write it again with hpc-ddp render in the project\'s folder" >&2\n'
+        "    exit 2\n"
+        "fi"
     )
 
 

@@ -39,7 +39,12 @@ set -euo pipefail
 
 # The folder the script was written in: the program's relative paths (the script, its
 # configs, slurm/site.sh) are read from there, wherever the script is submitted from.
-cd -- /the/folder/it/was/rendered/in
+workdir=/the/folder/it/was/rendered/in
+if ! cd -- "$workdir"; then
+    echo "error: cannot work in $workdir, the folder this script was written in." \
+        "HINT: write it again with hpc-ddp render in the project's folder" >&2
+    exit 2
+fi
 
 # The warning signal of the --signal directive above: the ranks check that it is the one they
 # handle (preempt.signal) and refuse to start if not. `hpc-ddp render` writes both; if you pass
