@@ -91,8 +91,8 @@ def saved_state(run_dir: Path) -> tuple[int, dict[str, Any]]:
     names = {key.split(".")[1] for key in read_metadata(folder).state_dict_metadata
              if key.startswith("objects.")}  # fmt: skip
     for name in sorted(names):
-        for key, tensor in full_tensors(folder, name).items():
-            state[f"objects.{name}.{key}"] = tensor
+        for key, value in full_tensors(folder, name, with_values=True).items():
+            state[f"objects.{name}.{key}"] = value
     return int(blobs["run"]["global_step"]), state
 
 
@@ -208,10 +208,14 @@ def metric_differences(
 
 
 def _optimizer_setting(key: str) -> tuple[str, str, str] | None:
-    """(object, group, setting) for ``run.plain.<object>.param_groups[<i>].<setting>``."""
+    """(object, group, setting) for ``run.plain.<object>.param_groups[<i>].<setting>`` (an
+    optimizer saved as it is) or ``objects.<object>.param_groups.<i>.<setting>`` (one with
+    state, saved through DCP)."""
     parts = key.split(".")
     if len(parts) == 5 and parts[:2] == ["run", "plain"] and parts[3].startswith("param_groups["):
         return parts[2], parts[3].removeprefix("param_groups"), parts[4]
+    if len(parts) == 5 and parts[0] == "objects" and parts[2] == "param_groups":
+        return parts[1], f"[{parts[3]}]", parts[4]
     return None
 
 

@@ -1,5 +1,6 @@
 """A small regression script whose resume is exact, or broken by one mistake named on its
 command line: "clean", "scheduler" (a learning-rate scheduler left unregistered),
+"scheduler-adam" (the same beside an optimizer with state: AdamW, saved through DCP),
 "counter" (a logged count kept outside the run), "loader" (a DataLoader of its own, with its
 own shuffling generator, instead of run.train_loader)."""
 
@@ -22,9 +23,13 @@ if mistake == "loader":
 else:
     loader = run.train_loader(dataset, 8)  # the global batch, at any number of ranks
 model = run.wrap(torch.nn.Linear(4, 1))
-optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+optimizer: torch.optim.Optimizer
+if mistake == "scheduler-adam":
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+else:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
-if mistake == "scheduler":
+if mistake.startswith("scheduler"):
     run.register(model=model, optimizer=optimizer)
 else:
     run.register(model=model, optimizer=optimizer, scheduler=scheduler)

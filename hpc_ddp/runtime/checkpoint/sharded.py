@@ -257,16 +257,21 @@ def load_objects(folder: Path, templates: dict[str, Any]) -> None:
     _load({OBJECTS_KEY: templates}, folder)
 
 
-def full_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
+def full_tensors(folder: Path, name: str, with_values: bool = False) -> dict[str, Any]:
     """Registered object ``name``'s tensors, whole, without a process group or the model's
-    class: the shapes come from the metadata."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    class: the shapes come from the metadata. ``with_values``: its other values too (an
+    optimizer's settings: ``param_groups.0.lr``)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     prefix = f"{OBJECTS_KEY}.{name}."
     template: dict[str, Any] = {}
     for key, entry in read_metadata(folder).state_dict_metadata.items():
-        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata):
+        if not key.startswith(prefix):
+            continue
+        if isinstance(entry, TensorStorageMetadata):
             template[key[len(prefix) :]] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        elif with_values and isinstance(entry, BytesStorageMetadata):
+            template[key[len(prefix) :]] = b""  # a placeholder: DCP puts the value there
     if template:
         _load({OBJECTS_KEY: {name: template}}, folder)
     return template
