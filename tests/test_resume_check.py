@@ -172,6 +172,16 @@ def test_a_resume_on_another_number_of_ranks_is_compared_within_the_tolerance() 
         f"resume on another number of ranks holds for this script (40 steps, stopped at 20, "
         f"{across})"
     )
+    moved = verdict([Difference("run.global_step", "48", "80")], [], 80, 24, across)
+    assert not moved.exact and moved.what.endswith(
+        "the script's batches are per rank (a DataLoader of its own), so the global batch "
+        "and the steps of an epoch change with the number of ranks"
+    ), "a loader of the script's own: not a position run.steps would resume"
+    assert moved.hint.startswith("run.train_loader(dataset, global_batch_size) keeps")
+    assert (
+        "loop with run.steps"
+        in verdict([Difference("run.global_step", "48", "80")], [], 80, 24).hint
+    )
 
 
 def test_a_folder_holding_an_earlier_checks_runs_is_refused_before_any_run(

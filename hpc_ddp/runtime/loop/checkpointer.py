@@ -284,10 +284,12 @@ def say_resumed(resumed: Resumed, position: Position, world_size: int, streams_f
     if not streams_fit:
         get_logger().warning(
             f"the world size changed: the checkpoint was written by {resumed.world_size} "
-            f"ranks, this run has {world_size}. The global batch, the order of the samples "
-            "and the metric sums go on exactly; each rank's own random streams (dropout, "
-            "augmentation in the main process) cannot, and are seeded anew from (run.seed, "
-            "rank, step), so such a run is not bitwise the one it continues"
+            f"ranks, this run has {world_size}. With run.train_loader the global batch, the "
+            "order of the samples and the metric sums go on exactly; a loader of the "
+            "script's own keeps its batch per rank, so its global batch and the steps of "
+            "an epoch change with the number of ranks. Each rank's own random streams "
+            "(dropout, augmentation in the main process) cannot go on, and are seeded anew "
+            "from (run.seed, rank, step), so such a run is not bitwise the one it continues"
         )
 
 
