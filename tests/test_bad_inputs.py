@@ -146,3 +146,13 @@ def test_only_a_command_that_starts_a_program_says_where_its_options_go(
         said = capsys.readouterr().err
         assert f"unrecognized arguments: {words[1]}" in said
         assert ("the program's own after it" in said) == hinted, said
+    # Each command's own example; a sweep's program goes after --.
+    for words, example in (
+        (["check-resume", "--epochs", "3", "x.py"], "hpc-ddp check-resume --steps 40 train.py"),
+        (["local", "--epochs", "3", "x.py"], "hpc-ddp local --nproc 2 train.py --epochs 3"),
+        (["sweep", "submit", "s.yaml", "x.py", "--lr", "1"], "sweep submit sweep.yaml -- train.py"),
+    ):
+        with pytest.raises(SystemExit):
+            cli_main(words)
+        said = capsys.readouterr().err
+        assert f"{example}" in said, said

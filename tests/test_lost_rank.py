@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import signal
 from contextlib import redirect_stderr
@@ -18,6 +19,7 @@ from hpc_ddp.launch.step_failure import ONE_TASK_PER_NODE, answer
 from hpc_ddp.runtime.config import PreemptConfig
 from hpc_ddp.runtime.errors import EXIT_DEVICE_ERROR, EXIT_FAILURE
 from hpc_ddp.runtime.exits import report_failure
+from hpc_ddp.runtime.logs import LOGGER_NAME
 from hpc_ddp.runtime.preempt.lost_rank import (
     HANDOFF_VARIABLE,
     LostRank,
@@ -259,7 +261,7 @@ def test_runs_says_a_host_lost_a_rank() -> None:
 
 @pytest.mark.e2e
 def test_scontrol_requeue_outlives_the_sigterm_its_requeue_sends(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Slurm sends the step SIGTERM as `scontrol requeue` ends it; the scontrol that rank 0
     started must still report. A stand-in scontrol (no Slurm here) sends itself that SIGTERM
@@ -273,9 +275,10 @@ def test_scontrol_requeue_outlives_the_sigterm_its_requeue_sends(
     scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     before = signal.getsignal(signal.SIGTERM)
-    with redirect_stderr(io.StringIO()):
+    with redirect_stderr(io.StringIO()), caplog.at_level(logging.INFO, logger=LOGGER_NAME):
         assert requeue_job({"SLURM_JOB_ID": "7"}, 0, PreemptConfig())
     assert (tmp_path / "requeued").read_text() == "requeue 7\n"
+    assert "requeued job 7: attempt 2 comes next (requeue 1 of at most 3" in caplog.text
     assert signal.getsignal(signal.SIGTERM) == before
 
 

@@ -362,6 +362,9 @@ def test_a_tasks_state_joins_its_record_and_slurms_queue() -> None:
     assert task_state("running", "PENDING", True) == "requeued"
     assert task_state("pending", "PENDING", True) == "pending"
     assert task_state("running", None, True) == "lost"
+    assert task_state("running", None, True, "stopped") == "stopped", "cancelled: checkpointed"
+    assert task_state("running", None, True, "running") == "lost", "killed without a word"
+    assert task_state("running", "RUNNING", True, "stopped") == "running"
     assert task_state("pending", None, True) == "lost"
     assert task_state("running", None, False) == "running"
     assert task_state("failed", None, True) == "failed"
@@ -403,6 +406,7 @@ def test_status_sorts_finished_tasks_best_first_and_names_the_failure(tmp_path: 
     ]
     table = format_rows(rows, metric, mode)
     assert "1 failed, 2 finished" in table and "task 2: exit code 1: see log" in table
+    assert "last val_loss (lower is better)" in table.splitlines()[0], "the last value, not a min"
 
 
 def test_a_sweep_file_that_does_not_parse_is_one_line(

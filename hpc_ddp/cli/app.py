@@ -37,8 +37,33 @@ def keep_programs_separator(parser: argparse.ArgumentParser, argv: list[str]) ->
 #: Said where a command that starts a program got an option it does not know.
 PROGRAM_OPTIONS_HINT = (
     "\nHINT: hpc-ddp's options go before the program and the program's own after it: "
-    "hpc-ddp local --nproc 2 train.py --epochs 3"
+    "hpc-ddp {command} train.py --epochs 3"
 )
+#: How each command that starts a program is written with hpc-ddp's options before it.
+PROGRAM_EXAMPLES = {
+    "local": "local --nproc 2",
+    "check-resume": "check-resume --steps 40",
+    "render": "render --nodes 2 -o job.sh",
+    "submit": "submit --nodes 2",
+    "init": "init",
+    "run": "run",
+}
+SWEEP_PROGRAM_HINT = (
+    "\nHINT: the sweep's program goes after --: "
+    "hpc-ddp sweep submit sweep.yaml -- train.py --epochs 3"
+)
+
+
+def program_options_hint(words: Sequence[str], args: argparse.Namespace) -> str:
+    """The HINT for words hpc-ddp does not know on a command that starts a program ("" on
+    one that starts none)."""
+    if list(words[:2]) == ["sweep", "submit"]:
+        return SWEEP_PROGRAM_HINT
+    if not hasattr(args, "target"):
+        return ""
+    example = PROGRAM_EXAMPLES.get(args.command, args.command)
+    return PROGRAM_OPTIONS_HINT.format(command=example)
+
 
 #: Commands whose ranks or jobs start in the working directory.
 LAUNCHING_COMMANDS = ("local", "run", "train", "render", "submit", "sweep", "doctor")
@@ -58,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     words, sweep_program = split_sweep_program(words)
     args, unknown = parser.parse_known_args(keep_programs_separator(parser, words))
     if unknown:
-        where = PROGRAM_OPTIONS_HINT if hasattr(args, "target") else ""
+        where = program_options_hint(words, args)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{where}")
     if sweep_program is not None:
         args.program = sweep_program

@@ -33,9 +33,13 @@ class TaskRow:
     error: str | None
 
 
-def task_state(recorded: str, slurm_state: str | None, queue_known: bool) -> str:
+def task_state(
+    recorded: str, slurm_state: str | None, queue_known: bool, run_state: str | None = None
+) -> str:
     """A task's state from its record and Slurm's queue (None: not queued). An end in the
-    record wins: the job script writes it just before its job leaves the queue."""
+    record wins: the job script writes it just before its job leaves the queue. A running
+    task gone from the queue whose run says it stopped was cancelled (a plain scancel ends
+    the job script before it can write the end, after the ranks checkpointed): stopped."""
     if recorded in manifest.ENDED:
         return recorded
     if slurm_state is not None:
@@ -43,7 +47,7 @@ def task_state(recorded: str, slurm_state: str | None, queue_known: bool) -> str
             return "requeued" if recorded in ("running", "requeued") else "pending"
         return "running" if slurm_state in ("RUNNING", "COMPLETING") else slurm_state.lower()
     if recorded in ("pending", "running", "requeued") and queue_known:
-        return "lost"
+        return "stopped" if recorded == "running" and run_state == "stopped" else "lost"
     return recorded
 
 
@@ -82,7 +86,12 @@ def task_rows(
         rows.append(
             TaskRow(
                 index=task["index"],
-                state=task_state(task["state"], (live or {}).get(job or ""), live is not None),
+                state=task_state(
+                    task["state"],
+                    (live or {}).get(job or ""),
+                    live is not None,
+                    run.state if run else None,
+                ),
                 step=run.global_step if run else int(task.get("step", 0)),
                 attempts=int(task["attempts"]),
                 metric=_number(values.get(metric)) if metric else None,
@@ -101,7 +110,9 @@ def task_rows(
 
 
 def format_rows(rows: list[TaskRow], metric: str | None, mode: str) -> str:
-    heading = f"{metric} ({mode})" if metric else "metric"
+    # The value is the run's last, not its best: say so, and which way is better.
+    better = "higher" if mode == "max" else "lower"
+    heading = f"last {metric} ({better} is better)" if metric else "metric"
     table = [("task", "state", "step", "attempts", heading, "job", "settings")]
     for row in rows:
         value = "-" if row.metric is None else f"{row.metric:.6g}"

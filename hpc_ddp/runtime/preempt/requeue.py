@@ -97,5 +97,8 @@ def requeue_job(environ: Mapping[str, str], restart_count: int, config: PreemptC
     if failure is not None:
         log.error(f"scontrol requeue {target} failed: {failure}")
         return False
-    log.info(f"requeued job {target} (attempt {restart_count + 1} of {config.max_requeues})")
+    log.info(
+        f"requeued job {target}: attempt {restart_count + 2} comes next (requeue "
+        f"{restart_count + 1} of at most {config.max_requeues}, preempt.max_requeues)"
+    )
     return True
