@@ -248,8 +248,10 @@ def test_a_sweep_larger_than_max_array_size_is_split_into_arrays_run_one_after_a
     assert (second["offset"], second["tasks"]) == (8, [8, 9])
     for task in range(10):
         array = first if task < 8 else second
-        log = sweep.directory / "logs" / f"big-{array['job_id']}_{task - array['offset']}.out"
-        assert f"TASK ['--fixed', '1', '--value', '{task}']" in log.read_text()
+        job = f"{array['job_id']}_{task - array['offset']}"
+        log = (sweep.directory / "logs" / f"big-{job}.out").read_text()
+        assert f"TASK ['--fixed', '1', '--value', '{task}']" in log
+        assert f"sweep big task {task} (job {job}): value={task}" in log
 
     def times(array: dict[str, Any]) -> list[tuple[str, str]]:
         """(start, end) of each task of ``array``, as slurmctld keeps them."""

@@ -68,6 +68,8 @@ def test_list_entries_times_zip_rows_times_grid() -> None:
 def test_no_grid_zip_or_list_is_one_task_and_a_single_value_is_a_list_of_one() -> None:
     assert tasks_of({}) == [{}]
     assert tasks_of({"grid": {"--lr": 0.1}}) == [{"--lr": "0.1"}]
+    # A plain word is the program's option, as with --grid lr=0.1 and in Python.
+    assert tasks_of({"grid": {"lr": [0.1]}, "list": [{"wd": 1}]}) == [{"--wd": "1", "--lr": "0.1"}]
 
 
 @pytest.mark.parametrize(
@@ -79,7 +81,8 @@ def test_no_grid_zip_or_list_is_one_task_and_a_single_value_is_a_list_of_one() -
         ({"grid": {"--a": [1, 2]}, "zip": {"--a": [3, 4]}}, "--a is swept in both grid and zip"),
         ({"grid": {"--a": list(range(40)), "--b": list(range(30))}}, "1200 tasks, more than"),
         ({"grid": {"--a": [1, 2, 3]}, "max_tasks": 2}, "3 tasks, more than max_tasks=2"),
-        ({"grid": {"lr": [1]}}, "'lr' is neither an option of your program"),
+        ({"grid": {"l r": [1]}}, "'l r' is neither an option of your program"),
+        ({"concurency": 1}, "unknown key 'concurency' (did you mean 'concurrency'?)"),
         ({"grid": {"run.id": [1, 2]}}, "run.id is set by the sweep"),
         ({"grid": {"--lr": [[1, 2]]}}, "is a list, not a single value"),
         ({"list": []}, "list: expected a non-empty list"),

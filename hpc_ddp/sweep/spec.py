@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hpc_ddp.runtime.configfile import nearest
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.yamlread import shown
 
@@ -48,6 +49,7 @@ WHOLE_SWEEP_SETTINGS = ("preempt.signal",)
 _UNSHOWABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 _OPTION = re.compile(r"--?[A-Za-z0-9][A-Za-z0-9_.-]*")
+_PLAIN_WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 _SETTING = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*")
 _SWEEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}")
 
@@ -111,9 +113,16 @@ def check_key(key: Any, where: str) -> str:
         return key
     raise HpcDdpError(
         f"{where}: {shown(key)} is neither an option of your program (--lr) nor a dotted "
-        "setting (train.epochs)",
+        "setting (run.seed)",
         "write program options with their dashes, e.g. --lr: [0.1, 0.01]",
     )
+
+
+def _file_key(written: Any, where: str) -> str:
+    """A sweep file's key; a plain word is the program's option, as on the command line
+    and in Python: ``lr`` is ``--lr``."""
+    plain = isinstance(written, str) and _PLAIN_WORD.fullmatch(written)
+    return check_key(f"--{written}" if plain else written, where)
 
 
 def _lists(raw: Any, where: str) -> dict[str, tuple[str, ...]]:
@@ -122,8 +131,8 @@ def _lists(raw: Any, where: str) -> dict[str, tuple[str, ...]]:
     if not isinstance(raw, Mapping):
         raise HpcDdpError(f"{where}: expected a mapping of key: [values]", "e.g. --lr: [0.1, 1]")
     lists: dict[str, tuple[str, ...]] = {}
-    for key, values in raw.items():
-        check_key(key, where)
+    for written, values in raw.items():
+        key = _file_key(written, where)
         if not isinstance(values, list):
             values = [values]
         if not values:
@@ -150,7 +159,7 @@ def _listed(raw: Any) -> tuple[Settings, ...]:
         if not isinstance(entry, Mapping):
             raise HpcDdpError(f"{where}: {shown(entry)} is not a mapping", "e.g. - {--lr: 0.1}")
         task = {
-            check_key(key, where): value_text(value, f"{where}.{key}")
+            _file_key(key, where): value_text(value, f"{where}.{key}")
             for key, value in entry.items()
         }
         if task in tasks:
@@ -175,7 +184,8 @@ def spec_from_dict(raw: Mapping[str, Any], source: str) -> SweepSpec:
     unknown = sorted(set(raw) - set(FILE_KEYS), key=str)
     if unknown:
         raise HpcDdpError(
-            f"{source}: unknown key {shown(unknown[0])}",
+            f"{source}: unknown key {shown(unknown[0])}"
+            + (nearest(unknown[0], FILE_KEYS) if isinstance(unknown[0], str) else ""),
             f"a sweep file holds: {', '.join(FILE_KEYS)}",
         )
     name = raw.get("name")

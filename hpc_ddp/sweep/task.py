@@ -26,7 +26,7 @@ from hpc_ddp.runtime.tracking.membership import SweepMembership, write_membershi
 from hpc_ddp.runtime.tracking.record import read_tracked_run_id
 from hpc_ddp.runtime.tracking.worker import discard_prestarted, prestart
 from hpc_ddp.sweep import manifest
-from hpc_ddp.sweep.spec import program_words, setting_words
+from hpc_ddp.sweep.spec import describe, program_words, setting_words
 from hpc_ddp.sweep.taskstate import recount
 
 if TYPE_CHECKING:
@@ -101,6 +101,11 @@ def start_task(sweep_dir: Path, offset: int, environ: MutableMapping[str, str]) 
             entry.update(state="running", attempts=int(entry["attempts"]) + 1, job=job, error=None)
 
         manifest.update_tasks(sweep_dir, [task], started)
+        # The job's log names the task's settings: its job script only names the sweep.
+        print(
+            f"sweep {data['name']} task {index} (job {job}): {describe(task['settings'])}",
+            flush=True,
+        )
     changed = task_environ(data, task, environ)
     environ.pop("MLFLOW_RUN_ID", None)
     environ.update(changed)
