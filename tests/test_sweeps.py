@@ -321,7 +321,7 @@ echo "$n"
 
 @pytest.mark.e2e
 def test_sbatch_refusing_a_later_array_says_which_tasks_are_queued_and_how_to_submit_the_rest(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Five tasks in arrays of two (a stand-in sbatch, the cluster's refusal in its place):
     the second array refused leaves the first queued; the message names both sets and the
@@ -355,9 +355,15 @@ def test_sbatch_refusing_a_later_array_says_which_tasks_are_queued_and_how_to_su
     assert [task["job"] for task in record["tasks"]] == ["1_0", "1_1", None, None, None]
 
     (bin_dir / "sbatch.refuse").unlink()
-    assert resume_sweep(tmp_path / "s", (), environ, said.append) == [0, 1, 2, 3, 4]
+    monkeypatch.chdir(tmp_path)
+    assert resume_sweep(Path("s"), (), environ, said.append) == [0, 1, 2, 3, 4]
     record = manifest.read_manifest(tmp_path / "s")
     assert [task["job"] for task in record["tasks"]] == ["3_0", "3_1", "4_0", "4_1", "5_0"]
+    resumed = [array for array in record["arrays"] if array["job_id"] in ("3", "4", "5")]
+    assert [Path(array["script"]).is_absolute() for array in resumed] == [True] * 3, (
+        "a resume from the sweep's parent names its folder absolutely, as the submit did"
+    )
+    assert f"hpc_ddp.sweep.task {tmp_path / 's'} --offset" in Path(resumed[0]["script"]).read_text()
 
 
 def test_a_tasks_state_joins_its_record_and_slurms_queue() -> None:
