@@ -6,6 +6,7 @@ table made from it. The sweep on a real cluster is tests/test_slurm_sweep.py."""
 from __future__ import annotations
 
 import inspect
+import json
 import multiprocessing
 import re
 import shlex
@@ -416,6 +417,36 @@ def test_status_sorts_finished_tasks_best_first_and_names_the_failure(tmp_path: 
     table = format_rows(rows, metric, mode)
     assert "1 failed, 2 finished" in table and "task 2: exit code 1: see log" in table
     assert "last val_loss (lower is better)" in table.splitlines()[0], "the last value, not a min"
+
+
+def test_a_sweep_named_by_the_wrong_path_or_metric_is_refused_with_the_right_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep's name without runs/, a sweep's folder given to `plot`, and a metric no task
+    logged: each refusal names what was meant."""
+    from hpc_ddp.sweep.views import plot_sweep
+    from hpc_ddp.view.runs import find_run
+
+    data = sweep_record(tmp_path / "runs", [{"--lr": "0.1"}])
+    sweep_dir = tmp_path / "runs" / "s"
+    manifest.create_manifest(sweep_dir, data)
+    run_dir = manifest.run_dir_of(data, data["tasks"][0])
+    run_dir.mkdir(parents=True)
+    point = {"step": 5, "global_step": 5, "epoch": 0, "time": 1.0,
+             "metrics": {"val_accuracy": 0.5, "interval/loss": 1.0}}  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text(json.dumps(point) + "\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(HpcDdpError) as named:
+        manifest.read_manifest(Path("s"))
+    assert named.value.hint.startswith("did you mean runs/s? Else pass the folder")
+    with pytest.raises(HpcDdpError) as named:
+        find_run("runs/s", Path("runs"))
+    assert named.value.message == "runs/s is a sweep's folder, not a run's"
+    assert named.value.hint.startswith("hpc-ddp sweep plot runs/s draws its tasks")
+    with pytest.raises(HpcDdpError) as named:
+        plot_sweep(sweep_dir, "val_acc", tmp_path / "s.png")
+    assert named.value.message.endswith("'val_acc' (did you mean 'val_accuracy'?)")
+    assert named.value.hint.endswith("its runs log: loss, val_accuracy")
 
 
 def test_a_sweep_file_that_does_not_parse_is_one_line(

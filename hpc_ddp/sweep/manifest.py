@@ -101,9 +101,12 @@ def _read_definition(sweep_dir: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
+        hint = "pass the folder `hpc-ddp sweep submit` printed: <run.output_dir>/<sweep name>"
+        under_runs = Path("runs") / sweep_dir  # run.output_dir's default
+        if not sweep_dir.is_absolute() and manifest_path(under_runs).is_file():
+            hint = f"did you mean {under_runs}? Else {hint}"
         raise HpcDdpError(
-            f"{sweep_dir} holds no sweep ({MANIFEST_FILE} is missing)",
-            "pass the folder `hpc-ddp sweep submit` printed: <run.output_dir>/<sweep name>",
+            f"{sweep_dir} holds no sweep ({MANIFEST_FILE} is missing)", hint
         ) from None
     except (OSError, ValueError) as error:
         raise HpcDdpError(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.runtime.configfile import nearest
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.sweep import manifest
 from hpc_ddp.sweep.arrays import live_tasks
@@ -169,9 +170,10 @@ def plot_sweep(sweep_dir: Path, metric: str | None, output: Path | None) -> Path
         raise HpcDdpError(f"the sweep's runs in {sweep_dir} have no metrics yet", "plot it later")
     figure = figure_class()(figsize=(10, 5), layout="constrained")
     axes = figure.add_subplot(1, 1, 1)
-    drawn = 0
+    drawn, logged = 0, set()
     for task in data["tasks"]:
         train, val = curves(manifest.run_dir_of(data, task))
+        logged |= set(val) | {name.removesuffix(" (epoch)") for name in train}
         series = val.get(metric) or train.get(metric) or train.get(f"{metric} (epoch)")
         if not series:
             continue
@@ -181,8 +183,9 @@ def plot_sweep(sweep_dir: Path, metric: str | None, output: Path | None) -> Path
         drawn += 1
     if not drawn:
         raise HpcDdpError(
-            f"no task of sweep {data['name']} has logged {metric!r}",
-            "pass --metric with a metric its runs log (hpc-ddp sweep status shows one)",
+            f"no task of sweep {data['name']} has logged {metric!r}"
+            + nearest(metric, sorted(logged)),
+            f"pass --metric with a metric its runs log: {', '.join(sorted(logged)) or 'none yet'}",
         )
     axes.set_xlabel("step")
     axes.set_ylabel(metric)

@@ -222,6 +222,12 @@ def find_run(spec: str, output_dir: Path) -> RunView:
     if len(matches) == 1:
         return matches[0]
     if not matches:
+        if (direct / "sweep.json").is_file():  # the sweep's record, sweep/manifest.py
+            raise HpcDdpError(
+                f"{spec} is a sweep's folder, not a run's",
+                f"hpc-ddp sweep plot {spec} draws its tasks; hpc-ddp plot {spec}/task-000 "
+                "one task's run",
+            )
         raise HpcDdpError(
             f"no run {spec!r} in {output_dir}",
             "give a run directory, or NAME/ID or ID as `hpc-ddp runs` lists them",
