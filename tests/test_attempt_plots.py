@@ -5,9 +5,11 @@ run's attempts.json and metrics.jsonl as rank 0 keeps them (no process is starte
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from matplotlib.colors import to_rgba
 from matplotlib.figure import Figure
@@ -17,6 +19,7 @@ from hpc_ddp.cli import main
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.monitor.account import PARTS, AttemptTimes, attempt_account, unsplit_account
 from hpc_ddp.view.goodput import DRAWN, PART_COLOURS, attempt_bars, plot_goodput
+from hpc_ddp.view.machines import broken_at, draw_usage
 from hpc_ddp.view.plot import mark_attempts, plot_run, resume_steps
 from hpc_ddp.view.runs import load_run
 from tests.helpers import HandClock
@@ -163,3 +166,16 @@ def test_a_damaged_resume_step_is_passed_over(tmp_path: Path) -> None:
     ]  # fmt: skip
     run_dir = run_with(tmp_path, attempts)
     assert resume_steps(run_dir) == [(6, 40)]
+
+
+def test_a_machines_line_is_broken_where_another_attempt_took_over() -> None:
+    """The machines between two attempts were not the job's: no line joins their readings."""
+    steps, values = broken_at([10.0, 20.0, 30.0, 40.0], [50.0, 60.0, 70.0, 80.0], [25])
+    assert steps == [10.0, 20.0, 25.0, 30.0, 40.0]
+    assert values[:2] + values[3:] == [50.0, 60.0, 70.0, 80.0] and math.isnan(values[2])
+    figure = Figure()
+    axes = figure.add_subplot(1, 1, 1)
+    draw_usage(axes, "CPU", {"node1": ([10.0, 20.0, 30.0], [5.0, 6.0, 7.0])}, [25])
+    (line,) = axes.lines
+    heights = np.asarray(line.get_ydata(), dtype=float)
+    assert bool(np.isnan(heights[2])), "the line stops at step 25 and starts again"

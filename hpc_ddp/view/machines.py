@@ -3,7 +3,9 @@ run had no GPU, each host's CPU use, from the ``system/`` metrics rank 0 recorde
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +42,22 @@ def usage_series(run_dir: Path) -> tuple[str, Series]:
     return "", {}
 
 
-def draw_usage(axes: Any, title: str, series: Series) -> None:
-    """The machines' panel on ``axes``: a line per GPU or host."""
+def broken_at(
+    steps: list[float], values: list[float], breaks: Sequence[int]
+) -> tuple[list[float], list[float]]:
+    """The readings with a gap (NaN) at each step where another attempt took over: the
+    machines between two attempts were not the job's, so no line joins them."""
+    points = sorted([*zip(steps, values, strict=True), *((float(at), math.nan) for at in breaks)])
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def draw_usage(axes: Any, title: str, series: Series, breaks: Sequence[int] = ()) -> None:
+    """The machines' panel on ``axes``: a line per GPU or host, broken at ``breaks`` (the
+    steps later attempts resumed from)."""
     for label, (steps, values) in series.items():
         dots = 3 if len(steps) > 2 else 8  # a reading or two must still be seen
-        axes.plot(steps, values, ".-", markersize=dots, linewidth=1, label=label)
+        axes.plot(*broken_at(steps, values, breaks), ".-", markersize=dots, linewidth=1,
+                  label=label)  # fmt: skip
     axes.set_ylim(bottom=0)
     axes.set_title(title)
     axes.set_xlabel("step")

@@ -153,7 +153,7 @@ def plot_run(run: RunView) -> Any:
         axes.legend(fontsize="small")
     if usage:
         axes = figure.add_subplot(rows, columns, len(families) + 1)
-        draw_usage(axes, usage_title, usage)
+        draw_usage(axes, usage_title, usage, [step for _, step in resume_steps(run.path)])
         mark_attempts(axes, resume_steps(run.path))
     if time_parts:
         axes = figure.add_subplot(rows, columns, panels)
