@@ -136,6 +136,18 @@ def test_a_set_is_judged_with_the_settings_the_ranks_put_around_it(
     check_settings(["run.id=a"], script, {"HPC_DDP_OVERRIDES": "checkpoint.keep_last=0"})
 
 
+def test_a_set_after_the_script_is_noted_as_the_scripts_own_argument(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    check_settings([], Program("script", "train.py", ("--lr", "1", "--set", "run.id=a")), {})
+    assert capsys.readouterr().err.startswith(
+        "note: --set after train.py is passed to it as its own argument; hpc-ddp's --set goes "
+        "before it"
+    )
+    check_settings([], Program("script", "train.py", ("--settle", "1")), {})
+    assert capsys.readouterr().err == ""
+
+
 def test_only_a_command_that_starts_a_program_says_where_its_options_go(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -7,6 +7,7 @@ import argparse
 import os
 import re
 import shlex
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -94,6 +95,14 @@ def check_settings(
     overrides after it last); where those fail without the ``--set`` ones, the ranks say so."""
     from hpc_ddp.runtime.config import environment_overrides, resolve_config
 
+    if program.kind != "builtin" and any(
+        word == "--set" or word.startswith("--set=") for word in program.args
+    ):
+        print(
+            f"note: --set after {program.name} is passed to it as its own argument; hpc-ddp's "
+            f"--set goes before it: hpc-ddp ... --set KEY=VALUE {program.name} ...",
+            file=sys.stderr,
+        )
     if not settings or (program.kind == "module" and program.name == "hpc_ddp.train"):
         return  # that module's config is in its own arguments: its ranks judge the whole
     earlier = environment_overrides(environ)
