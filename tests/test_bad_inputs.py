@@ -168,3 +168,9 @@ def test_only_a_command_that_starts_a_program_says_where_its_options_go(
             cli_main(words)
         said = capsys.readouterr().err
         assert f"{example}" in said, said
+    with pytest.raises(SystemExit):
+        cli_main(["sweep", "submit", "s.yaml", "--concurency", "2", "--", "x.py"])
+    said = capsys.readouterr().err
+    assert "unrecognized arguments: --concurency 2" in said and "HINT" not in said, (
+        "the program is after -- already"
+    )

@@ -278,7 +278,7 @@ def test_scontrol_requeue_outlives_the_sigterm_its_requeue_sends(
     with redirect_stderr(io.StringIO()), caplog.at_level(logging.INFO, logger=LOGGER_NAME):
         assert requeue_job({"SLURM_JOB_ID": "7"}, 0, PreemptConfig())
     assert (tmp_path / "requeued").read_text() == "requeue 7\n"
-    assert "requeued job 7: attempt 2 comes next (requeue 1 of at most 3" in caplog.text
+    assert "requeued job 7 (the job's requeue 1 of at most 3, preempt.max_requeues)" in caplog.text
     assert signal.getsignal(signal.SIGTERM) == before
 
 

@@ -239,6 +239,41 @@ def test_a_users_script_and_its_arguments_reach_every_rank_verbatim(workdir: Pat
 
 
 @pytest.mark.e2e
+def test_a_hostile_folder_and_a_site_file_keep_the_job_in_its_folder_and_python(
+    tmp_path: Path,
+) -> None:
+    """Rendered in a folder whose name holds shell syntax, the job works there and runs
+    nothing of the name; the python is the rendering one, unless slurm/site.sh (which may
+    activate an environment) was sourced: then the PATH's, as the template has it."""
+    project = tmp_path / "we}ird $(touch PWNED) 'q\""
+    project.mkdir()
+    (project / "train.py").write_text("print('a user script')\n")
+    script = project / "job.sh"
+    # Slurm reads the log's folder from an #SBATCH line: that one must be a plain path.
+    logs = ["--log-dir", str(tmp_path / "logs")]
+    result = render(project, [*logs, "-o", "job.sh", "train.py", "--lr", "1"])
+    assert result.returncode == 0, result.stderr
+    assert "#   sbatch job.sh " in script.read_text()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    argv = srun_argv(script, project, submitted_from=elsewhere)
+    assert (project / "argv.json.cwd").read_text() == str(project)
+    assert argv[1:] == [sys.executable, "-m", "hpc_ddp", "run", "train.py", "--lr", "1"]
+    assert not list(tmp_path.rglob("PWNED*"))
+    (project / "slurm").mkdir()
+    (project / "slurm" / "site.sh").write_text("# activates the project's environment\n")
+    assert srun_argv(script, project, submitted_from=elsewhere)[1] == "python"
+
+
+@pytest.mark.e2e
+def test_an_output_name_that_would_break_out_of_the_header_is_refused(workdir: Path) -> None:
+    result = render(workdir, ["-o", "x\ntouch PWNED #.sh", *CASES["gpu-2nodes.sh"]])
+    assert result.returncode == 2
+    assert "script name" in result.stderr and "line break" in result.stderr
+    assert not list(workdir.glob("*PWNED*"))
+
+
+@pytest.mark.e2e
 def test_a_rendered_script_whose_folder_moved_stops_saying_so(
     workdir: Path, tmp_path: Path
 ) -> None:

@@ -26,7 +26,7 @@ from hpc_ddp.sweep.arrays import Array, array_spec, job_script, max_array_size, 
 from hpc_ddp.sweep.programs import check_settings
 from hpc_ddp.sweep.spec import expand, parse_values, spec_from_dict
 from hpc_ddp.sweep.task import attempt_run_state, ended_state, task_environ, task_program
-from hpc_ddp.sweep.views import format_rows, task_rows, task_state
+from hpc_ddp.sweep.views import format_rows, task_rows, task_state, this_attempts_state
 from hpc_ddp.view.runs import RunView
 
 
@@ -84,6 +84,8 @@ def test_no_grid_zip_or_list_is_one_task_and_a_single_value_is_a_list_of_one() -
         ({"grid": {"--a": [1, 2, 3]}, "max_tasks": 2}, "3 tasks, more than max_tasks=2"),
         ({"grid": {"l r": [1]}}, "'l r' is neither an option of your program"),
         ({"concurency": 1}, "unknown key 'concurency' (did you mean 'concurrency'?)"),
+        ({"grid": {"lr": [1, 2], "--lr": [3]}}, "grid: --lr is given twice"),
+        ({"list": [{"lr": 1, "--lr": 2}]}, "list[0]: --lr is given twice"),
         ({"grid": {"run.id": [1, 2]}}, "run.id is set by the sweep"),
         ({"grid": {"--lr": [[1, 2]]}}, "is a list, not a single value"),
         ({"list": []}, "list: expected a non-empty list"),
@@ -386,6 +388,15 @@ def test_a_tasks_state_joins_its_record_and_slurms_queue() -> None:
     assert ended_state(137, "running") == "failed"
 
 
+def test_a_runs_state_counts_for_the_attempt_only_when_written_after_it_started(
+    tmp_path: Path,
+) -> None:
+    run = RunView(tmp_path, "s", "task-001", "stopped", 28, 0, 1, updated=1000.0)
+    assert this_attempts_state(run, {"updated": 999.0}) == "stopped"
+    assert this_attempts_state(run, {"updated": 1001.0}) is None, "an earlier attempt's stop"
+    assert this_attempts_state(None, {"updated": 1.0}) is None
+
+
 def test_an_attempt_that_ended_before_its_run_started_is_not_taken_for_an_earlier_one(
     tmp_path: Path,
 ) -> None:
@@ -424,6 +435,7 @@ def test_a_sweep_named_by_the_wrong_path_or_metric_is_refused_with_the_right_one
 ) -> None:
     """The sweep's name without runs/, a sweep's folder given to `plot`, and a metric no task
     logged: each refusal names what was meant."""
+    from hpc_ddp.sweep.resume import resume_sweep
     from hpc_ddp.sweep.views import plot_sweep
     from hpc_ddp.view.runs import find_run
 
@@ -439,6 +451,9 @@ def test_a_sweep_named_by_the_wrong_path_or_metric_is_refused_with_the_right_one
     with pytest.raises(HpcDdpError) as named:
         manifest.read_manifest(Path("s"))
     assert named.value.hint.startswith("did you mean runs/s? Else pass the folder")
+    with pytest.raises(HpcDdpError) as named:
+        resume_sweep(Path("s"), (), {}, print)
+    assert named.value.hint.startswith("did you mean runs/s?"), "resume: as given, too"
     with pytest.raises(HpcDdpError) as named:
         find_run("runs/s", Path("runs"))
     assert named.value.message == "runs/s is a sweep's folder, not a run's"

@@ -54,11 +54,13 @@ SWEEP_PROGRAM_HINT = (
 )
 
 
-def program_options_hint(words: Sequence[str], args: argparse.Namespace) -> str:
+def program_options_hint(
+    words: Sequence[str], args: argparse.Namespace, sweep_program: Sequence[str] | None
+) -> str:
     """The HINT for words hpc-ddp does not know on a command that starts a program ("" on
-    one that starts none)."""
+    one that starts none, and on a sweep whose program is after its -- already)."""
     if list(words[:2]) == ["sweep", "submit"]:
-        return SWEEP_PROGRAM_HINT
+        return SWEEP_PROGRAM_HINT if sweep_program is None else ""
     if not hasattr(args, "target"):
         return ""
     example = PROGRAM_EXAMPLES.get(args.command, args.command)
@@ -83,7 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     words, sweep_program = split_sweep_program(words)
     args, unknown = parser.parse_known_args(keep_programs_separator(parser, words))
     if unknown:
-        where = program_options_hint(words, args)
+        where = program_options_hint(words, args, sweep_program)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{where}")
     if sweep_program is not None:
         args.program = sweep_program

@@ -111,7 +111,8 @@ def written_script(output: str | None) -> dict[str, str | None]:
     """What a job script written for a project holds of where it was written: its name, the
     folder it works in and the python that wrote it (the one with hpc_ddp installed)."""
     return {
-        "script_name": Path(output).name if output not in (None, "-") else "job.sh",
+        # As given: the header's `sbatch <it>` lines hold where it was written.
+        "script_name": output if output not in (None, "-") else "job.sh",
         "workdir": str(Path.cwd()),
         "python": sys.executable or None,
     }

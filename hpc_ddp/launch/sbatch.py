@@ -61,8 +61,8 @@ class RenderRequest:
     #: Any other sbatch options (name without dashes: value, None for a flag), checked by
     #: :mod:`hpc_ddp.launch.slurmoptions`; written after the time limit.
     sbatch_options: tuple[tuple[str, str | None], ...] = ()
-    #: The written script's file name: its header then says how to submit it, in place of the
-    #: template's lines about slurm/train.sh. None keeps the template's header.
+    #: The written script's path as given: its header then says how to submit it, in place of
+    #: the template's lines about slurm/train.sh. None keeps the template's header.
     script_name: str | None = None
     #: The folder the job works in (it cds there first), so that the program's relative paths
     #: hold wherever the script is submitted from. None: the folder sbatch is called from.
@@ -224,12 +224,7 @@ def render_sbatch(template: str, request: RenderRequest) -> str:
     default_args = "DEFAULT_ARGS=(" + " ".join(shlex.quote(arg) for arg in arguments) + ")"
     text = _DEFAULT_ARGS_LINE.sub(lambda _match: default_args, text, count=1)
     if request.python is not None:
-        text = _replace_once(
-            text,
-            _PYTHON_LINE,
-            "# The python this script was written with; $PYTHON names another.\n"
-            f"python=${{PYTHON:-{shlex.quote(_check_shell_value(request.python, 'python'))}}}",
-        )
+        text = _replace_once(text, _PYTHON_LINE, _python_lines(request.python))
     if request.workdir is not None:
         text = _replace_once(text, _STRICT_LINE, _workdir_lines(request.workdir))
     if request.script_name is not None:
@@ -245,6 +240,24 @@ def _replace_once(text: str, line: str, replacement: str) -> str:
             f"the template has no single line {line!r}", "restore slurm/ from the repository"
         )
     return text.replace(f"\n{line}\n", f"\n{replacement}\n", 1)
+
+
+def _python_lines(python: str) -> str:
+    """The job's python: $PYTHON; else, when the site file was sourced (it may activate an
+    environment), the first python on the PATH, as the template has it; else ``python``, the
+    one the script was written with."""
+    written_with = shlex.quote(_check_shell_value(python, "python"))
+    return (
+        "# $PYTHON; else the python of the environment slurm/site.sh activated; else the one\n"
+        "# this script was written with.\n"
+        "if [[ -n ${PYTHON:-} ]]; then\n"
+        "    python=$PYTHON\n"
+        "elif [[ -f $site_file ]]; then\n"
+        "    python=python\n"
+        "else\n"
+        f"    python={written_with}\n"
+        "fi"
+    )
 
 
 def _workdir_lines(workdir: str) -> str:
@@ -275,7 +288,7 @@ def _own_header(
             "the template's header has no '#' line before its #SBATCH lines",
             "restore slurm/ from the repository",
         )
-    name = shlex.quote(script_name)
+    name = shlex.quote(_check_shell_value(script_name, "script name"))
     program = " ".join(shlex.quote(arg) for arg in arguments) or "the built-in trainer"
     where = (
         f"# It works in {workdir}: relative paths are read from there.\n#\n"

@@ -40,9 +40,9 @@ def resume_sweep(
     them; refused while any task of the sweep is queued or running. Returns the tasks.
     ``trainer_settings``: the built-in trainer's dotted keys, for a sweep of it."""
     pairs = [_override(text) for text in overrides]  # bad words refused before asking Slurm
+    data = manifest.read_manifest(sweep_dir)  # as given: a refusal names what was meant
     # The job scripts name the sweep's folder: absolutely, wherever the jobs work.
     sweep_dir = sweep_dir.resolve()
-    data = manifest.read_manifest(sweep_dir)
     live = live_jobs(data, environ)
     running = [
         task

@@ -125,6 +125,16 @@ def _file_key(written: Any, where: str) -> str:
     return check_key(f"--{written}" if plain else written, where)
 
 
+def _refuse_twice(key: str, found: Mapping[str, Any], where: str) -> None:
+    """``lr`` and ``--lr`` in one mapping name one option: one of them would be dropped."""
+    if key in found:
+        raise HpcDdpError(
+            f"{where}: {key} is given twice ({key.removeprefix('--')} and {key} name the same "
+            "option of your program)",
+            "keep one of them",
+        )
+
+
 def _lists(raw: Any, where: str) -> dict[str, tuple[str, ...]]:
     if raw is None:
         return {}
@@ -133,6 +143,7 @@ def _lists(raw: Any, where: str) -> dict[str, tuple[str, ...]]:
     lists: dict[str, tuple[str, ...]] = {}
     for written, values in raw.items():
         key = _file_key(written, where)
+        _refuse_twice(key, lists, where)
         if not isinstance(values, list):
             values = [values]
         if not values:
@@ -158,10 +169,11 @@ def _listed(raw: Any) -> tuple[Settings, ...]:
         where = f"list[{number}]"
         if not isinstance(entry, Mapping):
             raise HpcDdpError(f"{where}: {shown(entry)} is not a mapping", "e.g. - {--lr: 0.1}")
-        task = {
-            _file_key(key, where): value_text(value, f"{where}.{key}")
-            for key, value in entry.items()
-        }
+        task: Settings = {}
+        for written, value in entry.items():
+            key = _file_key(written, where)
+            _refuse_twice(key, task, where)
+            task[key] = value_text(value, f"{where}.{key}")
         if task in tasks:
             raise HpcDdpError(
                 f"{where}: the same settings as list[{tasks.index(task)}]: the task would run "

@@ -52,6 +52,14 @@ def task_state(
     return recorded
 
 
+def this_attempts_state(run: RunView | None, task: Mapping[str, Any]) -> str | None:
+    """The run's state if the run wrote it since the task's record last changed (when its
+    attempt started), else None: an earlier attempt's state says nothing of this one."""
+    if run is None or run.updated < float(task.get("updated", 0.0)):
+        return None
+    return run.state
+
+
 def chosen_metric(data: Mapping[str, Any], runs: list[RunView | None]) -> tuple[str | None, str]:
     """The metric to sort by and its direction: the sweep's, else the first validation
     metric of its runs (max for scores such as accuracy, else min)."""
@@ -91,7 +99,7 @@ def task_rows(
                     task["state"],
                     (live or {}).get(job or ""),
                     live is not None,
-                    run.state if run else None,
+                    this_attempts_state(run, task),
                 ),
                 step=run.global_step if run else int(task.get("step", 0)),
                 attempts=int(task["attempts"]),

@@ -256,8 +256,8 @@ def verdict(
         return Verdict(
             False,
             f"the data position differs after the resume ({', '.join(position)}; {shown}): "
-            "the script's batches are per rank (a DataLoader of its own), so the global "
-            "batch and the steps of an epoch change with the number of ranks",
+            "most likely the script's batches are per rank (a DataLoader of its own), so the "
+            "global batch and the steps of an epoch change with the number of ranks",
             "run.train_loader(dataset, global_batch_size) keeps the global batch and the "
             "order of the samples on any number of ranks; a loader of your own resumes "
             "exactly on as many ranks as it stopped on",

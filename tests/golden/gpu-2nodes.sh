@@ -69,8 +69,15 @@ fi
 
 # The part both job templates share (NCCL's flight recorder, the program every rank runs),
 # from the installed hpc_ddp: this script runs from Slurm's spool, away from any checkout.
-# The python this script was written with; $PYTHON names another.
-python=${PYTHON:-/the/python/that/rendered/it}
+# $PYTHON; else the python of the environment slurm/site.sh activated; else the one
+# this script was written with.
+if [[ -n ${PYTHON:-} ]]; then
+    python=$PYTHON
+elif [[ -f $site_file ]]; then
+    python=python
+else
+    python=/the/python/that/rendered/it
+fi
 if ! body=$("$python" -m hpc_ddp.launch.templates); then
     echo "error: $python cannot import hpc_ddp. HINT: activate its environment in" \
         "slurm/site.sh (or \$HPC_DDP_SITE), or set PYTHON to its python" >&2

@@ -98,7 +98,7 @@ def requeue_job(environ: Mapping[str, str], restart_count: int, config: PreemptC
         log.error(f"scontrol requeue {target} failed: {failure}")
         return False
     log.info(
-        f"requeued job {target}: attempt {restart_count + 2} comes next (requeue "
-        f"{restart_count + 1} of at most {config.max_requeues}, preempt.max_requeues)"
+        f"requeued job {target} (the job's requeue {restart_count + 1} of at most "
+        f"{config.max_requeues}, preempt.max_requeues)"
     )
     return True
