@@ -111,6 +111,7 @@ def plot_run(run: RunView) -> Any:
     train, val = curves(run.path)
     usage_title, usage = usage_series(run.path)
     time_steps, time_parts = step_time_series(run.path)
+    resumes = resume_steps(run.path)  # read once: every panel marks them
     if not train and not val and not usage and not time_parts:
         raise HpcDdpError(
             f"run {run.name}/{run.run_id} has no metrics yet ({run.path})",
@@ -146,19 +147,19 @@ def plot_run(run: RunView) -> Any:
             value > 0 for _label, (_steps, values), _kind in members for value in values
         ):
             axes.set_yscale("log")
-        mark_attempts(axes, resume_steps(run.path))
+        mark_attempts(axes, resumes)
         axes.set_title(title)
         axes.set_xlabel("step")
         axes.grid(alpha=0.3, which="both")
         axes.legend(fontsize="small")
     if usage:
         axes = figure.add_subplot(rows, columns, len(families) + 1)
-        draw_usage(axes, usage_title, usage, [step for _, step in resume_steps(run.path)])
-        mark_attempts(axes, resume_steps(run.path))
+        draw_usage(axes, usage_title, usage, [step for _, step in resumes])
+        mark_attempts(axes, resumes)
     if time_parts:
         axes = figure.add_subplot(rows, columns, panels)
         draw_step_time(axes, time_steps, time_parts)
-        mark_attempts(axes, resume_steps(run.path))
+        mark_attempts(axes, resumes)
     figure.suptitle(
         f"{run.name}/{run.run_id}: {run.state}, step {run.global_step}, "
         f"{run.attempts} attempt{'s' if run.attempts != 1 else ''}"
