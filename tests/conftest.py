@@ -171,3 +171,33 @@ def slurm_conf_in_environ(slurm: SlurmCluster) -> Iterator[None]:
         del os.environ["SLURM_CONF"]
     else:
         os.environ["SLURM_CONF"] = previous
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """One gloo rank in this process (an in-memory store: nothing listens), destroyed after
+    the test's own objects are gone.
+
+    The order matters: a DDP model's reducer holds the group, and where it drops the last
+    reference the group is destroyed with the GIL held, joining gloo's threads while one of
+    them may wait for the GIL to free a backward's finished all-reduce (torch keeps the
+    backward's context with it). Whether it hangs then depends on the machine's pace, so a
+    model still alive here fails the test instead."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    try:
+        yield
+        gc.collect()
+        # type(), not isinstance: the latter reads each object's __class__, and some warn.
+        every = gc.get_objects()
+        alive = [held for held in every if issubclass(type(held), DistributedDataParallel)]
+        assert not alive, (
+            f"{len(alive)} DDP model(s) outlive the test's group: drop them in the test "
+            "(a reducer holding the group last would destroy it with the GIL held)"
+        )
+    finally:
+        dist.destroy_process_group()

@@ -363,20 +363,14 @@ class Ticking(nn.Module):
         return out
 
 
-def test_the_module_inside_ddp_is_timed_without_ddps_own_work() -> None:
-    """One gloo rank in this process (an in-memory store: nothing listens)."""
+def test_the_module_inside_ddp_is_timed_without_ddps_own_work(one_rank: None) -> None:
     clock = HandClock()
     meter = ForwardMeter(CPU, True, map_tensors, clock)
-    store = torch.distributed.HashStore()  # type: ignore[attr-defined]
-    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        wrapped = nn.parallel.DistributedDataParallel(Ticking(clock))
-        meter.attach(wrapped.module)
-        batch = torch.randn(8, 4)
-        wrapped(batch).sum().backward()
-        wrapped(batch).sum().backward()
-    finally:
-        torch.distributed.destroy_process_group()
+    wrapped = nn.parallel.DistributedDataParallel(Ticking(clock))
+    meter.attach(wrapped.module)
+    batch = torch.randn(8, 4)
+    wrapped(batch).sum().backward()
+    wrapped(batch).sum().backward()
     expected = count(Ticking(HandClock()), batch)
     assert meter.take() == (3.0, 2, 2 * expected)
     assert int(wrapped.module.norm.num_batches_tracked) == 2

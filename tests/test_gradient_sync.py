@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -246,17 +245,6 @@ class HandedOver:
 
         threading.Thread(target=sum_after_the_reading, daemon=True).start()
         return summed
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """One gloo rank in this process (an in-memory store: nothing listens)."""
-    store = dist.HashStore()  # type: ignore[attr-defined]
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class FirstLayerIgnored(nn.Module):
