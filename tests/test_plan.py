@@ -14,6 +14,7 @@ from hpc_ddp.runtime.place.env import DistEnv
 from hpc_ddp.runtime.place.plan import (
     SPAWN_NPROCS_VAR,
     gpu_binding_warning,
+    launch_lines,
     make_launch_plan,
     micro_batch_size,
     plan_device,
@@ -137,6 +138,13 @@ def test_launch_plan_run_dir_uses_job_id(tmp_path: Path) -> None:
     assert plan.device.device == "cpu"
     fixed = make_launch_plan(DistConfig(), RunConfig(id="mine"), "x", dist_env(), 0)
     assert fixed.run_dir == Path("runs") / "x" / "mine"
+
+
+def test_the_start_line_names_an_array_task_as_squeue_does_and_keeps_its_id() -> None:
+    plan = make_launch_plan(DistConfig(), RunConfig(), "x", dist_env(job_id="36"), 0)
+    assert launch_lines(plan, "34_1")[0].startswith("job 34_1 (id 36) (slurm): 4 rank(s) on 2")
+    assert launch_lines(plan, "36")[0].startswith("job 36 (slurm): ")
+    assert launch_lines(plan)[0].startswith("job 36 (slurm): ")
 
 
 def split(k: int = 2) -> DistConfig:

@@ -20,6 +20,7 @@ from hpc_ddp.runtime.tracking.provenance import (
     environment_of,
     what_changed,
 )
+from hpc_ddp.view.runs import code_line
 
 ATTEMPT: dict[str, Any] = {
     "script": "/home/me/train.py", "script_sha256": "a" * 64, "git_commit": "c1", "git_dirty":
@@ -99,3 +100,19 @@ def test_mlflow_gets_the_attempts_code_as_tags_and_its_packages_and_diff_as_file
     edited = AttemptCode({**ATTEMPT, "git_dirty": True}, "+x = 1\n", 2)
     assert edited.tags()["hpc_ddp.code.git_dirty"] == "true"
     assert edited.artifacts()["provenance/attempt-2/git.diff"] == "+x = 1\n"
+
+
+@pytest.mark.e2e
+def test_an_array_tasks_attempt_names_its_job_as_squeue_and_its_log_do(tmp_path: Path) -> None:
+    """An array task's SLURM_JOB_ID is a number of its own (36); squeue, sacct, the sweep's
+    status and the %A_%a log name call it 34_1, and so do the run's attempts (e2e: the
+    record asks git about the running script)."""
+    environ = {"SLURM_JOB_ID": "36", "SLURM_ARRAY_JOB_ID": "34", "SLURM_ARRAY_TASK_ID": "1"}
+    attempt = provenance.agree_on_code(tmp_path, True, False, "warn", environ, None)
+    assert attempt is not None and attempt.record["job"] == "34_1"
+    [kept] = read_records(tmp_path / RECORD, "python")
+    assert kept["job"] == "34_1"
+    assert code_line(1, kept).startswith("attempt 1 (") and ", job 34_1): " in code_line(1, kept)
+    alone = {"SLURM_JOB_ID": "7"}
+    plain = provenance.agree_on_code(tmp_path / "plain", True, False, "warn", alone, None)
+    assert plain is not None and plain.record["job"] == "7"

@@ -142,6 +142,9 @@ def test_a_sweep_runs_two_at_a_time_survives_a_preemption_and_resumes_its_failed
     assert attempts[:1] + attempts[2:] == [1] * 5 and attempts[1] in (2, 3), attempts
     log = (sweep_dir / "logs" / f"lr-{array}_1.out").read_text()
     assert f"requeued job {array}_1" in log
+    # The job script's first line and rank 0's name the task as squeue does, with its id.
+    assert re.search(rf"^job {array}_1 \(id \d+\) on ", log, re.M), log[:2000]
+    assert re.search(rf"INFO job {array}_1 \(id \d+\) \(slurm\): 2 rank\(s\)", log), log[:2000]
     preempted, twin = summary(sweep_dir, 1), summary(sweep_dir, 0)
     assert preempted["restart_count"] == attempts[1] - 1
     assert 30 < preempted["resumed_from_step"] < 200
@@ -179,6 +182,8 @@ def test_a_sweep_runs_two_at_a_time_survives_a_preemption_and_resumes_its_failed
         ran = json.loads((sweep_dir / f"task-{task:03d}" / "provenance.json").read_text())
         assert {attempt["script"] for attempt in ran} == {snapshot_program}, task
         assert {attempt["snapshot"] for attempt in ran} == {str(copy)}, task
+        # Each attempt names its job as squeue does: <array id>_<task id>.
+        assert all(re.fullmatch(r"\d+_\d+", attempt["job"]) for attempt in ran), ran
     assert "6 finished" in hpc_ddp(slurm, work, "sweep", "status", str(sweep_dir)).stdout
 
     client = MlflowClient(f"sqlite:///{work / 'runs' / 'mlflow.db'}")

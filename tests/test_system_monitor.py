@@ -27,6 +27,7 @@ from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.monitor.nvml import gpu_number, gpu_source, read_gpu
 from hpc_ddp.runtime.monitor.system import IdleGpuAlarm, Place, gpu_text, system_metrics
 from hpc_ddp.runtime.monitor.usage import (
+    CPU_READ_EVERY_S,
     UNKNOWN,
     USAGE_FIELDS,
     GpuReading,
@@ -71,6 +72,29 @@ def test_an_interval_holds_the_mean_utilisation_the_most_memory_and_the_cpu_shar
     again = fields(sampler.take())
     assert again["cpu_percent"] == 50.0 and again["gpu_utilization_percent"] == 40.0
     assert again["memory_mib"] == 700.0
+
+
+def test_intervals_of_a_few_ms_read_the_cpu_share_over_a_second_not_in_whole_ticks() -> None:
+    """Linux counts CPU time in 10 ms ticks: a log interval of 8 ms read on its own gives 0 %
+    or 125 % per tick. The share is read at most once a second (CPU_READ_EVERY_S), so each
+    interval's figure is within a tick a second of the truth, and the /proc files are read
+    once a second, not once an interval."""
+    clock, reads = HandClock(0.0), []
+
+    def ticks_so_far() -> float:  # 1.8 cores busy, counted in whole 10 ms ticks
+        reads.append(clock.now)
+        return math.floor(round(clock.now * 1.8 * 100, 6)) / 100
+
+    sampler = UsageSampler(10.0, 5.0, None, ticks_so_far, lambda: 1.0, clock)
+    assert sampler.cpu_every_s == CPU_READ_EVERY_S == 1.0
+    clock.now = 0.5  # start-up before the first interval ends
+    shares = []
+    for _ in range(500):  # 4 s of intervals 8 ms long
+        shares.append(fields(sampler.take())["cpu_percent"])
+        clock.now += 0.008
+    assert all(abs(share - 180.0) <= 2.0 for share in shares), sorted(set(shares))
+    # At construction, the first take, then once a second until the last take (at 4.49 s).
+    assert reads == pytest.approx([0.0, 0.5, 1.5, 2.5, 3.5])
 
 
 def test_a_gpu_is_idle_from_its_first_reading_below_the_threshold_until_one_above() -> None:
@@ -355,7 +379,7 @@ def test_an_idle_gpu_of_the_job_is_named_once_and_every_gpu_recorded(tmp_path: P
         assert metrics[f"system/{host}/gpu0/power_w"] == 250.0
         # Two processes that imported torch: between a few tens of MiB and a machine's worth.
         assert 50 < metrics[f"system/{host}/memory_mib"] < 64 * 1024
-        # Read in clock ticks, so an interval of a few ms may hold none: >= 0, not > 0.
+        # Read in clock ticks, and the first share may span a few ms: >= 0, not > 0.
         assert math.isfinite(metrics[f"system/{host}/cpu_percent"])
         assert metrics[f"system/{host}/cpu_percent"] >= 0
 

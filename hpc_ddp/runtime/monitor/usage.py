@@ -4,7 +4,7 @@ workers).
 
 A thread of the rank's own reads the GPU and the memory every ``monitor.every_s`` (NVML's
 utilisation is a share of its last second or so, so it is sampled through the interval, off
-the training thread); the CPU time, cheap to read, where each log interval ends. Each rank
+the training thread); the CPU time where a log interval ends, at most once a second. Each rank
 reads only the GPU it trains on: a node's GPUs that belong to another job are never read.
 The interval's figures travel to rank 0 with the interval's metrics, a slot per rank (see
 :mod:`hpc_ddp.runtime.loop.intervals`).
@@ -22,7 +22,9 @@ from pathlib import Path
 
 #: One rank's figures for one log interval, in its slot's order. NaN: not known (no GPU).
 USAGE_FIELDS = (
-    "cpu_percent",  # CPU time of the rank's processes over the time since the last interval
+    # CPU time of the rank's processes over the time since it was last read (at most once a
+    # second, so the last second at least where intervals are shorter).
+    "cpu_percent",
     "memory_mib",  # their memory (proportional set size), the most seen
     "gpu_utilization_percent",  # the mean of the interval's samples
     "gpu_memory_mib",  # the most used
@@ -109,6 +111,12 @@ def process_tree(pid: int, proc: Path = Path("/proc")) -> list[int]:
     return tree
 
 
+#: The shortest time over which the CPU share is measured. Linux counts CPU time in ticks of
+#: 10 ms, so an interval of a few ms would read 0 % or a whole tick's worth (125 % in 8 ms);
+#: and reading every process's ``/proc`` files costs a few hundred µs, which a loop logging
+#: every few ms would pay each time.
+CPU_READ_EVERY_S = 1.0
+
 #: A slot's value for "not known": the all-reduce carries no NaN (NCCL's NaN check would
 #: stop every rank on it), and every figure is >= 0.
 UNKNOWN = -1.0
@@ -139,8 +147,9 @@ def known_max(values: list[float]) -> float:
 class UsageSampler:
     """One rank's readings between :meth:`take` calls. A thread reads, every ``every_s``,
     its GPU (``read_gpu``; None without a GPU) and its processes' memory (``read_memory``);
-    each take reads their CPU time (``read_cpu``: cheap). ``clock`` counts seconds.
-    Every reader and the clock are injectable."""
+    a take reads their CPU time (``read_cpu``) where ``cpu_every_s`` has passed since the
+    last read, and otherwise gives the share last measured. ``clock`` counts seconds. Every
+    reader and the clock are injectable."""
 
     def __init__(
         self,
@@ -150,8 +159,9 @@ class UsageSampler:
         read_cpu: Callable[[], float] = process_cpu_s,
         read_memory: Callable[[], float] = process_memory_mib,
         clock: Callable[[], float] = time.monotonic,
+        cpu_every_s: float = CPU_READ_EVERY_S,
     ) -> None:
-        self.every_s, self.idle_percent = every_s, idle_percent
+        self.every_s, self.idle_percent, self.cpu_every_s = every_s, idle_percent, cpu_every_s
         self._read_gpu, self._read_cpu, self._read_memory = read_gpu, read_cpu, read_memory
         self._clock = clock
         self._lock = threading.Lock()
@@ -160,7 +170,8 @@ class UsageSampler:
         self._memory = self._last_memory = math.nan
         self._idle_since: float | None = None
         self._first_take = True
-        self._cpu_s, self._taken = read_cpu(), clock()
+        self._cpu_s, self._cpu_read_at = read_cpu(), clock()
+        self._cpu_percent: float | None = None
         self._stopped = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -193,10 +204,8 @@ class UsageSampler:
     def take(self) -> tuple[float, ...]:
         """The figures since the last take, in :data:`USAGE_FIELDS` order (where no sample
         was taken since, the last one stands)."""
-        cpu_s, now = self._read_cpu(), self._clock()
-        # Never below 0: a worker reaped between the reads takes its time out of the sum.
-        cpu_percent = max(0.0, 100.0 * (cpu_s - self._cpu_s) / max(now - self._taken, 1e-9))
-        self._cpu_s, self._taken = cpu_s, now
+        now = self._clock()
+        cpu_percent = self._cpu_share(now)
         with self._lock:
             if self._first_take and self._idle_since is not None:
                 # The time before the first interval's end holds start-up, compilation and a
@@ -218,6 +227,18 @@ class UsageSampler:
             known_max([reading.temperature_c for reading in gpu]),
             idle_s,
         )
+
+    def _cpu_share(self, now: float) -> float:
+        """The CPU share since the last read, read on the first take and then where
+        ``cpu_every_s`` has passed; otherwise the share last read."""
+        waited = now - self._cpu_read_at
+        if self._cpu_percent is not None and waited < self.cpu_every_s:
+            return self._cpu_percent
+        cpu_s = self._read_cpu()
+        # Never below 0: a worker reaped between the reads takes its time out of the sum.
+        self._cpu_percent = max(0.0, 100.0 * (cpu_s - self._cpu_s) / max(waited, 1e-9))
+        self._cpu_s, self._cpu_read_at = cpu_s, now
+        return self._cpu_percent
 
     def start(self) -> UsageSampler:
         """Sample now, then on a daemon thread every ``every_s`` until :meth:`close`."""

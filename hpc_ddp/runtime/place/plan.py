@@ -168,12 +168,14 @@ def describe_launch(plan: LaunchPlan) -> str:
     )
 
 
-def launch_lines(plan: LaunchPlan) -> list[str]:
-    """Rank 0's start lines for a terminal: the job, the devices, the run directory, each
-    short enough not to wrap (the one-line form for reports is :func:`describe_launch`)."""
+def launch_lines(plan: LaunchPlan, queue_job: str | None = None) -> list[str]:
+    """Rank 0's start lines for a terminal: the job (``queue_job``: as squeue names it, where
+    that differs: an array task's ``34_1``), the devices, the run directory, each short
+    enough not to wrap (the one-line form for reports is :func:`describe_launch`)."""
     env, device = plan.dist_env, plan.device
+    job = env.job_id if queue_job in (None, env.job_id) else f"{queue_job} (id {env.job_id})"
     return [
-        f"job {env.job_id} ({env.launcher}): {env.world_size} rank(s) on {env.num_nodes} "
+        f"job {job} ({env.launcher}): {env.world_size} rank(s) on {env.num_nodes} "
         f"node(s), master {env.master_addr}:{env.master_port}",
         f"device {','.join(device.devices)} ({device.reason}), backend {device.backend}, "
         f"CUDA_VISIBLE_DEVICES {env.cuda_visible_devices or 'unset'}",

@@ -10,7 +10,7 @@ import itertools
 import math
 import re
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -184,6 +184,16 @@ class SlurmAnswer:
 
     output: str
     failure: str | None
+
+
+def queue_job_id(environ: Mapping[str, str]) -> str | None:
+    """The job as squeue, sacct and ``%A_%a`` log names give it: ``<array id>_<task id>`` for
+    an array's task (whose SLURM_JOB_ID is a number of its own), else SLURM_JOB_ID; None
+    outside Slurm."""
+    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and array_task:
+        return f"{array_job}_{array_task}"
+    return environ.get("SLURM_JOB_ID")
 
 
 def ask_slurm(words: Sequence[str], timeout_s: float) -> SlurmAnswer:

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from hpc_ddp.runtime.config import PreemptConfig
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.place.slurm import ask_slurm, job_allows_requeue, quoted
+from hpc_ddp.runtime.place.slurm import ask_slurm, job_allows_requeue, queue_job_id, quoted
 
 
 def agent_signal_gap(launcher: str, environ: Mapping[str, str], warning_signal: str) -> str | None:
@@ -58,10 +58,7 @@ def check_job_signal(environ: Mapping[str, str], warning_signal: str) -> None:
 
 def requeue_target(environ: Mapping[str, str]) -> str | None:
     """The id `scontrol requeue` needs: the array task (<array id>_<task id>) or the job."""
-    array_job, array_task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    if array_job and array_task:
-        return f"{array_job}_{array_task}"
-    return environ.get("SLURM_JOB_ID")
+    return queue_job_id(environ)
 
 
 def _requeue_outliving_its_sigterm(target: str, timeout_s: float) -> str | None:

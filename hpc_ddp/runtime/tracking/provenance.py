@@ -22,6 +22,7 @@ from typing import Any
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.place.dist import broadcast_object
+from hpc_ddp.runtime.place.slurm import queue_job_id
 from hpc_ddp.runtime.safefiles import read_records, write_records
 from hpc_ddp.runtime.tracking.record import PROVENANCE_FILE
 
@@ -252,7 +253,7 @@ def agree_on_code(
     if is_main:
         code, diff = code_and_diff(running_script())
         record = {**code, **environment_of(),
-                  "job": environ.get("SLURM_JOB_ID"), "at_unix": round(time.time(), 3)}  # fmt: skip
+                  "job": queue_job_id(environ), "at_unix": round(time.time(), 3)}  # fmt: skip
         earlier = read_records(run_dir / RECORD, "python")
         refusal = check_code(run_dir, earlier, record, resumed, on_change)
         kept = diff if diff is not None and len(diff) <= MAX_DIFF_CHARS else None
