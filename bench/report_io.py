@@ -135,15 +135,16 @@ def usage_section(data: dict[str, Any]) -> str:
         "`bench/usage_cost.py`: one rank's sampler in a process that imported torch and holds "
         f"{data['workers']} DataLoader-like children, {where}; medians of "
         f"{data['readings']} calls.\n\n"
-        "| a reading (thread, every `monitor.every_s`) | a take (each log interval) | CPU "
+        "| a reading (thread, every `monitor.every_s`) | a take that reads the CPU time | CPU "
         f"per hour per rank | per node of {data['ranks_per_node']} ranks |\n"
         "|---:|---:|---:|---:|\n"
         f"| {data['sample_ms']:.3f} ms | {data['take_ms']:.3f} ms | "
         f"{data['cpu_s_per_hour_per_rank']:.2f} s | {data['cpu_s_per_hour_per_node']:.2f} s |\n\n"
         "A reading runs on the sampler's own thread (the memory of each process from its "
-        "`smaps_rollup`, the GPU through NVML); the take, on the training thread at a log "
-        "interval, reads only each process's CPU time. Both grow with the processes a rank "
-        "holds, not with the ranks of the job.\n\n"
+        "`smaps_rollup`, the GPU through NVML); a take, on the training thread at a log "
+        "interval, reads each process's CPU time, at most once a second (a take in between "
+        "gives the share last read). Both grow with the processes a rank holds, not with the "
+        "ranks of the job.\n\n"
     )
 
 

@@ -51,7 +51,8 @@ def run() -> dict[str, Any]:
     try:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         source = gpu_source(device)
-        sampler = UsageSampler(10.0, 5.0, source.read)
+        # cpu_every_s=0: each take reads the CPU time, as one a second apart does.
+        sampler = UsageSampler(10.0, 5.0, source.read, cpu_every_s=0.0)
         sample_s = timed(sampler.sample, READINGS)
         take_s = timed(sampler.take, READINGS)
     finally:

@@ -142,9 +142,13 @@ def test_launch_plan_run_dir_uses_job_id(tmp_path: Path) -> None:
 
 def test_the_start_line_names_an_array_task_as_squeue_does_and_keeps_its_id() -> None:
     plan = make_launch_plan(DistConfig(), RunConfig(), "x", dist_env(job_id="36"), 0)
-    assert launch_lines(plan, "34_1")[0].startswith("job 34_1 (id 36) (slurm): 4 rank(s) on 2")
-    assert launch_lines(plan, "36")[0].startswith("job 36 (slurm): ")
+    task = {"SLURM_JOB_ID": "36", "SLURM_ARRAY_JOB_ID": "34", "SLURM_ARRAY_TASK_ID": "1"}
+    assert launch_lines(plan, task)[0].startswith("job 34_1 (id 36) (slurm): 4 rank(s) on 2")
+    assert launch_lines(plan, {"SLURM_JOB_ID": "36"})[0].startswith("job 36 (slurm): ")
     assert launch_lines(plan)[0].startswith("job 36 (slurm): ")
+    # hpc-ddp local inside an array task's allocation: its ranks are not that job's.
+    local = make_launch_plan(DistConfig(), RunConfig(), "x", dist_env(job_id="local-9"), 0)
+    assert launch_lines(local, task)[0].startswith("job local-9 (slurm): ")
 
 
 def split(k: int = 2) -> DistConfig:

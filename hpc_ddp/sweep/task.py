@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from hpc_ddp.launch.program import Program, run_program
 from hpc_ddp.runtime.config import OVERRIDES_VARIABLE, environment_overrides
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.place.slurm import queue_job_id
 from hpc_ddp.runtime.preempt.startup_signals import hold_stop_signals
 from hpc_ddp.runtime.tracking.membership import SweepMembership, write_membership
 from hpc_ddp.runtime.tracking.record import read_tracked_run_id
@@ -95,7 +96,7 @@ def start_task(sweep_dir: Path, offset: int, environ: MutableMapping[str, str]) 
             from hpc_ddp.sweep.calls import forget_result
 
             forget_result(manifest.run_dir_of(data, task))
-        job = f"{environ.get('SLURM_ARRAY_JOB_ID', '')}_{environ.get('SLURM_ARRAY_TASK_ID')}"
+        job = queue_job_id(environ)
 
         def started(entry: dict[str, Any]) -> None:
             entry.update(state="running", attempts=int(entry["attempts"]) + 1, job=job, error=None)
@@ -160,7 +161,7 @@ def record_end(
     except HpcDdpError:
         run = None
     state = ended_state(code, attempt_run_state(run, began))
-    log = f"{data['name']}-{environ.get('SLURM_ARRAY_JOB_ID')}_{environ.get('SLURM_ARRAY_TASK_ID')}"
+    log = f"{data['name']}-{queue_job_id(environ)}"  # the array's %x-%A_%a
     error = None if state != "failed" else f"exit code {code}: see {sweep_dir}/logs/{log}.out"
 
     def ended(entry: dict[str, Any]) -> None:

@@ -88,12 +88,12 @@ source "$body"
 # One thread pool per task, sized to the cores Slurm gave it.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 
-# An array task as squeue and its %A_%a log name it; its SLURM_JOB_ID is a number of its own.
-job_name="${SLURM_JOB_ID}"
-if [[ -n "${SLURM_ARRAY_JOB_ID:-}" ]]; then
-    job_name="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} (id ${SLURM_JOB_ID})"
+# An array task as squeue names it; its SLURM_JOB_ID is a number of its own.
+queue_job="${SLURM_JOB_ID}"
+if [[ -n "${SLURM_ARRAY_JOB_ID:-}" && -n "${SLURM_ARRAY_TASK_ID:-}" ]]; then
+    queue_job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} (id ${SLURM_JOB_ID})"
 fi
-echo "job ${job_name} on ${SLURM_JOB_NODELIST}: ${args[*]}"
+echo "job ${queue_job} on ${SLURM_JOB_NODELIST}: ${args[*]}"
 # --kill-on-bad-exit: one failed rank ends the whole step at once instead of leaving the
 # other ranks waiting in a collective until the time limit. --label: each line of the log
 # starts with its task's rank ("3: "); srun passes a task's output on in pieces of 1 KB, and

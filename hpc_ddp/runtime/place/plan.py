@@ -16,6 +16,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.place.env import DistEnv
 from hpc_ddp.runtime.place.gpus import cuda_indices, visible_gpu_count
 from hpc_ddp.runtime.place.rundir import check_plain_name
+from hpc_ddp.runtime.place.slurm import queue_job_id
 
 
 @dataclass(frozen=True)
@@ -168,12 +169,16 @@ def describe_launch(plan: LaunchPlan) -> str:
     )
 
 
-def launch_lines(plan: LaunchPlan, queue_job: str | None = None) -> list[str]:
-    """Rank 0's start lines for a terminal: the job (``queue_job``: as squeue names it, where
-    that differs: an array task's ``34_1``), the devices, the run directory, each short
-    enough not to wrap (the one-line form for reports is :func:`describe_launch`)."""
+def launch_lines(plan: LaunchPlan, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Rank 0's start lines for a terminal: the job (an array task as squeue names it,
+    ``34_1``, where the ranks are that Slurm job's), the devices, the run directory, each
+    short enough not to wrap (the one-line form for reports is :func:`describe_launch`)."""
     env, device = plan.dist_env, plan.device
-    job = env.job_id if queue_job in (None, env.job_id) else f"{queue_job} (id {env.job_id})"
+    queue_job = queue_job_id(environ or {})
+    in_slurm = (environ or {}).get("SLURM_JOB_ID") == env.job_id  # not a local run inside one
+    job = env.job_id
+    if in_slurm and queue_job != env.job_id:
+        job = f"{queue_job} (id {env.job_id})"
     return [
         f"job {job} ({env.launcher}): {env.world_size} rank(s) on {env.num_nodes} "
         f"node(s), master {env.master_addr}:{env.master_port}",

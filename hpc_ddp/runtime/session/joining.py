@@ -48,7 +48,7 @@ from hpc_ddp.runtime.place.plan import (
 )
 from hpc_ddp.runtime.place.rundir import claim_run_dir
 from hpc_ddp.runtime.place.sharedfs import check_every_rank_sees
-from hpc_ddp.runtime.place.slurm import allocation_task_count, queue_job_id
+from hpc_ddp.runtime.place.slurm import allocation_task_count
 from hpc_ddp.runtime.preempt.lost_rank import write_handoff
 from hpc_ddp.runtime.preempt.requeue import agent_signal_gap, check_job_signal
 from hpc_ddp.runtime.session.ending import install_excepthook
@@ -137,9 +137,7 @@ def _announce(plan: LaunchPlan, settings: RuntimeConfig, environ: Mapping[str, s
     )
     if not env.is_main:
         return
-    # The job as squeue names it, where it is the Slurm job the ranks belong to.
-    in_slurm = environ.get("SLURM_JOB_ID") == env.job_id
-    for line in launch_lines(plan, queue_job_id(environ) if in_slurm else None):
+    for line in launch_lines(plan, environ):
         log.info(line)
     for warning in (
         agent_signal_gap(env.launcher, environ, settings.preempt.signal),
