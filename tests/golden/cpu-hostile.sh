@@ -88,11 +88,6 @@ source "$body"
 # One thread pool per task, sized to the cores Slurm gave it.
 export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
 
-# An array task as squeue names it; its SLURM_JOB_ID is a number of its own.
-queue_job="${SLURM_JOB_ID}"
-if [[ -n "${SLURM_ARRAY_JOB_ID:-}" && -n "${SLURM_ARRAY_TASK_ID:-}" ]]; then
-    queue_job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} (id ${SLURM_JOB_ID})"
-fi
 echo "job ${queue_job} on ${SLURM_JOB_NODELIST}: ${args[*]}"
 # --kill-on-bad-exit: one failed rank ends the whole step at once instead of leaving the
 # other ranks waiting in a collective until the time limit. --label: each line of the log

@@ -1,8 +1,8 @@
 # The part every hpc_ddp job template shares, sourced by train.sh and train-torchrun.sh after
 # their settings (DEFAULT_ARGS, HPC_DDP_LOG_DIR) and the site file; `python -m
 # hpc_ddp.launch.templates` prints where the installed copy is. It sets `args` (the
-# program's arguments), `program` (what follows python on every rank) and `blocked_until_held`
-# (what srun starts python with).
+# program's arguments), `program` (what follows python on every rank), `blocked_until_held`
+# (what srun starts python with) and `queue_job` (the job, for the log's first line).
 
 # NCCL's flight recorder: the last collectives of every rank, dumped when a collective times
 # out, to $HPC_DDP_LOG_DIR/nccl-trace-<job id>-rank-<rank>; `torchfrtrace` on that folder
@@ -37,4 +37,11 @@ fi
 blocked_until_held=(env)
 if env --block-signal=USR1 true 2>/dev/null; then
     blocked_until_held=(env --block-signal=USR1,USR2,TERM,HUP,ALRM)
+fi
+
+# The job as squeue names it: an array task's <array id>_<task id> (its SLURM_JOB_ID is a
+# number of its own).
+queue_job="${SLURM_JOB_ID}"
+if [[ -n "${SLURM_ARRAY_JOB_ID:-}" && -n "${SLURM_ARRAY_TASK_ID:-}" ]]; then
+    queue_job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} (id ${SLURM_JOB_ID})"
 fi

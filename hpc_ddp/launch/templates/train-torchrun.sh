@@ -81,11 +81,6 @@ max_restarts=${TORCHRUN_MAX_RESTARTS:-3}
 # rounds' keys would then differ between nodes.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
 
-# An array task as squeue names it; its SLURM_JOB_ID is a number of its own.
-queue_job="${SLURM_JOB_ID}"
-if [[ -n "${SLURM_ARRAY_JOB_ID:-}" && -n "${SLURM_ARRAY_TASK_ID:-}" ]]; then
-    queue_job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID} (id ${SLURM_JOB_ID})"
-fi
 echo "job ${queue_job} on ${SLURM_JOB_NODELIST}: torchrun on ${SLURM_JOB_NUM_NODES} node(s) x ${ranks_per_node} ranks, rendezvous ${head_node}:${rendezvous_port}"
 # When torchrun's restarts run out on a worker lost to its host (a signal it did not ask for,
 # or its device failed), that host is left out of the job, which is requeued to go on from
