@@ -31,7 +31,7 @@ def _plain_save(state: dict[str, Any], folder: Path) -> None:
 
 def _one_size(megabytes: int) -> dict[str, Any]:
     from hpc_ddp.runtime.checkpoint.checksums import SUFFIX, check_checksums
-    from hpc_ddp.runtime.checkpoint.sharded import write_folder
+    from hpc_ddp.runtime.checkpoint.sharded.writing import write_folder
 
     state = {"objects": {"model": state_of(megabytes)}}
     times: dict[str, list[float]] = {"with_checksums": [], "without": [], "check": []}

@@ -121,7 +121,7 @@ def blocked_times(sizes: list[int], repeats: int, device: str = "cpu") -> dict[s
 
 
 def written_bytes(megabytes: int) -> dict[str, Any]:
-    from hpc_ddp.runtime.checkpoint.sharded import write_folder
+    from hpc_ddp.runtime.checkpoint.sharded.writing import write_folder
 
     group = dist.new_group(backend="gloo")
     directory = shared_dir(group)

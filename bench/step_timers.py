@@ -73,7 +73,7 @@ def _optimizer_hooks() -> dict[str, float]:
 
 def _forward_timer() -> dict[str, float]:
     from hpc_ddp.runtime.loop.streams import map_tensors
-    from hpc_ddp.runtime.monitor.forward import ForwardMeter
+    from hpc_ddp.runtime.monitor.forward.meter import ForwardMeter
 
     block = torch.nn.Linear(64, 64)
     batch = torch.randn(8, 64)

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.multiprocessing.spawn import spawn
 
 from hpc_ddp.launch.local import free_loopback_port
-from hpc_ddp.runtime.checkpoint.sharded import full_tensors
+from hpc_ddp.runtime.checkpoint.sharded.reading import full_tensors
 from hpc_ddp.runtime.checkpoint.spread import layout_of, own_share, writers
 from hpc_ddp.runtime.checkpoint.writer import FolderSaves
 

@@ -27,7 +27,7 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import LOGGER_NAME, get_logger
 from hpc_ddp.runtime.loop.streams import map_tensors
 from hpc_ddp.runtime.monitor.flops import flop_text, training_flops
-from hpc_ddp.runtime.monitor.forward import ForwardMeter
+from hpc_ddp.runtime.monitor.forward.meter import ForwardMeter
 from hpc_ddp.runtime.monitor.paces import (
     INTERVALS_BEFORE_SAYING,
     IntervalPaces,
@@ -498,7 +498,7 @@ STAND_IN_CLOCK = """
 import os
 import torch
 import hpc_ddp
-from hpc_ddp.runtime.monitor import forward
+from hpc_ddp.runtime.monitor.forward import meter
 
 class Clock:
     now = 0.0
@@ -506,7 +506,7 @@ class Clock:
         return self.now
 
 clock = Clock()
-forward.time = type("time", (), {"perf_counter": clock})
+meter.time = type("time", (), {"perf_counter": clock})
 rank = int(os.environ["RANK"])
 """
 
@@ -753,7 +753,8 @@ def test_every_optimizers_steps_are_timed_once_and_none_after_detach() -> None:
 OPTIMIZER_THREE_TIMES_FORWARD = """
 import torch
 import hpc_ddp
-from hpc_ddp.runtime.monitor import forward, steptimers
+from hpc_ddp.runtime.monitor import steptimers
+from hpc_ddp.runtime.monitor.forward import meter
 
 class Clock:
     now = 0.0
@@ -761,7 +762,7 @@ class Clock:
         return self.now
 
 clock = Clock()
-forward.time = steptimers.time = type("time", (), {"perf_counter": clock})
+meter.time = steptimers.time = type("time", (), {"perf_counter": clock})
 
 class Model(torch.nn.Module):
     def __init__(self):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints
-from hpc_ddp.runtime.checkpoint.sharded import read_metadata
+from hpc_ddp.runtime.checkpoint.sharded.metadata import read_metadata
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from tests.helpers import (
     REPO,

@@ -83,7 +83,8 @@ def test_a_timed_model_has_the_gradients_of_an_untimed_one_at_3_ranks(tmp_path: 
 #: its backward reduces nothing and is not.
 WAITS_ON_A_STAND_IN_CLOCK = """
 import os, sys, torch, hpc_ddp
-from hpc_ddp.runtime.monitor import forward, gradsync
+from hpc_ddp.runtime.monitor import gradsync
+from hpc_ddp.runtime.monitor.forward import meter
 
 class Ticks:
     def __init__(self, tick):
@@ -93,7 +94,7 @@ class Ticks:
         return self.now
 
 rank = int(os.environ["RANK"])
-forward.time = type("time", (), {"perf_counter": Ticks(1e-6)})
+meter.time = type("time", (), {"perf_counter": Ticks(1e-6)})
 gradsync.time = type("time", (), {"perf_counter": Ticks(5e-6 if rank == 0 else 1e-6)})
 run = hpc_ddp.start(tracking={"enabled": False}, log_interval=4)
 model = run.wrap(torch.nn.Linear(8, 4))

@@ -535,7 +535,7 @@ def test_a_folder_whose_files_do_not_match_its_metadata_is_set_aside_for_the_one
     names a file outside its folder, one bit flipped, or the same file of another
     checkpoint (same size, other weights): the newest folder is no checkpoint, the one
     before it is resumed from and the damaged one kept in checkpoints/unreadable/."""
-    from hpc_ddp.runtime.checkpoint.sharded import METADATA
+    from hpc_ddp.runtime.checkpoint.sharded.layout import METADATA
 
     directory = folders_at_steps_10_and_20(tmp_path, torch.nn.Linear(64, 64))
     newest = directory / "step-000000020"

@@ -20,14 +20,9 @@ from torch import nn
 
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
 from hpc_ddp.runtime.checkpoint.objects import object_kinds, restore_objects, tensor_states
-from hpc_ddp.runtime.checkpoint.sharded import (
-    METADATA,
-    FolderObjects,
-    check_files,
-    folder_state,
-    stagers_are_reusable,
-    write_folder,
-)
+from hpc_ddp.runtime.checkpoint.sharded.layout import METADATA, FolderObjects, folder_state
+from hpc_ddp.runtime.checkpoint.sharded.metadata import check_files
+from hpc_ddp.runtime.checkpoint.sharded.writing import stagers_are_reusable, write_folder
 from hpc_ddp.runtime.checkpoint.writer import FolderSaves, Pending, needs_own_group
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from tests.helpers import (
@@ -146,7 +141,7 @@ SAVE_AT_EXIT = """
 import atexit, sys
 from pathlib import Path
 import torch
-from hpc_ddp.runtime.checkpoint.sharded import write_folder
+from hpc_ddp.runtime.checkpoint.sharded.writing import write_folder
 
 def save() -> None:
     state = {"objects": {"model": {"w": torch.arange(2**20, dtype=torch.float32)}}}
@@ -479,12 +474,8 @@ def test_a_folders_metadata_is_unpickled_once_however_often_a_resume_reads_it(
     """A resume reads the run blob, its rank's blob, the optimizers' saved parameters and
     the tensors: each read would unpickle ``.metadata`` again (large for a model of many
     tensors). A folder written anew at the same path is read again."""
-    from hpc_ddp.runtime.checkpoint.sharded import (
-        MetadataUnpickler,
-        load_objects,
-        read_blobs,
-        read_metadata,
-    )
+    from hpc_ddp.runtime.checkpoint.sharded.metadata import MetadataUnpickler, read_metadata
+    from hpc_ddp.runtime.checkpoint.sharded.reading import load_objects, read_blobs
 
     unpickled = []
     original = MetadataUnpickler.load
@@ -528,7 +519,8 @@ def test_a_planted_pickle_in_a_folder_runs_no_code(tmp_path: Path) -> None:
     import pickle
 
     from hpc_ddp.runtime.checkpoint.files import load_newest
-    from hpc_ddp.runtime.checkpoint.sharded import METADATA, read_blobs
+    from hpc_ddp.runtime.checkpoint.sharded.layout import METADATA
+    from hpc_ddp.runtime.checkpoint.sharded.reading import read_blobs
 
     ran = tmp_path / "code-ran"
     folder = tmp_path / "checkpoints" / "step-000000001"

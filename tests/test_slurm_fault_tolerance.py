@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 from hpc_ddp.cli.api import submit
 from hpc_ddp.launch.jobs import wait
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
-from hpc_ddp.runtime.checkpoint.sharded import is_complete
+from hpc_ddp.runtime.checkpoint.sharded.layout import is_complete
 from hpc_ddp.runtime.monitor.account import PARTS
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, clean_environ, read_summary, run_local, summary_path

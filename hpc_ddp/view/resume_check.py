@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 import torch
 
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints
-from hpc_ddp.runtime.checkpoint.sharded import full_tensors, read_blobs, read_metadata
+from hpc_ddp.runtime.checkpoint.sharded.metadata import read_metadata
+from hpc_ddp.runtime.checkpoint.sharded.reading import full_tensors, read_blobs
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.monitor.paces import PACE_METRICS
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS

@@ -18,7 +18,8 @@ from hpc_ddp.runtime.checkpoint.files import (
     write_atomically,
 )
 from hpc_ddp.runtime.checkpoint.objects import MODULE
-from hpc_ddp.runtime.checkpoint.sharded import METADATA, FolderObjects, full_tensors
+from hpc_ddp.runtime.checkpoint.sharded.layout import METADATA, FolderObjects
+from hpc_ddp.runtime.checkpoint.sharded.reading import full_tensors
 from hpc_ddp.runtime.errors import HpcDdpError, error_line
 
 #: How often a checkpoint pruned while it is read gives way to the newest one then.

@@ -19,7 +19,8 @@ from typing import IO, Any
 
 import torch
 
-from hpc_ddp.runtime.checkpoint.sharded import METADATA, is_complete, load_run
+from hpc_ddp.runtime.checkpoint.sharded.layout import METADATA, is_complete
+from hpc_ddp.runtime.checkpoint.sharded.reading import load_run
 from hpc_ddp.runtime.errors import HpcDdpError, error_line
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.safefiles import DIR_MODE, create_temporary, make_dirs
@@ -224,7 +225,7 @@ def _refused_by_weights_only(error: Exception) -> bool:
 def load_checkpoint(path: Path, rank: int = 0, verify: bool = True) -> dict[str, Any]:
     """One checkpoint, as ``rank`` needs it; raises for a damaged or foreign one. A folder's
     run state and this rank's own state are read now, its objects on resume (see
-    :func:`hpc_ddp.runtime.checkpoint.sharded.load_run`; ``verify``: its files' checksums
+    :func:`hpc_ddp.runtime.checkpoint.sharded.reading.load_run`; ``verify``: its files' checksums
     too, which reads every byte).
 
     A single file is read with ``weights_only=True``.

@@ -25,7 +25,8 @@ from hpc_ddp.runtime.checkpoint.files import (
     remove_partial_writes,
 )
 from hpc_ddp.runtime.checkpoint.objects import restore_objects, restore_whole_states
-from hpc_ddp.runtime.checkpoint.sharded import FolderObjects, check_share
+from hpc_ddp.runtime.checkpoint.sharded.layout import FolderObjects
+from hpc_ddp.runtime.checkpoint.sharded.metadata import check_share
 from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.errors import HpcDdpError, error_line
 from hpc_ddp.runtime.place.dist import all_gather_object, broadcast_object, several_ranks

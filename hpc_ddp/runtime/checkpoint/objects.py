@@ -15,12 +15,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp.runtime.checkpoint.buffers import with_rank_zero_buffers
-from hpc_ddp.runtime.checkpoint.sharded import (
-    OBJECTS_KEY,
-    FolderObjects,
-    load_objects,
-    read_metadata,
-)
+from hpc_ddp.runtime.checkpoint.sharded.layout import OBJECTS_KEY, FolderObjects
+from hpc_ddp.runtime.checkpoint.sharded.metadata import read_metadata
+from hpc_ddp.runtime.checkpoint.sharded.reading import load_objects
 from hpc_ddp.runtime.checkpoint.state import guarded_restore
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.shards import holds_shards

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from hpc_ddp.runtime.checkpoint.files import prune_older, unwritable, writing_mark
 from hpc_ddp.runtime.checkpoint.room import measure_room
-from hpc_ddp.runtime.checkpoint.sharded import (
-    is_complete,
+from hpc_ddp.runtime.checkpoint.sharded.layout import is_complete
+from hpc_ddp.runtime.checkpoint.sharded.writing import (
     new_stager,
     stagers_are_reusable,
     start_writing,

@@ -28,7 +28,8 @@ from hpc_ddp.runtime.checkpoint.loading import (
 )
 from hpc_ddp.runtime.checkpoint.objects import object_kinds, plain_states, tensor_states
 from hpc_ddp.runtime.checkpoint.room import check_room
-from hpc_ddp.runtime.checkpoint.sharded import FOLDER_FORMAT, folder_state, forget_metadata
+from hpc_ddp.runtime.checkpoint.sharded.layout import FOLDER_FORMAT, folder_state
+from hpc_ddp.runtime.checkpoint.sharded.metadata import forget_metadata
 from hpc_ddp.runtime.checkpoint.state import (
     check_loadable,
     restore_rng,

@@ -42,7 +42,7 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.monitor.forward import MOST_EVENTS, ForwardTally
+from hpc_ddp.runtime.monitor.forward.timed import MOST_EVENTS, ForwardTally
 
 
 class GradientSyncMeter:

@@ -27,7 +27,8 @@ from torch.optim.optimizer import (
 )
 
 from hpc_ddp.runtime.monitor.datawait import DataWait
-from hpc_ddp.runtime.monitor.forward import MOST_EVENTS, ForwardMeter, ForwardTake, ForwardTally
+from hpc_ddp.runtime.monitor.forward.meter import ForwardMeter, ForwardTake
+from hpc_ddp.runtime.monitor.forward.timed import MOST_EVENTS, ForwardTally
 from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
 from hpc_ddp.runtime.monitor.paces import NOT_TIMED
 

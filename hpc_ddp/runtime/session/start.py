@@ -33,7 +33,7 @@ from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import map_tensors
-from hpc_ddp.runtime.monitor.forward import ForwardMeter
+from hpc_ddp.runtime.monitor.forward.meter import ForwardMeter
 from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
 from hpc_ddp.runtime.monitor.timeline import mark, new_timeline
 from hpc_ddp.runtime.place.checking import check_before_training, record_checks

@@ -1,44 +1,17 @@
-"""Each rank's time in its model's training forward, and the FLOPs of one.
-
-Under DDP every rank's step lasts as long as the slowest one's (the others wait in the
-gradients' all-reduce), so the time between steps cannot name a slow rank. The forward holds
-no collective of DDP's (its buffers are broadcast before the wrapped module is called), so
-its length is the rank's own compute: a slow GPU, a throttled node or a larger batch shows
-there. It is timed with CUDA events on a GPU (read once done: nothing waits for the GPU)
-and with the clock on a CPU; a forward without gradients (an evaluation's) is not timed.
-
-The module's ``forward`` is replaced, while the run lasts, by a :class:`TimedForward` that
-calls the original: a module with forward hooks takes torch's slow path through
-``Module.__call__`` (about ten Python calls more a forward, as much as a small model's step
-on a CPU), one with its own ``forward`` attribute keeps the fast one.
-
-Under FSDP (``dist.strategy=fsdp``) a forward holds the all-gathers of the sharded blocks'
-parameters, which wait for every rank, so the model's forward would not name a slow rank
-either. There each innermost sharded block is timed instead: FSDP gathers its parameters in
-its forward pre-hook and frees them in its forward hook, both outside the block's
-``forward``, so what is timed is the block's own compute. What the model does outside those
-blocks (an embedding, a head) is not timed there. A forward run again inside the backward
-(activation checkpointing's recomputation) is not timed: it is in the backward's time.
-
-The FLOPs are counted once, on the first training forward (see
-:mod:`hpc_ddp.runtime.monitor.flops`); a sharded block's are not.
-"""
+"""The forward a timed module holds while the run lasts (:class:`TimedForward`), what a copy
+of it holds (:class:`UntimedForward`), and the tally they add to."""
 
 from __future__ import annotations
 
 import copy
 import functools
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
-
-from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.monitor.flops import MapTensors, logged_flops
 
 #: CUDA event pairs kept unread at most (a script that wraps a model and never closes a
 #: log interval): past it the oldest are read or dropped.
@@ -49,16 +22,7 @@ _is_compiling = torch.compiler.is_compiling
 _current_graph_task_id = torch._C._current_graph_task_id
 
 #: A module's FLOPs not counted yet.
-_NOT_YET = object()
-
-
-class ForwardTake(NamedTuple):
-    """A rank's training forwards since the last take: their seconds, their number, and the
-    FLOPs counted for them with their backwards (None: some forward's model not counted)."""
-
-    seconds: float
-    forwards: int
-    flops: float | None
+NOT_YET = object()
 
 
 @dataclass
@@ -172,7 +136,7 @@ class TimedForward:
         self.module, self.tally, self.clock, self.cuda, self.count = (
             module, tally, clock, cuda, count
         )  # fmt: skip
-        self.flops: Any = _NOT_YET if count is not None else None
+        self.flops: Any = NOT_YET if count is not None else None
         function = getattr(self.call, "__func__", None)
         if function is not None:
             self.__func__ = functools.wraps(function)(self._function_of(function))
@@ -203,7 +167,7 @@ class TimedForward:
             finally:
                 tally.depth -= 1
         flops = self.flops
-        if flops is _NOT_YET:
+        if flops is NOT_YET:
             flops = self.flops = self.count(self.module, args, kwargs)  # type: ignore[misc]
         tally.forwards += 1
         if flops is None:
@@ -242,7 +206,7 @@ class TimedForward:
         """Give the module its forward back (if this is still its forward); a wrapper of
         this one that a script kept is no longer timed."""
         self.tally = ForwardTally()
-        if self.flops is _NOT_YET:
+        if self.flops is NOT_YET:
             self.flops = None
         if self.module.__dict__.get("forward") is not self:
             return
@@ -264,88 +228,8 @@ class TimedForward:
         return (getattr, (self.module, "forward"))
 
 
-class ForwardMeter:
-    """This rank's seconds in the training forwards (with gradients, in training mode) of
-    the models it is attached to since the last :meth:`take`; where asked, each model's
-    FLOPs of a training forward and its backward, counted on its first (:meth:`flops_of`)."""
-
-    def __init__(
-        self,
-        device: torch.device,
-        count_flops: bool,
-        map_tensors: MapTensors,
-        clock: Callable[[], float] | None = None,
-    ) -> None:
-        """``map_tensors`` walks a forward's ``(args, kwargs)`` (for the count); ``clock``
-        times forwards on a CPU (None: ``time.perf_counter``)."""
-        self._device = device
-        self._map_tensors = map_tensors
-        self._clock = clock or time.perf_counter
-        self._counting = count_flops
-        self._tally = ForwardTally()
-        self._timed: list[TimedForward] = []
-        self._said_compiled = False
-
-    @property
-    def attached(self) -> bool:
-        """True while a model's forward is timed (a script's own DDP is not)."""
-        return bool(self._timed)
-
-    @property
-    def compiled(self) -> bool:
-        """True once a timed forward ran inside torch.compile's tracing: not timed."""
-        return self._tally.compiled
-
-    def attach(self, module: nn.Module, count_flops: bool = True) -> None:
-        """Time ``module``'s training forwards until :meth:`detach`; ``count_flops`` False:
-        never count its FLOPs (a sharded block, whose count would gather its parameters)."""
-        timed = TimedForward(
-            module,
-            self._tally,
-            self._clock,
-            self._device.type == "cuda",
-            functools.partial(logged_flops, map_tensors=self._map_tensors, device=self._device)
-            if self._counting and count_flops
-            else None,
-        )
-        module.__dict__["forward"] = timed
-        self._timed.append(timed)
-
-    def timing(self, main: bool) -> bool:
-        """Whether the forwards are timed: a model is attached, and not compiled (which
-        ``main`` says once)."""
-        if self.compiled and main and not self._said_compiled:
-            self._said_compiled = True
-            get_logger().info(
-                "monitor: the wrapped model runs under torch.compile, so its forward is not "
-                "timed (no interval/forward_percent, no slowest rank) nor its FLOPs counted. "
-                "HINT: monitor.flops_per_sample gives the TFLOP/s and MFU"
-            )
-        return self.attached and not self.compiled
-
-    def detach(self) -> None:
-        """Give every module its forward back (the run ended: a model left as it came,
-        which TorchScript can script)."""
-        for timed in reversed(self._timed):
-            timed.remove()
-        self._timed = []  # the meter keeps no model alive
-        for untimed in list(_COPIES):
-            untimed.release()
-
-    def flops_of(self, module: nn.Module) -> float | None:
-        """The FLOPs counted for a training forward of ``module`` and its backward (None:
-        not counted, or it could not be)."""
-        for timed in self._timed:
-            if timed.module is module and timed.flops is not _NOT_YET:
-                return timed.flops  # type: ignore[no-any-return]
-        return None
-
-    def take(self) -> ForwardTake:
-        """The training forwards since the last take; on a GPU the seconds of those it has
-        finished, the others read at a later take."""
-        tally = self._tally
-        tally.read_events(keep=MOST_EVENTS)
-        counted = self._counting and not tally.uncounted and tally.forwards > 0
-        taken = ForwardTake(tally.seconds, tally.forwards, tally.counted_flops if counted else None)
-        tally.seconds, tally.forwards, tally.counted_flops, tally.uncounted = 0.0, 0, 0.0, 0
-        return taken
+def release_copies() -> None:
+    """Take every untimed forward off its copy (the run ended: each copy is left as
+    TorchScript wants it)."""
+    for untimed in list(_COPIES):
+        untimed.release()
