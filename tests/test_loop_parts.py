@@ -22,7 +22,7 @@ from torch.utils.data import TensorDataset
 from hpc_ddp.runtime.checkpoint.files import checkpoint_dir, list_checkpoints, load_newest
 from hpc_ddp.runtime.checkpoint.loading import Resumed, restore_registered
 from hpc_ddp.runtime.config import CheckpointConfig, RunConfig, RuntimeConfig
-from hpc_ddp.runtime.errors import HpcDdpError, Stopped
+from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError, Stopped
 from hpc_ddp.runtime.loop.cadence import CHECK_EVERY_MAX, Cadence, steps_for
 from hpc_ddp.runtime.loop.checkpointer import Checkpointer
 from hpc_ddp.runtime.loop.context import RunContext
@@ -71,10 +71,12 @@ class Recorder(NullTracker):
         self.ended.append(status)
 
 
-def context_in(tmp_path: Path, tracker: Any = None, save_mode: str = "async") -> RunContext:
+def context_in(
+    tmp_path: Path, tracker: Any = None, save_mode: str = "async", checkpoints: bool = True
+) -> RunContext:
     settings = RuntimeConfig(
         run=RunConfig(output_dir=str(tmp_path), id="unit"),
-        checkpoint=CheckpointConfig(save_mode=save_mode),  # type: ignore[arg-type]
+        checkpoint=CheckpointConfig(save_mode=save_mode, enabled=checkpoints),  # type: ignore[arg-type]
     )
     plan = resolve_launch(settings, "unit", {})
     plan.run_dir.mkdir(parents=True)
@@ -237,6 +239,40 @@ def test_the_stopper_checkpoints_ends_the_tracking_and_raises_stopped(tmp_path: 
     assert position.stopped and tracker.ended == ["KILLED"]
     assert list_checkpoints(checkpoint_dir(context.run_dir))[0].name == "step-000000012"
     stopper.close()
+
+
+def test_without_checkpoints_a_stop_says_a_run_again_starts_over_and_does_not_requeue(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A requeued attempt without a checkpoint would compute the same steps again, and be
+    stopped by the same time limit: the warning signal ends the job instead, and no line
+    says "after a checkpoint" or how to continue."""
+    tracker = Recorder()
+    context = context_in(tmp_path, tracker, checkpoints=False)
+    position, _streams, checkpointer = parts(context)
+    stopper = Stopper(context, position, checkpointer)
+    stopper.begin()
+    context.signals.received.add(signal.SIGUSR1)  # the warning signal: asks for a requeue
+    assert context.signals.wants_requeue
+    position.global_step = 12
+    with caplog.at_level(logging.INFO, logger="hpc_ddp"), pytest.raises(Stopped) as stopped:
+        stopper.stop()
+    stopper.close()
+    said = [record.getMessage() for record in caplog.records]
+    assert said == [
+        "not requeueing: checkpoint.enabled=false, so another attempt would start again from "
+        "step 0",
+        "stopped at step 12 without a checkpoint (checkpoint.enabled=false): the same command "
+        "again starts from step 0",
+    ]
+    assert (stopped.value.step, stopped.value.requeued, stopped.value.checkpointed) == (
+        12, False, False
+    )  # fmt: skip
+    assert stopped.value.code == EXIT_STOPPED
+    assert tracker.ended == ["KILLED"]
+    assert not checkpoint_dir(context.run_dir).exists() or not list_checkpoints(
+        checkpoint_dir(context.run_dir)
+    )
 
 
 def test_per_rank_states_of_another_world_size_are_not_forced_on_a_stream(

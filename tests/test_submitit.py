@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from hpc_ddp.cli.api import submit
-from hpc_ddp.launch.jobs import wait
-from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.launch.jobs import CallTask, wait
+from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.place.env import resolve_dist_env
 from hpc_ddp.runtime.place.slurm import derive_master_port
 from hpc_ddp.trainer.config import load_config
@@ -35,6 +36,27 @@ def test_local_executor_tasks_resolve_as_local_ranks() -> None:
     assert resolve_dist_env({**environ, "MASTER_PORT": "23456"}).master_port == 23456
     under_slurm = resolve_dist_env({**environ, "SLURM_JOB_ID": "5"}, hostname="h")
     assert under_slurm.launcher == "slurm", "a Slurm job wins over the local executor's ids"
+
+
+def stops(checkpointed: bool) -> None:
+    raise Stopped(7, requeued=False, run_id="r1", checkpointed=checkpointed)
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_a_task_stopped_and_not_requeued_says_whether_submitting_again_continues(
+    checkpointed: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the task names its program there
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    with pytest.raises(RuntimeError) as raised:
+        CallTask(stops, [checkpointed], {})()
+    assert str(raised.value) == (
+        "rank 1 stopped at step 7 after a checkpoint and the job was not requeued; submit "
+        "again with run.id=r1 to continue"
+        if checkpointed
+        else "rank 1 stopped at step 7 without a checkpoint (checkpoint.enabled=false); a job "
+        "submitted again starts from step 0"
+    )
 
 
 @pytest.mark.e2e

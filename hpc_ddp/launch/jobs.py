@@ -54,6 +54,11 @@ class CallTask:
                 # As submitit does after a requeue: exit without a result; the requeued
                 # attempt delivers it.
                 sys.exit(-1)
+            if not stopped.checkpointed:
+                raise RuntimeError(
+                    f"rank {rank} stopped at step {stopped.step} without a checkpoint "
+                    "(checkpoint.enabled=false); a job submitted again starts from step 0"
+                ) from None
             raise RuntimeError(
                 f"rank {rank} stopped at step {stopped.step} after a checkpoint and the job was "
                 f"not requeued; submit again with run.id={stopped.run_id} to continue"

@@ -9,7 +9,8 @@ from __future__ import annotations
 EXIT_FAILURE = 1
 #: A problem with the input or the launch: a message with a HINT, no traceback.
 EXIT_USER_ERROR = 2
-#: Stopped on a signal after a checkpoint, and not requeued: run again to continue.
+#: Stopped on a signal after a checkpoint, and not requeued: run again to continue (with
+#: checkpoint.enabled=false: stopped without one, and a run again starts from step 0).
 EXIT_STOPPED = 3
 #: A collective failed because another rank went away: a consequence; that rank's own
 #: output shows the cause.
@@ -117,17 +118,19 @@ class HpcDdpError(Exception):
 class Stopped(SystemExit):
     """Raised from :meth:`hpc_ddp.Run.steps` when the ranks stopped on a signal.
 
-    By then every rank has stopped after the same step, the checkpoint is written, the job
-    was requeued if that was asked for and allowed, and the process group is gone. As a
-    :class:`SystemExit` it ends the script with :attr:`code`: 0 when the job was requeued
-    (Slurm starts it again and it resumes), ``EXIT_STOPPED`` (3) when it was not.
+    By then every rank has stopped after the same step, the checkpoint is written
+    (``checkpointed``; False with checkpoint.enabled=false, when the job is not requeued
+    either), the job was requeued if that was asked for and allowed, and the process group
+    is gone. As a :class:`SystemExit` it ends the script with :attr:`code`: 0 when the job
+    was requeued (Slurm starts it again and it resumes), ``EXIT_STOPPED`` (3) when it was not.
     """
 
-    def __init__(self, step: int, requeued: bool, run_id: str) -> None:
+    def __init__(self, step: int, requeued: bool, run_id: str, checkpointed: bool = True) -> None:
         super().__init__(0 if requeued else EXIT_STOPPED)
         self.step = step
         self.requeued = requeued
         self.run_id = run_id
+        self.checkpointed = checkpointed
 
 
 class AlreadyFinished(SystemExit):

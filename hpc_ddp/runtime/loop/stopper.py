@@ -128,9 +128,17 @@ class Stopper:
         position.stopped = True
         context.times.begin_ending("stop")
         self.checkpointer.save("stop signal")
+        saved = context.config.checkpoint.enabled
         requeued = False
         if context.env.is_main:
-            if context.signals.wants_requeue:
+            if context.signals.wants_requeue and not saved:
+                # Another attempt would compute the same steps again and, stopped by the same
+                # time limit, never get further: allocation spent for nothing.
+                get_logger().warning(
+                    "not requeueing: checkpoint.enabled=false, so another attempt would start "
+                    "again from step 0"
+                )
+            elif context.signals.wants_requeue:
                 context.tracker.suspend()  # before requeueing: Slurm ends this step right after
                 # Requeues that left failed hosts out have a budget of their own.
                 job = requeue_target(context.environ)
@@ -145,10 +153,16 @@ class Stopper:
             if context.env.is_main:
                 get_logger().info(f"stopped at step {position.global_step}; the job was requeued")
         else:
-            hint = continue_hint(
-                context.run_dir.name, context.config.run.id is not None, context.environ
-            )
-            stopped = f"stopped at step {position.global_step} after a checkpoint; {hint}"
+            if saved:
+                hint = continue_hint(
+                    context.run_dir.name, context.config.run.id is not None, context.environ
+                )
+                stopped = f"stopped at step {position.global_step} after a checkpoint; {hint}"
+            else:
+                stopped = (
+                    f"stopped at step {position.global_step} without a checkpoint "
+                    "(checkpoint.enabled=false): the same command again starts from step 0"
+                )
             # torchrun reports every non-zero exit as a failure: its summary says this instead.
             tell_elastic_agent(
                 f"{stopped} (exit code {EXIT_STOPPED}: a stop, not a failure)",
@@ -157,7 +171,7 @@ class Stopper:
             )
             if context.env.is_main:
                 get_logger().warning(stopped)
-        raise Stopped(position.global_step, requeued, context.run_dir.name)
+        raise Stopped(position.global_step, requeued, context.run_dir.name, checkpointed=saved)
 
     def close(self, wait: bool = True) -> None:
         """Stop reading the job's end; (``wait``) finish the exchange in flight (only on a
