@@ -30,7 +30,8 @@ from hpc_ddp.runtime.checkpoint.files import (
 from hpc_ddp.runtime.checkpoint.fingerprint import check_resumable, fingerprint_of
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.loop.data import ResumableDistributedSampler
-from hpc_ddp.runtime.preempt.requeue import agent_signal_gap, requeue_target
+from hpc_ddp.runtime.place.slurm import queue_job_id
+from hpc_ddp.runtime.preempt.requeue import agent_signal_gap
 from hpc_ddp.runtime.preempt.signals import StepAgreement, StopSignals
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from hpc_ddp.trainer.config import load_config, resume_fingerprint
@@ -463,15 +464,13 @@ def test_torchrun_agent_that_would_die_of_the_warning_signal_is_named() -> None:
     assert old_torch is not None and "this torch's torchrun cannot" in old_torch
 
 
-def test_requeue_target_is_array_aware() -> None:
-    assert requeue_target({"SLURM_JOB_ID": "42"}) == "42"
+def test_the_job_requeued_is_the_array_task_where_there_is_one() -> None:
+    assert queue_job_id({"SLURM_JOB_ID": "42"}) == "42"
     assert (
-        requeue_target(
-            {"SLURM_JOB_ID": "43", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3"}
-        )
+        queue_job_id({"SLURM_JOB_ID": "43", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3"})
         == "40_3"
     )
-    assert requeue_target({}) is None
+    assert queue_job_id({}) is None
 
 
 @pytest.mark.e2e

@@ -82,15 +82,15 @@ def lost_before_training_before(run_dir: Path, environ: Mapping[str, str]) -> bo
     training: a second such loss in a row is more likely the program's (a crash of its own
     in building the model) than another bad host, and requeueing again would cost one more
     wait in the queue and one more good host each time."""
+    from hpc_ddp.runtime.place.slurm import queue_job_id
     from hpc_ddp.runtime.preempt.lost_rank import LOST_IN
     from hpc_ddp.runtime.preempt.node_record import node_failures, of_job
-    from hpc_ddp.runtime.preempt.requeue import requeue_target
 
     restart = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
     return any(
         failure.get("event") == LOST_IN["setup"] and failure.get("requeued")
         and failure.get("restart_count") == restart - 1
-        for failure in of_job(node_failures(run_dir), requeue_target(environ))
+        for failure in of_job(node_failures(run_dir), queue_job_id(environ))
     )  # fmt: skip
 
 

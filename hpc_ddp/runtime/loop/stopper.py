@@ -17,11 +17,12 @@ from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.monitor.timeline import this_process_start_unix
 from hpc_ddp.runtime.place.dist import broadcast_object
+from hpc_ddp.runtime.place.slurm import queue_job_id
 from hpc_ddp.runtime.preempt.job_end import StopBeforeEnd, job_end_for
 from hpc_ddp.runtime.preempt.lost_rank import write_handoff
 from hpc_ddp.runtime.preempt.node_record import requeues_for_nodes
 from hpc_ddp.runtime.preempt.progress import no_progress_refusal, record_attempt
-from hpc_ddp.runtime.preempt.requeue import requeue_job, requeue_target
+from hpc_ddp.runtime.preempt.requeue import requeue_job
 from hpc_ddp.runtime.preempt.signals import StepAgreement
 
 
@@ -81,7 +82,7 @@ class Stopper:
         requeueable job with checkpoints, every rank ends when the attempts before it made no
         progress (preempt.max_attempts_without_progress)."""
         context, refusal = self.context, None
-        job = requeue_target(context.environ)
+        job = queue_job_id(context.environ)
         if context.env.is_main:
             start_step = self.position.resumed_from_step or 0
             attempts = record_attempt(
@@ -141,7 +142,7 @@ class Stopper:
             elif context.signals.wants_requeue:
                 context.tracker.suspend()  # before requeueing: Slurm ends this step right after
                 # Requeues that left failed hosts out have a budget of their own.
-                job = requeue_target(context.environ)
+                job = queue_job_id(context.environ)
                 restarts = context.env.restart_count - requeues_for_nodes(context.run_dir, job)
                 requeued = requeue_job(context.environ, restarts, context.config.preempt)
             if not requeued:

@@ -19,9 +19,14 @@ from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.place.checking import checks_refusal
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.place.plan import LaunchPlan
-from hpc_ddp.runtime.place.slurm import ask_slurm, job_allows_requeue, job_field, show_job
+from hpc_ddp.runtime.place.slurm import (
+    ask_slurm,
+    job_allows_requeue,
+    job_field,
+    queue_job_id,
+    show_job,
+)
 from hpc_ddp.runtime.preempt.node_record import RECORD, excluded_hosts, node_failures, of_job
-from hpc_ddp.runtime.preempt.requeue import requeue_target
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.safefiles import write_records
 
@@ -90,7 +95,7 @@ def leave_out(
     failed ``hosts`` and requeue the job without them, within the budget. Returns (outcome,
     line): "requeued", "exhausted", or "refused" (not requeued: the failure's own ending
     stands)."""
-    job = requeue_target(environ)
+    job = queue_job_id(environ)
     if job is None or not config.requeue:
         return "refused", ""
     failures = node_failures(run_dir)
@@ -142,7 +147,7 @@ def answer_failed_checks(
     host). Every rank decides alike from the record and the environment."""
     refusal = checks_refusal(record, plan.run_dir)
     hosts = hosts_to_leave_out(record)
-    if not (hosts and requeue_target(environ) and config.requeue):
+    if not (hosts and queue_job_id(environ) and config.requeue):
         raise refusal
     # The requeue's SIGTERM must not cut the ranks' exit short: the handlers from before the
     # start come back first, so the start's own restore on the way out changes nothing.

@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 from hpc_ddp.runtime.config import PreemptConfig
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.place.slurm import ask_slurm
-from hpc_ddp.runtime.preempt.requeue import requeue_target
+from hpc_ddp.runtime.place.slurm import ask_slurm, queue_job_id
 
 #: What a save not measured yet is assumed to take.
 UNMEASURED_SAVE_S = 30.0
@@ -211,7 +210,7 @@ def wall_time(seconds_from_now: float) -> str:
 def job_end_for(environ: Mapping[str, str], config: PreemptConfig) -> JobEnd | None:
     """The job's end for rank 0 of a Slurm job (``preempt.stop_before_end``), else None.
     The first read is the environment's where Slurm sets one; later ones ask squeue."""
-    job = requeue_target(environ)
+    job = queue_job_id(environ)
     if job is None or not config.stop_before_end:
         return None
     from_environ = left_from_environ(environ, time.time())

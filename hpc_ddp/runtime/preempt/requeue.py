@@ -56,11 +56,6 @@ def check_job_signal(environ: Mapping[str, str], warning_signal: str) -> None:
     )
 
 
-def requeue_target(environ: Mapping[str, str]) -> str | None:
-    """The id `scontrol requeue` needs: the array task (<array id>_<task id>) or the job."""
-    return queue_job_id(environ)
-
-
 def _requeue_outliving_its_sigterm(target: str, timeout_s: float) -> str | None:
     """``scontrol requeue``; None when it worked. Slurm sends the step SIGTERM as the requeue
     ends it, which would kill scontrol before it reports: it starts with SIGTERM ignored (the
@@ -77,7 +72,7 @@ def _requeue_outliving_its_sigterm(target: str, timeout_s: float) -> str | None:
 def requeue_job(environ: Mapping[str, str], restart_count: int, config: PreemptConfig) -> bool:
     """Rank 0: requeue this Slurm job if allowed and within budget. True if it was requeued."""
     log = get_logger()
-    target = requeue_target(environ)
+    target = queue_job_id(environ)  # an array task as <array id>_<task id>
     if not config.requeue or target is None:
         log.info("not requeueing: " + ("preempt.requeue=false" if target else "not a Slurm job"))
         return False
