@@ -287,7 +287,7 @@ def test_a_forgotten_run_steps_and_optimizer_are_named_with_a_hint(tmp_path: Pat
     direct = "run.train_loader(...) is iterated directly"
     assert result.stderr.count(direct) == 1, "once, on rank 0"
     assert "HINT: for batch in run.steps(loader):" in result.stderr
-    assert "a model is registered (model) but no optimizer" in result.stderr
+    assert "an optimizer (AdamW) steps the registered model but is not registered" in result.stderr
     assert "HINT: run.register(model=model, optimizer=optimizer" in result.stderr
 
 

@@ -127,6 +127,8 @@ def test_the_position_says_where_the_run_ended_for_its_summary() -> None:
         "replicas_diverged_at": None,
         "first_step_unix": 123.0,
     }
+    unknown = position.summary(global_batch_size=0)  # batches holding no tensor: a range's
+    assert (unknown["samples_seen"], unknown["samples_per_s"]) == (None, None)
 
 
 def test_a_fresh_resume_seeds_each_ranks_own_streams_from_the_seed_rank_and_step(
@@ -241,6 +243,61 @@ def test_the_stopper_checkpoints_ends_the_tracking_and_raises_stopped(tmp_path: 
     stopper.close()
 
 
+def test_an_optimizer_stepping_a_registered_model_unregistered_is_named_at_its_first_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Said once, naming the optimizer, at its first step; never for weights updated by
+    hand (no optimizer state to lose), an optimizer that is registered or held by a
+    registered object (ZeroRedundancyOptimizer keeps its inner one), or one that steps no
+    registered model."""
+
+    def said_after(register: dict[str, Any], steps: list[torch.optim.Optimizer]) -> list[str]:
+        context = context_in(tmp_path / str(len(list(tmp_path.iterdir()))))
+        context.registry.add(register)
+        _position, _streams, checkpointer = parts(context)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hpc_ddp"):
+            checkpointer.resume(None)
+            for optimizer in steps * 2:
+                optimizer.step()
+        checkpointer.close()
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+    model, other = torch.nn.Linear(3, 2), torch.nn.Linear(3, 1)
+    adam, apart = torch.optim.AdamW(model.parameters()), torch.optim.SGD(other.parameters())
+
+    class TrainState:  # a script's own object holding its optimizer
+        def __init__(self) -> None:
+            self.optimizer = adam
+
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            pass
+
+    [said] = said_after({"model": model}, [apart, adam])
+    assert said.startswith(
+        "an optimizer (AdamW) steps the registered model but is not registered: a resume "
+        "restarts its state"
+    ), said
+    assert "HINT: run.register(model=model, optimizer=optimizer" in said
+    with torch.no_grad():  # a manual SGD step: nothing to register
+        model.weight.sub_(0.1)
+    assert said_after({"model": model}, []) == []
+    assert said_after({"model": model, "optimizer": adam}, [adam]) == []
+    assert said_after({"model": model, "state": TrainState()}, [adam]) == []
+    assert said_after({"model": model}, [apart]) == []
+    assert said_after({}, []) == [
+        "nothing is registered for checkpoints: a resumed run could not restore its model. "
+        "HINT: run.register(model=model, optimizer=optimizer) before training"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hpc_ddp"):
+        torch.optim.SGD(model.parameters()).step()
+    assert caplog.records == [], "the hook ended with its run"
+
+
 def test_without_checkpoints_a_stop_says_a_run_again_starts_over_and_does_not_requeue(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -305,6 +362,24 @@ def test_the_random_streams_are_said_restored_only_when_they_were(
         lines.append([record.getMessage() for record in caplog.records])
     assert len(lines[0]) == 1 and "random streams" in lines[0][0] and "restored" in lines[0][0]
     assert lines[1] == []
+
+
+def test_a_resumed_sequence_of_steps_is_said_passed_over_with_no_loader_hint(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A ``range`` of offsets into a token stream (truncated BPTT) has no loader whose
+    skipping the resume line could suggest."""
+    for batches in (range(0, 400, 35), [1, 2, 3]):
+        streams = StreamStates(rank=0, world_size=1)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="hpc_ddp"):
+            streams.take(BatchStream(batches, grad_accum_steps=1), resumed_from_step=2)
+        [said] = [record.getMessage() for record in caplog.records]
+        assert said.startswith(
+            f"resuming the batches at step 2: {type(batches).__name__}: the micro-batches of "
+            "the epoch already trained on are passed over"
+        ), said
+        assert "run.train_loader" not in said and "sampler" not in said
 
 
 def test_a_dataloader_taken_as_steps_draws_from_torchs_random_stream_only_when_iterated() -> None:

@@ -8,14 +8,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import socket
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from hpc_ddp.runtime.checkpoint.files import (
     Found,
@@ -175,22 +172,3 @@ def restore_registered(registry: Registry, saved: Any, path: Path) -> None:
         restore_whole_states(registry.objects, saved, path)
     else:
         registry.restore(saved, path)
-
-
-def unregistered_state_hint(registered: Mapping[str, object]) -> str | None:
-    """What a checkpoint of these objects would leave out that a resume needs, or None."""
-    if not registered:
-        return (
-            "nothing is registered for checkpoints: a resumed run could not restore its "
-            "model. HINT: run.register(model=model, optimizer=optimizer) before training"
-        )
-    values = registered.values()
-    has_model = any(isinstance(value, nn.Module) for value in values)
-    if has_model and not any(isinstance(value, torch.optim.Optimizer) for value in values):
-        return (
-            f"a model is registered ({', '.join(registered)}) but no optimizer: a resume "
-            "restarts the optimizer's state (momentum, Adam's moments, its step count) and "
-            "goes on differently from an uninterrupted run. HINT: run.register(model=model, "
-            "optimizer=optimizer, scheduler=...) with every object whose state training changes"
-        )
-    return None

@@ -21,11 +21,7 @@ from hpc_ddp.runtime.checkpoint.files import (
     save_checkpoint,
     saved_world_size,
 )
-from hpc_ddp.runtime.checkpoint.loading import (
-    Resumed,
-    restore_registered,
-    unregistered_state_hint,
-)
+from hpc_ddp.runtime.checkpoint.loading import Resumed, restore_registered
 from hpc_ddp.runtime.checkpoint.objects import object_kinds, plain_states, tensor_states
 from hpc_ddp.runtime.checkpoint.room import check_room
 from hpc_ddp.runtime.checkpoint.sharded.layout import FOLDER_FORMAT, folder_state
@@ -35,6 +31,7 @@ from hpc_ddp.runtime.checkpoint.state import (
     restore_rng,
     rng_state,
 )
+from hpc_ddp.runtime.checkpoint.unregistered import NOTHING_REGISTERED, OptimizerWatch
 from hpc_ddp.runtime.checkpoint.writer import FolderSaves
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
@@ -82,6 +79,8 @@ class Checkpointer:
             measure_room_once=context.config.checks.enabled,
         )
         self._budget_said = False
+        #: Rank 0's check of each optimizer at its first step (started at the resume).
+        self._optimizer_watch = OptimizerWatch(context.registry.objects, get_logger().warning)
         #: Seconds of the last save by phase (replica check, state gather, rank 0's write,
         #: the barrier after it); empty before the first save.
         self.last_save_s: dict[str, float] = {}
@@ -209,10 +208,15 @@ class Checkpointer:
                            context.env.is_main, context.control_group)  # fmt: skip
         if not streams_restored:
             seed_rank_streams(context.config.run.seed, context.env.rank, self.position.global_step)
-        hint = unregistered_state_hint(context.registry.objects)
-        if hint and context.config.checkpoint.enabled and context.env.is_main:
-            get_logger().warning(hint)
+        if context.config.checkpoint.enabled and context.env.is_main:
+            if not context.registry.objects:
+                get_logger().warning(NOTHING_REGISTERED)
+            self._optimizer_watch.start()
         return resumed
+
+    def close(self) -> None:
+        """Stop checking the optimizers' steps (the run ended)."""
+        self._optimizer_watch.close()
 
     def _load(self, found: Found) -> tuple[Resumed, bool]:
         """``found`` put back; also whether its random streams fitted this world size."""

@@ -41,8 +41,9 @@ class Position:
 
     def summary(self, global_batch_size: int) -> dict[str, Any]:
         """What the run's summary says of where it ended (``global_batch_size``: samples per
-        optimizer step over all ranks)."""
-        samples = self.global_step * global_batch_size
+        optimizer step over all ranks; 0: unknown, batches that hold no tensor, whose
+        samples are then null rather than 0)."""
+        samples = self.global_step * global_batch_size if global_batch_size > 0 else None
         return {
             "resumed_from_step": self.resumed_from_step,
             "resumed_from_world_size": self.resumed_from_world_size,
@@ -50,7 +51,9 @@ class Position:
             "global_step": self.global_step,
             "samples_seen": samples,
             "train_time_s": round(self.train_time_s, 3),
-            "samples_per_s": round(samples / max(1e-9, self.train_time_s), 1),
+            "samples_per_s": None
+            if samples is None
+            else round(samples / max(1e-9, self.train_time_s), 1),
             "replicas_in_sync": self.replicas_diverged_at is None,
             "replicas_diverged_at": self.replicas_diverged_at,
             "first_step_unix": self.first_step_unix,

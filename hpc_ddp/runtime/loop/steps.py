@@ -288,6 +288,7 @@ class StepLoop:
         """End the progress display and (``wait``) finish the stop agreement in flight; after
         a failure a peer may be gone, so nothing is waited for then."""
         self.metrics.close()
+        self.checkpointer.close()
         if self._watchdog is not None:
             self._watchdog.close()
         self.stopper.close(wait)

@@ -146,6 +146,12 @@ class BatchStream:
                 "random streams (exact when its batches come from torch's or Python's random "
                 "streams); give it state_dict()/load_state_dict() to save its own position"
             )
+        if isinstance(self.batches, range | list | tuple):
+            return (
+                f"{name}: the micro-batches of the epoch already trained on are passed over "
+                "(exact when each epoch builds it as before; a shuffle from torch's or Python's "
+                "random streams does, as they are restored)"
+            )
         return (
             f"{name} without state_dict(): the micro-batches of the epoch already trained on "
             "are replayed (loaded and discarded); exact when its order comes from its "
