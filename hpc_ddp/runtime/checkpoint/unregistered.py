@@ -55,10 +55,10 @@ def unregistered_optimizer_hint(
     )
 
 
-class OptimizerWatch:
-    """Checks each optimizer of the process at its first step against the registered
-    objects (read then, so a registration made after training began counts), and says the
-    first one missing through ``say``, once."""
+class RegistrationWatch:
+    """Says through ``say`` when nothing is registered (at :meth:`start`), and checks each
+    optimizer of the process at its first step against the registered objects (read then,
+    so a registration made after training began counts), saying the first one missing, once."""
 
     def __init__(self, registered: Mapping[str, object], say: Callable[[str], None]) -> None:
         self._registered = registered
@@ -67,6 +67,8 @@ class OptimizerWatch:
         self._handle: Any = None
 
     def start(self) -> None:
+        if not self._registered:
+            self._say(NOTHING_REGISTERED)
         if self._handle is None:
             self._handle = register_optimizer_step_pre_hook(self._check)
 

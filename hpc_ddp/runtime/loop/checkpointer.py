@@ -31,7 +31,7 @@ from hpc_ddp.runtime.checkpoint.state import (
     restore_rng,
     rng_state,
 )
-from hpc_ddp.runtime.checkpoint.unregistered import NOTHING_REGISTERED, OptimizerWatch
+from hpc_ddp.runtime.checkpoint.unregistered import RegistrationWatch
 from hpc_ddp.runtime.checkpoint.writer import FolderSaves
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
@@ -79,8 +79,7 @@ class Checkpointer:
             measure_room_once=context.config.checks.enabled,
         )
         self._budget_said = False
-        #: Rank 0's check of each optimizer at its first step (started at the resume).
-        self._optimizer_watch = OptimizerWatch(context.registry.objects, get_logger().warning)
+        self._registrations = RegistrationWatch(context.registry.objects, get_logger().warning)
         #: Seconds of the last save by phase (replica check, state gather, rank 0's write,
         #: the barrier after it); empty before the first save.
         self.last_save_s: dict[str, float] = {}
@@ -209,14 +208,12 @@ class Checkpointer:
         if not streams_restored:
             seed_rank_streams(context.config.run.seed, context.env.rank, self.position.global_step)
         if context.config.checkpoint.enabled and context.env.is_main:
-            if not context.registry.objects:
-                get_logger().warning(NOTHING_REGISTERED)
-            self._optimizer_watch.start()
+            self._registrations.start()  # what a resume would miss, said on rank 0
         return resumed
 
     def close(self) -> None:
         """Stop checking the optimizers' steps (the run ended)."""
-        self._optimizer_watch.close()
+        self._registrations.close()
 
     def _load(self, found: Found) -> tuple[Resumed, bool]:
         """``found`` put back; also whether its random streams fitted this world size."""

@@ -124,13 +124,10 @@ class StepLoop:
         self.limits = Limits()
         #: True while a micro-batch that is not the last of its optimizer step is out.
         self.accumulating = False
-        self._in_epochs = False
+        self._in_epochs = self._stepping = self._save_requested = self._begun = False
         self._micro = 0
-        self._stepping = False
-        self._save_requested = False
         self._interval = (time.perf_counter(), 0)  # (when, at which step) it began
         self._watchdog: StallWatchdog | None = None
-        self._begun = False
 
     def begin(self, before_first_step: Callable[[], object]) -> None:
         """Once, before the first step: ``before_first_step`` (the resume), the time account
