@@ -395,6 +395,56 @@ def test_a_stopped_runs_hint_is_the_exact_command_that_continues_it(tmp_path: Pa
     assert summary["global_step"] == 40 and summary["resumed_from_step"] > 3, summary
 
 
+PLAIN_OWN_PARSER = """
+import argparse
+import torch
+import hpc_ddp
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, required=True)
+args = parser.parse_args()  # strict: run.id=... appended to the command would be refused
+run = hpc_ddp.start(run={"name": "own"})
+model = run.wrap(torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+run.register(model=model, optimizer=optimizer)
+for step in run.iterations(args.steps):
+    model(torch.ones(2, 4)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print("DONE", run.global_step)
+run.finish()
+"""
+
+
+@pytest.mark.e2e
+def test_a_plain_python_runs_stop_hint_is_the_exact_command_that_continues_it(
+    tmp_path: Path,
+) -> None:
+    """Plain `python` and a strict parser: the hint is the process's own command with the id
+    added to the settings already in $HPC_DDP_OVERRIDES, and typed as printed it resumes."""
+    (tmp_path / "train.py").write_text(PLAIN_OWN_PARSER)
+    given = f"run.output_dir={tmp_path / 'runs'} tracking.enabled=false preempt.stop_at_step=5"
+    environ = {**clean_environ(), "HPC_DDP_OVERRIDES": given}
+    stopped = subprocess.run([sys.executable, "train.py", "--steps", "12"], cwd=tmp_path,
+                             env=environ, capture_output=True, text=True, timeout=180,
+                             check=False)  # fmt: skip
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    hint = re.search(r"to continue: (HPC_DDP_OVERRIDES=.*)", stopped.stderr)
+    assert hint is not None, stopped.stderr[-3000:]
+    variable, *command = shlex.split(hint.group(1))
+    assert command == [sys.executable, "train.py", "--steps", "12"], command
+    overrides = shlex.split(variable.removeprefix("HPC_DDP_OVERRIDES="))
+    assert overrides[:-1] == shlex.split(given) and overrides[-1].startswith("run.id=single-")
+    resumed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                             env={**clean_environ(), "HPC_DDP_OVERRIDES": shlex.join(overrides)},
+                             check=False)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "DONE 12" in resumed.stdout
+    run_id = overrides[-1].removeprefix("run.id=")
+    summary = json.loads((tmp_path / "runs" / "own" / run_id / "summary.json").read_text())
+    assert (summary["global_step"], summary["resumed_from_step"]) == (12, 5), summary
+
+
 @pytest.mark.e2e
 def test_settings_from_the_environment_reach_the_built_in_trainer(tmp_path: Path) -> None:
     """`hpc-ddp local --set` carries settings in $HPC_DDP_OVERRIDES: the built-in trainer's

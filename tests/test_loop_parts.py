@@ -28,7 +28,7 @@ from hpc_ddp.runtime.loop.checkpointer import Checkpointer
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Position
-from hpc_ddp.runtime.loop.stopper import Stopper
+from hpc_ddp.runtime.loop.stopper import Stopper, continue_hint
 from hpc_ddp.runtime.loop.streams import (
     BatchStream,
     StreamStates,
@@ -296,6 +296,21 @@ def test_an_optimizer_stepping_a_registered_model_unregistered_is_named_at_its_f
     with caplog.at_level(logging.INFO, logger="hpc_ddp"):
         torch.optim.SGD(model.parameters()).step()
     assert caplog.records == [], "the hook ended with its run"
+
+
+def test_the_way_to_continue_keeps_the_settings_already_in_the_environment() -> None:
+    environ = {"HPC_DDP_OVERRIDES": "train.epochs=3 'run.name=a b'"}
+    assert continue_hint("x1", False, environ, ["python", "t.py", "--n", "2"]) == (
+        "to continue: HPC_DDP_OVERRIDES='train.epochs=3 '\"'\"'run.name=a b'\"'\"' run.id=x1' "
+        "python t.py --n 2"
+    )
+    assert continue_hint("x1", False, {}) == (
+        "to continue, run the same command with HPC_DDP_OVERRIDES=run.id=x1 before it (or "
+        "run.id=x1 among its settings, where the script hands them to hpc_ddp)"
+    )
+    assert continue_hint("x1", True, environ, ["python", "t.py"]) == (
+        "to continue, run the same command with run.id=x1"
+    )
 
 
 def test_without_checkpoints_a_stop_says_a_run_again_starts_over_and_does_not_requeue(

@@ -4,8 +4,10 @@ checkpoint, requeue if asked and allowed, and end the run."""
 
 from __future__ import annotations
 
+import shlex
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 from hpc_ddp.runtime.config import LOCAL_COMMAND_VARIABLE, OVERRIDES_VARIABLE
@@ -26,17 +28,25 @@ from hpc_ddp.runtime.preempt.requeue import requeue_job
 from hpc_ddp.runtime.preempt.signals import StepAgreement
 
 
-def continue_hint(run_id: str, id_was_set: bool, environ: Mapping[str, str]) -> str:
+def continue_hint(
+    run_id: str, id_was_set: bool, environ: Mapping[str, str], command: Sequence[str] = ()
+) -> str:
     """How to continue a stopped run, in the form that reaches the program at hand: the same
-    command where it names the run; under ``hpc-ddp local`` its exact command with the id."""
+    command where it names the run; under ``hpc-ddp local`` its exact command with the id;
+    ``command`` (plain ``python``: the process's own command line) with the id in
+    $HPC_DDP_OVERRIDES, which reaches any script (its own arguments may refuse a setting)."""
     local_command = environ.get(LOCAL_COMMAND_VARIABLE)
     if id_was_set:
         return f"to continue, run the same command with run.id={run_id}"
     if local_command is not None:
         return f"to continue: hpc-ddp local --set run.id={run_id} {local_command}"
+    overrides = shlex.join([*shlex.split(environ.get(OVERRIDES_VARIABLE, "")), f"run.id={run_id}"])
+    variable = f"{OVERRIDES_VARIABLE}={shlex.quote(overrides)}"
+    if command:
+        return f"to continue: {variable} {shlex.join(command)}"
     return (
-        f"to continue, run the same command with run.id={run_id} (for any script: "
-        f"{OVERRIDES_VARIABLE}=run.id={run_id} before the command)"
+        f"to continue, run the same command with {variable} before it (or run.id={run_id} "
+        "among its settings, where the script hands them to hpc_ddp)"
     )
 
 
@@ -156,7 +166,10 @@ class Stopper:
         else:
             if saved:
                 hint = continue_hint(
-                    context.run_dir.name, context.config.run.id is not None, context.environ
+                    context.run_dir.name,
+                    context.config.run.id is not None,
+                    context.environ,
+                    sys.orig_argv if context.env.launcher == "single" else (),
                 )
                 stopped = f"stopped at step {position.global_step} after a checkpoint; {hint}"
             else:
