@@ -299,7 +299,9 @@ def verdict(
             "(run.train_loader does both); draw random numbers from a generator you "
             "register (run.register(gen=generator)) or from the sample and step; register "
             "every object with a state_dict() that training changes (EMA copy, GradScaler, "
-            "second optimizer)",
+            "second optimizer), keep a value the script changes by hand (a learning rate) in "
+            "run.state, and state each rank carries between steps (a recurrent hidden state) "
+            "in an object registered with run.register_per_rank",
         )
     if metrics_differ:
         step, name = metrics_differ[0]
