@@ -298,6 +298,27 @@ def test_an_optimizer_stepping_a_registered_model_unregistered_is_named_at_its_f
     assert caplog.records == [], "the hook ended with its run"
 
 
+def test_run_state_values_are_compared_between_ranks_by_digest() -> None:
+    from hpc_ddp.runtime.checkpoint.unregistered import rank_differences, value_digest
+
+    grid = torch.arange(6.0).reshape(2, 3)
+    assert value_digest(grid.t()) == value_digest(grid.t().contiguous())
+    assert value_digest(grid) != value_digest(grid.double())
+    assert value_digest(grid) != value_digest(grid.reshape(3, 2)), "the shape counts"
+    assert value_digest({"b": [1, (2.5, "x")], "a": None}) == value_digest(
+        {"a": None, "b": [1, (2.5, "x")]}
+    )
+    assert value_digest(0.1 + 0.2) != value_digest(0.3), "floats compared exactly"
+    assert value_digest(torch.tensor(1.0, dtype=torch.bfloat16)) != value_digest(torch.tensor(2.0))
+    rank0 = (["hidden"], {"lr": "a", "seen": "s0", "best": "b"})
+    rank1 = (["hidden"], {"lr": "a", "seen": "s1", "best": "b", "extra": "e"})
+    assert rank_differences([rank0, rank1]) == ("", ["extra", "seen"])
+    assert rank_differences([rank0, (["other"], rank0[1])]) == (
+        "rank 0: hidden; rank 1: other",
+        [],
+    )
+
+
 def test_the_way_to_continue_keeps_the_settings_already_in_the_environment() -> None:
     environ = {"HPC_DDP_OVERRIDES": "train.epochs=3 'run.name=a b'"}
     assert continue_hint("x1", False, environ, ["python", "t.py", "--n", "2"]) == (

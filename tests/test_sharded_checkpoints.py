@@ -421,6 +421,7 @@ def test_state_registered_per_rank_comes_back_to_its_own_rank(
     assert "resumed from" in again.stderr
     whole = sum(range(40))
     assert tallies(again.stdout) == {0: (0, whole, 40), 1: (1, 2 * whole, 40)}
+    assert "run.state differs" not in stopped.stderr + again.stderr
 
     # Each rank saved its own: another number of ranks cannot split or merge them.
     refused = run_local_program(3, program)
@@ -446,6 +447,26 @@ def test_per_rank_names_that_differ_between_ranks_are_refused_at_the_first_save(
     ) in refused.stderr
     assert "Traceback" not in refused.stderr
     assert list_checkpoints(checkpoints_of(tmp_path)) == []
+
+
+@pytest.mark.e2e
+def test_run_state_that_differs_between_ranks_is_named_once_at_a_save(tmp_path: Path) -> None:
+    """A checkpoint keeps rank 0's run.state and a resume gives it to every rank: a value
+    that differs by rank (a tensor here) is named at the first save that sees it, once,
+    beside a value alike on every rank, which is not named."""
+    program = [PER_RANK, "--steps", "15", "--state-by-rank", "checkpoint.every_steps=5",
+               f"run.output_dir={tmp_path}"]  # fmt: skip
+    result = run_local_program(2, program)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if "run.state differs" in line]
+    assert len(said) == 1, result.stderr[-3000:]
+    assert said[0].endswith(
+        "run.state differs between the ranks (total): a checkpoint keeps rank 0's values, and "
+        "a resume gives them to every rank. HINT: keep state that differs from rank to rank "
+        "in an object registered with run.register_per_rank(...)"
+    ), said[0]
+    assert "[rank 0/2] WARNING run.state differs" in said[0], "said by rank 0"
+    assert len(list_checkpoints(checkpoints_of(tmp_path))) >= 1
 
 
 def test_per_rank_names_that_differ_from_the_checkpoints_are_refused() -> None:

@@ -3,6 +3,8 @@
     hpc-ddp local --nproc 2 tests/programs/per_rank.py --steps 40 [--pause 0.05]
 
 ``--rank-names``: each rank registers its tally under a name of its own (a mistake).
+``--state-by-rank``: each rank also keeps its total in run.state, which a checkpoint keeps
+only rank 0's of (a mistake), beside a value alike on every rank.
 
 Each rank prints ``TALLY <rank> <the rank its tally belongs to> <total> <count>`` at the end.
 """
@@ -37,6 +39,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--pause", type=float, default=0.0)
 parser.add_argument("--rank-names", action="store_true", help="registered as tally<rank>")
+parser.add_argument("--state-by-rank", action="store_true", help="a total in run.state")
 args, overrides = parser.parse_known_args()
 run = hpc_ddp.start(overrides=overrides, tracking={"enabled": False}, log_interval=5)
 model = run.wrap(torch.nn.Linear(2, 1))
@@ -47,6 +50,8 @@ run.register_per_rank(**{f"tally{run.rank}" if args.rank_names else "tally": tal
 for step in run.iterations(args.steps):
     tally.total += (run.rank + 1) * step
     tally.count += 1
+    if args.state_by_rank:
+        run.state["total"], run.state["steps"] = torch.tensor(float(tally.total)), tally.count
     model(torch.ones(2, 2)).sum().backward()
     optimizer.step()
     optimizer.zero_grad()

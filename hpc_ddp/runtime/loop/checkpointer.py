@@ -6,7 +6,6 @@ resume puts it back: the one place for a checkpoint's contents (the files themse
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +32,6 @@ from hpc_ddp.runtime.checkpoint.state import (
 )
 from hpc_ddp.runtime.checkpoint.unregistered import RegistrationWatch
 from hpc_ddp.runtime.checkpoint.writer import FolderSaves
-from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.data import seed_rank_streams
@@ -43,9 +41,7 @@ from hpc_ddp.runtime.loop.replicas import diverged_replicas, divergence_message
 from hpc_ddp.runtime.loop.streams import StreamStates
 from hpc_ddp.runtime.monitor.timeline import durations
 from hpc_ddp.runtime.place.dist import (
-    all_gather_object,
     gather_object_to_main,
-    same_on_all_ranks,
     several_ranks,
 )
 from hpc_ddp.runtime.shards import holds_shards
@@ -79,7 +75,7 @@ class Checkpointer:
             measure_room_once=context.config.checks.enabled,
         )
         self._budget_said = False
-        self._registrations = RegistrationWatch(context.registry.objects, get_logger().warning)
+        self._registrations = registration_watch(context)
         #: Seconds of the last save by phase (replica check, state gather, rank 0's write,
         #: the barrier after it); empty before the first save.
         self.last_save_s: dict[str, float] = {}
@@ -149,7 +145,7 @@ class Checkpointer:
     def _write(self, reason: str) -> None:
         context, position = self.context, self.position
         phases = {"replica_check": time.perf_counter()}
-        check_per_rank_names(sorted(context.registry.per_rank), context.control_group)
+        self._registrations.check_ranks_alike()
         check_replicas(context, position)
         mode = context.config.checkpoint.save_mode
         if mode != "single_file":
@@ -207,7 +203,7 @@ class Checkpointer:
                            context.env.is_main, context.control_group)  # fmt: skip
         if not streams_restored:
             seed_rank_streams(context.config.run.seed, context.env.rank, self.position.global_step)
-        if context.config.checkpoint.enabled and context.env.is_main:
+        if context.config.checkpoint.enabled:
             self._registrations.start()  # what a resume would miss, said on rank 0
         return resumed
 
@@ -234,6 +230,13 @@ class Checkpointer:
         if env.is_main:  # every rank resumes from the same checkpoint: said once
             say_resumed(resumed, self.position, env.world_size, streams_fit)
         return resumed, streams_fit
+
+
+def registration_watch(context: RunContext) -> RegistrationWatch:
+    """What a resume would get wrong: rank 0 says it; every rank takes part in a save's
+    check of the ranks' registrations and ``run.state``."""
+    say = get_logger().warning if context.env.is_main else None
+    return RegistrationWatch(context.registry, context.values, context.control_group, say)
 
 
 def check_replicas(context: RunContext, position: Position) -> None:
@@ -304,23 +307,4 @@ def over_budget(took_s: float, warning_s: float) -> str:
         "checkpoint is on disk. HINT: warn earlier (#SBATCH --signal=USR1@300 and "
         "preempt.warning_s=300), save less (fewer registered objects), or write to a faster "
         "file system (run.output_dir)"
-    )
-
-
-def check_per_rank_names(names: list[str], group: Any | None) -> None:
-    """Every rank registered the same names per rank: a resume gives each rank its own state
-    under those names, so a difference would first show at the resume. One small all-reduce
-    per save; the names travel only when they differ."""
-    digest = hashlib.sha256("\0".join(names).encode()).digest()
-    if same_on_all_ranks(int.from_bytes(digest[:7], "little"), group):
-        return
-    listed = "; ".join(
-        f"rank {rank}: {', '.join(theirs) or 'none'}"
-        for rank, theirs in enumerate(all_gather_object(names, group))
-    )
-    raise HpcDdpError(
-        f"the ranks registered different objects per rank ({listed}): a resume could not "
-        "give each rank its own state back",
-        "call run.register_per_rank() with the same names on every rank, outside any "
-        "`if run.rank == ...` branch",
     )
