@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.place.dist import all_gather_object, same_on_all_ranks
+from hpc_ddp.runtime.place.dist import all_gather_object, same_on_all_ranks, several_ranks
 
 #: What a resume would leave out when nothing is registered.
 NOTHING_REGISTERED = (
@@ -134,6 +134,8 @@ class RegistrationWatch:
         names (a resume could not give each rank its own state back), and say once, on rank
         0, which ``run.state`` values differ between the ranks. One small all-reduce; the
         names and digests travel only when something differs."""
+        if not several_ranks():
+            return
         names = sorted(self._registry.per_rank)
         own = (names, {str(key): value_digest(value) for key, value in self._values.items()})
         whole = hashlib.sha256(repr(own).encode()).digest()
