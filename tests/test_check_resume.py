@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, clean_environ
+from tests.helpers import REPO, clean_environ, run_local_program
 from tests.test_first_hour import readme_script
 
 MISTAKES = str(REPO / "tests" / "programs" / "resume_mistakes.py")
@@ -110,6 +110,14 @@ def test_a_hidden_state_carried_between_batches_resumes_exactly_only_when_regist
         assert result.stdout.startswith(
             "check-resume: resume is exact for this script (30 steps, stopped at 25)\n"
         ), result.stdout
+        # The learning rate the resume had to bring back was lowered before the stop (the
+        # end of epoch 1 is step 20), and a script with no optimizer is not told to add one.
+        direct = run_local_program(
+            2, ["--set", f"run.output_dir={tmp_path / 'direct'}", BPTT_LM, "--epochs", "2"]
+        )
+        assert direct.returncode == 0, direct.stderr[-3000:]
+        assert direct.stdout.splitlines() == ["LR 5.0", "LR 5.0"], direct.stdout  # both ranks
+        assert "WARNING" not in direct.stderr, direct.stderr[-3000:]
         return
     assert result.returncode == 1, result.stdout + result.stderr[-3000:]
     assert result.stdout.startswith("check-resume: objects.model."), result.stdout

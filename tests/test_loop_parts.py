@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -253,7 +254,10 @@ def test_an_optimizer_stepping_a_registered_model_unregistered_is_named_at_its_f
 
     def said_after(register: dict[str, Any], steps: list[torch.optim.Optimizer]) -> list[str]:
         context = context_in(tmp_path / str(len(list(tmp_path.iterdir()))))
-        context.registry.add(register)
+        context.registry.add({k: v for k, v in register.items() if ":" not in k})
+        context.registry.add(
+            {k.split(":")[1]: v for k, v in register.items() if ":" in k}, per_rank=True
+        )
         _position, _streams, checkpointer = parts(context)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hpc_ddp"):
@@ -266,16 +270,6 @@ def test_an_optimizer_stepping_a_registered_model_unregistered_is_named_at_its_f
     model, other = torch.nn.Linear(3, 2), torch.nn.Linear(3, 1)
     adam, apart = torch.optim.AdamW(model.parameters()), torch.optim.SGD(other.parameters())
 
-    class TrainState:  # a script's own object holding its optimizer
-        def __init__(self) -> None:
-            self.optimizer = adam
-
-        def state_dict(self) -> dict[str, Any]:
-            return {}
-
-        def load_state_dict(self, state: dict[str, Any]) -> None:
-            pass
-
     [said] = said_after({"model": model}, [apart, adam])
     assert said.startswith(
         "an optimizer (AdamW) steps the registered model but is not registered: a resume "
@@ -286,8 +280,15 @@ def test_an_optimizer_stepping_a_registered_model_unregistered_is_named_at_its_f
         model.weight.sub_(0.1)
     assert said_after({"model": model}, []) == []
     assert said_after({"model": model, "optimizer": adam}, [adam]) == []
-    assert said_after({"model": model, "state": TrainState()}, [adam]) == []
+    wrapping = torch.optim.SGD(model.parameters())
+    assert said_after({"model": model, "optimizer": wrapping}, [adam]) != [], "another one"
+    wrapping.optim = adam  # type: ignore[attr-defined]  # as ZeroRedundancyOptimizer keeps it
+    assert said_after({"model": model, "optimizer": wrapping}, [adam]) == []
+    schedule = torch.optim.lr_scheduler.StepLR(adam, 1)  # keeps its optimizer, not its state
+    [forgotten] = said_after({"model": model, "scheduler": schedule}, [adam])
+    assert forgotten.startswith("an optimizer (AdamW) steps the registered model"), forgotten
     assert said_after({"model": model}, [apart]) == []
+    assert said_after({"model": model, "per_rank:optimizer": adam}, [adam]) == []
     assert said_after({}, []) == [
         "nothing is registered for checkpoints: a resumed run could not restore its model. "
         "HINT: run.register(model=model, optimizer=optimizer) before training"
@@ -298,8 +299,24 @@ def test_an_optimizer_stepping_a_registered_model_unregistered_is_named_at_its_f
     assert caplog.records == [], "the hook ended with its run"
 
 
+def test_the_own_command_is_given_only_where_typing_it_again_runs_the_program(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hpc_ddp.runtime.loop.stopper import own_command
+
+    monkeypatch.setattr(sys, "orig_argv", ["python", "train.py", "--n", "2"])
+    monkeypatch.setattr(sys, "argv", ["train.py", "--n", "2"])
+    assert own_command() == ["python", "train.py", "--n", "2"]
+    for argv in ([""], ["-"]):  # the interactive prompt; a program read from standard input
+        monkeypatch.setattr(sys, "argv", argv)
+        assert own_command() == ()
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
+    assert own_command() == ()
+
+
 def test_run_state_values_are_compared_between_ranks_by_digest() -> None:
-    from hpc_ddp.runtime.checkpoint.unregistered import rank_differences, value_digest
+    from hpc_ddp.runtime.checkpoint.fingerprint import rank_differences, value_digest
 
     grid = torch.arange(6.0).reshape(2, 3)
     assert value_digest(grid.t()) == value_digest(grid.t().contiguous())
@@ -310,6 +327,12 @@ def test_run_state_values_are_compared_between_ranks_by_digest() -> None:
     )
     assert value_digest(0.1 + 0.2) != value_digest(0.3), "floats compared exactly"
     assert value_digest(torch.tensor(1.0, dtype=torch.bfloat16)) != value_digest(torch.tensor(2.0))
+    members = [f"member{index}" for index in range(50)]
+    assert value_digest(set(members)) == value_digest(set(reversed(members))), "not hash order"
+    assert value_digest(grid.to_sparse()) == value_digest(grid), "by its values"
+    assert value_digest((grid + 1).to_sparse()) != value_digest(grid.to_sparse())
+    complex_grid = torch.complex(grid, grid)
+    assert value_digest(complex_grid.conj()) == value_digest(complex_grid.conj().resolve_conj())
     rank0 = (["hidden"], {"lr": "a", "seen": "s0", "best": "b"})
     rank1 = (["hidden"], {"lr": "a", "seen": "s1", "best": "b", "extra": "e"})
     assert rank_differences([rank0, rank1]) == ("", ["extra", "seen"])

@@ -421,7 +421,6 @@ def test_state_registered_per_rank_comes_back_to_its_own_rank(
     assert "resumed from" in again.stderr
     whole = sum(range(40))
     assert tallies(again.stdout) == {0: (0, whole, 40), 1: (1, 2 * whole, 40)}
-    assert "run.state differs" not in stopped.stderr + again.stderr
 
     # Each rank saved its own: another number of ranks cannot split or merge them.
     refused = run_local_program(3, program)

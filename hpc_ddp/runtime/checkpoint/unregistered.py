@@ -11,6 +11,7 @@ state to lose, and is told nothing."""
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,7 +19,8 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from hpc_ddp.runtime.checkpoint.state import Registry
+from hpc_ddp.runtime.checkpoint.fingerprint import rank_differences, value_digest
+from hpc_ddp.runtime.checkpoint.state import Registry, check_loadable
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.place.dist import all_gather_object, same_on_all_ranks, several_ranks
 
@@ -30,10 +32,12 @@ NOTHING_REGISTERED = (
 
 
 def holds(value: object, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``value`` is ``optimizer`` or keeps it as an attribute (an optimizer that
-    wraps another, as ZeroRedundancyOptimizer does, or a script's own state object)."""
-    return value is optimizer or any(
-        item is optimizer for item in getattr(value, "__dict__", {}).values()
+    """Whether ``value`` is ``optimizer`` or an optimizer wrapping it, whose state holds it
+    (ZeroRedundancyOptimizer keeps its inner one); a scheduler, which keeps its optimizer
+    but not its state, does not count."""
+    return value is optimizer or (
+        isinstance(value, torch.optim.Optimizer)
+        and any(item is optimizer for item in vars(value).values())
     )
 
 
@@ -62,51 +66,6 @@ def unregistered_optimizer_hint(
     )
 
 
-def value_digest(value: Any) -> str:
-    """A digest of a plain value (numbers, strings, tensors, and dicts, lists and tuples of
-    them) that two ranks holding equal values compute alike: a tensor by its dtype, shape
-    and bytes, anything else by its repr."""
-    digest = hashlib.sha256()
-
-    def feed(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            flat = item.detach().cpu().contiguous().reshape(-1)
-            digest.update(f"tensor {flat.dtype} {tuple(item.shape)}:".encode())
-            digest.update(flat.view(torch.uint8).numpy().tobytes())
-        elif isinstance(item, Mapping):
-            digest.update(b"{")
-            for key in sorted(item, key=repr):
-                feed(key)
-                feed(item[key])
-            digest.update(b"}")
-        elif isinstance(item, list | tuple):
-            digest.update(b"[")
-            for part in item:
-                feed(part)
-            digest.update(b"]")
-        else:
-            digest.update(repr(item).encode())
-
-    feed(value)
-    return digest.hexdigest()
-
-
-def rank_differences(every: list[tuple[list[str], dict[str, str]]]) -> tuple[str, list[str]]:
-    """From each rank's (names registered per rank, digest of each ``run.state`` value): the
-    ranks' names listed where they differ ("" where alike), and the ``run.state`` keys whose
-    values differ from rank 0's."""
-    names = [theirs for theirs, _ in every]
-    listed = ""
-    if any(theirs != names[0] for theirs in names):
-        listed = "; ".join(
-            f"rank {rank}: {', '.join(theirs) or 'none'}" for rank, theirs in enumerate(names)
-        )
-    first = every[0][1]
-    keys = {key for _, digests in every for key in digests}
-    differing = sorted(key for key in keys if any(d.get(key) != first.get(key) for _, d in every))
-    return listed, differing
-
-
 class RegistrationWatch:
     """Says through ``say`` when nothing is registered (at :meth:`start`), and checks each
     optimizer of the process at its first step against the registered objects (read then,
@@ -125,8 +84,10 @@ class RegistrationWatch:
         self._values = values
         self._group = group
         self._say = say
-        self._said_state = False
-        self._checked: set[int] = set()
+        self._said_state = self._said_optimizer = False
+        #: The optimizers checked at their first step (weakly: one made anew each epoch is
+        #: checked anew).
+        self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._handle: Any = None
 
     def check_ranks_alike(self) -> None:
@@ -134,10 +95,12 @@ class RegistrationWatch:
         names (a resume could not give each rank its own state back), and say once, on rank
         0, which ``run.state`` values differ between the ranks. One small all-reduce; the
         names and digests travel only when something differs."""
+        check_loadable("run.state", self._values)  # refused as such, not named as differing
         if not several_ranks():
             return
         names = sorted(self._registry.per_rank)
-        own = (names, {str(key): value_digest(value) for key, value in self._values.items()})
+        digests = {str(key): value_digest(value) for key, value in self._values.items()}
+        own = (names, dict(sorted(digests.items())))
         whole = hashlib.sha256(repr(own).encode()).digest()
         if same_on_all_ranks(int.from_bytes(whole[:7], "little"), self._group):
             return
@@ -173,10 +136,13 @@ class RegistrationWatch:
             self._handle = None
 
     def _check(self, optimizer: torch.optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        if id(optimizer) in self._checked:
+        if self._said_optimizer or optimizer in self._checked:
             return
-        self._checked.add(id(optimizer))
-        hint = unregistered_optimizer_hint(self._registry.objects, optimizer)
-        if hint is not None and self._say is not None:
-            self.close()
+        self._checked.add(optimizer)
+        registered = {**self._registry.objects, **self._registry.per_rank}
+        hint = unregistered_optimizer_hint(registered, optimizer)
+        if hint is not None and self._say is not None and not self._said_optimizer:
+            # Said once; the hook stays until close(): removing it here would change the
+            # hooks torch is iterating over.
+            self._said_optimizer = True
             self._say(hint)

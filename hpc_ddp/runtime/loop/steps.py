@@ -284,11 +284,13 @@ class StepLoop:
     def close(self, wait: bool = True) -> None:
         """End the progress display and (``wait``) finish the stop agreement in flight; after
         a failure a peer may be gone, so nothing is waited for then."""
-        self.metrics.close()
-        self.checkpointer.close()
-        if self._watchdog is not None:
-            self._watchdog.close()
-        self.stopper.close(wait)
+        try:
+            self.metrics.close()
+        finally:
+            self.checkpointer.close()  # torch's global hook, which holds the registry
+            if self._watchdog is not None:
+                self._watchdog.close()
+            self.stopper.close(wait)
 
 
 def check_period(steps: object) -> None:

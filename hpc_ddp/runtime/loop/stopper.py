@@ -28,6 +28,16 @@ from hpc_ddp.runtime.preempt.requeue import requeue_job
 from hpc_ddp.runtime.preempt.signals import StepAgreement
 
 
+def own_command() -> Sequence[str]:
+    """This process's command line where typing it again runs the same program (a script, a
+    module, ``-c``); () in an interactive session or a notebook, or for a program read from
+    standard input."""
+    interactive = hasattr(sys, "ps1") or sys.flags.interactive or "ipykernel" in sys.modules
+    if interactive or not sys.argv or sys.argv[0] in ("", "-"):
+        return ()
+    return sys.orig_argv
+
+
 def continue_hint(
     run_id: str, id_was_set: bool, environ: Mapping[str, str], command: Sequence[str] = ()
 ) -> str:
@@ -169,7 +179,7 @@ class Stopper:
                     context.run_dir.name,
                     context.config.run.id is not None,
                     context.environ,
-                    sys.orig_argv if context.env.launcher == "single" else (),
+                    own_command() if context.env.launcher == "single" else (),
                 )
                 stopped = f"stopped at step {position.global_step} after a checkpoint; {hint}"
             else:

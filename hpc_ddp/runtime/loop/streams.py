@@ -149,8 +149,9 @@ class BatchStream:
         if isinstance(self.batches, range | list | tuple):
             return (
                 f"{name}: the micro-batches of the epoch already trained on are passed over "
-                "(exact when each epoch builds it as before; a shuffle from torch's or Python's "
-                "random streams does, as they are restored)"
+                "(exact when each epoch builds it as before: a shuffle from a generator seeded "
+                "with the epoch, not from the random streams, which the resume restores as "
+                "they were at the stop, not at the epoch's start)"
             )
         return (
             f"{name} without state_dict(): the micro-batches of the epoch already trained on "
