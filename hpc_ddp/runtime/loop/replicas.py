@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hpc_ddp.runtime.checkpoint.fingerprint import tensor_bytes
 from hpc_ddp.runtime.place.dist import several_ranks
 
 
@@ -22,11 +23,8 @@ def weights_sha256(state: Mapping[str, torch.Tensor]) -> str:
     """A fingerprint of a state dict: names, dtypes, shapes and bytes, in sorted order."""
     digest = hashlib.sha256()
     for name, tensor in sorted(state.items()):
-        value = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}|{value.dtype}|{tuple(value.shape)}".encode())
-        # reshape: a 0-dim tensor (BatchNorm's num_batches_tracked) has no bytes to view.
-        raw = value.reshape(-1).view(torch.uint8) if value.numel() else None
-        digest.update(raw.numpy().tobytes() if raw is not None else b"")
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        digest.update(tensor_bytes(tensor))
     return digest.hexdigest()
 
 
