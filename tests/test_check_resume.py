@@ -32,6 +32,16 @@ def check_resume(*arguments: str, cwd: Path = REPO) -> subprocess.CompletedProce
         ("scheduler-adam", "the optimizer's param_groups[0]['lr'] differs after the resume (0.04"),
         ("counter", "the logged metric interval/seen differs at step 21 after the resume"),
         ("loader", "objects.model.weight differs after the resume"),
+        (
+            "optimizer",
+            "the runs warned of state a resume gets wrong: an optimizer (AdamW) steps "
+            "the registered model but is not registered",
+        ),
+        (
+            "second-model",
+            "the runs warned of state a resume gets wrong: a model given to "
+            "run.wrap (Linear) is not registered",
+        ),
     ],
 )
 @pytest.mark.e2e
@@ -49,6 +59,11 @@ def test_a_mistake_that_breaks_the_resume_is_found_and_named(
         "scheduler-adam": "a learning-rate scheduler is not registered",
         "counter": "the script keeps an unregistered counter or total",
         "loader": "the data order differs, or state the script keeps is not registered",
+        "optimizer": "saved value(s) differ after the resume, the first objects.model.weight; "
+        "40 steps, stopped at 20)",
+        # Its weights are in no checkpoint: only the warning shows them missing.
+        "second-model": "(what the checkpoints hold and the metrics logged agree; 40 steps, "
+        "stopped at 20)",
     }
     assert verdict.endswith(causes[mistake]), verdict
     assert "  HINT: " in result.stdout and f"kept in {tmp_path}" in result.stdout

@@ -17,8 +17,8 @@ from hpc_ddp.view.resume_check import (
     Tolerance,
     differences,
     metric_differences,
-    verdict,
 )
+from hpc_ddp.view.resume_verdict import resume_warnings, verdict
 
 SAVED = {
     "objects.model.weight": torch.ones(2, 2),
@@ -73,6 +73,57 @@ def test_each_kind_of_difference_names_its_likely_cause() -> None:
                       [(21, "interval/seen")], 40, 20)  # fmt: skip
     assert counter.what.startswith("the logged metric interval/seen differs at step 21")
     assert counter.what.endswith("the script keeps an unregistered counter or total")
+
+
+def test_a_warning_of_state_a_resume_gets_wrong_is_named_before_its_effects() -> None:
+    """A GAN's second optimizer left unregistered shows first in the other network's
+    BatchNorm statistics: the runs' warning names the cause, and its HINT is the check's."""
+    forgotten = (
+        "an optimizer (Adam) steps the registered netD but is not registered: a resume "
+        "restarts its state. HINT: run.register(model=model, optimizer=optimizer)"
+    )
+    logs = [
+        "12:00:01 [rank 0/2] INFO epoch 0 step 20/40\n"
+        f"12:00:01 [rank 0/2] WARNING {forgotten}\n"
+        "12:00:02 [rank 0/2] WARNING stopped at step 20 after a checkpoint; to continue: ...\n"
+        "12:00:02 [rank 0/2] WARNING data waits 40% of the step. HINT: more workers\n",
+        f"12:00:05 [rank 0/2] WARNING {forgotten}\n",
+    ]
+    assert resume_warnings(logs) == [forgotten], "once, and only a warning of lost state"
+    buffers = Difference("rank.0.buffers.netG.main.1.running_mean", "0.1", "0.2")
+    answer = verdict([buffers], [], 40, 20, warned=resume_warnings(logs))
+    assert answer.what == (
+        "the runs warned of state a resume gets wrong: an optimizer (Adam) steps the registered "
+        "netD but is not registered: a resume restarts its state. (1 saved value(s) differ "
+        "after the resume, the first rank.0.buffers.netG.main.1.running_mean; 40 steps, "
+        "stopped at 20)"
+    )
+    assert answer.hint == "run.register(model=model, optimizer=optimizer)"
+    # A model the checkpoints leave out shows in none of their values.
+    unsaved = verdict([], [], 40, 20, warned=[forgotten])
+    assert not unsaved.exact and unsaved.what.endswith(
+        "(what the checkpoints hold and the metrics logged agree; 40 steps, stopped at 20)"
+    ), unsaved
+
+
+def test_every_warning_of_lost_state_is_one_the_check_recognises() -> None:
+    from torch import nn
+
+    from hpc_ddp.runtime.checkpoint.unregistered import (
+        LOSES_WORK,
+        NOTHING_REGISTERED,
+        unregistered_models_hint,
+        unregistered_optimizer_hint,
+    )
+
+    model = nn.Linear(2, 1)
+    said = [
+        NOTHING_REGISTERED,
+        unregistered_optimizer_hint({"model": model}, torch.optim.SGD(model.parameters())),
+        unregistered_models_hint({"model": model}, [nn.Linear(1, 1)]),
+        unregistered_models_hint({"model": model}, [nn.Linear(1, 1), nn.Linear(1, 2)]),
+    ]
+    assert all(str(message).startswith(LOSES_WORK) for message in said), said
 
 
 def test_two_states_with_equal_sums_are_told_apart_by_their_first_differing_element() -> None:

@@ -26,6 +26,8 @@ from hpc_ddp.runtime.tracking.record import read_status
 
 #: The exit code of a check that found a difference (bad input exits 2).
 EXIT_DIFFERS = 1
+#: The check's three runs, each with its log ``<folder>/<phase>.log``.
+PHASES = ("straight", "stopped", "resumed")
 #: --world-size-change's default tolerance (torch.isclose's rtol and atol).
 RTOL, ATOL = 1e-3, 1e-5
 
@@ -262,8 +264,8 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
         logged_after,
         metric_differences,
         saved_state,
-        verdict,
     )
+    from hpc_ddp.view.resume_verdict import resume_warnings, verdict
 
     output = folder / "runs"
     common = [f"run.output_dir={output}", *CHECK_SETTINGS]
@@ -305,7 +307,8 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
         logged_after(_run_dir(output, "straight"), stop), logged_after(resumed_dir, stop),
         tolerance,
     )  # fmt: skip
-    answer = verdict(found, logged, resumed_step, stop, across)
+    logs = [(folder / f"{phase}.log").read_text(errors="replace") for phase in PHASES]
+    answer = verdict(found, logged, resumed_step, stop, across, resume_warnings(logs))
     print(f"check-resume: {answer.what}")
     if not answer.exact:
         for difference in found[:8]:

@@ -1,12 +1,13 @@
 """What ``hpc-ddp check-resume`` compares: two runs of one script at the same step, one never
 stopped and one stopped and resumed, read from their newest checkpoints (every registered
 object's tensors and state, the random streams, the data position, the metric sums) and from
-the metrics each logged after the stop; and what a difference most likely means."""
+the metrics each logged after the stop (:mod:`hpc_ddp.view.resume_verdict` says what a
+difference most likely means)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -53,14 +54,6 @@ class Difference(NamedTuple):
     key: str
     straight: str
     resumed: str
-
-
-class Verdict(NamedTuple):
-    """The comparison's answer: exact, or what differs, its likely cause and the fix."""
-
-    exact: bool
-    what: str
-    hint: str
 
 
 def _flat(value: Any, prefix: str) -> Iterator[tuple[str, Any]]:
@@ -171,10 +164,22 @@ def differences(
     return found
 
 
+def optimizer_setting(key: str) -> tuple[str, str, str] | None:
+    """(object, group, setting) for ``run.plain.<object>.param_groups[<i>].<setting>`` (an
+    optimizer saved as it is) or ``objects.<object>.param_groups.<i>.<setting>`` (one with
+    state, saved through DCP)."""
+    parts = key.split(".")
+    if len(parts) == 5 and parts[:2] == ["run", "plain"] and parts[3].startswith("param_groups["):
+        return parts[2], parts[3].removeprefix("param_groups"), parts[4]
+    if len(parts) == 5 and parts[0] == "objects" and parts[2] == "param_groups":
+        return parts[1], f"[{parts[3]}]", parts[4]
+    return None
+
+
 def _tolerance_for(key: str, tolerance: Tolerance | None) -> Tolerance | None:
     """None (exact) for what another order of summing cannot change: an optimizer's settings
     and the metric counts (a sample lost or seen twice on the new ranks)."""
-    if _optimizer_setting(key) is not None or key.endswith(".count"):
+    if optimizer_setting(key) is not None or key.endswith(".count"):
         return None
     return tolerance
 
@@ -206,111 +211,3 @@ def metric_differences(
         or key not in resumed
         or not _same(straight[key], resumed[key], tolerance)
     ]
-
-
-def _optimizer_setting(key: str) -> tuple[str, str, str] | None:
-    """(object, group, setting) for ``run.plain.<object>.param_groups[<i>].<setting>`` (an
-    optimizer saved as it is) or ``objects.<object>.param_groups.<i>.<setting>`` (one with
-    state, saved through DCP)."""
-    parts = key.split(".")
-    if len(parts) == 5 and parts[:2] == ["run", "plain"] and parts[3].startswith("param_groups["):
-        return parts[2], parts[3].removeprefix("param_groups"), parts[4]
-    if len(parts) == 5 and parts[0] == "objects" and parts[2] == "param_groups":
-        return parts[1], f"[{parts[3]}]", parts[4]
-    return None
-
-
-def verdict(
-    state_differences: Sequence[Difference],
-    metrics_differ: Sequence[tuple[int, str]],
-    steps: int,
-    stopped_at: int,
-    across_sizes: str = "",
-) -> Verdict:
-    """What the differences most likely mean, the likeliest cause first. ``across_sizes``
-    says how a resume on another number of ranks was compared ("" for a bitwise check)."""
-    shown = f"{steps} steps, stopped at {stopped_at}" + (
-        f", {across_sizes}" if across_sizes else ""
-    )
-    if not state_differences and not metrics_differ:
-        if across_sizes:
-            return Verdict(True, f"resume on another number of ranks holds for this script "
-                           f"({shown})", "")  # fmt: skip
-        return Verdict(True, f"resume is exact for this script ({shown})", "")
-    keys = [difference.key for difference in state_differences]
-    for difference in state_differences:
-        setting = _optimizer_setting(difference.key)
-        if setting is not None and setting[2] != "params":
-            name, group, word = setting
-            scheduler = "a learning-rate scheduler is not registered" if word in (
-                "lr", "initial_lr") else f"what sets {word} is not registered"  # fmt: skip
-            return Verdict(
-                False,
-                f"the optimizer's param_groups{group}['{word}'] differs after the resume "
-                f"({difference.straight} never stopped, {difference.resumed} resumed; {shown}): "
-                f"{scheduler}",
-                f"register it beside the optimizer: run.register(..., {name}={name}, "
-                "scheduler=scheduler)",
-            )
-    position = [key for key in keys if key in ("run.global_step", "run.epoch", "run.step_in_epoch")]
-    if position and across_sizes:
-        return Verdict(
-            False,
-            f"the data position differs after the resume ({', '.join(position)}; {shown}): "
-            "most likely the script's batches are per rank (a DataLoader of its own), so the "
-            "global batch and the steps of an epoch change with the number of ranks",
-            "run.train_loader(dataset, global_batch_size) keeps the global batch and the "
-            "order of the samples on any number of ranks; a loader of your own resumes "
-            "exactly on as many ranks as it stopped on",
-        )
-    if position:
-        return Verdict(
-            False,
-            f"the data position differs after the resume ({', '.join(position)}; {shown})",
-            "loop with run.steps(...)/run.iterations(...) or run.epochs(...) over run.train_loader"
-            ": they resume the position",
-        )
-    streams = [key for key in keys if key.startswith("rank.") and ".rng" in key]
-    if streams and len(streams) == len(keys):
-        return Verdict(
-            False,
-            f"only the random streams differ after the resume ({streams[0]}; {shown}): the "
-            "script draws random numbers that the resume does not replay",
-            "draw them from a generator you register (run.register(gen=generator)) or from "
-            "the sample and step",
-        )
-    # The run's metric sums are what the script logged: alone, they are a logged difference.
-    states = [found for found in state_differences if not found.key.startswith("run.metrics.")]
-    if states:
-        first = next((found for found in states if found.key not in streams), states[0])
-        logged = f"; the first logged difference is at step {metrics_differ[0][0]}" if (
-            metrics_differ) else ""  # fmt: skip
-        also = f", the random streams ({', '.join(streams)}) among them" if streams else ""
-        draws = "the script draws random numbers that the resume does not replay, " if (
-            streams) else ""  # fmt: skip
-        return Verdict(
-            False,
-            f"{first.key} differs after the resume ({first.straight} never stopped, "
-            f"{first.resumed} resumed; {len(states)} saved value(s) differ{also}{logged}; "
-            f"{shown}), but no registered setting or position does: {draws}the data order "
-            "differs, or state the script keeps is not registered",
-            "a DataLoader's order must come from its sampler's seed and epoch "
-            "(DistributedSampler with set_epoch) or from a generator you register "
-            "(run.train_loader does both); draw random numbers from a generator you "
-            "register (run.register(gen=generator)) or from the sample and step; register "
-            "every object with a state_dict() that training changes (EMA copy, GradScaler, "
-            "second optimizer), keep a value the script changes by hand (a learning rate) in "
-            "run.state, and state each rank carries between steps (a recurrent hidden state) "
-            "in an object registered with run.register_per_rank",
-        )
-    if metrics_differ:
-        step, name = metrics_differ[0]
-        where = f"the logged metric {name} differs at step {step} after the resume"
-    else:
-        where = f"the logged sums of {state_differences[0].key.removeprefix('run.metrics.')} differ"
-    return Verdict(
-        False,
-        f"{where}, but every saved "
-        f"state is equal ({shown}): the script keeps an unregistered counter or total",
-        "keep it in run.state (run.state['seen'] = ...), or register an object holding it",
-    )

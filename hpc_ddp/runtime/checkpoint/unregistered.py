@@ -1,5 +1,6 @@
-"""State a resume would get wrong: nothing registered (said before training), an optimizer
-that steps a registered model unregistered (said at its first step), values of ``run.state``
+"""State a resume would get wrong: nothing registered, or a model given to ``run.wrap`` left
+out (said before training), an optimizer that steps a registered model unregistered (said at
+its first step), values of ``run.state``
 that differ between the ranks (a checkpoint keeps rank 0's; said at a save), and objects
 registered per rank under different names (refused at a save).
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -66,8 +67,53 @@ def unregistered_optimizer_hint(
     )
 
 
+def unregistered_models_hint(
+    registered: Mapping[str, object], wrapped: Sequence[nn.Module]
+) -> str | None:
+    """What a resume would get wrong when a model given to ``run.wrap`` is not registered:
+    one is registered when it, its wrapper or a registered module holding its parameters is
+    (None: every one is)."""
+    held = {
+        id(parameter)
+        for value in registered.values()
+        if isinstance(value, nn.Module)
+        for parameter in value.parameters()
+    }
+    modules = {id(value) for value in registered.values() if isinstance(value, nn.Module)}
+    modules |= {id(value.module) for value in registered.values() if hasattr(value, "module")}
+    missing = [
+        type(model).__name__
+        for model in wrapped
+        if id(model) not in modules and not any(id(p) in held for p in model.parameters())
+    ]
+    if not missing:
+        return None
+    which = ", ".join(missing)
+    return (
+        f"{'a model' if len(missing) == 1 else 'models'} given to run.wrap ({which}) "
+        f"{'is' if len(missing) == 1 else 'are'} not registered: a checkpoint leaves out "
+        "its weights and a resume starts them again from their first values, with its "
+        "optimizer's state. HINT: register every model trained and its optimizer, e.g. "
+        "run.register(model=model, optimizer=optimizer, critic=critic, "
+        "critic_optimizer=critic_optimizer)"
+    )
+
+
+#: How the warnings of state a resume gets wrong begin (these, and the one for a
+#: ``run.train_loader`` iterated without ``run.steps``): ``check-resume`` names them first.
+LOSES_WORK = (
+    NOTHING_REGISTERED.split(":")[0],
+    "an optimizer (",
+    "a model given to run.wrap (",
+    "models given to run.wrap (",
+    "run.state differs between the ranks (",
+    "run.train_loader(...) is iterated directly",
+)
+
+
 class RegistrationWatch:
-    """Says through ``say`` when nothing is registered (at :meth:`start`), and checks each
+    """Says through ``say`` when nothing is registered or a wrapped model is not (at
+    :meth:`start`), and checks each
     optimizer of the process at its first step against the registered objects (read then,
     so a registration made after training began counts), saying the first one missing, once."""
 
@@ -75,12 +121,15 @@ class RegistrationWatch:
         self,
         registry: Registry,
         values: Mapping[str, Any],
+        wrapped: Sequence[nn.Module],
         group: Any | None,
         say: Callable[[str], None] | None,
     ) -> None:
-        """``values``: ``run.state``; ``group``: the ranks' group for the save's check;
-        ``say``: how this rank speaks (None: it does not; rank 0 does)."""
+        """``values``: ``run.state``; ``wrapped``: the models given to ``run.wrap``;
+        ``group``: the ranks' group for the save's check; ``say``: how this rank speaks
+        (None: it does not; rank 0 does)."""
         self._registry = registry
+        self._wrapped = wrapped
         self._values = values
         self._group = group
         self._say = say
@@ -127,6 +176,11 @@ class RegistrationWatch:
             return
         if not self._registry.objects:
             self._say(NOTHING_REGISTERED)
+        else:
+            registered = {**self._registry.objects, **self._registry.per_rank}
+            hint = unregistered_models_hint(registered, self._wrapped)
+            if hint is not None:
+                self._say(hint)
         if self._handle is None:
             self._handle = register_optimizer_step_pre_hook(self._check)
 

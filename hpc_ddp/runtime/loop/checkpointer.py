@@ -236,7 +236,9 @@ def registration_watch(context: RunContext) -> RegistrationWatch:
     """What a resume would get wrong: rank 0 says it; every rank takes part in a save's
     check of the ranks' registrations and ``run.state``."""
     say = get_logger().warning if context.env.is_main else None
-    return RegistrationWatch(context.registry, context.values, context.control_group, say)
+    return RegistrationWatch(
+        context.registry, context.values, context.wrapped, context.control_group, say
+    )
 
 
 def check_replicas(context: RunContext, position: Position) -> None:

@@ -1,0 +1,152 @@
+"""What a difference between a run never stopped and one stopped and resumed most likely
+means, the likeliest cause first: a warning the runs gave of state a resume gets wrong, an
+optimizer setting, the data position, the random streams, other saved state, the logged
+metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+from hpc_ddp.runtime.checkpoint.unregistered import LOSES_WORK
+from hpc_ddp.view.resume_check import Difference, optimizer_setting
+
+
+class Verdict(NamedTuple):
+    """The comparison's answer: exact, or what differs, its likely cause and the fix."""
+
+    exact: bool
+    what: str
+    hint: str
+
+
+def resume_warnings(logs: Iterable[str]) -> list[str]:
+    """The warnings in the runs' ``logs`` (their output, as text) of state a resume gets
+    wrong (see :data:`LOSES_WORK`), each once, in the order first given."""
+    found: list[str] = []
+    for log in logs:
+        for line in log.splitlines():
+            _, marker, message = line.partition(" WARNING ")
+            if marker and message.startswith(LOSES_WORK) and message not in found:
+                found.append(message)
+    return found
+
+
+def verdict(
+    state_differences: Sequence[Difference],
+    metrics_differ: Sequence[tuple[int, str]],
+    steps: int,
+    stopped_at: int,
+    across_sizes: str = "",
+    warned: Sequence[str] = (),
+) -> Verdict:
+    """What the differences most likely mean, the likeliest cause first. ``across_sizes``
+    says how a resume on another number of ranks was compared ("" for a bitwise check);
+    ``warned``: the runs' warnings of state a resume gets wrong (:func:`resume_warnings`),
+    which name the cause where the values show only its effects, or none (a model the
+    checkpoints leave out), so that the check cannot say the resume is exact."""
+    shown = f"{steps} steps, stopped at {stopped_at}" + (
+        f", {across_sizes}" if across_sizes else ""
+    )
+    if warned:
+        said, _, hint = warned[0].partition(" HINT: ")
+        if state_differences:  # a saved state's value first: the metric sums follow it
+            first = next(
+                (found for found in state_differences if not found.key.startswith("run.metrics.")),
+                state_differences[0],
+            )
+            effect = (f"{len(state_differences)} saved value(s) differ after the resume, the "
+                      f"first {first.key}")  # fmt: skip
+        elif metrics_differ:
+            effect = (
+                f"the logged metric {metrics_differ[0][1]} differs at step {metrics_differ[0][0]}"
+            )
+        else:  # what no checkpoint holds cannot be compared
+            effect = "what the checkpoints hold and the metrics logged agree"
+        return Verdict(
+            False,
+            f"the runs warned of state a resume gets wrong: {said} ({effect}; {shown})",
+            hint or "register it: run.register(...)",
+        )
+    if not state_differences and not metrics_differ:
+        if across_sizes:
+            return Verdict(True, f"resume on another number of ranks holds for this script "
+                           f"({shown})", "")  # fmt: skip
+        return Verdict(True, f"resume is exact for this script ({shown})", "")
+    keys = [difference.key for difference in state_differences]
+    for difference in state_differences:
+        setting = optimizer_setting(difference.key)
+        if setting is not None and setting[2] != "params":
+            name, group, word = setting
+            scheduler = "a learning-rate scheduler is not registered" if word in (
+                "lr", "initial_lr") else f"what sets {word} is not registered"  # fmt: skip
+            return Verdict(
+                False,
+                f"the optimizer's param_groups{group}['{word}'] differs after the resume "
+                f"({difference.straight} never stopped, {difference.resumed} resumed; {shown}): "
+                f"{scheduler}",
+                f"register it beside the optimizer: run.register(..., {name}={name}, "
+                "scheduler=scheduler)",
+            )
+    position = [key for key in keys if key in ("run.global_step", "run.epoch", "run.step_in_epoch")]
+    if position and across_sizes:
+        return Verdict(
+            False,
+            f"the data position differs after the resume ({', '.join(position)}; {shown}): "
+            "most likely the script's batches are per rank (a DataLoader of its own), so the "
+            "global batch and the steps of an epoch change with the number of ranks",
+            "run.train_loader(dataset, global_batch_size) keeps the global batch and the "
+            "order of the samples on any number of ranks; a loader of your own resumes "
+            "exactly on as many ranks as it stopped on",
+        )
+    if position:
+        return Verdict(
+            False,
+            f"the data position differs after the resume ({', '.join(position)}; {shown})",
+            "loop with run.steps(...)/run.iterations(...) or run.epochs(...) over run.train_loader"
+            ": they resume the position",
+        )
+    streams = [key for key in keys if key.startswith("rank.") and ".rng" in key]
+    if streams and len(streams) == len(keys):
+        return Verdict(
+            False,
+            f"only the random streams differ after the resume ({streams[0]}; {shown}): the "
+            "script draws random numbers that the resume does not replay",
+            "draw them from a generator you register (run.register(gen=generator)) or from "
+            "the sample and step",
+        )
+    # The run's metric sums are what the script logged: alone, they are a logged difference.
+    states = [found for found in state_differences if not found.key.startswith("run.metrics.")]
+    if states:
+        first = next((found for found in states if found.key not in streams), states[0])
+        logged = f"; the first logged difference is at step {metrics_differ[0][0]}" if (
+            metrics_differ) else ""  # fmt: skip
+        also = f", the random streams ({', '.join(streams)}) among them" if streams else ""
+        draws = "the script draws random numbers that the resume does not replay, " if (
+            streams) else ""  # fmt: skip
+        return Verdict(
+            False,
+            f"{first.key} differs after the resume ({first.straight} never stopped, "
+            f"{first.resumed} resumed; {len(states)} saved value(s) differ{also}{logged}; "
+            f"{shown}), but no registered setting or position does: {draws}the data order "
+            "differs, or state the script keeps is not registered",
+            "a DataLoader's order must come from its sampler's seed and epoch "
+            "(DistributedSampler with set_epoch) or from a generator you register "
+            "(run.train_loader does both); draw random numbers from a generator you "
+            "register (run.register(gen=generator)) or from the sample and step; register "
+            "every object with a state_dict() that training changes (EMA copy, GradScaler, "
+            "second optimizer), keep a value the script changes by hand (a learning rate) in "
+            "run.state, and state each rank carries between steps (a recurrent hidden state) "
+            "in an object registered with run.register_per_rank",
+        )
+    if metrics_differ:
+        step, name = metrics_differ[0]
+        where = f"the logged metric {name} differs at step {step} after the resume"
+    else:
+        where = f"the logged sums of {state_differences[0].key.removeprefix('run.metrics.')} differ"
+    return Verdict(
+        False,
+        f"{where}, but every saved "
+        f"state is equal ({shown}): the script keeps an unregistered counter or total",
+        "keep it in run.state (run.state['seen'] = ...), or register an object holding it",
+    )
