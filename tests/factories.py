@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -151,3 +152,101 @@ def too_narrow_model(config: Any, num_features: int, num_classes: int) -> nn.Mod
 
 def wrong_outputs_model(config: Any, num_features: int, num_classes: int) -> nn.Module:
     return nn.Linear(num_features, num_classes + 3)
+
+
+#: The training forward pass at which the held and killed models act: step 60 (or 30) of
+#: LONG's 400-step epoch, past its first checkpoints.
+HOLD_AT_FORWARD = 61
+KILL_AT_FORWARD = 31
+
+
+def _first_round_of_a_job() -> bool:
+    """In a Slurm job's first attempt and (under torchrun) its first round of workers."""
+    return (
+        "SLURM_JOB_ID" in os.environ
+        and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+        and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    )
+
+
+class _ActsAtForward(nn.Module):
+    """The built-in trainer's MLP that runs ``act`` before its ``on_call``-th training forward
+    pass in a job's first round (elsewhere, as in an uninterrupted reference run, it is the
+    MLP: the same weights)."""
+
+    def __init__(self, config: Any, num_features: int, num_classes: int, on_call: int,
+                 act: Callable[[], None]) -> None:  # fmt: skip
+        super().__init__()
+        from hpc_ddp.trainer.models import MLP
+
+        model = config.model
+        self.mlp = MLP(num_features, list(model.hidden_sizes), num_classes, model.dropout)
+        self.on_call, self.act, self.calls = on_call, act, 0
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == self.on_call and _first_round_of_a_job():
+                self.act()
+        return self.mlp(features)  # type: ignore[no-any-return]
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+
+
+def held_until_a_warning_signal(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    """Every rank of a job's first round says ``HOLDING at step 60 (rank r)`` and holds
+    until a warning signal (USR1 or USR2; submitit's preemption sends SIGTERM first) reached
+    it: one sent on that line lands at step 60 however fast the machine trains (the stop
+    comes at step 62: the stop agreement started in step 61 is read in the next)."""
+    from tests.programs.holding import StopSignalSeen
+
+    seen = StopSignalSeen()  # after hpc_ddp.start, which installed the handlers it wraps
+    warnings = (signal.SIGUSR1, signal.SIGUSR2)
+    return _ActsAtForward(config, num_features, num_classes, HOLD_AT_FORWARD,
+                          lambda: seen.hold(_rank(), HOLD_AT_FORWARD - 1, warnings))  # fmt: skip
+
+
+def held_until_released(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    """Every rank of a job's first round says ``HOLDING at step 60 (rank r)`` and holds
+    until the test makes the file ``release`` in run.output_dir (it changes the job
+    meanwhile, e.g. its time limit, and waits for the run to see it)."""
+    from tests.programs.holding import FileAppears
+
+    released = FileAppears(str(Path(config.run.output_dir) / "release"))
+    return _ActsAtForward(config, num_features, num_classes, HOLD_AT_FORWARD,
+                          lambda: released.hold(_rank(), HOLD_AT_FORWARD - 1))  # fmt: skip
+
+
+def _killed_once_checkpointed(config: Any, rank: int) -> Callable[[], None]:
+    """Rank ``rank`` waits for the run's first whole checkpoint, then is killed (SIGKILL,
+    as by a failing host); the other ranks go on into the next collective."""
+
+    def kill() -> None:
+        if int(os.environ.get("RANK", "-1")) != rank:
+            return
+        from hpc_ddp.runtime.checkpoint.files import list_checkpoints
+
+        runs = Path(config.run.output_dir)
+        deadline = time.monotonic() + 300
+        while not any(list_checkpoints(folder) for folder in runs.glob("*/*/checkpoints")):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"rank {rank}: no checkpoint in {runs} after 300 s")
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
+
+
+def rank1_killed_once_checkpointed(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    """Rank 1 of a job's first round is killed at step 30, once a checkpoint is whole."""
+    return _ActsAtForward(config, num_features, num_classes, KILL_AT_FORWARD,
+                          _killed_once_checkpointed(config, 1))  # fmt: skip
+
+
+def rank3_killed_once_checkpointed(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    """Rank 3 (on the second of 2 nodes) of a job's first round is killed at step 30, once a
+    checkpoint is whole."""
+    return _ActsAtForward(config, num_features, num_classes, KILL_AT_FORWARD,
+                          _killed_once_checkpointed(config, 3))  # fmt: skip

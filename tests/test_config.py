@@ -235,3 +235,20 @@ def test_crowding_this_machine_is_warned_about() -> None:
     assert crowding_warnings(64, 128, None) == []
     measured = available_memory()
     assert measured is None or measured > 0
+
+
+def test_hpc_ddp_config_lists_a_scripts_defaults_first_then_the_trainers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A script's run is named after the script (run.name null); only the built-in trainer's
+    runs are 'digits-mlp' by default, said in the trainer's part."""
+    import argparse
+
+    from hpc_ddp.cli.commands import config
+
+    assert config(argparse.Namespace()) == 0
+    scripts, trainers = capsys.readouterr().out.split("\n# The built-in trainer's own settings")
+    assert scripts.splitlines()[1] == "run.name (default None)"
+    assert "run.name (the trainer's default 'digits-mlp')" in trainers.splitlines()
+    assert "data." not in scripts and "\ndata.batch_size (default" in trainers
+    assert "\nmonitor.every_s (default" in scripts and "monitor.every_s" not in trainers

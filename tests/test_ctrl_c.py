@@ -129,15 +129,16 @@ def test_ctrl_c_stops_with_a_checkpoint_and_a_rerun_continues_in_the_same_mlflow
 
 
 def test_a_second_ctrl_c_aborts_at_once(tmp_path: Path) -> None:
-    """Steps of a second each: the first Ctrl-C's stop is still waiting for the step to end
-    when the second one comes."""
-    program = [LM, "--max-iters", "50", "--step-pause", "1.0", "--log-interval", "1"]
-    program.append(f"run.output_dir={tmp_path}")
-    terminal = Terminal(local(2, *program, "tracking.enabled=false"))
-    terminal.wait_for(r"stop signals are checked every")
+    """The ranks hold after step 10 for two stop signals: the first Ctrl-C's stop is still
+    waiting for the step to end when the second one comes."""
+    program = [LM, "--max-iters", "50", "--log-interval", "1", f"run.output_dir={tmp_path}"]
+    held = ["--hold-at-step", "10", "--hold-signals", "2", "preempt.check_every_steps=1"]
+    terminal = Terminal(local(2, *program, *held, "tracking.enabled=false"))
+    terminal.wait_for(r"HOLDING at step 10 \(rank 0\)")
     terminal.ctrl_c()
     # Rank 0 says so once the launcher passed the first on: the second is not merged into it.
     terminal.wait_for(r"Ctrl-C: stopping with a checkpoint at the ranks' next agreed check")
+    terminal.wait_for(r"HELD for a second stop signal \(rank 0\)")
     terminal.ctrl_c()
     code = terminal.finish(timeout=60)
     assert code == 130, terminal.text[-3000:]

@@ -36,6 +36,13 @@ LONG = [
     "optim.warmup_steps=10",
     "preempt.check_every_steps=1",
 ]
+#: LONG's model, holding at step 60 of a job's first attempt until the warning signal came.
+HELD = ["model.kind=custom", "model.factory=tests.factories:held_until_a_warning_signal"]
+#: LONG's model, holding at step 60 of a job's first attempt until run.output_dir/release
+#: exists.
+RELEASED = ["model.kind=custom", "model.factory=tests.factories:held_until_released"]
+#: Where a stop lands when the warning signal comes at the hold (the stop agreement's step).
+HELD_STOP_STEP = 62
 SMALL = ["data.num_samples=3072", "data.batch_size=96", "train.epochs=2", "train.log_interval=4"]
 
 
@@ -86,9 +93,9 @@ def preempt_and_wait(
     overrides: list[str],
     warning_signal: str = "USR1",
 ) -> tuple[str, str, int]:
-    """Submit LONG training (``script``: sbatch options, then the script), send the warning
-    signal as preemption does at step 40-199, and wait for the requeued job to end
-    COMPLETED; returns its id, its log and the step it stopped at."""
+    """Submit LONG training (``script``: sbatch options, then the script) of the HELD model,
+    send the warning signal as preemption does once the ranks hold at step 60, and wait for
+    the requeued job to end COMPLETED; returns its id, its log and the step it stopped at."""
     job = slurm.sbatch(
         [
             "--nodes=1",
@@ -96,12 +103,13 @@ def preempt_and_wait(
             "configs/synthetic.yaml",
             f"run.output_dir={work / 'runs'}",
             *overrides,
+            *HELD,
             *LONG,
         ],
         work,
     )
     log_path = work / f"{log_name}-{job}.out"
-    slurm.wait_for_log(log_path, r"\[rank 0/2\] INFO epoch 0 step (4\d|[5-9]\d|1\d\d)/1200")
+    slurm.wait_for_log(log_path, r"HOLDING at step 60 \(rank 0\)")
     assert slurm.run(["scancel", f"--signal={warning_signal}", job], work).returncode == 0
     state = slurm.wait(job, timeout=300)
     log = log_path.read_text()
@@ -110,6 +118,7 @@ def preempt_and_wait(
     handoffs = Path(os.environ.get("TMPDIR", "/tmp")).glob(f"hpc-ddp-step-{job}-*")
     assert not list(handoffs), "the batch script of each attempt removes its hand-off file"
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
+    assert stop_step == HELD_STOP_STEP, log[-4000:]
     return job, log, stop_step
 
 
@@ -126,22 +135,18 @@ def attempts_of(runs: Path) -> list[dict[str, Any]]:
 
 
 def kill_a_torchrun_rank_once_checkpointed(
-    slurm: SlurmCluster, work: Path, options: list[str], overrides: list[str], rank: int
+    slurm: SlurmCluster, work: Path, options: list[str], overrides: list[str]
 ) -> tuple[str, dict[str, Any]]:
     """Submit the torchrun template (sbatch ``options``) for one epoch of LONG training that
-    checkpoints every 20 steps, kill -9 the worker whose RANK is ``rank`` once the first
-    checkpoint exists, and wait for the job: it must COMPLETE after one restart by torchrun,
-    resumed from a checkpoint. Returns the job's id and its summary."""
+    checkpoints every 20 steps, of a model (in ``overrides``) whose worker of one RANK
+    SIGKILLs itself in the first round once the first checkpoint is whole, and wait for the
+    job: it must COMPLETE after one restart by torchrun, resumed from a checkpoint. Returns
+    the job's id and its summary."""
     job = slurm.sbatch(
         [*options, str(REPO / "slurm" / "train-torchrun.sh"), "configs/synthetic.yaml",
          f"run.output_dir={work / 'runs'}", *overrides],
         work,
     )  # fmt: skip
-    checkpoints = work / "runs" / "synthetic-mlp" / job / "checkpoints"
-    deadline = time.monotonic() + 120
-    while not list_checkpoints(checkpoints) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    os.kill(rank_pid(job, rank, variable="RANK"), signal.SIGKILL)
     state = slurm.wait(job, timeout=300)
     log = (work / f"hpc-ddp-torchrun-{job}.out").read_text()
     assert state == "COMPLETED", log[-4000:]
@@ -160,7 +165,6 @@ def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
         slurm, work, ["--ntasks-per-node=2", TRAIN], "hpc-ddp", []
     )
     assert slurm.job_field(job, "Restarts") == "1"
-    # Where the stop lands depends on when Slurm delivers the signal; the resume names it.
     epoch, within = divmod(stop_step, 400)
     assert f"at step {stop_step} (epoch {epoch}, step {within} of the epoch)" in log
 
@@ -168,7 +172,7 @@ def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
     assert summary["restart_count"] == 1 and summary["resumed_from_step"] == stop_step
     assert summary["global_step"] == 1200
 
-    assert summary["weights_sha256"] == uninterrupted_weights(tmp_path, LONG)
+    assert summary["weights_sha256"] == uninterrupted_weights(tmp_path, [*HELD, *LONG])
     run = the_mlflow_run(work, job)
     assert run.info.status == "FINISHED"
     tags = run.data.tags
@@ -216,18 +220,22 @@ def test_a_job_with_no_warning_signal_stops_before_a_limit_shortened_while_it_ru
         "\n".join(line for line in lines if not line.startswith("#SBATCH --signal")) + "\n"
     )
     end = ["preempt.end_margin_s=200", "preempt.end_check_every_s=1", "preempt.max_requeues=10"]
+    runs = work / "runs"
     job = slurm.sbatch(
         ["--nodes=1", "--time=10", str(work / "no-signal.sh"), "configs/synthetic.yaml",
-         f"run.output_dir={work / 'runs'}", "tracking.enabled=false", *end, *LONG],
+         f"run.output_dir={runs}", "tracking.enabled=false", *end, *RELEASED, *LONG],
         work,
     )  # fmt: skip
     log_path = work / f"hpc-ddp-{job}.out"
-    log = slurm.wait_for_log(log_path, r"\[rank 0/2\] INFO epoch 0 step (4\d|[5-9]\d|1\d\d)/1200")
+    log = slurm.wait_for_log(log_path, r"HOLDING at step 60 \(rank 0\)")
     assert re.search(r"the job ends at \S+ \(in \d+ s\): the ranks stop with a checkpoint", log)
     # 60 to 180 s from now: within the 200 s margin (+ the save and checks), so it stops.
     short = minutes_from_now(slurm.job_field(job, "RunTime"), 2)
     update = ["scontrol", "update", f"JobId={job}"]
     assert slurm.run([*update, f"TimeLimit={short}"], work).returncode == 0
+    # The ranks hold until rank 0's reading of the job's end has seen the new limit.
+    slurm.wait_for_log(log_path, "the job's end moved")
+    (runs / "release").touch()
     slurm.wait_for_log(log_path, f"requeued job {job}", timeout=120)
     # A requeued attempt would stop at once under the short limit: give it the long one.
     assert slurm.run([*update, "TimeLimit=10"], work).returncode == 0
@@ -237,10 +245,10 @@ def test_a_job_with_no_warning_signal_stops_before_a_limit_shortened_while_it_ru
     assert "the job's end moved" in log and "stopping before the job's time limit" in log
     assert "SIGUSR1" not in log and "signal 10" not in log, "no warning signal came"
     first_stop = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
-    assert 40 <= first_stop < 1200
+    assert first_stop == HELD_STOP_STEP, log[-4000:]
     summary = read_summary(work / "runs")
     assert summary["restart_count"] >= 1 and summary["global_step"] == 1200
-    assert summary["weights_sha256"] == uninterrupted_weights(tmp_path, LONG)
+    assert summary["weights_sha256"] == uninterrupted_weights(tmp_path, [*RELEASED, *LONG])
 
 
 def test_a_script_rendered_for_usr2_stops_on_usr2_and_requeues(
@@ -313,8 +321,9 @@ def test_torchrun_restarts_a_killed_worker_in_the_allocation_and_the_run_ends_ex
     the same allocation (no requeue), they resume from the newest checkpoint, and the job
     ends with the weights of an uninterrupted run, in one MLflow run."""
     work = prepare_workdir(tmp_path)
-    overrides = [*LONG, "checkpoint.every_steps=20", "train.epochs=1"]
-    job, summary = kill_a_torchrun_rank_once_checkpointed(slurm, work, [], overrides, rank=1)
+    killed = ["model.kind=custom", "model.factory=tests.factories:rank1_killed_once_checkpointed"]
+    overrides = [*LONG, *killed, "checkpoint.every_steps=20", "train.epochs=1"]
+    job, summary = kill_a_torchrun_rank_once_checkpointed(slurm, work, [], overrides)
     assert slurm.job_field(job, "Restarts") == "0", "restarted in the allocation, not requeued"
     assert (summary["elastic_restarts"], summary["restart_count"]) == (1, 0)
 
@@ -346,10 +355,10 @@ def test_torchrun_on_two_nodes_restarts_when_one_node_loses_a_rank(
     count, and the job ends with the weights of an uninterrupted 4-rank run. Slow: the
     1-node test above pins the restart and its exact end; this one adds the second node."""
     work = prepare_workdir(tmp_path)
-    overrides = [*LONG, "checkpoint.every_steps=20", "train.epochs=1", "tracking.enabled=false"]
-    _job, summary = kill_a_torchrun_rank_once_checkpointed(
-        slurm, work, ["--nodes=2"], overrides, rank=3
-    )
+    killed = ["model.kind=custom", "model.factory=tests.factories:rank3_killed_once_checkpointed"]
+    overrides = [*LONG, *killed, "checkpoint.every_steps=20", "train.epochs=1",
+                 "tracking.enabled=false"]  # fmt: skip
+    _job, summary = kill_a_torchrun_rank_once_checkpointed(slurm, work, ["--nodes=2"], overrides)
     assert (summary["world_size"], summary["num_nodes"]) == (4, 2)
     assert summary["elastic_restarts"] == 1
     assert summary["weights_sha256"] == uninterrupted_weights(tmp_path, overrides, nproc=4)
@@ -358,41 +367,56 @@ def test_torchrun_on_two_nodes_restarts_when_one_node_loses_a_rank(
 def test_time_limit_signal_checkpoints_and_a_resubmission_resumes(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
-    """A 1-minute job stops with a checkpoint before its limit, is not requeued
-    (preempt.max_requeues=0), and a resubmission with its run id resumes from that step.
+    """A job whose time limit comes within a minute or two stops with a checkpoint before
+    it, is not requeued (preempt.max_requeues=0), and a resubmission with its run id resumes
+    from that step.
 
-    Slurm sends --signal=USR1@50 from a timer it checks about every 30 s, later on a busy
-    machine (once not at all before the limit): rank 0's own reading of the job's end
-    (preempt.stop_before_end, no extra margin: a stop at about 30 s left) stops the job too,
-    and whichever comes first stops it, so the verdict does not wait on Slurm's timer."""
+    The limit is brought near (`scontrol update`) while the ranks hold at step 60, so that
+    however long the start took, the same time is left. Slurm sends --signal=USR1@50 from a
+    timer it checks about every 30 s, later on a busy machine (once not at all before the
+    limit): rank 0's own reading of the job's end (preempt.stop_before_end, no extra margin)
+    stops the job too, and whichever comes first stops it, so the verdict does not wait on
+    Slurm's timer."""
     work = prepare_workdir(tmp_path)
+    runs = work / "runs"
     common = [
         "configs/synthetic.yaml",
-        f"run.output_dir={work / 'runs'}",
+        f"run.output_dir={runs}",
         "tracking.enabled=false",
         "data.num_samples=25600",
         "data.batch_size=64",
+        *RELEASED,
     ]
     job = slurm.sbatch(
         [
             "--ntasks-per-node=2",
-            "--time=1",
+            "--time=10",
             "--signal=USR1@50",
             TRAIN,
             *common,
             "train.epochs=100000",
             "preempt.max_requeues=0",
             "preempt.end_margin_s=0",
+            "preempt.end_check_every_s=1",
             "train.log_interval=100",
         ],
         work,
     )
+    log_path = work / f"hpc-ddp-{job}.out"
+    slurm.wait_for_log(log_path, r"HOLDING at step 60 \(rank 0\)")
+    short = minutes_from_now(slurm.job_field(job, "RunTime"), 1)  # 60 to 120 s from now
+    assert (
+        slurm.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={short}"], work).returncode
+        == 0
+    )
+    slurm.wait_for_log(log_path, "the job's end moved")
+    (runs / "release").touch()
     state = slurm.wait(job, timeout=150)
     log = (work / f"hpc-ddp-{job}.out").read_text()
     assert state != "TIMEOUT", "the signal's lead time was used to stop before the limit"
     assert "not requeueing: the job was already requeued 0 time(s), preempt.max_requeues=0" in log
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
-    checkpoints = list_checkpoints(work / "runs" / "synthetic-mlp" / job / "checkpoints")
+    checkpoints = list_checkpoints(runs / "synthetic-mlp" / job / "checkpoints")
     assert checkpoints and checkpoints[0].name == f"step-{stop_step:09d}"
 
     again = slurm.sbatch(
@@ -662,7 +686,7 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(
 def test_submitit_preemption_requeues_and_resumes_to_the_same_weights(
     slurm: SlurmCluster, slurm_conf_in_environ: None, tmp_path: Path
 ) -> None:
-    overrides = [*LONG, "tracking.enabled=false"]
+    overrides = [*HELD, *LONG, "tracking.enabled=false"]
     job = submit(
         REPO / "configs" / "synthetic.yaml",
         cluster="slurm",
@@ -672,12 +696,12 @@ def test_submitit_preemption_requeues_and_resumes_to_the_same_weights(
         time="00:20:00",
     )
     log_path = tmp_path / "submitit" / f"{job.job_id}_0_log.err"
-    slurm.wait_for_log(log_path, r"epoch 0 step (4\d|[5-9]\d|1\d\d)/1200", timeout=120)
+    slurm.wait_for_log(log_path, r"HOLDING at step 60 \(rank 0\)")
     job._interrupt()
     results = wait(job)
     assert len(results) == 2
     rank0 = results[0]
-    assert rank0["restart_count"] == 1 and rank0["resumed_from_step"] > 0
+    assert rank0["restart_count"] == 1 and rank0["resumed_from_step"] == HELD_STOP_STEP
     assert rank0["global_step"] == 1200
     reference = run_local(2, tmp_path / "reference", overrides)
     assert reference.returncode == 0, reference.stderr[-2000:]

@@ -118,10 +118,10 @@ def test_submitit_runs_a_callable_on_two_nodes_and_returns_every_rank(
 LM = str(REPO / "tests" / "programs" / "lm_loop.py")
 
 
-def lm_job(slurm: SlurmCluster, work: Path) -> str:
+def lm_job(slurm: SlurmCluster, work: Path, *extra: str) -> str:
     """The iteration-based LM loop on 2 nodes x 1 task through slurm/train.sh, tracked in
     MLflow (its own get_batch, dropout: the restored random streams carry both on)."""
-    program = [LM, "--max-iters", "300", "--step-pause", "0.02", f"run.output_dir={work / 'runs'}"]
+    program = [LM, "--max-iters", "300", *extra, f"run.output_dir={work / 'runs'}"]
     return slurm.sbatch(
         ["--nodes=2", "--ntasks-per-node=1", TRAIN, *program, "preempt.check_every_steps=1"], work
     )
@@ -131,13 +131,11 @@ def test_an_iteration_based_loop_requeued_by_scancel_resumes_bitwise_in_one_mlfl
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     work = prepare_workdir(tmp_path / "preempted")
-    job = lm_job(slurm, work)
+    job = lm_job(slurm, work, "--hold-at-step", "60")
     log, stop_step = slurm.requeue_by_signal(
-        job,
-        work,
-        work / f"hpc-ddp-{job}.out",
-        r"\[rank 0/2\] INFO epoch 0 step (6\d|[7-9]\d|1[0-4]\d)/300",
+        job, work, work / f"hpc-ddp-{job}.out", r"HOLDING at step 60 \(rank 0\)"
     )
+    assert stop_step == 61, "agreed at the check after scancel's signal reached every rank"
     assert f"resuming the batches at step {stop_step}: run.iterations() draws nothing" in log
     resumed = json.loads(next((work / "runs").glob("lm_loop/*/summary.json")).read_text())
     assert resumed["restart_count"] == 1 and resumed["resumed_from_step"] == stop_step

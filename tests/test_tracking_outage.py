@@ -230,6 +230,8 @@ def test_a_server_that_comes_back_mid_run_gets_the_whole_run_in_the_background(
     server = None
     try:
         output.wait_for(re.escape(f"MLflow at {uri} failed"))
+        for _ in range(11):
+            output.wait_for("INFO epoch")  # intervals logged while the server is down
         server = start_mlflow_server(tmp_path, port)
         output.wait_for(re.escape(f"MLflow at {uri} answers again"))
         for _ in range(3):
@@ -249,7 +251,7 @@ def test_a_server_that_comes_back_mid_run_gets_the_whole_run_in_the_background(
             stop_mlflow_server(server)
     lines = (tmp_path / "regression" / "back" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line)["step"] for line in lines if "interval/mse" in line]
-    assert steps == list(range(25, status["global_step"] + 1, 25)) and len(steps) > 10
+    assert steps == list(range(25, status["global_step"] + 1, 25)) and len(steps) >= 14
     assert sorted(metric.step for metric in history) == steps, "every point once"
     assert run.info.status == "KILLED" and run.data.tags["hpc_ddp.attempts"] == "1"
     assert run.data.params["epochs"] == "500"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_ddp.launch.local import PEER_GRACE_S, failure_to_report
+from hpc_ddp.launch.local import PEER_GRACE_S, failure_line, failure_to_report
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError, lost_peer
 from hpc_ddp.runtime.loop.metrics import PENDING_MAX, Sums
 from hpc_ddp.runtime.loop.replicas import replica_entries, replica_fingerprint
@@ -214,6 +214,16 @@ def test_the_rank_that_went_away_is_named_not_the_one_that_lost_it() -> None:
     assert failure_to_report([EXIT_STOPPED, None], 60.0) is None
     assert failure_to_report([0, 0, None], 0.0) is None
     assert failure_to_report([2, 1], 0.0) == (0, 2)
+
+
+def test_a_rank_ended_by_a_signal_is_told_by_the_signals_name() -> None:
+    """gloo aborts a rank (SIGABRT) when the ranks call different collectives: the line says
+    what an abort is and the likeliest cause; a kill is named as such."""
+    aborted = failure_line(1, -6, [None, -6])
+    assert aborted.startswith("rank 1 was ended by SIGABRT (exit code 134): an abort in native")
+    assert "such as a wrapped model's forward on one rank only" in aborted
+    assert failure_line(0, -9, [-9, None]) == "rank 0 was ended by SIGKILL (exit code 137)"
+    assert failure_line(1, 1, [None, 1]) == "rank 1 exited with code 1"
 
 
 def test_lost_peer_reads_gloo_and_nccl_messages_through_the_exception_chain() -> None:

@@ -3,6 +3,7 @@ real run writes it, listed and drawn without MLflow or a server."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
+from hpc_ddp.cli import results
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.tracking.base import NullTracker
 from hpc_ddp.runtime.tracking.journal import JournalTracker
@@ -126,6 +128,28 @@ def test_a_missing_run_or_directory_is_one_line(tmp_path: Path) -> None:
     unknown = hpc_ddp_command("plot", "nope", "--output-dir", str(tmp_path))
     assert unknown.returncode == 2 and "no run 'nope'" in unknown.stderr
     assert "Traceback" not in unknown.stderr
+
+
+def test_a_run_name_alone_lists_its_runs_newest_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`hpc-ddp plot main` where main/ holds several runs: they are named, not 'no run';
+    `hpc-ddp runs main` lists them."""
+    monkeypatch.chdir(tmp_path)
+    runs = Path("runs")
+    for name, run_id in (("main", "first"), ("main", "second"), ("other", "third")):
+        journal = JournalTracker(NullTracker(), runs / name / run_id, lambda: (0, 0), "", 1, None)
+        journal.finish("FINISHED")
+    with pytest.raises(HpcDdpError) as named:
+        find_run("main", runs)
+    assert named.value.message == (
+        "'main' is a run name with 2 run(s) in runs, newest first: main/second, main/first"
+    )
+    assert named.value.hint.startswith("give one as NAME/ID, e.g. main/second")
+    assert find_run("main/first", runs).run_id == "first"
+    assert results.runs(argparse.Namespace(output_dir="main")) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert listed == ["main/second", "main/first"]
 
 
 def test_the_record_follows_every_way_a_run_ends(tmp_path: Path) -> None:

@@ -194,10 +194,23 @@ def train(args: argparse.Namespace) -> int:
 
 
 def config(_args: argparse.Namespace) -> int:
+    from hpc_ddp.runtime import configfile
+    from hpc_ddp.runtime.config import RuntimeConfig
     from hpc_ddp.trainer.config import config_docs
 
-    for key, default, doc in config_docs():
+    runtime = configfile.docs(RuntimeConfig)
+    print(
+        "# Every run's settings: hpc_ddp.start(section={...}), --set KEY=VALUE, HPC_DDP_OVERRIDES"
+    )
+    for key, default, doc in runtime:
         print(f"{key} (default {default})\n    {doc}")
+    defaults = {key: default for key, default, _doc in runtime}
+    print("\n# The built-in trainer's own settings and defaults (hpc-ddp train --config NAME)")
+    for key, default, doc in config_docs():
+        if key not in defaults:
+            print(f"{key} (default {default})\n    {doc}")
+        elif default != defaults[key]:
+            print(f"{key} (the trainer's default {default})")
     return 0
 
 

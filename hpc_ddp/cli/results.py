@@ -13,6 +13,11 @@ def runs(args: argparse.Namespace) -> int:
     from hpc_ddp.view.runs import find_run, find_runs, format_run, format_runs
 
     given = Path(args.output_dir)
+    if not given.exists() and Path("runs").is_dir():  # NAME under ./runs: its runs
+        named = [run for run in find_runs(Path("runs")) if run.name == args.output_dir]
+        if named:
+            print(format_runs(named))
+            return 0
     if (given / STATUS_FILE).is_file() or (not given.exists() and Path("runs").is_dir()):
         try:  # a run directory, or NAME/ID or ID under ./runs
             run = find_run(args.output_dir, Path("runs"))

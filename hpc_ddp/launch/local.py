@@ -142,6 +142,8 @@ def failure_line(rank: int, code: int, codes: Sequence[int | None]) -> str:
     """What the launcher says of the failure that ends the run. A rank that lost contact
     with a peer names the rank that left early when one ended well (0, or stopped) while
     the others trained on (``sys.exit`` inside the loop): that one is the cause."""
+    if code < 0:
+        return f"rank {rank} {killed_by(-code)}"
     if code != EXIT_PEER_LOST:
         return f"rank {rank} exited with code {code}"
     early = [(other, done) for other, done in enumerate(codes) if done in (0, EXIT_STOPPED)]
@@ -152,6 +154,22 @@ def failure_line(rank: int, code: int, codes: Sequence[int | None]) -> str:
             f"on, and rank {rank} lost contact with it"
         )
     return f"rank {rank} exited with code {code} (it lost contact with another rank)"
+
+
+def killed_by(number: int) -> str:
+    """How a rank ended by signal ``number`` is told (exit code 128 + number)."""
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    said = f"was ended by {name} (exit code {128 + number})"
+    if number == signal.SIGABRT:
+        said += (
+            ": an abort in native code (its last lines above say where; gloo's 'collective "
+            "mismatch' means the ranks called different collectives, such as a wrapped "
+            "model's forward on one rank only)"
+        )
+    return said
 
 
 def supervise(processes: list[subprocess.Popen[bytes]]) -> int:

@@ -117,6 +117,18 @@ def verdict(
         )
     # The run's metric sums are what the script logged: alone, they are a logged difference.
     states = [found for found in state_differences if not found.key.startswith("run.metrics.")]
+    if states and across_sizes:
+        first = states[0]
+        return Verdict(
+            False,
+            f"{first.key} differs after the resume beyond the tolerance ({first.straight} never "
+            f"stopped, {first.resumed} resumed; {len(states)} saved value(s) differ; {shown})",
+            "on another number of ranks each rank computes on other samples: random numbers a "
+            "rank draws in training (dropout, noise) and BatchNorm's statistics of its own "
+            "batch differ by design, so a script with them cannot agree within a tolerance "
+            "(the bitwise check on one number of ranks still proves its resume); without "
+            "them, the data order or unregistered state differs, as in the bitwise check",
+        )
     if states:
         first = next((found for found in states if found.key not in streams), states[0])
         logged = f"; the first logged difference is at step {metrics_differ[0][0]}" if (

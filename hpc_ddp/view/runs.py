@@ -214,13 +214,18 @@ def find_run(spec: str, output_dir: Path) -> RunView:
         run = load_run(direct)
         assert run is not None
         return run
-    matches = [
-        run
-        for run in (find_runs(output_dir) if output_dir.is_dir() else [])
-        if spec in (run.run_id, f"{run.name}/{run.run_id}")
-    ]
+    every = find_runs(output_dir) if output_dir.is_dir() else []
+    matches = [run for run in every if spec in (run.run_id, f"{run.name}/{run.run_id}")]
     if len(matches) == 1:
         return matches[0]
+    named = [f"{run.name}/{run.run_id}" for run in every if run.name == spec]
+    if not matches and named:
+        raise HpcDdpError(
+            f"{spec!r} is a run name with {len(named)} run(s) in {output_dir}, newest first: "
+            + ", ".join(named[:5])
+            + (", ..." if len(named) > 5 else ""),
+            f"give one as NAME/ID, e.g. {named[0]} (hpc-ddp runs {output_dir} lists them all)",
+        )
     if not matches:
         if (direct / "sweep.json").is_file():  # the sweep's record, sweep/manifest.py
             raise HpcDdpError(

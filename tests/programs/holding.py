@@ -36,11 +36,23 @@ class StopSignalSeen:
 
         return seen
 
-    def hold(self, rank: int, step: int) -> None:
-        """Wait here until a stop signal came (at most HOLD_LIMIT_S, then exit saying so)."""
+    def hold(
+        self,
+        rank: int,
+        step: int,
+        wanted: tuple[signal.Signals, ...] = STOP_SIGNALS,
+        count: int = 1,
+    ) -> None:
+        """Wait here until ``count`` of the ``wanted`` stop signals came (at most
+        HOLD_LIMIT_S, then exit saying so); after the first of two, say ``HELD for a second
+        stop signal (rank r)``."""
         print(f"HOLDING at step {step} (rank {rank})", file=sys.stderr, flush=True)
         deadline = time.monotonic() + HOLD_LIMIT_S
-        while not self.seen:
+        said_first = False
+        while (arrived := len([n for n in self.seen if n in wanted])) < count:
+            if arrived and not said_first:
+                said_first = True
+                print(f"HELD for a second stop signal (rank {rank})", file=sys.stderr, flush=True)
             if time.monotonic() > deadline:
                 sys.exit(f"rank {rank} held at step {step} for {HOLD_LIMIT_S} s: no stop signal")
             time.sleep(0.01)

@@ -9,7 +9,8 @@ save every N iterations, and a learning rate computed from ``iter_num``.
 ``--sampling rank`` (nanoGPT's way) draws each rank's batch from its own torch random stream,
 which a resume restores; ``--sampling global`` draws the global batch from the iteration's
 number, so it is the same at any world size. ``--hold-at-step N``: each rank holds after
-iteration N until a stop signal reached it (tests/programs/holding.py).
+iteration N until a stop signal reached it (``--hold-signals 2``: two of them; a second
+Ctrl-C aborts in the hold) (tests/programs/holding.py).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--sampling", choices=["rank", "global"], default="rank")
     parser.add_argument("--step-pause", type=float, default=0.0)
     parser.add_argument("--hold-at-step", type=int, default=None, help="see the docstring")
+    parser.add_argument("--hold-signals", type=int, default=1, help="stop signals held for")
     parser.add_argument("--log-interval", type=int, default=10)
     parser.add_argument("--best", default="", help="where rank 0 saves the best model")
     args, overrides = parser.parse_known_args()
@@ -133,7 +135,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         time.sleep(args.step_pause)
         if signals and iter_num + 1 == args.hold_at_step:
-            signals.hold(run.rank, args.hold_at_step)
+            signals.hold(run.rank, args.hold_at_step, count=args.hold_signals)
 
     val_loss = estimate_val_loss()
     summary = run.finish({"val_loss": val_loss, "best_val_loss": run.state["best_val_loss"]})
