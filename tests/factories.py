@@ -154,8 +154,8 @@ def wrong_outputs_model(config: Any, num_features: int, num_classes: int) -> nn.
     return nn.Linear(num_features, num_classes + 3)
 
 
-#: The training forward pass at which the held and killed models act: step 60 (or 30) of
-#: LONG's 400-step epoch, past its first checkpoints.
+#: The training forward pass at which the held and killed models act: that of step 61 (or
+#: 31) of LONG's 400-step epoch, in its first attempt.
 HOLD_AT_FORWARD = 61
 KILL_AT_FORWARD = 31
 

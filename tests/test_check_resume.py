@@ -40,7 +40,7 @@ def check_resume(*arguments: str, cwd: Path = REPO) -> subprocess.CompletedProce
         (
             "second-model",
             "the runs warned of state a resume gets wrong: a model given to "
-            "run.wrap (Linear) is not registered",
+            "run.wrap (the 2nd: Linear, 5 parameters) is not registered",
         ),
     ],
 )

@@ -304,7 +304,8 @@ def test_a_wrapped_model_left_unregistered_is_named_before_training(
 ) -> None:
     """A GAN's second network given to run.wrap but not to run.register: a checkpoint would
     leave out its weights. Not said of a model registered through its wrapper, inside a
-    registered container, or per rank."""
+    registered container or an object of the script's own, per rank, or of a frozen one (a
+    teacher: nothing to lose); said of one whose head alone is left out."""
     from hpc_ddp.runtime.checkpoint.unregistered import unregistered_models_hint
 
     generator, critic = torch.nn.Linear(3, 2), torch.nn.Sequential(torch.nn.Linear(2, 1))
@@ -319,8 +320,8 @@ def test_a_wrapped_model_left_unregistered_is_named_before_training(
     checkpointer.close()
     [said] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert said.startswith(
-        "a model given to run.wrap (Sequential) is not registered: a checkpoint leaves out its "
-        "weights"
+        "a model given to run.wrap (the 2nd: Sequential, 3 parameters) is not registered: a "
+        "checkpoint leaves out its weights"
     ), said
     assert "HINT: register every model trained and its optimizer" in said
 
@@ -329,16 +330,32 @@ def test_a_wrapped_model_left_unregistered_is_named_before_training(
             super().__init__()
             self.module = module
 
+    class GanState:  # an object of the script's own holding both networks
+        def __init__(self) -> None:
+            self.generator, self.critic = generator, critic
+
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
     both = torch.nn.ModuleDict({"generator": generator, "critic": critic})
     for registered in (
         {"g": generator, "c": Wrapper(critic)},
         {"both": both},
         {"c": critic[0], "g": generator},
+        {"gan": GanState()},
     ):
         assert unregistered_models_hint(registered, [generator, critic]) is None, registered
-    assert "(Linear, Sequential) are not registered" in str(
-        unregistered_models_hint({"state": torch.nn.Linear(1, 1)}, [generator, critic])
+    teacher = torch.nn.Linear(3, 3).requires_grad_(False)
+    assert unregistered_models_hint({"g": generator}, [generator, teacher]) is None
+    tied = torch.nn.Sequential(generator, torch.nn.Linear(2, 2))  # shares the generator
+    assert "(the 2nd: Sequential, 14 parameters) is not registered" in str(
+        unregistered_models_hint({"g": generator}, [generator, tied])
     )
+    both_said = str(unregistered_models_hint({"state": torch.nn.Linear(1, 1)}, [generator, critic]))
+    assert both_said.startswith(
+        "models given to run.wrap (the 1st: Linear, 8 parameters; the 2nd: Sequential, 3 "
+        "parameters) are not registered: a checkpoint leaves out their weights"
+    ), both_said
 
 
 def test_the_own_command_is_given_only_where_typing_it_again_runs_the_program(

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hpc_ddp.cli.app import main
-from hpc_ddp.cli.check_resume import check_environment, stop_code
+from hpc_ddp.cli.check_resume import check_environment
+from hpc_ddp.launch.rank_exits import stop_code
 from hpc_ddp.runtime.errors import EXIT_STOPPED
 from hpc_ddp.view.resume_check import (
     Difference,
@@ -94,14 +95,19 @@ def test_a_warning_of_state_a_resume_gets_wrong_is_named_before_its_effects() ->
     answer = verdict([buffers], [], 40, 20, warned=resume_warnings(logs))
     assert answer.what == (
         "the runs warned of state a resume gets wrong: an optimizer (Adam) steps the registered "
-        "netD but is not registered: a resume restarts its state. (1 saved value(s) differ "
+        "netD but is not registered: a resume restarts its state (1 saved value(s) differ "
         "after the resume, the first rank.0.buffers.netG.main.1.running_mean; 40 steps, "
         "stopped at 20)"
     )
     assert answer.hint == "run.register(model=model, optimizer=optimizer)"
     # A model the checkpoints leave out shows in none of their values.
-    unsaved = verdict([], [], 40, 20, warned=[forgotten])
-    assert not unsaved.exact and unsaved.what.endswith(
+    critic = (
+        "a model given to run.wrap (the 2nd: Critic, 5 parameters) is not registered: a "
+        "checkpoint leaves out its weights. HINT: register every model trained"
+    )
+    unsaved = verdict([], [], 40, 20, warned=[forgotten, critic])
+    assert not unsaved.exact and "run.wrap (the 2nd: Critic" in unsaved.what
+    assert unsaved.what.endswith(
         "(what the checkpoints hold and the metrics logged agree; 40 steps, stopped at 20)"
     ), unsaved
 
@@ -110,20 +116,41 @@ def test_every_warning_of_lost_state_is_one_the_check_recognises() -> None:
     from torch import nn
 
     from hpc_ddp.runtime.checkpoint.unregistered import (
-        LOSES_WORK,
         NOTHING_REGISTERED,
+        STATE_DIFFERS,
         unregistered_models_hint,
         unregistered_optimizer_hint,
     )
+    from hpc_ddp.runtime.loop.data import ITERATED_DIRECTLY
+    from hpc_ddp.view.resume_verdict import LOSES_WORK, UNSAVED
 
     model = nn.Linear(2, 1)
+    one, two = nn.Linear(1, 1), nn.Linear(1, 2)
     said = [
         NOTHING_REGISTERED,
-        unregistered_optimizer_hint({"model": model}, torch.optim.SGD(model.parameters())),
-        unregistered_models_hint({"model": model}, [nn.Linear(1, 1)]),
-        unregistered_models_hint({"model": model}, [nn.Linear(1, 1), nn.Linear(1, 2)]),
+        str(unregistered_optimizer_hint({"model": model}, torch.optim.SGD(model.parameters()))),
+        STATE_DIFFERS.format(keys="total") + ": a checkpoint keeps rank 0's values",
+        ITERATED_DIRECTLY,
     ]
-    assert all(str(message).startswith(LOSES_WORK) for message in said), said
+    unsaved = [
+        str(unregistered_models_hint({"model": model}, [one])),
+        str(unregistered_models_hint({"model": model}, [one, two])),
+    ]
+    assert all(message.startswith(LOSES_WORK) for message in said + unsaved), said + unsaved
+    assert [message.startswith(UNSAVED) for message in said + unsaved] == [False] * 4 + [True] * 2
+
+
+def test_a_warning_of_state_the_values_show_equal_is_a_note_not_a_failure() -> None:
+    """An SGD without momentum left unregistered has no state to lose: its warning does not
+    fail an exact resume; a setting's own cause is named before a warning's."""
+    sgd = (
+        "an optimizer (SGD) steps the registered model but is not registered: a resume "
+        "restarts its state. HINT: run.register(model=model, optimizer=optimizer)"
+    )
+    assert verdict([], [], 40, 20, warned=[sgd]).exact
+    learning_rate = Difference("run.plain.optimizer.param_groups[0].lr", "0.04", "0.05")
+    named = verdict([learning_rate], [], 40, 20, warned=[sgd])
+    assert named.what.startswith("the optimizer's param_groups[0]['lr'] differs"), named
 
 
 def test_two_states_with_equal_sums_are_told_apart_by_their_first_differing_element() -> None:

@@ -46,9 +46,9 @@ HELD_STOP_STEP = 62
 SMALL = ["data.num_samples=3072", "data.batch_size=96", "train.epochs=2", "train.log_interval=4"]
 
 
-def rank_pid(job_id: str, rank: int, timeout: float = 60, variable: str = "SLURM_PROCID") -> int:
-    """PID of a training task of ``job_id`` (tasks share this machine's PID space) whose
-    ``variable`` (SLURM_PROCID, or RANK for the ranks torchrun starts) is ``rank``."""
+def rank_pid(job_id: str, rank: int, timeout: float = 60) -> int:
+    """PID of the training task of ``job_id`` (tasks share this machine's PID space) whose
+    SLURM_PROCID is ``rank``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for entry in Path("/proc").iterdir():
@@ -62,7 +62,7 @@ def rank_pid(job_id: str, rank: int, timeout: float = 60, variable: str = "SLURM
             if (
                 b"hpc_ddp.train" in cmdline
                 and f"SLURM_JOB_ID={job_id}".encode() in environ
-                and f"{variable}={rank}".encode() in environ
+                and f"SLURM_PROCID={rank}".encode() in environ
             ):
                 return int(entry.name)
         time.sleep(0.2)
@@ -109,7 +109,9 @@ def preempt_and_wait(
         work,
     )
     log_path = work / f"{log_name}-{job}.out"
-    slurm.wait_for_log(log_path, r"HOLDING at step 60 \(rank 0\)")
+    # Every rank: one still before its step-60 stop check would take the signal there.
+    for rank in (0, 1):
+        slurm.wait_for_log(log_path, rf"HOLDING at step 60 \(rank {rank}\)")
     assert slurm.run(["scancel", f"--signal={warning_signal}", job], work).returncode == 0
     state = slurm.wait(job, timeout=300)
     log = log_path.read_text()
@@ -134,7 +136,7 @@ def attempts_of(runs: Path) -> list[dict[str, Any]]:
     return attempts
 
 
-def kill_a_torchrun_rank_once_checkpointed(
+def torchrun_job_losing_a_rank(
     slurm: SlurmCluster, work: Path, options: list[str], overrides: list[str]
 ) -> tuple[str, dict[str, Any]]:
     """Submit the torchrun template (sbatch ``options``) for one epoch of LONG training that
@@ -152,7 +154,7 @@ def kill_a_torchrun_rank_once_checkpointed(
     assert state == "COMPLETED", log[-4000:]
     assert "torchrun restarted the workers (1 time(s)" in log, log[-4000:]
     summary = read_summary(work / "runs")
-    assert summary["resumed_from_step"] % 20 == 0 and summary["resumed_from_step"] > 0
+    assert summary["resumed_from_step"] == 20, "the rank is lost at step 30, after step 20's"
     assert summary["global_step"] == 400
     return job, summary
 
@@ -234,7 +236,7 @@ def test_a_job_with_no_warning_signal_stops_before_a_limit_shortened_while_it_ru
     update = ["scontrol", "update", f"JobId={job}"]
     assert slurm.run([*update, f"TimeLimit={short}"], work).returncode == 0
     # The ranks hold until rank 0's reading of the job's end has seen the new limit.
-    slurm.wait_for_log(log_path, "the job's end moved")
+    slurm.wait_for_log(log_path, r"the job's end moved -\d+ s")  # the new, shorter limit
     (runs / "release").touch()
     slurm.wait_for_log(log_path, f"requeued job {job}", timeout=120)
     # A requeued attempt would stop at once under the short limit: give it the long one.
@@ -323,7 +325,7 @@ def test_torchrun_restarts_a_killed_worker_in_the_allocation_and_the_run_ends_ex
     work = prepare_workdir(tmp_path)
     killed = ["model.kind=custom", "model.factory=tests.factories:rank1_killed_once_checkpointed"]
     overrides = [*LONG, *killed, "checkpoint.every_steps=20", "train.epochs=1"]
-    job, summary = kill_a_torchrun_rank_once_checkpointed(slurm, work, [], overrides)
+    job, summary = torchrun_job_losing_a_rank(slurm, work, [], overrides)
     assert slurm.job_field(job, "Restarts") == "0", "restarted in the allocation, not requeued"
     assert (summary["elastic_restarts"], summary["restart_count"]) == (1, 0)
 
@@ -358,7 +360,7 @@ def test_torchrun_on_two_nodes_restarts_when_one_node_loses_a_rank(
     killed = ["model.kind=custom", "model.factory=tests.factories:rank3_killed_once_checkpointed"]
     overrides = [*LONG, *killed, "checkpoint.every_steps=20", "train.epochs=1",
                  "tracking.enabled=false"]  # fmt: skip
-    _job, summary = kill_a_torchrun_rank_once_checkpointed(slurm, work, ["--nodes=2"], overrides)
+    _job, summary = torchrun_job_losing_a_rank(slurm, work, ["--nodes=2"], overrides)
     assert (summary["world_size"], summary["num_nodes"]) == (4, 2)
     assert summary["elastic_restarts"] == 1
     assert summary["weights_sha256"] == uninterrupted_weights(tmp_path, overrides, nproc=4)
@@ -409,7 +411,7 @@ def test_time_limit_signal_checkpoints_and_a_resubmission_resumes(
         slurm.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={short}"], work).returncode
         == 0
     )
-    slurm.wait_for_log(log_path, "the job's end moved")
+    slurm.wait_for_log(log_path, r"the job's end moved -\d+ s")  # the new, shorter limit
     (runs / "release").touch()
     state = slurm.wait(job, timeout=150)
     log = (work / f"hpc-ddp-{job}.out").read_text()
@@ -695,8 +697,9 @@ def test_submitit_preemption_requeues_and_resumes_to_the_same_weights(
         overrides=[*overrides, f"run.output_dir={tmp_path / 'runs'}"],
         time="00:20:00",
     )
-    log_path = tmp_path / "submitit" / f"{job.job_id}_0_log.err"
-    slurm.wait_for_log(log_path, r"HOLDING at step 60 \(rank 0\)")
+    for rank in (0, 1):  # every rank holds after its step-60 stop check
+        log_path = tmp_path / "submitit" / f"{job.job_id}_{rank}_log.err"
+        slurm.wait_for_log(log_path, rf"HOLDING at step 60 \(rank {rank}\)")
     job._interrupt()
     results = wait(job)
     assert len(results) == 2

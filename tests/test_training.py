@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_ddp.launch.local import PEER_GRACE_S, failure_line, failure_to_report
+from hpc_ddp.launch.rank_exits import PEER_GRACE_S, failure_line, failure_to_report
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError, lost_peer
 from hpc_ddp.runtime.loop.metrics import PENDING_MAX, Sums
 from hpc_ddp.runtime.loop.replicas import replica_entries, replica_fingerprint

@@ -20,6 +20,7 @@ from typing import Any
 
 from hpc_ddp.cli.commands import check_settings, local_words, program_arguments, with_settings
 from hpc_ddp.launch.program import DEFAULT_CONFIG, Program
+from hpc_ddp.launch.rank_exits import stop_code
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.safefiles import folder_made
 from hpc_ddp.runtime.tracking.record import read_status
@@ -80,30 +81,6 @@ def _ran(code: int, phase: str, folder: Path, expected: tuple[int, ...]) -> None
         "make the script run under that launcher first (hpc-ddp local, or torchrun), then "
         "check its resume",
     )
-
-
-#: What torchrun's agent exits with when a worker exited with another code than 0 (the stop's
-#: own code included: torchrun reports it as a failed worker).
-TORCHRUN_WORKER_FAILED = 1
-
-
-def stop_code(
-    code: int, status: Mapping[str, Any] | None, launched_unix: float, at_step: int
-) -> int:
-    """A run's exit code under torchrun as ``hpc-ddp local`` gives it: torchrun reports any
-    worker's non-zero exit as its own 1, the stop's included, so a 1 is the stop's code where
-    the run's record (``status``) says this launch stopped at ``at_step`` (written after it
-    began: a launch that failed before writing leaves the earlier stop's record)."""
-    if code != TORCHRUN_WORKER_FAILED or status is None:
-        return code
-    updated = status.get("updated")
-    stopped_here = (
-        status.get("state") == "stopped"
-        and status.get("global_step") == at_step
-        and isinstance(updated, int | float)
-        and updated >= launched_unix
-    )
-    return EXIT_STOPPED if stopped_here else code
 
 
 def check_environment(environ: Mapping[str, str]) -> dict[str, str]:
@@ -308,8 +285,12 @@ def _compare_runs(args: argparse.Namespace, program: Program, folder: Path) -> b
         tolerance,
     )  # fmt: skip
     logs = [(folder / f"{phase}.log").read_text(errors="replace") for phase in PHASES]
-    answer = verdict(found, logged, resumed_step, stop, across, resume_warnings(logs))
+    warned = resume_warnings(logs)
+    answer = verdict(found, logged, resumed_step, stop, across, warned)
     print(f"check-resume: {answer.what}")
+    for warning in warned:  # each one the answer does not give already
+        if warning.partition(" HINT: ")[0].rstrip(".") not in answer.what:
+            print(f"  the runs also warned: {warning}")
     if not answer.exact:
         for difference in found[:8]:
             print(f"  {difference.key}: {difference.straight} never stopped, "

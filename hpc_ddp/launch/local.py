@@ -15,12 +15,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
 from hpc_ddp.launch.output import LOCK_VAR, PREFIX_VAR
 from hpc_ddp.launch.program import Program
+from hpc_ddp.launch.rank_exits import failure_line, failure_to_report
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.place.env import LOCAL_RUN_ID_VAR, available_cpus
 from hpc_ddp.runtime.place.plan import threads_per_rank
@@ -28,8 +29,6 @@ from hpc_ddp.runtime.preempt.exit_signals import ignore_until_exit
 
 STOP_GRACE_S = 10.0
 POLL_INTERVAL_S = 0.1
-#: How long a rank that lost a peer waits for the rank that went away to be seen exiting.
-PEER_GRACE_S = 5.0
 
 
 def free_loopback_port() -> int:
@@ -113,63 +112,6 @@ def end_leftovers(processes: list[subprocess.Popen[bytes]]) -> None:
         deadline = time.monotonic() + STOP_GRACE_S
         while time.monotonic() < deadline and any(_group_alive(group) for group in alive):
             time.sleep(POLL_INTERVAL_S)
-
-
-def failure_to_report(
-    codes: Sequence[int | None], lost_peer_for_s: float
-) -> tuple[int, int] | None:
-    """The (rank, exit code) that ends the run, or None to keep waiting.
-
-    ``codes`` are the ranks' exit codes so far (None: running). A rank that lost a peer
-    (EXIT_PEER_LOST) is a consequence and often exits before the rank that went away, so the
-    cause is waited for, up to PEER_GRACE_S, and named instead. A rank that stopped on a
-    signal after the common checkpoint (EXIT_STOPPED) is no failure.
-    """
-    failed = [
-        (rank, code)
-        for rank, code in enumerate(codes)
-        if code is not None and code not in (0, EXIT_STOPPED)
-    ]
-    causes = [(rank, code) for rank, code in failed if code != EXIT_PEER_LOST]
-    if causes:
-        return causes[0]
-    if failed and (lost_peer_for_s >= PEER_GRACE_S or None not in codes):
-        return failed[0]
-    return None
-
-
-def failure_line(rank: int, code: int, codes: Sequence[int | None]) -> str:
-    """What the launcher says of the failure that ends the run. A rank that lost contact
-    with a peer names the rank that left early when one ended well (0, or stopped) while
-    the others trained on (``sys.exit`` inside the loop): that one is the cause."""
-    if code < 0:
-        return f"rank {rank} {killed_by(-code)}"
-    if code != EXIT_PEER_LOST:
-        return f"rank {rank} exited with code {code}"
-    early = [(other, done) for other, done in enumerate(codes) if done in (0, EXIT_STOPPED)]
-    if early:
-        other, done = early[0]
-        return (
-            f"rank {other} left the run early (exit code {done}) while the others trained "
-            f"on, and rank {rank} lost contact with it"
-        )
-    return f"rank {rank} exited with code {code} (it lost contact with another rank)"
-
-
-def killed_by(number: int) -> str:
-    """How a rank ended by signal ``number`` is told (exit code 128 + number)."""
-    try:
-        name = signal.Signals(number).name
-    except ValueError:
-        name = f"signal {number}"
-    said = f"was ended by {name} (exit code {128 + number})"
-    if number == signal.SIGABRT:
-        said += (
-            ": an abort in native code (its last lines above say where; gloo's 'collective "
-            "mismatch' means the ranks called different collectives, such as a wrapped "
-            "model's forward on one rank only)"
-        )
-    return said
 
 
 def supervise(processes: list[subprocess.Popen[bytes]]) -> int:

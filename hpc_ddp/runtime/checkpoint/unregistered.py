@@ -32,6 +32,24 @@ NOTHING_REGISTERED = (
 )
 
 
+#: What is said of an optimizer that steps a registered model unregistered (its kind, the
+#: models' names).
+OPTIMIZER_NOT_REGISTERED = (
+    "an optimizer ({kind}) steps the registered {models} but is not registered"
+)
+#: What is said of models given to run.wrap and not registered: one of them, several.
+MODEL_NOT_REGISTERED = (
+    "a model given to run.wrap ({models}) is not registered",
+    "models given to run.wrap ({models}) are not registered",
+)
+REGISTER_EVERY_MODEL = (
+    "register every model trained and its optimizer, e.g. run.register(model=model, "
+    "optimizer=optimizer, critic=critic, critic_optimizer=critic_optimizer)"
+)
+#: What is said of run.state values that differ between the ranks (their keys).
+STATE_DIFFERS = "run.state differs between the ranks ({keys})"
+
+
 def holds(value: object, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``value`` is ``optimizer`` or an optimizer wrapping it, whose state holds it
     (ZeroRedundancyOptimizer keeps its inner one); a scheduler, which keeps its optimizer
@@ -59,56 +77,58 @@ def unregistered_optimizer_hint(
     if not models:
         return None
     return (
-        f"an optimizer ({type(optimizer).__name__}) steps the registered "
-        f"{', '.join(models)} but is not registered: a resume restarts its state (momentum, "
+        OPTIMIZER_NOT_REGISTERED.format(kind=type(optimizer).__name__, models=", ".join(models))
+        + ": a resume restarts its state (momentum, "
         "Adam's moments, its step count) and goes on differently from an uninterrupted run. "
         "HINT: run.register(model=model, optimizer=optimizer, scheduler=...) with every "
         "object whose state training changes"
     )
 
 
+def held_parameters(registered: Mapping[str, object]) -> set[int]:
+    """The ids of the parameters a checkpoint keeps: of each registered module, and of the
+    modules an object of the script's own holds (``run.register(gan=GanState(G, D))``)."""
+    modules = [value for value in registered.values() if isinstance(value, nn.Module)]
+    modules += [
+        inner
+        for value in registered.values()
+        if not isinstance(value, nn.Module) and hasattr(value, "__dict__")
+        for inner in vars(value).values()
+        if isinstance(inner, nn.Module)
+    ]
+    return {id(parameter) for module in modules for parameter in module.parameters()}
+
+
+def _ordinal(number: int) -> str:
+    suffix = (
+        "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    )
+    return f"{number}{suffix}"
+
+
 def unregistered_models_hint(
     registered: Mapping[str, object], wrapped: Sequence[nn.Module]
 ) -> str | None:
-    """What a resume would get wrong when a model given to ``run.wrap`` is not registered:
-    one is registered when it, its wrapper or a registered module holding its parameters is
-    (None: every one is)."""
-    held = {
-        id(parameter)
-        for value in registered.values()
-        if isinstance(value, nn.Module)
-        for parameter in value.parameters()
-    }
-    modules = {id(value) for value in registered.values() if isinstance(value, nn.Module)}
-    modules |= {id(value.module) for value in registered.values() if hasattr(value, "module")}
-    missing = [
-        type(model).__name__
-        for model in wrapped
-        if id(model) not in modules and not any(id(p) in held for p in model.parameters())
-    ]
+    """What a resume would get wrong when a model given to ``run.wrap`` trains parameters
+    no checkpoint keeps (None: none does). A frozen model (no parameter that requires a
+    gradient, as a teacher's) has nothing to lose."""
+    held = held_parameters(registered)
+    missing = []
+    for place, model in enumerate(wrapped, start=1):
+        trained = [p for p in model.parameters() if p.requires_grad]
+        if any(id(parameter) not in held for parameter in trained):
+            count = sum(parameter.numel() for parameter in trained)
+            missing.append(f"the {_ordinal(place)}: {type(model).__name__}, {count:,} parameters")
     if not missing:
         return None
-    which = ", ".join(missing)
-    return (
-        f"{'a model' if len(missing) == 1 else 'models'} given to run.wrap ({which}) "
-        f"{'is' if len(missing) == 1 else 'are'} not registered: a checkpoint leaves out "
-        "its weights and a resume starts them again from their first values, with its "
-        "optimizer's state. HINT: register every model trained and its optimizer, e.g. "
-        "run.register(model=model, optimizer=optimizer, critic=critic, "
-        "critic_optimizer=critic_optimizer)"
-    )
-
-
-#: How the warnings of state a resume gets wrong begin (these, and the one for a
-#: ``run.train_loader`` iterated without ``run.steps``): ``check-resume`` names them first.
-LOSES_WORK = (
-    NOTHING_REGISTERED.split(":")[0],
-    "an optimizer (",
-    "a model given to run.wrap (",
-    "models given to run.wrap (",
-    "run.state differs between the ranks (",
-    "run.train_loader(...) is iterated directly",
-)
+    if len(missing) == 1:
+        said = MODEL_NOT_REGISTERED[0].format(models=missing[0])
+        lost = "its weights and a resume starts them again from their first values, with its"
+        return (f"{said}: a checkpoint leaves out {lost} optimizer's state. HINT: "
+                f"{REGISTER_EVERY_MODEL}")  # fmt: skip
+    said = MODEL_NOT_REGISTERED[1].format(models="; ".join(missing))
+    lost = "their weights and a resume starts them again from their first values, with their"
+    return f"{said}: a checkpoint leaves out {lost} optimizers' state. HINT: {REGISTER_EVERY_MODEL}"
 
 
 class RegistrationWatch:
@@ -164,7 +184,7 @@ class RegistrationWatch:
         if differing and not self._said_state and self._say is not None:
             self._said_state = True
             self._say(
-                f"run.state differs between the ranks ({', '.join(differing)}): a checkpoint "
+                STATE_DIFFERS.format(keys=", ".join(differing)) + ": a checkpoint "
                 "keeps rank 0's values, and a resume gives them to every rank. HINT: keep "
                 "state that differs from rank to rank in an object registered with "
                 "run.register_per_rank(...)"

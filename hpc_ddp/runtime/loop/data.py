@@ -18,6 +18,12 @@ from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.streams import move_to
 from hpc_ddp.runtime.place.plan import micro_batch_size
 
+#: Said once when a run.train_loader is iterated without run.steps.
+ITERATED_DIRECTLY = (
+    "run.train_loader(...) is iterated directly: no stops, checkpoints, resume or metrics "
+    "between its steps, and the run counts none of them. HINT: for batch in run.steps(loader):"
+)
+
 
 class StepLoader(Protocol):
     """A loader that positions itself by optimizer step, as :meth:`hpc_ddp.Run.train_loader`'s
@@ -182,11 +188,7 @@ class TrainLoader(DeviceBatches):
     def __iter__(self) -> Iterator[Any]:
         if not self._positioned and not self._warned and self.rank == 0:
             self._warned = True
-            get_logger().warning(
-                "run.train_loader(...) is iterated directly: no stops, checkpoints, resume "
-                "or metrics between its steps, and the run counts none of them. HINT: "
-                "for batch in run.steps(loader):"
-            )
+            get_logger().warning(ITERATED_DIRECTLY)
         self._positioned = False
         return super().__iter__()
 
