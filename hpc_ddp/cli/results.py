@@ -13,15 +13,14 @@ def runs(args: argparse.Namespace) -> int:
     from hpc_ddp.view.runs import find_run, find_runs, format_run, format_runs
 
     given = Path(args.output_dir)
-    if not given.exists() and Path("runs").is_dir():  # NAME under ./runs: its runs
-        named = [run for run in find_runs(Path("runs")) if run.name == args.output_dir]
-        if named:
-            print(format_runs(named))
-            return 0
     if (given / STATUS_FILE).is_file() or (not given.exists() and Path("runs").is_dir()):
         try:  # a run directory, or NAME/ID or ID under ./runs
             run = find_run(args.output_dir, Path("runs"))
         except HpcDdpError as error:
+            named = [each for each in find_runs(Path("runs")) if each.name == args.output_dir]
+            if named:  # a NAME under ./runs: its runs
+                print(format_runs(named))
+                return 0
             raise HpcDdpError(
                 f"no such directory: {given}, and {error.message}",
                 "pass the run.output_dir your runs write to (default: runs), or one run as NAME/ID",

@@ -121,14 +121,13 @@ def unregistered_models_hint(
             missing.append(f"the {_ordinal(place)}: {type(model).__name__}, {count:,} parameters")
     if not missing:
         return None
-    if len(missing) == 1:
-        said = MODEL_NOT_REGISTERED[0].format(models=missing[0])
-        lost = "its weights and a resume starts them again from their first values, with its"
-        return (f"{said}: a checkpoint leaves out {lost} optimizer's state. HINT: "
-                f"{REGISTER_EVERY_MODEL}")  # fmt: skip
-    said = MODEL_NOT_REGISTERED[1].format(models="; ".join(missing))
-    lost = "their weights and a resume starts them again from their first values, with their"
-    return f"{said}: a checkpoint leaves out {lost} optimizers' state. HINT: {REGISTER_EVERY_MODEL}"
+    one = len(missing) == 1
+    said = MODEL_NOT_REGISTERED[0 if one else 1].format(models="; ".join(missing))
+    its, optimizers = ("its", "optimizer's") if one else ("their", "optimizers'")
+    return (
+        f"{said}: a checkpoint leaves out {its} weights and a resume starts them again from "
+        f"their first values, with {its} {optimizers} state. HINT: {REGISTER_EVERY_MODEL}"
+    )
 
 
 class RegistrationWatch:
@@ -197,12 +196,16 @@ class RegistrationWatch:
         if not self._registry.objects:
             self._say(NOTHING_REGISTERED)
         else:
-            registered = {**self._registry.objects, **self._registry.per_rank}
+            registered = self._registry_now()
             hint = unregistered_models_hint(registered, self._wrapped)
             if hint is not None:
                 self._say(hint)
         if self._handle is None:
             self._handle = register_optimizer_step_pre_hook(self._check)
+
+    def _registry_now(self) -> dict[str, Any]:
+        """Every registered object, per rank ones included, as registered at this moment."""
+        return {**self._registry.objects, **self._registry.per_rank}
 
     def close(self) -> None:
         if self._handle is not None:
@@ -213,7 +216,7 @@ class RegistrationWatch:
         if self._said_optimizer or optimizer in self._checked:
             return
         self._checked.add(optimizer)
-        registered = {**self._registry.objects, **self._registry.per_rank}
+        registered = self._registry_now()
         hint = unregistered_optimizer_hint(registered, optimizer)
         if hint is not None and self._say is not None and not self._said_optimizer:
             # Said once; the hook stays until close(): removing it here would change the
