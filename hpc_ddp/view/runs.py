@@ -224,7 +224,7 @@ def find_run(spec: str, output_dir: Path) -> RunView:
             f"{spec!r} is a run name with {len(named)} run(s) in {output_dir}, newest first: "
             + ", ".join(named[:5])
             + (", ..." if len(named) > 5 else ""),
-            f"give one as NAME/ID, e.g. {named[0]} (hpc-ddp runs {output_dir} lists them all)",
+            f"give one as NAME/ID, e.g. {named[0]} (the newest)",
         )
     if not matches:
         if (direct / "sweep.json").is_file():  # the sweep's record, sweep/manifest.py
