@@ -7,9 +7,11 @@ two slurmd on this machine; a second physical host cannot exist here.)"""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -245,3 +247,34 @@ def test_a_snapshot_job_runs_the_submitted_code_after_an_edit_and_through_a_requ
     assert [attempt["script"] for attempt in attempts] == [str(copy / "train.py")] * 2
     assert [attempt["git_commit"] for attempt in attempts] == [commit] * 2
     assert [attempt["snapshot"] for attempt in attempts] == [str(copy)] * 2
+
+
+def test_a_job_suspended_longer_than_its_stall_timeout_trains_on_when_resumed(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """`scontrol suspend` stops every task with SIGSTOP (as gang scheduling, or an
+    administrator, does); resumed after twice the script's dist.stall_timeout_s (3 s), the job
+    trains on and completes: the time its processes did not run is not a stall, and each rank
+    says so. Before, every rank's watchdog fired at the resume and the job failed."""
+    work = prepare_workdir(tmp_path)
+    release = work / "release"
+    program = str(REPO / "tests" / "programs" / "suspended.py")
+    job = slurm.sbatch(["--nodes=2", "--ntasks-per-node=1", TRAIN, program, str(release)], work)
+    log_path = work / f"hpc-ddp-{job}.out"
+    for rank in (0, 1):
+        slurm.wait_for_log(log_path, rf"TRAINING \(rank {rank},")
+    assert slurm.run(["scontrol", "suspend", job], work).returncode == 0
+    assert slurm.state(job) == "SUSPENDED"
+    # How long the job stays suspended, not a wait for an event: longer changes nothing.
+    time.sleep(2 * 3)
+    assert slurm.run(["scontrol", "resume", job], work).returncode == 0
+    release.touch()
+    state = slurm.wait(job, timeout=120)
+    log = log_path.read_text()
+    assert state == "COMPLETED", log[-3000:]
+    for rank in (0, 1):
+        stopped = rf"{rank}: .* rank {rank} did not run for \d+ s \(its process was stopped"
+        assert re.search(stopped, log), log[-3000:]
+    released = re.findall(r"RELEASED at step (\d+) \(rank (\d)\)", log)
+    assert len(released) == 2 and released[0][0] == released[1][0], released
+    assert "stalled" not in log, log[-3000:]

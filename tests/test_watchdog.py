@@ -241,6 +241,34 @@ def test_a_stall_timeout_that_is_not_positive_is_refused(value: str, tmp_path: P
     assert f"dist.stall_timeout_s={float(value)!r} is invalid" in result.stderr
 
 
+def test_time_the_process_did_not_run_is_not_a_stall(caplog: pytest.LogCaptureFixture) -> None:
+    """On a clock moved by hand: a look at the heartbeat that comes long after the one before
+    (the process was stopped: SIGSTOP, `scontrol suspend`, a host that hung) leaves that time
+    out, and says so; the watch goes on counting from where it was, and a stall after it
+    still fires."""
+    clock = HandClock()
+    watchdog = StallWatchdog(
+        timeout_s=4, first_timeout_s=4, rank=1, where=str, end_run=lambda: None, clock=clock
+    )
+    try:
+        watchdog.arm()
+        clock.now += 3
+        assert watchdog.check() is None
+        clock.now += 600.5  # the next look, 10 minutes late: the process did not run
+        assert watchdog.check() is None, "a suspension is not a stall"
+        assert "rank 1 did not run for 600 s" in caplog.text
+        assert "does not count towards dist.stall_timeout_s" in caplog.text
+        clock.now += 0.5
+        assert watchdog.check() is None, "4 s counted: 3 before, one look's 0.5 s, 0.5 after"
+        clock.now += 1
+        assert watchdog.check() == 5.0, "the time before the stop still counts"
+        watchdog.beat()
+        clock.now += 4.75
+        assert watchdog.check() == 4.75, "a look 4.75 s after the last (a busy machine) counts"
+    finally:
+        watchdog.close()
+
+
 @pytest.mark.parametrize("stopped", [1, 0], ids=["rank-1", "rank-0-holding-the-store"])
 @pytest.mark.e2e
 def test_a_stall_report_names_the_rank_that_stopped_answering(stopped: int, tmp_path: Path) -> None:

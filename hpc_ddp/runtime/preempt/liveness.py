@@ -8,7 +8,10 @@ compared across hosts: one an hour behind names no one.
 Each write carries the rank's node (Slurm's name for it: a frozen node's rank is named with
 it, and the batch script leaves that node out) and its place (in the training loop, or out
 of it after a step and why), so a report also names a rank that left the loop while the
-others went on: its batches ran out first, or it broke out of the loop."""
+others went on: its batches ran out first, or it broke out of the loop.
+
+A rank also tells whether its own process ran (:class:`ProcessStops`): time in which it was
+stopped is not a stall of its own."""
 
 from __future__ import annotations
 
@@ -20,6 +23,9 @@ from typing import Any
 
 #: How long one store call may take before the store counts as not answering.
 STORE_TIMEOUT_S = 5.0
+#: A look this late after the one before means the process did not run meanwhile (a busy
+#: machine delays a thread by far less).
+NOT_RUNNING_S = 5.0
 
 
 IN_LOOP = "in the training loop"
@@ -178,3 +184,27 @@ class Liveness:
         """Each rank's count of "alive" writes (None: it made none)."""
         keys = {rank: f"{self._prefix}{rank}" for rank in ranks}
         return {rank: store.get(key) if store.check([key]) else None for rank, key in keys.items()}
+
+
+class ProcessStops:
+    """The time in which this process did not run, as the looks of a thread that looks every
+    ``period_s`` find it: a look more than NOT_RUNNING_S after the one before finds the
+    process stopped in between (SIGSTOP, ``scontrol suspend``, a host that hung), for all
+    but one period of that time."""
+
+    def __init__(self, period_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.period_s = period_s
+        self._clock = clock
+        self._looked = clock()
+        #: Seconds this process did not run, in all.
+        self.total_s = 0.0
+
+    def look(self) -> float:
+        """Seconds the process did not run since the last look (0.0: it ran)."""
+        now = self._clock()
+        late = now - self._looked - self.period_s
+        self._looked = now
+        if late <= NOT_RUNNING_S - self.period_s:
+            return 0.0
+        self.total_s += late
+        return late

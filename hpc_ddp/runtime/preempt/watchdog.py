@@ -10,7 +10,10 @@ launcher then ends the other ranks. A rank whose main thread only waits inside t
 other ranks, or its device) exits with :data:`EXIT_PEER_LOST` instead, a consequence: the
 ranks stall at the same moment, and the launcher names the one stuck in the user's code or a
 DataLoader worker, whichever exits first. Evaluation between epochs and checkpoint writes are not
-watched: they are bounded by ``dist.timeout_s``.
+watched: they are bounded by ``dist.timeout_s``. Time in which the process itself did not run
+(stopped by SIGSTOP or ``scontrol suspend``, or on a host that hung) is not a stall: a job
+resumed after a suspension goes on, and a rank frozen while the others went on finds their
+end in its next collective (a lost peer, as the others' reports name it).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STALLED
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.preempt.liveness import Liveness
+from hpc_ddp.runtime.preempt.liveness import Liveness, ProcessStops
 from hpc_ddp.runtime.turns import OutputTurns
 
 #: Seconds between the watchdog's looks at the heartbeat.
@@ -106,6 +109,9 @@ class StallWatchdog:
         self._end_run = end_run
         self._main = threading.main_thread()
         self._last = clock()
+        self._stops = ProcessStops(CHECK_PERIOD_S, clock)
+        #: The stops' total as of the last beat: later ones do not count towards the wait.
+        self._stopped_at_last = 0.0
         self._allowed = self.first_timeout_s
         self.armed = False
         self._resting = False
@@ -119,6 +125,7 @@ class StallWatchdog:
 
     def arm(self) -> None:
         """Watch from now on (a training loop begins or goes on)."""
+        self._stopped_at_last = self._stops.total_s
         self._last = self._clock()
         self.armed = True
         if self._liveness is not None:
@@ -126,6 +133,7 @@ class StallWatchdog:
 
     def beat(self) -> None:
         """A micro-batch finished: training makes progress (a watch at rest goes on)."""
+        self._stopped_at_last = self._stops.total_s
         self._last = self._clock()
         self._allowed = self.timeout_s
         if self._resting:
@@ -167,13 +175,29 @@ class StallWatchdog:
             self._liveness.close()
 
     def overdue(self) -> float | None:
-        """Seconds without a heartbeat, once past what is allowed while armed; else None."""
-        waited = self._clock() - self._last
+        """Seconds without a heartbeat, once past what is allowed while armed; else None.
+        Time the process did not run, as :meth:`check` found it, does not count."""
+        stopped = self._stops.total_s - self._stopped_at_last
+        waited = self._clock() - self._last - stopped
         return waited if self.armed and waited > self._allowed else None
 
+    def check(self) -> float | None:
+        """One look at the heartbeat (:meth:`overdue`), made every CHECK_PERIOD_S; time in
+        which the process did not run (:class:`ProcessStops`) does not count, and an armed
+        watch says so."""
+        stopped = self._stops.look()
+        if stopped and self.armed:
+            get_logger().warning(
+                f"rank {self.rank} did not run for {stopped:.0f} s (its process was stopped: "
+                "SIGSTOP, a suspended job, or a host that hung); that time does not count "
+                "towards dist.stall_timeout_s"
+            )
+        return self.overdue()
+
     def _watch(self) -> None:
+        self._stops.look()  # the thread's first look: no time between it and the start counts
         while not self._closed.wait(CHECK_PERIOD_S):
-            waited = self.overdue()
+            waited = self.check()
             if waited is not None:
                 self._fire(waited)
                 return
@@ -194,38 +218,50 @@ class StallWatchdog:
             os._exit(stall_exit_code(stuck, self._liveness is not None))
 
     def report_stall(self, waited: float) -> str:
-        """Write the stall's report (the line naming the rank, every thread's stack, the
-        line ending the job) in one turn; return where the main thread is stuck, in words."""
+        """Write the stall's report (:func:`write_stall_report`); return where the main thread
+        is stuck, in words."""
         frame = sys._current_frames().get(self._main.ident or -1)
         stuck = where_stuck(frame)
         others = self._liveness.silent_ranks() if self._liveness is not None else ""
-        log = get_logger()
-        stacks = thread_stacks()
-        sys.stdout.flush()  # before the turn: a rank's labelled stdout takes turns itself
-        # The ranks stall together: each one's stacks go out whole, not woven into another's.
-        with self._output.turn(OUTPUT_TURN_WAIT_S):
-            log.error(
-                f"rank {self.rank} stalled: no training step finished for {waited:.0f} s "
-                f"(dist.stall_timeout_s={self.timeout_s:g}) at {self._where()}; its main "
-                f"thread is {stuck}" + (f"; {others}" if others else "") + ". Every thread's "
-                "stack follows."
-            )
-            for handler in log.handlers:
-                handler.flush()
-            if stacks is None:
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            else:
-                sys.stderr.write(stacks)
-            sys.stderr.flush()
-            log.error(
-                f"rank {self.rank} ends the job: stalled {stuck}"
-                + (f"; {others}" if others else "")
-                + ". HINT: the stack above shows "
-                "where; a rank inside torch waits for another one (look for the rank stalled "
-                "in its own code or in a DataLoader worker); raise dist.stall_timeout_s if a "
-                "step legitimately takes this long"
-            )
+        stalled = (
+            f"no training step finished for {waited:.0f} s (dist.stall_timeout_s="
+            f"{self.timeout_s:g}) at {self._where()}"
+        )
+        write_stall_report(self.rank, stalled, stuck, others, self._output)
         return stuck
+
+
+def write_stall_report(
+    rank: int, stalled: str, stuck: str, others: str, output: OutputTurns
+) -> None:
+    """The report of a rank that ``stalled`` (what, and where in the run) with its main thread
+    ``stuck`` (:func:`where_stuck`), and what its ``others`` say (the silent ranks): the line
+    naming the rank, every thread's stack, the line ending the job, in one turn."""
+    log = get_logger()
+    stacks = thread_stacks()
+    sys.stdout.flush()  # before the turn: a rank's labelled stdout takes turns itself
+    # The ranks stall together: each one's stacks go out whole, not woven into another's.
+    with output.turn(OUTPUT_TURN_WAIT_S):
+        log.error(
+            f"rank {rank} stalled: {stalled}; its main thread is {stuck}"
+            + (f"; {others}" if others else "")
+            + ". Every thread's stack follows."
+        )
+        for handler in log.handlers:
+            handler.flush()
+        if stacks is None:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        else:
+            sys.stderr.write(stacks)
+        sys.stderr.flush()
+        log.error(
+            f"rank {rank} ends the job: stalled {stuck}"
+            + (f"; {others}" if others else "")
+            + ". HINT: the stack above shows "
+            "where; a rank inside torch waits for another one (look for the rank stalled "
+            "in its own code or in a DataLoader worker); raise dist.stall_timeout_s if a "
+            "step legitimately takes this long"
+        )
 
 
 def thread_stacks() -> str | None:
