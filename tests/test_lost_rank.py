@@ -159,6 +159,23 @@ def test_the_batch_script_reads_torchruns_report_only_under_the_torchrun_templat
     )
 
 
+def test_a_rank_killed_while_it_reports_its_own_stall_blames_no_host() -> None:
+    """The rank stalled in its own code writes its report (a read of the others' liveness,
+    the run's end) while its peer, waiting inside torch, exits at once: srun may then kill
+    it. The stall is the program's, not its host's."""
+    stalled = (
+        "1: 21:04:46 [rank 1/2] ERROR rank 1 stalled: no training step finished for 20 s "
+        "(dist.stall_timeout_s=20) at epoch 0, step 4; its main thread is in train.py:9"
+    )
+    lines = [stalled, "srun: error: node1: task 0: Exited with exit code 4",
+             "srun: error: node2: task 1: Killed"]  # fmt: skip
+    assert lost_rank(lines) is None
+    assert blamed_host(lines, None) is None
+    other = stalled.replace("rank 1 stalled", "rank 0 stalled")
+    killed = LostRank("node2", "task 1 on node2 was killed by SIGKILL")
+    assert lost_rank([other, *lines[1:]]) == killed, "another rank's stall does not excuse it"
+
+
 def test_a_rank_a_stall_report_names_as_silent_blames_its_node() -> None:
     report = (
         "0: 21:04:46 [rank 0/2] ERROR rank 0 ends the job: stalled inside torch; these ranks "

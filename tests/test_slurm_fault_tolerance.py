@@ -48,7 +48,8 @@ SMALL = ["data.num_samples=3072", "data.batch_size=96", "train.epochs=2", "train
 
 def rank_pid(job_id: str, rank: int, timeout: float = 60) -> int:
     """PID of the training task of ``job_id`` (tasks share this machine's PID space) whose
-    SLURM_PROCID is ``rank``."""
+    SLURM_PROCID is ``rank``: a python process (srun's own command line names the program
+    too, and the batch step's environment has SLURM_PROCID=0)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for entry in Path("/proc").iterdir():
@@ -60,7 +61,8 @@ def rank_pid(job_id: str, rank: int, timeout: float = 60) -> int:
             except OSError:
                 continue
             if (
-                b"hpc_ddp.train" in cmdline
+                Path(cmdline.split(b"\0")[0].decode(errors="replace")).name.startswith("python")
+                and b"hpc_ddp.train" in cmdline
                 and f"SLURM_JOB_ID={job_id}".encode() in environ
                 and f"SLURM_PROCID={rank}".encode() in environ
             ):
@@ -650,6 +652,8 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(
         "checkpoint.every_steps=5",
         "checkpoint.keep_last=2",
         "train.epochs=1000",
+        # A rank killed outright is read as its host's loss: no requeue on another node here.
+        "preempt.max_node_failures=0",
     ]
     job = slurm.sbatch(["--ntasks-per-node=2", TRAIN, *common], work)
     checkpoints = work / "runs" / "synthetic-mlp" / job / "checkpoints"
@@ -665,6 +669,8 @@ def test_kill_during_a_checkpoint_write_keeps_the_previous_one(
         time.sleep(0.002)
     assert partial, "never caught a checkpoint being written"
     assert slurm.wait(job, timeout=90) == "FAILED"
+    first_log = (work / f"hpc-ddp-{job}.out").read_text()
+    assert re.search(r"task 0: Killed", first_log), first_log[-2000:]
     previous = list_checkpoints(checkpoints)[0]
     previous_step = int(load_checkpoint(previous)["global_step"])
 

@@ -249,32 +249,45 @@ def test_a_snapshot_job_runs_the_submitted_code_after_an_edit_and_through_a_requ
     assert [attempt["snapshot"] for attempt in attempts] == [str(copy)] * 2
 
 
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` (of this machine: the test cluster's nodes share it) is
+    stopped (state T, after SIGSTOP)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return fields[0] == "T"
+
+
 def test_a_job_suspended_longer_than_its_stall_timeout_trains_on_when_resumed(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     """`scontrol suspend` stops every task with SIGSTOP (as gang scheduling, or an
-    administrator, does); resumed after twice the script's dist.stall_timeout_s (3 s), the job
-    trains on and completes: the time its processes did not run is not a stall, and each rank
-    says so. Before, every rank's watchdog fired at the resume and the job failed."""
+    administrator, does); resumed 10 s after both ranks stopped (twice the script's
+    dist.stall_timeout_s, 5 s), the job trains on and completes: the time its processes did
+    not run is not a stall, and each rank says so. Before, every rank's watchdog fired at the
+    resume and the job failed."""
     work = prepare_workdir(tmp_path)
     release = work / "release"
     program = str(REPO / "tests" / "programs" / "suspended.py")
     job = slurm.sbatch(["--nodes=2", "--ntasks-per-node=1", TRAIN, program, str(release)], work)
     log_path = work / f"hpc-ddp-{job}.out"
+    pids = []
     for rank in (0, 1):
-        slurm.wait_for_log(log_path, rf"TRAINING \(rank {rank},")
+        text = slurm.wait_for_log(log_path, rf"TRAINING \(rank {rank}, pid \d+\)")
+        pids.append(int(re.findall(rf"TRAINING \(rank {rank}, pid (\d+)\)", text)[0]))
     assert slurm.run(["scontrol", "suspend", job], work).returncode == 0
-    assert slurm.state(job) == "SUSPENDED"
+    deadline = time.monotonic() + 60
+    while not all(map(stopped, pids)):  # slurmd stops the tasks after scontrol returns
+        assert time.monotonic() < deadline, "the ranks were not stopped within 60 s"
+        time.sleep(0.05)
     # How long the job stays suspended, not a wait for an event: longer changes nothing.
-    time.sleep(2 * 3)
+    time.sleep(10)
     assert slurm.run(["scontrol", "resume", job], work).returncode == 0
     release.touch()
     state = slurm.wait(job, timeout=120)
     log = log_path.read_text()
     assert state == "COMPLETED", log[-3000:]
     for rank in (0, 1):
-        stopped = rf"{rank}: .* rank {rank} did not run for \d+ s \(its process was stopped"
-        assert re.search(stopped, log), log[-3000:]
+        said = rf"{rank}: .* rank {rank} did not run for \d+ s \(its process was stopped"
+        assert re.search(said, log), log[-3000:]
     released = re.findall(r"RELEASED at step (\d+) \(rank (\d)\)", log)
     assert len(released) == 2 and released[0][0] == released[1][0], released
     assert "stalled" not in log, log[-3000:]

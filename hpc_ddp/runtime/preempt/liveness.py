@@ -199,9 +199,10 @@ class ProcessStops:
         #: Seconds this process did not run, in all.
         self.total_s = 0.0
 
-    def look(self) -> float:
-        """Seconds the process did not run since the last look (0.0: it ran)."""
-        now = self._clock()
+    def look(self, now: float | None = None) -> float:
+        """Seconds the process did not run between the last look and this one, at ``now``
+        (the clock's time by default); 0.0: it ran."""
+        now = self._clock() if now is None else now
         late = now - self._looked - self.period_s
         self._looked = now
         if late <= NOT_RUNNING_S - self.period_s:

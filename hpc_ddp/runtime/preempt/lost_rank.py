@@ -1,7 +1,8 @@
 """A rank lost to its host. When srun's step fails, slurm/train.sh's batch script reads what
 srun said of each task's end and blames the host of the first task that ended when the
 ending is the host's kind: a signal the rank did not ask for (SIGKILL with no out-of-memory
-kill, SIGSEGV, SIGBUS, SIGILL), or the rank's own report that its device failed (exit code
+kill, and not of a rank killed while it reported its own stall; SIGSEGV, SIGBUS,
+SIGILL), or the rank's own report that its device failed (exit code
 EXIT_DEVICE_ERROR). A rank that only lost its peer (EXIT_PEER_LOST) is passed over: its
 ending may reach srun before the cause's. The endings after the cause follow from it (srun
 ends the step with SIGTERM), and an exit code of the program's own is the program's fault.
@@ -48,6 +49,9 @@ _HOST_SIGNALS = {
 }
 #: slurmstepd's lines when the job's memory limit killed a process: the program's fault.
 _OUT_OF_MEMORY = re.compile(r"oom[-_ ]kill|Exceeded (?:job|step) memory limit", re.IGNORECASE)
+#: A rank's stall report (hpc_ddp.runtime.preempt.watchdog): srun may kill that rank while it
+#: writes it (its peer, waiting inside torch, ended first), and the stall is the program's.
+_STALLED = re.compile(r"\brank (?P<rank>\d+) stalled: ")
 
 
 @dataclass(frozen=True)
@@ -74,10 +78,21 @@ def lost_rank(lines: Sequence[str]) -> LostRank | None:
     if ending in _HOST_SIGNALS:
         if ending == "Killed" and any(_OUT_OF_MEMORY.search(line) for line in lines):
             return None
+        if ending == "Killed" and _reported_a_stall(first["tasks"], lines):
+            return None
         return LostRank(first["host"], f"{where} {were} killed by {_HOST_SIGNALS[ending]}")
     if ending == f"Exited with exit code {EXIT_DEVICE_ERROR}":
         return LostRank(first["host"], f"{where} reported a failed device")
     return None
+
+
+def _reported_a_stall(tasks: str, lines: Sequence[str]) -> bool:
+    """Whether the rank of srun's ``tasks`` ("task 1": one task per rank) reported a stall of
+    its own in ``lines``."""
+    task = tasks.removeprefix("task ")
+    return task.isdigit() and any(
+        found["rank"] == task for found in map(_STALLED.search, lines) if found
+    )
 
 
 #: torchrun's account of the round of workers that failed last, when its restarts ran out

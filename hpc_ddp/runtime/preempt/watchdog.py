@@ -174,25 +174,27 @@ class StallWatchdog:
         if self._liveness is not None:
             self._liveness.close()
 
-    def overdue(self) -> float | None:
-        """Seconds without a heartbeat, once past what is allowed while armed; else None.
-        Time the process did not run, as :meth:`check` found it, does not count."""
+    def overdue(self, now: float | None = None) -> float | None:
+        """Seconds without a heartbeat at ``now`` (the clock's time by default), once past
+        what is allowed while armed; else None. Time the process did not run, as
+        :meth:`check` found it, does not count."""
         stopped = self._stops.total_s - self._stopped_at_last
-        waited = self._clock() - self._last - stopped
+        waited = (self._clock() if now is None else now) - self._last - stopped
         return waited if self.armed and waited > self._allowed else None
 
     def check(self) -> float | None:
         """One look at the heartbeat (:meth:`overdue`), made every CHECK_PERIOD_S; time in
         which the process did not run (:class:`ProcessStops`) does not count, and an armed
         watch says so."""
-        stopped = self._stops.look()
+        now = self._clock()  # one time for both: a stop between two reads would count
+        stopped = self._stops.look(now)
         if stopped and self.armed:
             get_logger().warning(
                 f"rank {self.rank} did not run for {stopped:.0f} s (its process was stopped: "
                 "SIGSTOP, a suspended job, or a host that hung); that time does not count "
                 "towards dist.stall_timeout_s"
             )
-        return self.overdue()
+        return self.overdue(now)
 
     def _watch(self) -> None:
         self._stops.look()  # the thread's first look: no time between it and the start counts
