@@ -30,6 +30,7 @@ from hpc_ddp.runtime.preempt.job_end import (
     parse_time_left,
     stop_time,
 )
+from hpc_ddp.runtime.preempt.liveness import ProcessStops
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.joining import resolve_launch
 from hpc_ddp.runtime.tracking.base import NullTracker
@@ -102,6 +103,38 @@ def test_the_stop_begins_when_the_time_left_is_what_a_stop_needs(
     job_end = JobEnd(lambda: 200.0, every_s=None, clock=clock).start()
     watch = StopBeforeEnd(job_end, lambda: save_s, margin_s=60.0, clock=clock)
     assert first_due(watch, clock, every_s=1.0) == due_at
+
+
+def test_a_suspension_is_no_gap_between_checks_and_the_end_is_read_again_after_it() -> None:
+    """The job ends at 1300 and checks once a second, its watchdog looking every 0.5 s.
+    Suspended for 100 s (nothing ran), it is resumed with Slurm's end moved by as much: the
+    end is read again at the next check, and the suspension is no gap between checks, so the
+    stop comes when the moved end is near, not at the resume. Before, the 100 s gap made a
+    stop need over 200 s and the end was the old one: the job stopped and requeued at once."""
+    clock = HandClock(1000.0)
+    slurm_end = [1300.0]
+    job_end = JobEnd(lambda: slurm_end[0] - clock.now, every_s=None, clock=clock).start()
+    stops = ProcessStops(0.5, clock)
+    stops.look()
+    watch = StopBeforeEnd(job_end, lambda: 4.0, 60.0, clock=clock, stopped_s=stops.total_at)
+
+    def second_of_training() -> bool:
+        """One check, then a second with the watchdog's two looks; whether the stop was due."""
+        due = watch.due()
+        for _ in range(2):
+            clock.now += 0.5
+            stops.look()
+        return due
+
+    assert not any(second_of_training() for _ in range(10))
+    clock.now += 100  # suspended
+    slurm_end[0] += 100
+    assert not watch.due(), "the check after the resume, before the watchdog's next look"
+    assert job_end.end == 1400.0, "read again"
+    while not second_of_training():
+        pass
+    # The gap across the suspension counts 1.5 s: its second, and one look's period of it.
+    assert clock.now - 1.0 == 1400.0 - (4.0 + 2 * 1.5 + 60.0)
 
 
 def test_only_a_slurm_job_that_asks_reads_its_end() -> None:

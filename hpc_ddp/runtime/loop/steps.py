@@ -28,7 +28,7 @@ from hpc_ddp.runtime.loop.position import Limits, Position
 from hpc_ddp.runtime.loop.stopper import Stopper
 from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
 from hpc_ddp.runtime.place.dist import all_gather_object, same_on_all_ranks
-from hpc_ddp.runtime.preempt.liveness import Liveness
+from hpc_ddp.runtime.preempt.liveness import Liveness, ProcessStops
 from hpc_ddp.runtime.preempt.watchdog import StallWatchdog
 from hpc_ddp.runtime.turns import LOCK_VAR, OutputTurns
 
@@ -67,8 +67,11 @@ def left_early(step: int, steps_left: float, ran_out: bool) -> str | None:
     return None
 
 
-def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | None:
-    """The stall watchdog for this rank's steps (None: ``dist.stall_timeout_s`` is off)."""
+def start_watchdog(
+    context: RunContext, position: Position, stops: ProcessStops
+) -> StallWatchdog | None:
+    """The stall watchdog for this rank's steps (None: ``dist.stall_timeout_s`` is off); its
+    looks find the time this process did not run (``stops``)."""
     settings = context.config.dist
     if settings.stall_timeout_s is None:
         return None
@@ -100,6 +103,7 @@ def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | N
         lambda: context.tracker.finish("FAILED"),
         liveness,
         output=OutputTurns(context.environ.get(LOCK_VAR)),
+        stops=stops,
     ).start()
 
 
@@ -140,7 +144,7 @@ class StepLoop:
         self.context.times.training_began()
         self.stopper.begin()
         self.metrics.progress = Progress(self.limits.max_steps, enabled=self.context.env.is_main)
-        self._watchdog = start_watchdog(self.context, self.position)
+        self._watchdog = start_watchdog(self.context, self.position, self.stopper.stops)
         gc.freeze()
 
     # -- epochs and steps ---------------------------------------------------------------------

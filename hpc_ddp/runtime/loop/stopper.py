@@ -21,11 +21,13 @@ from hpc_ddp.runtime.monitor.timeline import this_process_start_unix
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.place.slurm import queue_job_id
 from hpc_ddp.runtime.preempt.job_end import StopBeforeEnd, job_end_for
+from hpc_ddp.runtime.preempt.liveness import ProcessStops
 from hpc_ddp.runtime.preempt.lost_rank import write_handoff
 from hpc_ddp.runtime.preempt.node_record import requeues_for_nodes
 from hpc_ddp.runtime.preempt.progress import no_progress_refusal, record_attempt
 from hpc_ddp.runtime.preempt.requeue import requeue_job
 from hpc_ddp.runtime.preempt.signals import StepAgreement
+from hpc_ddp.runtime.preempt.watchdog import CHECK_PERIOD_S
 
 
 def own_command() -> Sequence[str]:
@@ -63,10 +65,18 @@ def continue_hint(
 class Stopper:
     """Decides with the other ranks when to stop or save, and carries a stop out."""
 
-    def __init__(self, context: RunContext, position: Position, checkpointer: Checkpointer) -> None:
+    def __init__(
+        self,
+        context: RunContext,
+        position: Position,
+        checkpointer: Checkpointer,
+        stops: ProcessStops | None = None,
+    ) -> None:
         self.context = context
         self.position = position
         self.checkpointer = checkpointer
+        #: The time this process did not run (a suspended job), for the watch on the job's end.
+        self.stops = stops or ProcessStops(CHECK_PERIOD_S)
         self._agreement: StepAgreement | None = None
         self._before_end: StopBeforeEnd | None = None
 
@@ -82,7 +92,9 @@ class Stopper:
             write_handoff(self.context.environ, self.context.run_dir, preempt, "training")
         job_end = job_end_for(self.context.environ, preempt) if self.context.env.is_main else None
         if job_end is not None:
-            self._before_end = StopBeforeEnd(job_end.start(), self._save_s, preempt.end_margin_s)
+            self._before_end = StopBeforeEnd(
+                job_end.start(), self._save_s, preempt.end_margin_s, stopped_s=self.stops.total_at
+            )
             self._before_end.say_when()
 
     def decide(self) -> tuple[bool, bool]:

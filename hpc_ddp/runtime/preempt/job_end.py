@@ -142,7 +142,9 @@ class StopBeforeEnd:
     (the time left is what a stop needs: ``save_s()``, two of the longest gaps between stop
     checks seen after the first, ``margin_s``). An end already nearer than that at the first
     check is left to Slurm's signals (a stop at once would only requeue the job again and
-    again); a later move of the end arms the watch again."""
+    again); a later move of the end arms the watch again. ``stopped_s``: the seconds this
+    process did not run, in all (a suspended job: no gap between checks, and Slurm moves the
+    job's end by it, read again at the next check)."""
 
     def __init__(
         self,
@@ -150,11 +152,14 @@ class StopBeforeEnd:
         save_s: Callable[[], float | None],
         margin_s: float,
         clock: Callable[[], float] = time.monotonic,
+        stopped_s: Callable[[], float] = float,
     ) -> None:
         self.job_end = job_end
         self._save_s = save_s
         self._margin_s = margin_s
         self._clock = clock
+        self._stopped_s = stopped_s
+        self._stopped_at_check = 0.0
         self._last_check: float | None = None
         self._longest_gap = 0.0
         self._end_too_near: float | None = None
@@ -175,10 +180,13 @@ class StopBeforeEnd:
     def due(self) -> bool:
         """Whether the stop must begin now (said once when it must); called at each stop
         check, whose spacing it measures (the first gap holds the warm-up: not counted)."""
-        now, first = self._clock(), self._last_check is None
+        now, first, stopped = self._clock(), self._last_check is None, self._stopped_s()
         if self._last_check is not None:
-            self._longest_gap = max(self._longest_gap, now - self._last_check)
-        self._last_check = now
+            not_running = stopped - self._stopped_at_check
+            self._longest_gap = max(self._longest_gap, now - self._last_check - not_running)
+            if not_running > 0:
+                self.job_end.refresh()
+        self._last_check, self._stopped_at_check = now, stopped
         left, end = self.job_end.left(), self.job_end.end
         if left is None or end == self._end_too_near:
             return False

@@ -190,22 +190,43 @@ class ProcessStops:
     """The time in which this process did not run, as the looks of a thread that looks every
     ``period_s`` find it: a look more than NOT_RUNNING_S after the one before finds the
     process stopped in between (SIGSTOP, ``scontrol suspend``, a host that hung), for all
-    but one period of that time."""
+    but one period of that time. Other threads read the total (:meth:`total_at`)."""
 
     def __init__(self, period_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.period_s = period_s
         self._clock = clock
-        self._looked = clock()
-        #: Seconds this process did not run, in all.
-        self.total_s = 0.0
+        self._lock = threading.Lock()
+        self._looked: float | None = None  # None: no thread looks (yet, or any more)
+        self._total_s = 0.0
 
     def look(self, now: float | None = None) -> float:
         """Seconds the process did not run between the last look and this one, at ``now``
-        (the clock's time by default); 0.0: it ran."""
+        (the clock's time by default); 0.0: it ran, or this is the first look."""
         now = self._clock() if now is None else now
-        late = now - self._looked - self.period_s
-        self._looked = now
-        if late <= NOT_RUNNING_S - self.period_s:
-            return 0.0
-        self.total_s += late
-        return late
+        with self._lock:
+            late = 0.0 if self._looked is None else now - self._looked - self.period_s
+            self._looked = now
+            if late <= NOT_RUNNING_S - self.period_s:
+                return 0.0
+            self._total_s += late
+            return late
+
+    @property
+    def total_s(self) -> float:
+        """Seconds this process did not run, in all, as the looks so far found it (read
+        without the lock: a step's heartbeat reads it)."""
+        return self._total_s
+
+    def stop_looking(self) -> None:
+        """The looks end: :meth:`total_at` counts no stop after the last one."""
+        with self._lock:
+            self._looked = None
+
+    def total_at(self, now: float | None = None) -> float:
+        """Seconds this process did not run, in all, up to ``now``: with a stop the looking
+        thread has not looked at yet (woken from it with the rest of the process, it looks
+        within a period, but another thread may read first)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            late = 0.0 if self._looked is None else now - self._looked - self.period_s
+            return self._total_s + (late if late > NOT_RUNNING_S - self.period_s else 0.0)

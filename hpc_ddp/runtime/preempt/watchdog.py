@@ -98,6 +98,7 @@ class StallWatchdog:
         liveness: Liveness | None = None,
         clock: Callable[[], float] = time.monotonic,
         output: OutputTurns | None = None,
+        stops: ProcessStops | None = None,
     ) -> None:
         self.timeout_s = timeout_s
         self._output = output or OutputTurns(None)
@@ -109,7 +110,8 @@ class StallWatchdog:
         self._end_run = end_run
         self._main = threading.main_thread()
         self._last = clock()
-        self._stops = ProcessStops(CHECK_PERIOD_S, clock)
+        #: The time this process did not run, as this watchdog's looks find it.
+        self.stops = stops or ProcessStops(CHECK_PERIOD_S, clock)
         #: The stops' total as of the last beat: later ones do not count towards the wait.
         self._stopped_at_last = 0.0
         self._allowed = self.first_timeout_s
@@ -125,7 +127,7 @@ class StallWatchdog:
 
     def arm(self) -> None:
         """Watch from now on (a training loop begins or goes on)."""
-        self._stopped_at_last = self._stops.total_s
+        self._stopped_at_last = self.stops.total_s
         self._last = self._clock()
         self.armed = True
         if self._liveness is not None:
@@ -133,7 +135,7 @@ class StallWatchdog:
 
     def beat(self) -> None:
         """A micro-batch finished: training makes progress (a watch at rest goes on)."""
-        self._stopped_at_last = self._stops.total_s
+        self._stopped_at_last = self.stops.total_s
         self._last = self._clock()
         self._allowed = self.timeout_s
         if self._resting:
@@ -171,6 +173,7 @@ class StallWatchdog:
     def close(self) -> None:
         self.armed = False
         self._closed.set()
+        self.stops.stop_looking()
         if self._liveness is not None:
             self._liveness.close()
 
@@ -178,7 +181,7 @@ class StallWatchdog:
         """Seconds without a heartbeat at ``now`` (the clock's time by default), once past
         what is allowed while armed; else None. Time the process did not run, as
         :meth:`check` found it, does not count."""
-        stopped = self._stops.total_s - self._stopped_at_last
+        stopped = self.stops.total_s - self._stopped_at_last
         waited = (self._clock() if now is None else now) - self._last - stopped
         return waited if self.armed and waited > self._allowed else None
 
@@ -187,7 +190,7 @@ class StallWatchdog:
         which the process did not run (:class:`ProcessStops`) does not count, and an armed
         watch says so."""
         now = self._clock()  # one time for both: a stop between two reads would count
-        stopped = self._stops.look(now)
+        stopped = self.stops.look(now)
         if stopped and self.armed:
             get_logger().warning(
                 f"rank {self.rank} did not run for {stopped:.0f} s (its process was stopped: "
@@ -197,7 +200,7 @@ class StallWatchdog:
         return self.overdue(now)
 
     def _watch(self) -> None:
-        self._stops.look()  # the thread's first look: no time between it and the start counts
+        self.stops.look()  # the thread's first look: no time between it and the start counts
         while not self._closed.wait(CHECK_PERIOD_S):
             waited = self.check()
             if waited is not None:
