@@ -114,7 +114,7 @@ def test_a_suspension_is_no_gap_between_checks_and_the_end_is_read_again_after_i
     clock = HandClock(1000.0)
     slurm_end = [1300.0]
     job_end = JobEnd(lambda: slurm_end[0] - clock.now, every_s=None, clock=clock).start()
-    stops = ProcessStops(0.5, clock)
+    stops = ProcessStops(0.5, clock, cpu_clock=HandClock(0.0))  # no CPU time: stopped
     stops.look()
     watch = StopBeforeEnd(job_end, lambda: 4.0, 60.0, clock=clock, stopped_s=stops.total_at)
 

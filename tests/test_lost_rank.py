@@ -171,9 +171,15 @@ def test_a_rank_killed_while_it_reports_its_own_stall_blames_no_host() -> None:
              "srun: error: node2: task 1: Killed"]  # fmt: skip
     assert lost_rank(lines) is None
     assert blamed_host(lines, None) is None
-    other = stalled.replace("rank 1 stalled", "rank 0 stalled")
     killed = LostRank("node2", "task 1 on node2 was killed by SIGKILL")
-    assert lost_rank([other, *lines[1:]]) == killed, "another rank's stall does not excuse it"
+    other = stalled.replace("1: ", "0: ", 1).replace("rank 1", "rank 0")
+    assert lost_rank([other, *lines[1:]]) == killed, "another task's stall does not excuse it"
+    device = stalled.replace("is in train.py:9", "is inside torch, waiting for other ranks or "
+                             "the device (called from train.py:9)")  # fmt: skip
+    assert lost_rank([device, *lines[1:]]) == killed, "one waiting for its device may be the host's"
+    # Under the torchrun template srun's task is a node's agent, and its label is the task's.
+    agent = stalled.replace("[rank 1/2] ERROR rank 1", "[rank 3/4] ERROR rank 3")
+    assert lost_rank([agent, *lines[1:]]) is None
 
 
 def test_a_rank_a_stall_report_names_as_silent_blames_its_node() -> None:

@@ -260,8 +260,8 @@ def test_a_job_suspended_longer_than_its_stall_timeout_trains_on_when_resumed(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     """`scontrol suspend` stops every task with SIGSTOP (as gang scheduling, or an
-    administrator, does); resumed 10 s after both ranks stopped (twice the script's
-    dist.stall_timeout_s, 5 s), the job trains on and completes: the time its processes did
+    administrator, does); resumed 20 s after both ranks stopped (twice the script's
+    dist.stall_timeout_s, 10 s), the job trains on and completes: the time its processes did
     not run is not a stall, and each rank says so; rank 0 reads the job's end again, which
     Slurm moved by the suspension. Before, every rank's watchdog fired at the resume and the
     job failed, and the end was read again only after preempt.end_check_every_s (300 s)."""
@@ -280,10 +280,10 @@ def test_a_job_suspended_longer_than_its_stall_timeout_trains_on_when_resumed(
         assert time.monotonic() < deadline, "the ranks were not stopped within 60 s"
         time.sleep(0.05)
     # How long the job stays suspended, not a wait for an event: longer changes nothing.
-    time.sleep(10)
+    time.sleep(20)
     assert slurm.run(["scontrol", "resume", job], work).returncode == 0
     # Slurm's end moves by the suspension (its run time leaves it out; squeue says whole
-    # seconds, so about 10 s): read again at the first stop check, not 300 s later.
+    # seconds, so about 20 s): read again at the first stop check, not 300 s later.
     slurm.wait_for_log(log_path, r"the job's end moved \+\d+ s")
     release.touch()
     state = slurm.wait(job, timeout=120)

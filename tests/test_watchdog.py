@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STALLED
+from hpc_ddp.runtime.preempt.liveness import ProcessStops
 from hpc_ddp.runtime.preempt.watchdog import (
+    CHECK_PERIOD_S,
     INSIDE_TORCH,
     StallWatchdog,
     stall_exit_code,
@@ -242,14 +244,16 @@ def test_a_stall_timeout_that_is_not_positive_is_refused(value: str, tmp_path: P
 
 
 def test_time_the_process_did_not_run_is_not_a_stall(caplog: pytest.LogCaptureFixture) -> None:
-    """On a clock moved by hand: a look at the heartbeat that comes long after the one before
-    (the process was stopped: SIGSTOP, `scontrol suspend`, a host that hung) leaves that time
-    out, and says so; the watch goes on counting from where it was, and a stall after it
-    still fires."""
-    clock = HandClock()
+    """On clocks moved by hand (the time, and the process's CPU time): a look at the heartbeat
+    that comes long after the one before with no CPU time used meanwhile (the process was
+    stopped: SIGSTOP, `scontrol suspend`, a host that hung) leaves that time out, and says so
+    once; the watch goes on counting from where it was, and a stall after it still fires. A
+    late look after CPU time was used (a thread held the interpreter) counts the time."""
+    clock, cpu = HandClock(), HandClock(0.0)
     watchdog = StallWatchdog(
-        timeout_s=4, first_timeout_s=4, rank=1, where=str, end_run=lambda: None, clock=clock
-    )
+        timeout_s=4, first_timeout_s=4, rank=1, where=str, end_run=lambda: None, clock=clock,
+        stops=ProcessStops(CHECK_PERIOD_S, clock, cpu),
+    )  # fmt: skip
     try:
         watchdog.arm()
         clock.now += 3
@@ -265,6 +269,14 @@ def test_time_the_process_did_not_run_is_not_a_stall(caplog: pytest.LogCaptureFi
         watchdog.beat()
         clock.now += 4.75
         assert watchdog.check() == 4.75, "a look 4.75 s after the last (a busy machine) counts"
+        watchdog.beat()
+        clock.now += 30.5  # stopped again: counted the same way, not said again
+        assert watchdog.check() is None
+        assert caplog.text.count("did not run for") == 1
+        watchdog.beat()
+        clock.now += 10.5
+        cpu.now += 10.0  # the main thread held the interpreter: the process ran
+        assert watchdog.check() == 10.5, "a long hold of the interpreter is a stall"
     finally:
         watchdog.close()
 

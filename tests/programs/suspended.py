@@ -14,7 +14,7 @@ import hpc_ddp
 
 release = Path(sys.argv[1])
 run = hpc_ddp.start(
-    tracking={"enabled": False}, checkpoint={"enabled": False}, dist={"stall_timeout_s": 5}
+    tracking={"enabled": False}, checkpoint={"enabled": False}, dist={"stall_timeout_s": 10}
 )
 model = run.wrap(torch.nn.Linear(2, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -93,7 +93,10 @@ class Stopper:
         job_end = job_end_for(self.context.environ, preempt) if self.context.env.is_main else None
         if job_end is not None:
             self._before_end = StopBeforeEnd(
-                job_end.start(), self._save_s, preempt.end_margin_s, stopped_s=self.stops.total_at
+                job_end.start(),
+                self._save_s,
+                preempt.end_margin_s,
+                stopped_s=self.stops.total_at,
             )
             self._before_end.say_when()
 

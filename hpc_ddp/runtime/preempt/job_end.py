@@ -142,9 +142,9 @@ class StopBeforeEnd:
     (the time left is what a stop needs: ``save_s()``, two of the longest gaps between stop
     checks seen after the first, ``margin_s``). An end already nearer than that at the first
     check is left to Slurm's signals (a stop at once would only requeue the job again and
-    again); a later move of the end arms the watch again. ``stopped_s``: the seconds this
-    process did not run, in all (a suspended job: no gap between checks, and Slurm moves the
-    job's end by it, read again at the next check)."""
+    again); a later move of the end arms the watch again. ``stopped_s(now)``: the seconds
+    this process did not run, in all, up to ``now`` (a suspended job: no gap between checks,
+    and Slurm moves the job's end by it, read again at the next check)."""
 
     def __init__(
         self,
@@ -152,7 +152,7 @@ class StopBeforeEnd:
         save_s: Callable[[], float | None],
         margin_s: float,
         clock: Callable[[], float] = time.monotonic,
-        stopped_s: Callable[[], float] = float,
+        stopped_s: Callable[[float], float] = lambda now: 0.0,
     ) -> None:
         self.job_end = job_end
         self._save_s = save_s
@@ -180,11 +180,12 @@ class StopBeforeEnd:
     def due(self) -> bool:
         """Whether the stop must begin now (said once when it must); called at each stop
         check, whose spacing it measures (the first gap holds the warm-up: not counted)."""
-        now, first, stopped = self._clock(), self._last_check is None, self._stopped_s()
+        now, first = self._clock(), self._last_check is None
+        stopped = self._stopped_s(now)
         if self._last_check is not None:
             not_running = stopped - self._stopped_at_check
             self._longest_gap = max(self._longest_gap, now - self._last_check - not_running)
-            if not_running > 0:
+            if not_running >= SAME_END_S:  # not a few more seconds of a stop already seen
                 self.job_end.refresh()
         self._last_check, self._stopped_at_check = now, stopped
         left, end = self.job_end.left(), self.job_end.end

@@ -187,46 +187,52 @@ class Liveness:
 
 
 class ProcessStops:
-    """The time in which this process did not run, as the looks of a thread that looks every
-    ``period_s`` find it: a look more than NOT_RUNNING_S after the one before finds the
-    process stopped in between (SIGSTOP, ``scontrol suspend``, a host that hung), for all
-    but one period of that time. Other threads read the total (:meth:`total_at`)."""
+    """The time in which this process did not run, as the looks of one thread that looks
+    every ``period_s`` find it: a look more than NOT_RUNNING_S after the one before, with the
+    process's CPU time (``cpu_clock``) grown by less than half of that, finds the process
+    stopped in between (SIGSTOP, ``scontrol suspend``, a host that hung), for all but one
+    period of that time. A late look after CPU time was used is a thread that held the
+    interpreter that long: the process ran. Other threads read the total (:meth:`total_at`)."""
 
-    def __init__(self, period_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        period_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        cpu_clock: Callable[[], float] = time.process_time,
+    ) -> None:
         self.period_s = period_s
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._looked: float | None = None  # None: no thread looks (yet, or any more)
-        self._total_s = 0.0
+        self._clock, self._cpu_clock = clock, cpu_clock
+        #: (the last look's time and CPU time, None when no thread looks; the seconds this
+        #: process did not run, in all): replaced whole by the looking thread, read whole by
+        #: others without a lock.
+        self._state: tuple[tuple[float, float] | None, float] = (None, 0.0)
+
+    def _late(self, looked: tuple[float, float] | None, now: float) -> float:
+        """Seconds this process did not run between the look ``looked`` and ``now``."""
+        if looked is None:
+            return 0.0
+        late = now - looked[0] - self.period_s
+        if late <= NOT_RUNNING_S - self.period_s:
+            return 0.0
+        return late if self._cpu_clock() - looked[1] < late / 2 else 0.0
 
     def look(self, now: float | None = None) -> float:
         """Seconds the process did not run between the last look and this one, at ``now``
         (the clock's time by default); 0.0: it ran, or this is the first look."""
         now = self._clock() if now is None else now
-        with self._lock:
-            late = 0.0 if self._looked is None else now - self._looked - self.period_s
-            self._looked = now
-            if late <= NOT_RUNNING_S - self.period_s:
-                return 0.0
-            self._total_s += late
-            return late
-
-    @property
-    def total_s(self) -> float:
-        """Seconds this process did not run, in all, as the looks so far found it (read
-        without the lock: a step's heartbeat reads it)."""
-        return self._total_s
+        looked, total = self._state
+        stopped = self._late(looked, now)
+        self._state = ((now, self._cpu_clock()), total + stopped)
+        return stopped
 
     def stop_looking(self) -> None:
-        """The looks end: :meth:`total_at` counts no stop after the last one."""
-        with self._lock:
-            self._looked = None
+        """The looks end (called by the looking thread): :meth:`total_at` counts no stop
+        after the last one."""
+        self._state = (None, self._state[1])
 
-    def total_at(self, now: float | None = None) -> float:
+    def total_at(self, now: float) -> float:
         """Seconds this process did not run, in all, up to ``now``: with a stop the looking
         thread has not looked at yet (woken from it with the rest of the process, it looks
         within a period, but another thread may read first)."""
-        now = self._clock() if now is None else now
-        with self._lock:
-            late = 0.0 if self._looked is None else now - self._looked - self.period_s
-            return self._total_s + (late if late > NOT_RUNNING_S - self.period_s else 0.0)
+        looked, total = self._state
+        return total + self._late(looked, now)

@@ -49,9 +49,13 @@ _HOST_SIGNALS = {
 }
 #: slurmstepd's lines when the job's memory limit killed a process: the program's fault.
 _OUT_OF_MEMORY = re.compile(r"oom[-_ ]kill|Exceeded (?:job|step) memory limit", re.IGNORECASE)
-#: A rank's stall report (hpc_ddp.runtime.preempt.watchdog): srun may kill that rank while it
-#: writes it (its peer, waiting inside torch, ended first), and the stall is the program's.
-_STALLED = re.compile(r"\brank (?P<rank>\d+) stalled: ")
+#: A stall report (hpc_ddp.runtime.preempt.watchdog) by a rank stuck outside torch, after
+#: srun's label of its task: srun may kill that rank while it writes it (its peer, waiting
+#: inside torch, ended first), and the stall is the program's. One stuck inside torch may
+#: wait for its device.
+_STALLED = re.compile(
+    r"^\s*(?P<task>\d+): .*\brank \d+ stalled: (?!.*its main thread is inside torch)"
+)
 
 
 @dataclass(frozen=True)
@@ -87,11 +91,12 @@ def lost_rank(lines: Sequence[str]) -> LostRank | None:
 
 
 def _reported_a_stall(tasks: str, lines: Sequence[str]) -> bool:
-    """Whether the rank of srun's ``tasks`` ("task 1": one task per rank) reported a stall of
-    its own in ``lines``."""
+    """Whether a rank of srun's ``tasks`` ("task 1") reported a stall in its own code in
+    ``lines`` (under its task's label: a rank under slurm/train.sh, a node's ranks under the
+    torchrun template)."""
     task = tasks.removeprefix("task ")
     return task.isdigit() and any(
-        found["rank"] == task for found in map(_STALLED.search, lines) if found
+        found["task"] == task for found in map(_STALLED.search, lines) if found
     )
 
 

@@ -109,11 +109,12 @@ class StallWatchdog:
         self._where = where
         self._end_run = end_run
         self._main = threading.main_thread()
-        self._last = clock()
         #: The time this process did not run, as this watchdog's looks find it.
         self.stops = stops or ProcessStops(CHECK_PERIOD_S, clock)
-        #: The stops' total as of the last beat: later ones do not count towards the wait.
-        self._stopped_at_last = 0.0
+        #: When the last beat came, and the stops' total then (later stops do not count
+        #: towards the wait): one tuple, so the watchdog's thread never reads half of a beat.
+        self._beat = (clock(), 0.0)
+        self._said_stopped = False
         self._allowed = self.first_timeout_s
         self.armed = False
         self._resting = False
@@ -127,16 +128,16 @@ class StallWatchdog:
 
     def arm(self) -> None:
         """Watch from now on (a training loop begins or goes on)."""
-        self._stopped_at_last = self.stops.total_s
-        self._last = self._clock()
+        now = self._clock()
+        self._beat = (now, self.stops.total_at(now))
         self.armed = True
         if self._liveness is not None:
             self._liveness.entered_loop()
 
     def beat(self) -> None:
         """A micro-batch finished: training makes progress (a watch at rest goes on)."""
-        self._stopped_at_last = self.stops.total_s
-        self._last = self._clock()
+        now = self._clock()
+        self._beat = (now, self.stops.total_at(now))
         self._allowed = self.timeout_s
         if self._resting:
             self._resting = False
@@ -173,7 +174,6 @@ class StallWatchdog:
     def close(self) -> None:
         self.armed = False
         self._closed.set()
-        self.stops.stop_looking()
         if self._liveness is not None:
             self._liveness.close()
 
@@ -181,31 +181,36 @@ class StallWatchdog:
         """Seconds without a heartbeat at ``now`` (the clock's time by default), once past
         what is allowed while armed; else None. Time the process did not run, as
         :meth:`check` found it, does not count."""
-        stopped = self.stops.total_s - self._stopped_at_last
-        waited = (self._clock() if now is None else now) - self._last - stopped
+        now = self._clock() if now is None else now
+        last, stopped_then = self._beat
+        waited = now - last - (self.stops.total_at(now) - stopped_then)
         return waited if self.armed and waited > self._allowed else None
 
     def check(self) -> float | None:
         """One look at the heartbeat (:meth:`overdue`), made every CHECK_PERIOD_S; time in
         which the process did not run (:class:`ProcessStops`) does not count, and an armed
-        watch says so."""
+        watch says so (once: gang scheduling suspends a job every time slice)."""
         now = self._clock()  # one time for both: a stop between two reads would count
         stopped = self.stops.look(now)
-        if stopped and self.armed:
+        if stopped and self.armed and not self._said_stopped:
+            self._said_stopped = True
             get_logger().warning(
                 f"rank {self.rank} did not run for {stopped:.0f} s (its process was stopped: "
                 "SIGSTOP, a suspended job, or a host that hung); that time does not count "
-                "towards dist.stall_timeout_s"
+                "towards dist.stall_timeout_s (said once: later stops count the same way)"
             )
         return self.overdue(now)
 
     def _watch(self) -> None:
         self.stops.look()  # the thread's first look: no time between it and the start counts
-        while not self._closed.wait(CHECK_PERIOD_S):
-            waited = self.check()
-            if waited is not None:
-                self._fire(waited)
-                return
+        try:
+            while not self._closed.wait(CHECK_PERIOD_S):
+                waited = self.check()
+                if waited is not None:
+                    self._fire(waited)
+                    return
+        finally:  # by this thread alone: no look of its own comes after
+            self.stops.stop_looking()
 
     def _fire(self, waited: float) -> None:
         stuck = "in a place the report could not name"
