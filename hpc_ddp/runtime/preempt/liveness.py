@@ -235,4 +235,6 @@ class ProcessStops:
         thread has not looked at yet (woken from it with the rest of the process, it looks
         within a period, but another thread may read first)."""
         looked, total = self._state
+        if looked is None or now - looked[0] <= NOT_RUNNING_S:  # as at nearly every beat
+            return total
         return total + self._late(looked, now)
