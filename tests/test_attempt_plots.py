@@ -60,7 +60,7 @@ def test_each_attempt_is_a_bar_at_its_start_split_into_its_parts() -> None:
     assert [bar.start_s for bar in (first, killed, third)] == [0.0, 130.0, 230.0]
     assert first.parts == {"startup": 10.0, "resume": 0.0, "steps": 80.0, "redone": 0.0,
                            "checkpoint": 4.0, "evaluation": 0.0, "stop": 2.0, "end": 0.0,
-                           "other": 4.0}  # fmt: skip
+                           "suspended": 0.0, "other": 4.0}  # fmt: skip
     assert sum(first.parts.values()) == 100.0, "a bar is as long as the attempt's allocation"
     assert third.parts["redone"] == pytest.approx(84.0 * 40 / 140, abs=1e-3)
     assert killed.unsplit and killed.parts["other"] == 40.0
@@ -101,6 +101,28 @@ def test_the_picture_draws_every_part_where_it_happened(tmp_path: Path) -> None:
     legend = [text.get_text() for text in figure.legends[0].get_texts()]
     assert legend == ["startup", "resume", "redone", "steps", "checkpoint", "stop", "other",
                       "killed, not split"]  # fmt: skip
+
+
+def test_a_suspension_is_drawn_apart_and_goodput_is_of_the_time_charged(tmp_path: Path) -> None:
+    suspended = HandClock(0.0)
+    times = AttemptTimes(steps_s=30.0, paused_before_training_s=0.0, suspended=suspended)
+    suspended.now = 60.0  # scontrol suspend ... resume
+    account = attempt_account({"process_start_unix": 0.0, "training_unix": 10.0}, 100.0,
+                              times, 100, 0)  # fmt: skip
+    attempt = {"from_step": 0, "status": "finished", "last_step": 100, "ranks": 4,
+               "start_unix": 0.0, "end_unix": 100.0, "account": account}  # fmt: skip
+    run = load_run(run_with(tmp_path, [attempt]))
+    assert run is not None
+    figure = plot_goodput(run)
+    [axes] = figure.axes
+    cyan = to_rgba(PART_COLOURS["suspended"])
+    assert [(p.get_x(), p.get_width()) for p in axes.patches if p.get_facecolor() == cyan] == [
+        pytest.approx((40.0, 60.0))
+    ], "after start-up and steps, in one piece"
+    assert figure.get_suptitle() == (
+        "digits/a: goodput 75% of 40 s charged (100 s allocated, 60 s suspended), "
+        "0.0444 rank-hours, 0 s queued"
+    )
 
 
 def test_plot_goodput_writes_a_png_and_refuses_a_run_with_no_account(

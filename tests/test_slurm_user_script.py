@@ -18,6 +18,7 @@ import pytest
 from mlflow import MlflowClient
 
 from hpc_ddp.launch.jobs import submit, wait
+from hpc_ddp.runtime.monitor.account import PARTS
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from tests.helpers import REPO, clean_environ, read_summary
 from tests.programs import regression
@@ -263,8 +264,9 @@ def test_a_job_suspended_longer_than_its_stall_timeout_trains_on_when_resumed(
     administrator, does); resumed 20 s after both ranks stopped (twice the script's
     dist.stall_timeout_s, 10 s), the job trains on and completes: the time its processes did
     not run is not a stall, and each rank says so; rank 0 reads the job's end again, which
-    Slurm moved by the suspension. Before, every rank's watchdog fired at the resume and the
-    job failed, and the end was read again only after preempt.end_check_every_s (300 s)."""
+    Slurm moved by the suspension, and its time account has the suspension as a part of its
+    own (not steps). Before, every rank's watchdog fired at the resume and the job failed,
+    and the end was read again only after preempt.end_check_every_s (300 s)."""
     work = prepare_workdir(tmp_path)
     release = work / "release"
     program = str(REPO / "tests" / "programs" / "suspended.py")
@@ -295,3 +297,12 @@ def test_a_job_suspended_longer_than_its_stall_timeout_trains_on_when_resumed(
     released = re.findall(r"RELEASED at step (\d+) \(rank (\d)\)", log)
     assert len(released) == 2 and released[0][0] == released[1][0], released
     assert "stalled" not in log, log[-3000:]
+    [record] = list(work.rglob("attempts.json"))
+    [attempt] = json.loads(record.read_text())
+    account = attempt["account"]
+    # Stopped for 20 s or more, which looks 0.5 s apart find all but one period of.
+    assert account["suspended_s"] >= 19.0, account
+    parts = sum(account[f"{part}_s"] for part in PARTS)
+    assert parts == pytest.approx(account["allocation_s"], abs=0.01), account
+    charged = account["allocation_s"] - account["suspended_s"]
+    assert account["goodput_percent"] == pytest.approx(100 * account["steps_s"] / charged, abs=0.01)

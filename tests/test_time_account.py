@@ -13,6 +13,7 @@ import pytest
 from hpc_ddp.runtime.monitor.account import (
     PARTS,
     AttemptTimes,
+    StepsMark,
     account_line,
     attempt_account,
     redone_steps,
@@ -33,12 +34,12 @@ def test_the_steps_time_leaves_out_the_checkpoints_and_evaluations_made_inside_t
     times = AttemptTimes(clock=clock)
     with times.counting("resume"):
         clock.now += 3.0
-    paused = times.paused_s
+    began = times.mark()
     with times.counting("checkpoint"):  # a periodic save inside run.steps
         clock.now += 2.0
     with times.counting("evaluation"):  # an evaluation inside run.steps
         clock.now += 1.5
-    times.add_steps(10.0, paused)
+    times.add_steps(10.0, began)
     assert (times.resume_s, times.checkpoint_s, times.evaluation_s) == (3.0, 2.0, 1.5)
     assert times.steps_s == pytest.approx(6.5)
 
@@ -46,7 +47,7 @@ def test_the_steps_time_leaves_out_the_checkpoints_and_evaluations_made_inside_t
 def test_an_attempts_parts_add_up_to_its_allocation_and_redone_steps_are_not_goodput() -> None:
     timeline = {"process_start_unix": 1000.0, "entry_unix": 1003.0, "training_unix": 1012.0}
     times = AttemptTimes(resume_s=2.0, checkpoint_s=4.0, evaluation_s=6.0, steps_s=60.0)
-    times.add_steps(60.0, 0.0)  # the first run.steps began after nothing was paused
+    times.add_steps(60.0, StepsMark(0.0, 0.0))  # the first run.steps, nothing paused before
     times.steps_s = 60.0
     account = attempt_account(timeline, 1100.0, times, steps_taken=120, steps_redone=30)
     assert account == {
@@ -58,6 +59,7 @@ def test_an_attempts_parts_add_up_to_its_allocation_and_redone_steps_are_not_goo
         "evaluation_s": 6.0,
         "stop_s": 0.0,
         "end_s": 0.0,
+        "suspended_s": 0.0,
         "other_s": 18.0,
         "allocation_s": 100.0,
         "goodput_percent": 45.0,
@@ -71,13 +73,13 @@ def test_an_attempts_parts_add_up_to_its_allocation_and_redone_steps_are_not_goo
 def test_a_stop_agreed_inside_the_steps_is_the_stop_less_its_checkpoint() -> None:
     clock = HandClock()
     times = AttemptTimes(clock=clock)
-    paused = times.paused_s  # run.steps begins
+    began = times.mark()  # run.steps begins
     clock.now += 30.0  # steps
     times.begin_ending("stop")  # the ranks agreed to stop
     with times.counting("checkpoint"):  # the stop's checkpoint
         clock.now += 4.0
     clock.now += 1.5  # the requeue and the ranks' exchange
-    times.add_steps(35.5, paused)  # Stopped leaves run.steps
+    times.add_steps(35.5, began)  # Stopped leaves run.steps
     times.begin_ending("end")  # the end that follows a stop is part of the stop
     clock.now += 0.5
     assert times.steps_s == pytest.approx(30.0), "the stop is not a step"
@@ -90,7 +92,7 @@ def test_a_stop_agreed_inside_the_steps_is_the_stop_less_its_checkpoint() -> Non
 def test_the_end_after_the_last_step_is_its_own_part() -> None:
     clock = HandClock()
     times = AttemptTimes(clock=clock)
-    times.add_steps(20.0, times.paused_s)
+    times.add_steps(20.0, times.mark())
     clock.now += 20.0
     clock.now += 3.0  # the script's own work after training (in other)
     times.begin_ending("end")  # run.finish()
@@ -100,6 +102,35 @@ def test_the_end_after_the_last_step_is_its_own_part() -> None:
     account = attempt_account({"entry_unix": 0.0, "training_unix": 0.0}, 29.0, times, 10, 0)
     assert (account["end_s"], account["stop_s"], account["checkpoint_s"]) == (1.0, 0.0, 5.0)
     assert (account["steps_s"], account["other_s"]) == (20.0, 3.0)
+
+
+def test_time_the_process_did_not_run_is_suspended_not_the_part_it_fell_in() -> None:
+    clock, suspended = HandClock(0.0), HandClock(0.0)  # suspended: what the looks found
+    times = AttemptTimes(clock=clock, suspended=suspended)
+    clock.now += 2.0  # start-up
+    times.training_began()
+    began = times.mark()  # run.steps begins
+    clock.now += 10.0  # steps
+    clock.now += 60.0  # scontrol suspend ... resume, while a step ran
+    suspended.now += 60.0
+    with times.counting("checkpoint"):  # a save, suspended halfway
+        clock.now += 3.0
+        suspended.now += 20.0
+        clock.now += 20.0
+    clock.now += 5.0  # steps
+    times.begin_ending("stop")
+    clock.now += 1.0
+    suspended.now += 10.0  # suspended during the stop
+    clock.now += 10.0
+    times.add_steps(clock.now - 2.0, began)
+    account = attempt_account({"entry_unix": 0.0, "training_unix": 2.0}, clock.now, times, 10, 0)
+    assert (account["steps_s"], account["checkpoint_s"], account["stop_s"]) == (15.0, 3.0, 1.0)
+    assert (account["suspended_s"], account["startup_s"], account["other_s"]) == (90.0, 2.0, 0.0)
+    assert sum(account[f"{part}_s"] for part in PARTS) == account["allocation_s"] == 111.0
+    assert account["goodput_percent"] == round(100 * 15.0 / 21.0, 2), "of the time charged"
+    total = run_account([{"from_step": 0, "account": account, "ranks": 4}])
+    assert total["rank_hours"] == round(21.0 * 4 / 3600, 4), "a suspension is not charged"
+    assert total["goodput_percent"] == account["goodput_percent"]
 
 
 def test_an_account_recorded_before_the_stop_and_end_were_parts_still_reads() -> None:
@@ -285,7 +316,7 @@ def test_a_span_inside_another_counts_once_and_startup_leaves_out_work_before_tr
     with times.counting("evaluation"), times.counting("checkpoint"):
         clock.now += 1.0  # a save made while evaluating
     assert (times.evaluation_s, times.checkpoint_s) == (3.0, 0.0)
-    times.add_steps(10.0, times.paused_s)  # the first run.steps: all of it steps
+    times.add_steps(10.0, times.mark())  # the first run.steps: all of it steps
     account = attempt_account({"entry_unix": 0.0, "training_unix": 5.0}, 20.0, times, 10, 0)
     assert account["startup_s"] == 2.0, "the 3 s evaluated before training are not startup"
     assert sum(account[f"{part}_s"] for part in PARTS) == account["allocation_s"] == 20.0

@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--goodput", action="store_true",
         help="draw where each attempt's allocation went instead: one bar per attempt on the "
         "run's clock (gaps: the queue), split into start-up, resume, steps, redone, "
-        "checkpoints, evaluation and other",
+        "checkpoints, evaluation, the stop or end, suspended and other",
     )  # fmt: skip
 
     export = _command(

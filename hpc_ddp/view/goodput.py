@@ -27,12 +27,14 @@ PART_COLOURS = {
     "evaluation": "#8e24aa",
     "stop": "#fdd835",
     "end": "#6d4c41",
+    "suspended": "#4dd0e1",
     "other": "#d7ccc8",
 }
 
 #: The parts in the order a bar draws them: an attempt's redone steps are its first ones.
 DRAWN = (
-    "startup", "resume", "redone", "steps", "checkpoint", "evaluation", "stop", "end", "other",
+    "startup", "resume", "redone", "steps", "checkpoint", "evaluation", "stop", "end",
+    "suspended", "other",
 )  # fmt: skip
 
 #: The legend's name for an attempt killed outright, drawn hatched in one piece.
@@ -141,9 +143,14 @@ def plot_goodput(run: RunView) -> Any:
         fontsize="small", ncols=len(ranked), loc="outside lower center",
     )  # fmt: skip
     total = run_account(attempts)
+    allocated = f"{total['allocation_s'] / seconds:.3g} {unit} allocated"
+    if total["suspended_s"] > 0:  # goodput is of the time charged: Slurm's run time
+        allocated = (
+            f"{(total['allocation_s'] - total['suspended_s']) / seconds:.3g} {unit} charged "
+            f"({allocated}, {total['suspended_s'] / seconds:.3g} {unit} suspended)"
+        )
     figure.suptitle(
-        f"{run.name}/{run.run_id}: goodput {total['goodput_percent']:.0f}% of "
-        f"{total['allocation_s'] / seconds:.3g} {unit} allocated, "
+        f"{run.name}/{run.run_id}: goodput {total['goodput_percent']:.0f}% of {allocated}, "
         f"{total['rank_hours']:.3g} rank-hours, {total['queued_s'] / seconds:.3g} {unit} queued"
     )
     return figure

@@ -19,7 +19,9 @@ from hpc_ddp.runtime.monitor.forward.meter import ForwardMeter
 from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
 from hpc_ddp.runtime.place.env import DistEnv
 from hpc_ddp.runtime.place.plan import LaunchPlan
+from hpc_ddp.runtime.preempt.liveness import ProcessStops
 from hpc_ddp.runtime.preempt.signals import StopSignals
+from hpc_ddp.runtime.preempt.watchdog import CHECK_PERIOD_S
 from hpc_ddp.runtime.tracking.base import Tracker
 
 
@@ -48,7 +50,11 @@ class RunContext:
     values: dict[str, Any] = field(default_factory=dict)
     #: Models given to :meth:`hpc_ddp.Run.wrap` (their modules).
     wrapped: list[nn.Module] = field(default_factory=list)
-    #: This attempt's time in resumes, checkpoints, evaluation and steps.
+    #: The time this process did not run (a suspended job), as the stall watchdog's looks
+    #: find it; the stop before the job's end and the time account leave it out.
+    stops: ProcessStops = field(default_factory=lambda: ProcessStops(CHECK_PERIOD_S))
+    #: This attempt's time in resumes, checkpoints, evaluation and steps (built on
+    #: ``stops``: give both, or neither).
     times: AttemptTimes = field(default_factory=AttemptTimes)
     #: This rank's time in its wrapped models' forward (and their FLOPs, where counted).
     forward: ForwardMeter = field(

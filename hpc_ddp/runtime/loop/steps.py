@@ -28,7 +28,7 @@ from hpc_ddp.runtime.loop.position import Limits, Position
 from hpc_ddp.runtime.loop.stopper import Stopper
 from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
 from hpc_ddp.runtime.place.dist import all_gather_object, same_on_all_ranks
-from hpc_ddp.runtime.preempt.liveness import Liveness, ProcessStops
+from hpc_ddp.runtime.preempt.liveness import Liveness
 from hpc_ddp.runtime.preempt.watchdog import StallWatchdog
 from hpc_ddp.runtime.turns import LOCK_VAR, OutputTurns
 
@@ -67,11 +67,9 @@ def left_early(step: int, steps_left: float, ran_out: bool) -> str | None:
     return None
 
 
-def start_watchdog(
-    context: RunContext, position: Position, stops: ProcessStops
-) -> StallWatchdog | None:
+def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | None:
     """The stall watchdog for this rank's steps (None: ``dist.stall_timeout_s`` is off); its
-    looks find the time this process did not run (``stops``)."""
+    looks find the time this process did not run (``context.stops``)."""
     settings = context.config.dist
     if settings.stall_timeout_s is None:
         return None
@@ -103,7 +101,7 @@ def start_watchdog(
         lambda: context.tracker.finish("FAILED"),
         liveness,
         output=OutputTurns(context.environ.get(LOCK_VAR)),
-        stops=stops,
+        stops=context.stops,
     ).start()
 
 
@@ -144,7 +142,7 @@ class StepLoop:
         self.context.times.training_began()
         self.stopper.begin()
         self.metrics.progress = Progress(self.limits.max_steps, enabled=self.context.env.is_main)
-        self._watchdog = start_watchdog(self.context, self.position, self.stopper.stops)
+        self._watchdog = start_watchdog(self.context, self.position)
         gc.freeze()
 
     # -- epochs and steps ---------------------------------------------------------------------
@@ -179,7 +177,7 @@ class StepLoop:
         left = self.limits.steps_left(position, loader.steps_per_epoch)
         loader.set_position(position.epoch, position.step_in_epoch)
         self.metrics.use_loader(loader)
-        started, paused = time.perf_counter(), self.context.times.paused_s
+        started, began = time.perf_counter(), self.context.times.mark()
         self._interval, self._micro, self._stepping = (started, position.global_step), 0, True
         watchdog = self._watchdog
         if watchdog is not None:
@@ -211,8 +209,8 @@ class StepLoop:
             if self.context.device.type == "cuda":
                 torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
             elapsed = time.perf_counter() - started
-            position.train_time_s += elapsed
-            self.context.times.add_steps(elapsed, paused)
+            position.train_time_s += elapsed - (self.context.times.suspended() - began.suspended_s)
+            self.context.times.add_steps(elapsed, began)
         if fresh_epoch and not yielded:
             raise no_step_refusal(loader, accum, position.epoch)
         self.metrics.progress.reach(position.global_step, final=True)

@@ -21,13 +21,11 @@ from hpc_ddp.runtime.monitor.timeline import this_process_start_unix
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.place.slurm import queue_job_id
 from hpc_ddp.runtime.preempt.job_end import StopBeforeEnd, job_end_for
-from hpc_ddp.runtime.preempt.liveness import ProcessStops
 from hpc_ddp.runtime.preempt.lost_rank import write_handoff
 from hpc_ddp.runtime.preempt.node_record import requeues_for_nodes
 from hpc_ddp.runtime.preempt.progress import no_progress_refusal, record_attempt
 from hpc_ddp.runtime.preempt.requeue import requeue_job
 from hpc_ddp.runtime.preempt.signals import StepAgreement
-from hpc_ddp.runtime.preempt.watchdog import CHECK_PERIOD_S
 
 
 def own_command() -> Sequence[str]:
@@ -70,13 +68,10 @@ class Stopper:
         context: RunContext,
         position: Position,
         checkpointer: Checkpointer,
-        stops: ProcessStops | None = None,
     ) -> None:
         self.context = context
         self.position = position
         self.checkpointer = checkpointer
-        #: The time this process did not run (a suspended job), for the watch on the job's end.
-        self.stops = stops or ProcessStops(CHECK_PERIOD_S)
         self._agreement: StepAgreement | None = None
         self._before_end: StopBeforeEnd | None = None
 
@@ -96,7 +91,7 @@ class Stopper:
                 job_end.start(),
                 self._save_s,
                 preempt.end_margin_s,
-                stopped_s=self.stops.total_at,
+                stopped_s=self.context.stops.total_at,
             )
             self._before_end.say_when()
 

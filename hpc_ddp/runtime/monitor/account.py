@@ -6,10 +6,14 @@ checkpoint), productive steps, steps computed again after a crash (an earlier at
 taken them past its last checkpoint), checkpoint stalls, evaluation, the stop (from the
 ranks' agreed stop to the record: the requeue and the ranks' exchange, its checkpoint left
 in ``checkpoint``), the end (from ``run.finish()`` to the record, its final checkpoint
-likewise left out) and the rest (the script's own work outside ``run.steps``). Goodput is
-the productive steps' share of the allocation; over a run, of every attempt's allocation
-together. The allocation ends when rank 0 records it: closing MLflow and the process
-groups after that are not in it.
+likewise left out), the time the process did not run (``suspended``: ``scontrol suspend``,
+gang scheduling, SIGSTOP or a host that hung, as the stall watchdog's looks find it, taken
+out of the part it fell in) and the rest (the script's own work outside ``run.steps``).
+
+The allocation ends when rank 0 records it: closing MLflow and the process groups after
+that are not in it. What is charged is the allocation less its suspended time (Slurm leaves
+a suspension out of a job's run time and its charge); goodput is the productive steps'
+share of that, over a run of every attempt's together.
 
 An attempt killed outright (SIGKILL, a lost node, the time limit with no warning) writes no
 account; the next attempt charges it from its start to its last logged interval, unsplit
@@ -28,15 +32,30 @@ from typing import Any, Literal, TypeGuard
 
 #: The parts of an attempt, in the order its time passes.
 PARTS = (
-    "startup", "resume", "steps", "redone", "checkpoint", "evaluation", "stop", "end", "other",
+    "startup", "resume", "steps", "redone", "checkpoint", "evaluation", "stop", "end",
+    "suspended", "other",
 )  # fmt: skip
 
-#: Parts every account has; records written before the stop and the end were parts of
-#: their own have them in ``other`` (:func:`part_s` reads them as 0).
+#: Parts every account has; records written before the stop, the end and suspensions were
+#: parts of their own have them in ``other`` or the part they fell in (:func:`part_s` reads
+#: them as 0).
 KEPT_SINCE_FIRST = ("startup", "resume", "steps", "redone", "checkpoint", "evaluation", "other")
 
 #: How an attempt's ending is charged: an agreed stop, or the end after the last step.
 Ending = Literal["stop", "end"]
+
+
+def never_stopped() -> float:
+    """No time in which the process did not run (no looks find any)."""
+    return 0.0
+
+
+@dataclass(frozen=True)
+class StepsMark:
+    """The paused and suspended seconds when ``run.steps`` began (:meth:`AttemptTimes.mark`)."""
+
+    paused_s: float
+    suspended_s: float
 
 
 @dataclass
@@ -52,12 +71,17 @@ class AttemptTimes:
     #: Checkpoint and evaluation time before the first ``run.steps`` (None: not yet).
     paused_before_training_s: float | None = None
     clock: Callable[[], float] = time.perf_counter
+    #: Seconds this process did not run so far (:meth:`ProcessStops.so_far
+    #: <hpc_ddp.runtime.preempt.liveness.ProcessStops.so_far>`): out of every part it fell in.
+    suspended: Callable[[], float] = never_stopped
     #: Spans being counted now: only the outermost counts (an evaluation that saves, two
     #: evaluation loaders zipped), so no second counts twice.
     _open: int = field(default=0, init=False, repr=False)
-    #: Once the attempt began to end: how (stop or end), when, and the checkpoint and
-    #: evaluation time then.
-    _ending: tuple[Ending, float, float] | None = field(default=None, init=False, repr=False)
+    #: Once the attempt began to end: how (stop or end), when, and the checkpoint,
+    #: evaluation and suspended time then.
+    _ending: tuple[Ending, float, float, float] | None = field(default=None, init=False, repr=False)
+    #: Suspended seconds before training began (a part of the start-up's wall time).
+    suspended_before_training_s: float = field(default=0.0, init=False)
 
     @property
     def paused_s(self) -> float:
@@ -70,28 +94,37 @@ class AttemptTimes:
         evaluations so far were part of the start, those after are not."""
         if self.paused_before_training_s is None:
             self.paused_before_training_s = self.checkpoint_s + self.evaluation_s
+            self.suspended_before_training_s = self.suspended()
 
     def begin_ending(self, how: Ending) -> None:
         """The attempt begins to end (the ranks agreed to stop, or ``run.finish()``); what
         follows is charged to ``how``, less its checkpoints and evaluations. Only the first
         call counts: a stop's end is part of the stop."""
         if self._ending is None:
-            self._ending = (how, self.clock(), self.checkpoint_s + self.evaluation_s)
+            paused = self.checkpoint_s + self.evaluation_s
+            self._ending = (how, self.clock(), paused, self.suspended())
 
     def ending_s(self) -> tuple[Ending, float]:
         """How the attempt is ending and the seconds since it began to (0 before)."""
         if self._ending is None:
             return "end", 0.0
-        how, began, paused = self._ending
+        how, began, paused, suspended = self._ending
         spent = self.clock() - began - (self.checkpoint_s + self.evaluation_s - paused)
-        return how, max(0.0, spent)
+        return how, max(0.0, spent - (self.suspended() - suspended))
 
-    def add_steps(self, seconds: float, paused_before: float) -> None:
+    def mark(self) -> StepsMark:
+        """Where the paused and suspended time stand as ``run.steps`` begins (for
+        :meth:`add_steps`)."""
+        return StepsMark(self.paused_s, self.suspended())
+
+    def add_steps(self, seconds: float, began: StepsMark) -> None:
         """``seconds`` inside ``run.steps`` as steps, less the checkpoints and evaluations
-        made there (:attr:`paused_s` was ``paused_before`` when they began)."""
+        made there and the time the process did not run (``began``: :meth:`mark` then)."""
         if self.paused_before_training_s is None:
-            self.paused_before_training_s = paused_before
-        self.steps_s += max(0.0, seconds - (self.paused_s - paused_before))
+            self.paused_before_training_s = began.paused_s
+            self.suspended_before_training_s = began.suspended_s
+        paused = self.paused_s - began.paused_s
+        self.steps_s += max(0.0, seconds - paused - (self.suspended() - began.suspended_s))
 
     @contextmanager
     def counting(
@@ -100,7 +133,7 @@ class AttemptTimes:
     ) -> Iterator[None]:
         """The time inside counted as ``part``, unless it is inside another span."""
         clock = self.clock
-        started, outermost = clock(), self._open == 0
+        started, suspended, outermost = clock(), self.suspended(), self._open == 0
         self._open += 1
         try:
             yield
@@ -108,7 +141,8 @@ class AttemptTimes:
             self._open -= 1
             if outermost:
                 name = f"{part}_s"
-                setattr(self, name, getattr(self, name) + clock() - started)
+                spent = clock() - started - (self.suspended() - suspended)
+                setattr(self, name, getattr(self, name) + max(0.0, spent))
 
 
 def redone_steps(earlier_last_step: int | None, from_step: int, last_step: int) -> int:
@@ -127,9 +161,10 @@ def attempt_account(
     steps_redone: int,
 ) -> dict[str, float]:
     """One attempt's seconds per part (:data:`PARTS`, as ``<part>_s``), its allocation and
-    goodput (%). ``timeline``: the attempt's marks (process_start_unix or entry_unix, and
-    training_unix once it trained); ``steps_taken``: optimizer steps in this attempt, of
-    which ``steps_redone`` were taken before."""
+    goodput (%, of the allocation less its suspended time). ``timeline``: the attempt's
+    marks (process_start_unix or entry_unix, and training_unix once it trained);
+    ``steps_taken``: optimizer steps in this attempt, of which ``steps_redone`` were taken
+    before."""
     start = timeline.get("process_start_unix", timeline.get("entry_unix", end_unix))
     allocation = max(0.0, end_unix - start)
     training = timeline.get("training_unix", end_unix)
@@ -137,8 +172,9 @@ def attempt_account(
     before_training = times.paused_before_training_s
     paused_before = times.paused_s if before_training is None else before_training
     how, ending = times.ending_s()
+    suspended_before = times.suspended_before_training_s
     parts = {
-        "startup_s": max(0.0, training - start - times.resume_s - paused_before),
+        "startup_s": max(0.0, training - start - times.resume_s - paused_before - suspended_before),
         "resume_s": times.resume_s,
         "steps_s": times.steps_s - redone,
         "redone_s": redone,
@@ -146,13 +182,19 @@ def attempt_account(
         "evaluation_s": times.evaluation_s,
         "stop_s": ending if how == "stop" else 0.0,
         "end_s": ending if how == "end" else 0.0,
+        "suspended_s": min(times.suspended(), allocation),
     }
     parts["other_s"] = max(0.0, allocation - sum(parts.values()))
     return {
         **{name: round(value, 3) for name, value in parts.items()},
         "allocation_s": round(allocation, 3),
-        "goodput_percent": round(100.0 * parts["steps_s"] / allocation, 2) if allocation else 0.0,
+        "goodput_percent": goodput_percent(parts["steps_s"], allocation - parts["suspended_s"]),
     }
+
+
+def goodput_percent(steps_s: float, charged_s: float) -> float:
+    """The productive steps' share of the time charged, in % (0 when none was)."""
+    return round(100.0 * steps_s / charged_s, 2) if charged_s > 0 else 0.0
 
 
 def unsplit_account(allocation_s: float) -> dict[str, float]:
@@ -196,7 +238,7 @@ def run_account(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         f"{part}_s": round(sum(part_s(account, part) for account, _ in accounts), 3)
         for part in (*PARTS, "allocation")
     }
-    allocation = totals["allocation_s"]
+    charged = totals["allocation_s"] - totals["suspended_s"]
     queued = 0.0
     for earlier, later in itertools.pairwise(attempts):
         ended, began = earlier.get("end_unix"), later.get("start_unix")
@@ -204,9 +246,11 @@ def run_account(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             queued += max(0.0, float(began) - float(ended))
     return {
         **totals,
-        "goodput_percent": round(100.0 * totals["steps_s"] / allocation, 2) if allocation else 0.0,
+        "goodput_percent": goodput_percent(totals["steps_s"], charged),
         "rank_hours": round(
-            sum(float(a["allocation_s"]) * float(n) for a, n in accounts) / 3600, 4
+            sum((float(a["allocation_s"]) - part_s(a, "suspended")) * float(n) for a, n in accounts)
+            / 3600,
+            4,
         ),
         "queued_s": round(queued, 3),
         "attempts": len(attempts),
@@ -223,10 +267,14 @@ def goodput_metrics(account: Mapping[str, Any]) -> dict[str, float]:
 
 
 def account_line(account: Mapping[str, Any]) -> str:
-    """An attempt's parts in one line: "41.2 s: startup 5.1, resume 0.3, ... goodput 73%"."""
-    parts = ", ".join(
-        f"{name} {part_s(account, name):.1f}" for name in PARTS if f"{name}_s" in account
-    )
+    """An attempt's parts in one line: "41.2 s: startup 5.1, resume 0.3, ... goodput 73%"
+    (``suspended`` only where the process was)."""
+    shown = [
+        name
+        for name in PARTS
+        if f"{name}_s" in account and (name != "suspended" or part_s(account, name) > 0)
+    ]
+    parts = ", ".join(f"{name} {part_s(account, name):.1f}" for name in shown)
     return (
         f"{float(account['allocation_s']):.1f} s: {parts}; "
         f"goodput {float(account['goodput_percent']):.0f}%"

@@ -230,6 +230,11 @@ class ProcessStops:
         after the last one."""
         self._state = (None, self._state[1])
 
+    def so_far(self) -> float:
+        """Seconds this process did not run, in all, up to now (:meth:`total_at` the clock's
+        time)."""
+        return self.total_at(self._clock())
+
     def total_at(self, now: float) -> float:
         """Seconds this process did not run, in all, up to ``now``: with a stop the looking
         thread has not looked at yet (woken from it with the rest of the process, it looks
