@@ -7,18 +7,23 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from hpc_ddp.launch.local import is_stopped
 from hpc_ddp.launch.rank_exits import PEER_GRACE_S, failure_line, failure_to_report
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED, HpcDdpError, lost_peer
 from hpc_ddp.runtime.loop.metrics import PENDING_MAX, Sums
 from hpc_ddp.runtime.loop.replicas import replica_entries, replica_fingerprint
 from hpc_ddp.runtime.monitor.system import metric_part
+from hpc_ddp.runtime.preempt.liveness import STORE_TIMEOUT_S
+from hpc_ddp.runtime.preempt.watchdog import ENDING_GRACE_S, OUTPUT_TURN_WAIT_S
 from hpc_ddp.runtime.session.evaluation import ShardedEvalSampler
 from hpc_ddp.runtime.tracking.record import read_metrics
 from hpc_ddp.trainer.schedule import LrSchedule, lr_factor
@@ -204,13 +209,42 @@ def test_failed_rank_ends_the_job_fast_naming_it(tmp_path: Path) -> None:
     assert "[rank 0] failed:" not in result.stderr, "rank 0 is a consequence, not a crash"
 
 
+@pytest.mark.e2e
+def test_a_stopped_process_is_seen_stopped_until_it_continues() -> None:
+    sleeper = subprocess.Popen(["sleep", "300"])
+    try:
+        assert not is_stopped(sleeper.pid)
+        sleeper.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while not is_stopped(sleeper.pid):  # the kernel stops it after kill() returns
+            assert time.monotonic() < deadline, "the kernel did not stop `sleep` within 30 s"
+            time.sleep(0.01)
+        sleeper.send_signal(signal.SIGCONT)
+        while is_stopped(sleeper.pid):
+            assert time.monotonic() < deadline + 30, "`sleep` did not continue within 30 s"
+            time.sleep(0.01)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert not is_stopped(sleeper.pid), "no such process: not stopped"
+
+
 def test_the_rank_that_went_away_is_named_not_the_one_that_lost_it() -> None:
     """Exit codes as ranks report them (None: still running); 4 = lost a peer."""
     assert failure_to_report([EXIT_PEER_LOST, None], 0.0) is None, "wait for the cause"
     assert failure_to_report([EXIT_PEER_LOST, 1], 0.0) == (1, 1)
     assert failure_to_report([EXIT_PEER_LOST, -9], 0.0) == (1, -9)
     assert failure_to_report([EXIT_PEER_LOST, None], PEER_GRACE_S) == (0, EXIT_PEER_LOST)
+    # A rank stuck inside torch exits 4 as soon as its stall report is out; the stalled one
+    # (the cause) may end as late as its watchdog's bounds allow after it.
+    stall_report_bound_s = 2 * STORE_TIMEOUT_S + 3.0 + OUTPUT_TURN_WAIT_S + ENDING_GRACE_S
+    assert stall_report_bound_s < PEER_GRACE_S
     assert failure_to_report([EXIT_PEER_LOST, 0], 0.0) == (0, EXIT_PEER_LOST), "nobody left"
+    stopped = failure_to_report([EXIT_PEER_LOST, None, None], 0.0, stopped=[1])
+    assert stopped is None, "rank 2 may still end"
+    assert failure_to_report([EXIT_PEER_LOST, None], 0.0, stopped=[1]) == (0, EXIT_PEER_LOST), (
+        "a stopped rank cannot end: it is not waited for"
+    )
     assert failure_to_report([EXIT_STOPPED, None], 60.0) is None
     assert failure_to_report([0, 0, None], 0.0) is None
     assert failure_to_report([2, 1], 0.0) == (0, 2)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -114,6 +114,25 @@ def end_leftovers(processes: list[subprocess.Popen[bytes]]) -> None:
             time.sleep(POLL_INTERVAL_S)
 
 
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP: state T in Linux's /proc; False where
+    there is no /proc to say)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[:1] in (["T"], ["t"])
+
+
+def stopped_ranks(
+    processes: Sequence[subprocess.Popen[bytes]], codes: Sequence[int | None]
+) -> list[int]:
+    """The ranks still running (``codes``: their exit codes so far) whose process is stopped."""
+    return [
+        rank for rank, code in enumerate(codes) if code is None and is_stopped(processes[rank].pid)
+    ]
+
+
 def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
     """Wait for all ranks; on a failure stop the rest, name the failed rank and return its
     exit code (see :func:`failure_to_report`)."""
@@ -123,7 +142,8 @@ def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
         if lost_peer_since is None and EXIT_PEER_LOST in codes:
             lost_peer_since = time.monotonic()
         waited = 0.0 if lost_peer_since is None else time.monotonic() - lost_peer_since
-        failure = failure_to_report(codes, waited)
+        stopped = stopped_ranks(processes, codes) if lost_peer_since is not None else []
+        failure = failure_to_report(codes, waited, stopped)
         if failure is not None:
             rank, code = failure
             said = failure_line(rank, code, codes)

@@ -10,19 +10,24 @@ from typing import Any
 
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STOPPED
 
-#: How long a rank that lost a peer waits for the rank that went away to be seen exiting.
-PEER_GRACE_S = 5.0
+#: How long a rank that lost a peer waits for the rank that went away to be seen exiting: as
+#: long as a stalled rank may take to end once its watchdog fires (the others' liveness read
+#: twice, its turn to write, its run ended: each bounded by the watchdog, 33 s in all), so
+#: that the cause is named, not the consequence, however busy the machine. Only a rank that
+#: hangs without ending makes the launcher wait it out (one that is stopped is not waited for).
+PEER_GRACE_S = 40.0
 
 
 def failure_to_report(
-    codes: Sequence[int | None], lost_peer_for_s: float
+    codes: Sequence[int | None], lost_peer_for_s: float, stopped: Sequence[int] = ()
 ) -> tuple[int, int] | None:
     """The (rank, exit code) that ends the run, or None to keep waiting.
 
-    ``codes`` are the ranks' exit codes so far (None: running). A rank that lost a peer
-    (EXIT_PEER_LOST) is a consequence and often exits before the rank that went away, so the
-    cause is waited for, up to PEER_GRACE_S, and named instead. A rank that stopped on a
-    signal after the common checkpoint (EXIT_STOPPED) is no failure.
+    ``codes`` are the ranks' exit codes so far (None: running); ``stopped``: running ranks
+    whose process is stopped (SIGSTOP), which cannot end by themselves. A rank that lost a
+    peer (EXIT_PEER_LOST) is a consequence and often exits before the rank that went away,
+    so the cause is waited for, up to PEER_GRACE_S while it can still end, and named instead.
+    A rank that stopped on a signal after the common checkpoint (EXIT_STOPPED) is no failure.
     """
     failed = [
         (rank, code)
@@ -32,7 +37,8 @@ def failure_to_report(
     causes = [(rank, code) for rank, code in failed if code != EXIT_PEER_LOST]
     if causes:
         return causes[0]
-    if failed and (lost_peer_for_s >= PEER_GRACE_S or None not in codes):
+    may_end = [rank for rank, code in enumerate(codes) if code is None and rank not in stopped]
+    if failed and (lost_peer_for_s >= PEER_GRACE_S or not may_end):
         return failed[0]
     return None
 
