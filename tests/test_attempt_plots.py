@@ -103,7 +103,7 @@ def test_the_picture_draws_every_part_where_it_happened(tmp_path: Path) -> None:
                       "killed, not split"]  # fmt: skip
 
 
-def test_a_suspension_is_drawn_apart_and_goodput_is_of_the_time_charged(tmp_path: Path) -> None:
+def test_a_suspension_is_drawn_apart_and_said_in_the_title(tmp_path: Path) -> None:
     suspended = HandClock(0.0)
     times = AttemptTimes(steps_s=30.0, paused_before_training_s=0.0, suspended=suspended)
     suspended.now = 60.0  # scontrol suspend ... resume
@@ -120,8 +120,8 @@ def test_a_suspension_is_drawn_apart_and_goodput_is_of_the_time_charged(tmp_path
         pytest.approx((40.0, 60.0))
     ], "after start-up and steps, in one piece"
     assert figure.get_suptitle() == (
-        "digits/a: goodput 75% of 40 s charged (100 s allocated, 60 s suspended), "
-        "0.0444 rank-hours, 0 s queued"
+        "digits/a: goodput 30% of 100 s allocated (60 s of it suspended), 0.111 rank-hours, "
+        "0 s queued"
     )
 
 

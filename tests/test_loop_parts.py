@@ -1023,6 +1023,27 @@ def test_time_outside_an_epochs_steps_is_not_charged_to_its_first_interval(
     assert metrics["interval/checkpoint_percent"] == 25.0
 
 
+def test_an_interval_with_a_suspension_has_its_rate_and_no_step_time_shares(
+    tmp_path: Path,
+) -> None:
+    tracker = MetricsRecorder()
+    context = context_in(tmp_path, tracker)
+    log = MetricLog(context)
+    try:
+        log.use_loader([])
+        log.close_interval(step=4, epoch=0, steps=4, seconds=2.0)
+        log.close_interval(step=8, epoch=0, steps=4, seconds=2.0, suspended_s=60.0)
+        log.publish()
+    finally:
+        log.close()
+    ran, suspended = [metrics for _, metrics in tracker.logged if "interval/lr" not in metrics]
+    assert ran["interval/steps_per_s"] == suspended["interval/steps_per_s"] == 2.0
+    assert "interval/checkpoint_percent" in ran
+    assert not [
+        name for name in suspended if name.startswith("interval/") and name.endswith("_percent")
+    ], "the stop would count as the step part it fell in"
+
+
 def test_a_closing_log_leaves_no_global_optimizer_hook_behind(tmp_path: Path) -> None:
     from torch.optim import optimizer
 

@@ -172,7 +172,7 @@ def test_torchrun_template_two_nodes(slurm: SlurmCluster, tmp_path: Path) -> Non
     assert summary["job_id"] == job and summary["num_nodes"] == 2
 
 
-def test_python_without_srun_in_a_two_task_job_fails_within_seconds(
+def test_python_without_srun_in_a_two_task_job_is_refused_before_any_rendezvous(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
     work = prepare_workdir(tmp_path)

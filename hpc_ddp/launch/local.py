@@ -78,6 +78,8 @@ def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
     for process in processes:
         if process.poll() is None:
             process.terminate()
+            if is_stopped(process.pid):  # SIGTERM waits until a stopped process runs again
+                process.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + STOP_GRACE_S
     for process in processes:
         try:
@@ -146,7 +148,7 @@ def supervise(processes: list[subprocess.Popen[bytes]]) -> int:
         failure = failure_to_report(codes, waited, stopped)
         if failure is not None:
             rank, code = failure
-            said = failure_line(rank, code, codes)
+            said = failure_line(rank, code, codes, stopped)
             print(f"hpc-ddp local: {said}; stopping the other ranks", file=sys.stderr)
             _stop(processes)
             return code if code > 0 else 128 - code

@@ -43,14 +43,22 @@ def failure_to_report(
     return None
 
 
-def failure_line(rank: int, code: int, codes: Sequence[int | None]) -> str:
+def failure_line(
+    rank: int, code: int, codes: Sequence[int | None], stopped: Sequence[int] = ()
+) -> str:
     """What the launcher says of the failure that ends the run. A rank that lost contact
     with a peer names the rank that left early when one ended well (0, or stopped) while
-    the others trained on (``sys.exit`` inside the loop): that one is the cause."""
+    the others trained on (``sys.exit`` inside the loop): that one is the cause; else a
+    rank whose process is ``stopped``."""
     if code < 0:
         return f"rank {rank} {killed_by(-code)}"
     if code != EXIT_PEER_LOST:
         return f"rank {rank} exited with code {code}"
+    if stopped and not [done for done in codes if done in (0, EXIT_STOPPED)]:
+        return (
+            f"rank {stopped[0]}'s process is stopped (SIGSTOP: it does not run), "
+            f"and rank {rank} lost contact with it (exit code {code})"
+        )
     early = [(other, done) for other, done in enumerate(codes) if done in (0, EXIT_STOPPED)]
     if early:
         other, done = early[0]

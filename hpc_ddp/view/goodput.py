@@ -144,11 +144,8 @@ def plot_goodput(run: RunView) -> Any:
     )  # fmt: skip
     total = run_account(attempts)
     allocated = f"{total['allocation_s'] / seconds:.3g} {unit} allocated"
-    if total["suspended_s"] > 0:  # goodput is of the time charged: Slurm's run time
-        allocated = (
-            f"{(total['allocation_s'] - total['suspended_s']) / seconds:.3g} {unit} charged "
-            f"({allocated}, {total['suspended_s'] / seconds:.3g} {unit} suspended)"
-        )
+    if total["suspended_s"] > 0:
+        allocated += f" ({total['suspended_s'] / seconds:.3g} {unit} of it suspended)"
     figure.suptitle(
         f"{run.name}/{run.run_id}: goodput {total['goodput_percent']:.0f}% of {allocated}, "
         f"{total['rank_hours']:.3g} rank-hours, {total['queued_s'] / seconds:.3g} {unit} queued"

@@ -53,9 +53,8 @@ class RunContext:
     #: The time this process did not run (a suspended job), as the stall watchdog's looks
     #: find it; the stop before the job's end and the time account leave it out.
     stops: ProcessStops = field(default_factory=lambda: ProcessStops(CHECK_PERIOD_S))
-    #: This attempt's time in resumes, checkpoints, evaluation and steps (built on
-    #: ``stops``: give both, or neither).
-    times: AttemptTimes = field(default_factory=AttemptTimes)
+    #: This attempt's time in resumes, checkpoints, evaluation and steps, less ``stops``.
+    times: AttemptTimes = field(init=False)
     #: This rank's time in its wrapped models' forward (and their FLOPs, where counted).
     forward: ForwardMeter = field(
         default_factory=lambda: ForwardMeter(torch.device("cpu"), False, map_tensors)
@@ -66,6 +65,9 @@ class RunContext:
     )
     #: Names this attempt's entry in the run's attempts.json.
     attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        self.times = AttemptTimes(suspended=self.stops.so_far)
 
     @property
     def env(self) -> DistEnv:

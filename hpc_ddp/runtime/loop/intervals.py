@@ -81,6 +81,9 @@ class IntervalReport:
     #: The FLOPs counted for this rank's training forwards and backwards in the interval
     #: (None: not counted).
     flops: float | None
+    #: Seconds of the interval in which this rank's process did not run (left out of
+    #: ``seconds``).
+    suspended_s: float = 0.0
 
 
 class MetricLog:
@@ -168,9 +171,12 @@ class MetricLog:
         self.interval.clear()
         return names, local
 
-    def close_interval(self, step: int, epoch: int, steps: int, seconds: float) -> None:
+    def close_interval(
+        self, step: int, epoch: int, steps: int, seconds: float, suspended_s: float = 0.0
+    ) -> None:
         """Start summing this interval's metrics (and every rank's wait for data) across
-        ranks; publish the previous one's.
+        ranks; publish the previous one's. ``seconds``: the time the process ran in it, and
+        ``suspended_s`` the time it did not.
 
         The all-reduce runs in the background until the next log step, so no rank waits for
         the others here and a GPU is never synchronised; each interval's line and metrics
@@ -192,7 +198,7 @@ class MetricLog:
         paused = (self.context.times.checkpoint_s, self.context.times.evaluation_s)
         report = IntervalReport(
             PendingSums(local), names, step, epoch, steps, seconds, lr, self._data_timed,
-            paused[0] - self._paused[0], paused[1] - self._paused[1], forward.flops,
+            paused[0] - self._paused[0], paused[1] - self._paused[1], forward.flops, suspended_s,
         )  # fmt: skip
         self._paused = paused
         self.publish()
@@ -213,7 +219,8 @@ class MetricLog:
         metrics = {f"interval/{name}": value for name, value in means.items()}
         slots = values[2 * len(report.names) :]
         rows = [slots[at : at + self._slot_width] for at in range(0, len(slots), self._slot_width)]
-        if self.context.env.is_main:
+        # The step's parts would count a suspension in whichever one it fell in: none said.
+        if self.context.env.is_main and not report.suspended_s:
             metrics.update(self._paces_of(report, rows))
         flops_per_s = counted_flops_per_s(report.flops, self.context.env.world_size, report.seconds)
         rate, pace = rate_of(report, self.global_batch_size, self._throughput, flops_per_s)

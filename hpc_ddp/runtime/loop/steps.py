@@ -14,6 +14,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,6 +106,21 @@ def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | N
     ).start()
 
 
+@dataclass(frozen=True)
+class IntervalStart:
+    """Where a log interval began: the clock, the step, and the suspended seconds then."""
+
+    time: float
+    step: int
+    suspended_s: float
+
+    def until(self, end: IntervalStart) -> tuple[int, float, float]:
+        """The interval to ``end``: its steps, the seconds the process ran (what rates
+        count) and the seconds it did not."""
+        stopped = end.suspended_s - self.suspended_s
+        return end.step - self.step, end.time - self.time - stopped, stopped
+
+
 class StepLoop:
     """Epochs and steps of one run on this rank (see the module docstring)."""
 
@@ -128,7 +144,7 @@ class StepLoop:
         self.accumulating = False
         self._in_epochs = self._stepping = self._save_requested = self._begun = False
         self._micro = 0
-        self._interval = (time.perf_counter(), 0)  # (when, at which step) it began
+        self._interval = IntervalStart(time.perf_counter(), 0, 0.0)
         self._watchdog: StallWatchdog | None = None
 
     def begin(self, before_first_step: Callable[[], object]) -> None:
@@ -178,7 +194,8 @@ class StepLoop:
         loader.set_position(position.epoch, position.step_in_epoch)
         self.metrics.use_loader(loader)
         started, began = time.perf_counter(), self.context.times.mark()
-        self._interval, self._micro, self._stepping = (started, position.global_step), 0, True
+        self._interval = IntervalStart(started, position.global_step, began.suspended_s)
+        self._micro, self._stepping = 0, True
         watchdog = self._watchdog
         if watchdog is not None:
             watchdog.arm()
@@ -209,8 +226,7 @@ class StepLoop:
             if self.context.device.type == "cuda":
                 torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
             elapsed = time.perf_counter() - started
-            position.train_time_s += elapsed - (self.context.times.suspended() - began.suspended_s)
-            self.context.times.add_steps(elapsed, began)
+            position.train_time_s += self.context.times.add_steps(elapsed, began)
         if fresh_epoch and not yielded:
             raise no_step_refusal(loader, accum, position.epoch)
         self.metrics.progress.reach(position.global_step, final=True)
@@ -238,13 +254,13 @@ class StepLoop:
             self.checkpointer.save("requested" if requested else "periodic")
 
     def _close_interval(self) -> None:
-        now, position = time.perf_counter(), self.position
-        started, first_step = self._interval
-        steps, seconds = position.global_step - first_step, now - started
+        position, times = self.position, self.context.times
+        ended = IntervalStart(time.perf_counter(), position.global_step, times.suspended())
+        steps, seconds, stopped = self._interval.until(ended)
         if not self.cadence.calibrated:
             self.cadence.calibrate(steps, seconds)
-        self.metrics.close_interval(position.global_step, position.epoch, steps, seconds)
-        self._interval = (now, position.global_step)
+        self.metrics.close_interval(position.global_step, position.epoch, steps, seconds, stopped)
+        self._interval = ended
 
     # -- at step boundaries, on the user's terms ---------------------------------------------
 

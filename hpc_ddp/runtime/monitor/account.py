@@ -11,9 +11,10 @@ gang scheduling, SIGSTOP or a host that hung, as the stall watchdog's looks find
 out of the part it fell in) and the rest (the script's own work outside ``run.steps``).
 
 The allocation ends when rank 0 records it: closing MLflow and the process groups after
-that are not in it. What is charged is the allocation less its suspended time (Slurm leaves
-a suspension out of a job's run time and its charge); goodput is the productive steps'
-share of that, over a run of every attempt's together.
+that are not in it. Goodput is the productive steps' share of the allocation; over a run,
+of every attempt's allocation together. Suspended time stays in the allocation: rank 0 cannot
+tell a suspension Slurm leaves out of the job's run time from a SIGSTOP or a hung host,
+which it charges (the other ranks hold their devices meanwhile).
 
 An attempt killed outright (SIGKILL, a lost node, the time limit with no warning) writes no
 account; the next attempt charges it from its start to its last logged interval, unsplit
@@ -117,14 +118,17 @@ class AttemptTimes:
         :meth:`add_steps`)."""
         return StepsMark(self.paused_s, self.suspended())
 
-    def add_steps(self, seconds: float, began: StepsMark) -> None:
+    def add_steps(self, seconds: float, began: StepsMark) -> float:
         """``seconds`` inside ``run.steps`` as steps, less the checkpoints and evaluations
-        made there and the time the process did not run (``began``: :meth:`mark` then)."""
+        made there and the time the process did not run (``began``: :meth:`mark` then);
+        returns the seconds it ran."""
         if self.paused_before_training_s is None:
             self.paused_before_training_s = began.paused_s
             self.suspended_before_training_s = began.suspended_s
         paused = self.paused_s - began.paused_s
-        self.steps_s += max(0.0, seconds - paused - (self.suspended() - began.suspended_s))
+        ran = max(0.0, seconds - max(0.0, self.suspended() - began.suspended_s))
+        self.steps_s += max(0.0, ran - paused)
+        return ran
 
     @contextmanager
     def counting(
@@ -161,7 +165,7 @@ def attempt_account(
     steps_redone: int,
 ) -> dict[str, float]:
     """One attempt's seconds per part (:data:`PARTS`, as ``<part>_s``), its allocation and
-    goodput (%, of the allocation less its suspended time). ``timeline``: the attempt's
+    goodput (%). ``timeline``: the attempt's
     marks (process_start_unix or entry_unix, and training_unix once it trained);
     ``steps_taken``: optimizer steps in this attempt, of which ``steps_redone`` were taken
     before."""
@@ -172,7 +176,8 @@ def attempt_account(
     before_training = times.paused_before_training_s
     paused_before = times.paused_s if before_training is None else before_training
     how, ending = times.ending_s()
-    suspended_before = times.suspended_before_training_s
+    suspended = min(times.suspended(), allocation)
+    suspended_before = suspended if before_training is None else times.suspended_before_training_s
     parts = {
         "startup_s": max(0.0, training - start - times.resume_s - paused_before - suspended_before),
         "resume_s": times.resume_s,
@@ -182,19 +187,19 @@ def attempt_account(
         "evaluation_s": times.evaluation_s,
         "stop_s": ending if how == "stop" else 0.0,
         "end_s": ending if how == "end" else 0.0,
-        "suspended_s": min(times.suspended(), allocation),
+        "suspended_s": suspended,
     }
     parts["other_s"] = max(0.0, allocation - sum(parts.values()))
     return {
         **{name: round(value, 3) for name, value in parts.items()},
         "allocation_s": round(allocation, 3),
-        "goodput_percent": goodput_percent(parts["steps_s"], allocation - parts["suspended_s"]),
+        "goodput_percent": goodput_percent(parts["steps_s"], allocation),
     }
 
 
-def goodput_percent(steps_s: float, charged_s: float) -> float:
-    """The productive steps' share of the time charged, in % (0 when none was)."""
-    return round(100.0 * steps_s / charged_s, 2) if charged_s > 0 else 0.0
+def goodput_percent(steps_s: float, allocation_s: float) -> float:
+    """The productive steps' share of the allocation, in % (0 when there was none)."""
+    return round(100.0 * steps_s / allocation_s, 2) if allocation_s > 0 else 0.0
 
 
 def unsplit_account(allocation_s: float) -> dict[str, float]:
@@ -238,7 +243,6 @@ def run_account(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         f"{part}_s": round(sum(part_s(account, part) for account, _ in accounts), 3)
         for part in (*PARTS, "allocation")
     }
-    charged = totals["allocation_s"] - totals["suspended_s"]
     queued = 0.0
     for earlier, later in itertools.pairwise(attempts):
         ended, began = earlier.get("end_unix"), later.get("start_unix")
@@ -246,11 +250,9 @@ def run_account(attempts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
             queued += max(0.0, float(began) - float(ended))
     return {
         **totals,
-        "goodput_percent": goodput_percent(totals["steps_s"], charged),
+        "goodput_percent": goodput_percent(totals["steps_s"], totals["allocation_s"]),
         "rank_hours": round(
-            sum((float(a["allocation_s"]) - part_s(a, "suspended")) * float(n) for a, n in accounts)
-            / 3600,
-            4,
+            sum(float(a["allocation_s"]) * float(n) for a, n in accounts) / 3600, 4
         ),
         "queued_s": round(queued, 3),
         "attempts": len(attempts),

@@ -33,17 +33,14 @@ from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import map_tensors
-from hpc_ddp.runtime.monitor.account import AttemptTimes
 from hpc_ddp.runtime.monitor.forward.meter import ForwardMeter
 from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
 from hpc_ddp.runtime.monitor.timeline import mark, new_timeline
 from hpc_ddp.runtime.place.checking import check_before_training, record_checks
 from hpc_ddp.runtime.place.plan import LaunchPlan
 from hpc_ddp.runtime.preempt.exclusion import answer_failed_checks
-from hpc_ddp.runtime.preempt.liveness import ProcessStops
 from hpc_ddp.runtime.preempt.progress import end_attempt
 from hpc_ddp.runtime.preempt.signals import StopSignals
-from hpc_ddp.runtime.preempt.watchdog import CHECK_PERIOD_S
 from hpc_ddp.runtime.session.ending import Ending, end_active_run, install_excepthook, watch
 from hpc_ddp.runtime.session.joining import (
     join_ranks,
@@ -180,7 +177,6 @@ def start(
                 entry_unix,
                 code,
             )
-        stops = ProcessStops(CHECK_PERIOD_S)
         context = RunContext(
             config=settings,
             plan=plan,
@@ -191,8 +187,6 @@ def start(
             environ=environment,
             fingerprint=values,
             log_interval=log_interval,
-            stops=stops,
-            times=AttemptTimes(suspended=stops.so_far),
             forward=forward_meter(settings, plan),
             gradient_sync=GradientSyncMeter(
                 torch.device(plan.device.device), settings.monitor.time_gradient_sync
