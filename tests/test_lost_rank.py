@@ -192,11 +192,22 @@ def test_a_rank_a_stall_report_names_as_silent_blames_its_node() -> None:
              "srun: error: node2: task 1: Exited with exit code 4"]  # fmt: skip
     assert lost_rank(lines) is None, "every task only lost its peer"
     assert silent_rank(lines) == LostRank("node2", "rank 1 on node2 stopped answering")
-    assert silent_rank([report.replace("on node2", "on ?")]) is None
+    unknown_host = [report.replace("on node2", "on ?")]  # a rank whose node is not known
+    assert silent_rank(unknown_host) == LostRank("node3", "rank 3 on node3 stopped answering")
+    assert silent_rank([report.replace("on node2", "on ?").replace("on node3", "on ?")]) is None
     assert silent_rank(["these ranks stopped answering: rank 3 (never)"]) is None
     frozen = LostRank("node2", "rank 1 on node2 stopped answering")
     assert blamed_host(lines, None) == frozen
     assert blamed_host([*lines, "srun: error: node1: task 2: Terminated"], None) == frozen
+    # Woken to be ended, the frozen rank may not end before srun's KillWait: its kill is
+    # the consequence; the report says why its node is left out.
+    killed = [report, "srun: error: node1: task 0: Exited with exit code 4",
+              "srun: error: node2: task 1: Killed"]  # fmt: skip
+    assert lost_rank(killed) == frozen
+    node3 = [*killed[:2], "srun: error: node3: task 3: Killed"]
+    assert lost_rank(node3) == LostRank("node3", "rank 3 on node3 stopped answering")
+    elsewhere = LostRank("node4", "task 1 on node4 was killed by SIGKILL")
+    assert lost_rank([*killed[:2], "srun: error: node4: task 1: Killed"]) == elsewhere
     # A program's own ending is not overruled by a stall report in the same log.
     assert (
         blamed_host([report, "srun: error: node1: task 0: Exited with exit code 1"], None) is None

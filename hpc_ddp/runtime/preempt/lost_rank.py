@@ -84,6 +84,9 @@ def lost_rank(lines: Sequence[str]) -> LostRank | None:
             return None
         if ending == "Killed" and _reported_a_stall(first["tasks"], lines):
             return None
+        frozen = silent_rank(lines, on=first["host"])
+        if frozen is not None:
+            return frozen  # the kill came after: srun ended a task that did not answer
         return LostRank(first["host"], f"{where} {were} killed by {_HOST_SIGNALS[ending]}")
     if ending == f"Exited with exit code {EXIT_DEVICE_ERROR}":
         return LostRank(first["host"], f"{where} reported a failed device")
@@ -177,21 +180,22 @@ def blamed_host(lines: Sequence[str], torchrun_nodes: Sequence[str] | None) -> L
 
 #: A stall report's words for a rank whose watchdog thread stopped writing (see
 #: :mod:`hpc_ddp.runtime.preempt.liveness`): "rank 1 on node2 (silent for 3 s)".
-_SILENT = re.compile(
-    r"these ranks stopped answering: rank (?P<rank>\d+) on (?P<host>[^\s(]+) \(silent"
-)
+_SILENT_SAID = "these ranks stopped answering: "
+_SILENT = re.compile(r"rank (?P<rank>\d+) on (?P<host>[^\s(]+) \(silent")
 
 
-def silent_rank(lines: Sequence[str]) -> LostRank | None:
-    """The host of the first rank a stall report names as no longer answering (its process
-    frozen, as on a host that hangs: it cannot report itself, and srun's words for its end
-    are the others' after it is woken to be ended). None without such a report."""
+def silent_rank(lines: Sequence[str], on: str | None = None) -> LostRank | None:
+    """The host of the first rank (``on`` that host, where given) a stall report names as no
+    longer answering (its process frozen, as on a host that hangs: it cannot report itself,
+    and srun's words for its end are the others' after it is woken to be ended). None
+    without such a report."""
     for line in lines:
-        found = _SILENT.search(line)
-        if found and found["host"] != "?":
-            return LostRank(
-                found["host"], f"rank {found['rank']} on {found['host']} stopped answering"
-            )
+        said = line.partition(_SILENT_SAID)[2]
+        for found in _SILENT.finditer(said.partition(" (stopped, frozen")[0]):
+            if found["host"] != "?" and on in (None, found["host"]):
+                return LostRank(
+                    found["host"], f"rank {found['rank']} on {found['host']} stopped answering"
+                )
     return None
 
 
