@@ -610,6 +610,13 @@ def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
         "waiting for data": [10.0], "the step": [90.0],
     }  # fmt: skip
     assert step_time_series(run_with_metrics(tmp_path / "old", [{}])) == ([], {})
+    # An interval with a suspension logs its rate but not its parts: blank, not bridged.
+    rate = {"interval/steps_per_s": 10.0}
+    suspended = run_with_metrics(tmp_path / "suspended", [rate, parts(10, None, 0), rate])
+    assert step_time_series(suspended) == (
+        [20.0, 30.0],
+        {"waiting for data": [10.0, 0.0], "the step": [90.0, 0.0]},
+    ), "the first interval, before any parts, is left out"
 
 
 def test_each_interval_is_drawn_over_the_steps_it_covers_a_lone_one_too(tmp_path: Path) -> None:

@@ -22,6 +22,9 @@ RECORDED = (
     ("interval/evaluation_percent", "evaluation"),
 )
 REST_WHOLE = "the step"
+#: An interval's rates: one logged with them but without its parts (its process did not
+#: run for part of it) is drawn blank.
+RATES = ("interval/samples_per_s", "interval/steps_per_s")
 
 
 def rest_label(forward: bool, gradient_sync: bool, optimizer: bool) -> str:
@@ -37,21 +40,28 @@ def rest_label(forward: bool, gradient_sync: bool, optimizer: bool) -> str:
 
 def step_time_series(run_dir: Path) -> tuple[list[float], dict[str, list[float]]]:
     """(the steps of the intervals that recorded their parts, label -> % at each), bottom
-    to top; a part never recorded is left out, one not recorded at a step is 0 there."""
+    to top; a part never recorded is left out, one not recorded at a step is 0 there. A
+    later interval with its rates but not its parts (suspended) is 0 in every part."""
     steps: list[float] = []
+    split: list[bool] = []
     recorded: dict[str, list[float]] = {name: [] for name, _label in RECORDED}
     for entry in read_metrics(run_dir):
         metrics = entry["metrics"]
-        if "interval/checkpoint_percent" not in metrics:
+        parts = "interval/checkpoint_percent" in metrics
+        if not parts and not (steps and any(name in metrics for name in RATES)):
             continue
         steps.append(float(entry["step"]))
+        split.append(parts)
         for name in recorded:
             value = metrics.get(name)
-            ok = isinstance(value, int | float) and math.isfinite(value)
+            ok = parts and isinstance(value, int | float) and math.isfinite(value)
             recorded[name].append(float(value) if ok else 0.0)
     if not steps:
         return [], {}
-    rest = [max(0.0, 100.0 - sum(parts)) for parts in zip(*recorded.values(), strict=True)]
+    rest = [
+        max(0.0, 100.0 - sum(parts)) if known else 0.0
+        for known, parts in zip(split, zip(*recorded.values(), strict=True), strict=True)
+    ]
     rest_name = rest_label(
         any(recorded["interval/forward_percent"]),
         any(recorded["interval/gradient_sync_percent"]),
