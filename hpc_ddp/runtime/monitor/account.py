@@ -165,10 +165,9 @@ def attempt_account(
     steps_redone: int,
 ) -> dict[str, float]:
     """One attempt's seconds per part (:data:`PARTS`, as ``<part>_s``), its allocation and
-    goodput (%). ``timeline``: the attempt's
-    marks (process_start_unix or entry_unix, and training_unix once it trained);
-    ``steps_taken``: optimizer steps in this attempt, of which ``steps_redone`` were taken
-    before."""
+    goodput (%). ``timeline``: the attempt's marks (process_start_unix or entry_unix, and
+    training_unix once it trained); ``steps_taken``: optimizer steps in this attempt, of
+    which ``steps_redone`` were taken before."""
     start = timeline.get("process_start_unix", timeline.get("entry_unix", end_unix))
     allocation = max(0.0, end_unix - start)
     training = timeline.get("training_unix", end_unix)

@@ -190,8 +190,7 @@ def silent_rank(lines: Sequence[str], on: str | None = None) -> LostRank | None:
     and srun's words for its end are the others' after it is woken to be ended). None
     without such a report."""
     for line in lines:
-        said = line.partition(_SILENT_SAID)[2]
-        for found in _SILENT.finditer(said.partition(" (stopped, frozen")[0]):
+        for found in _SILENT.finditer(line.partition(_SILENT_SAID)[2]):
             if found["host"] != "?" and on in (None, found["host"]):
                 return LostRank(
                     found["host"], f"rank {found['rank']} on {found['host']} stopped answering"
