@@ -102,10 +102,11 @@ class SlurmCluster:
             f"job {job_id} did not finish within {timeout:.0f} s (state {self.state(job_id)})"
         )
 
-    def wait_for_log(self, path: Path, pattern: str, timeout: float = 120) -> str:
+    def wait_for_log(self, path: Path, pattern: str, timeout: float = 120, since: int = 0) -> str:
+        """The log once ``pattern`` appears in it after its first ``since`` characters."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if path.exists() and re.search(pattern, path.read_text()):
+            if path.exists() and re.search(pattern, path.read_text()[since:]):
                 return path.read_text()
             time.sleep(0.3)
         pytest.fail(f"{pattern!r} did not appear in {path} within {timeout:.0f} s")

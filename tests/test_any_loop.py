@@ -188,7 +188,7 @@ def test_ranks_with_datasets_of_different_lengths_are_refused_not_left_waiting(
 ) -> None:
     (tmp_path / "uneven.py").write_text(PER_RANK_FILES)
     result = run_local_program(
-        2, ["--set", f"run.output_dir={tmp_path}", str(tmp_path / "uneven.py")], timeout=90
+        2, ["--set", f"run.output_dir={tmp_path}", str(tmp_path / "uneven.py")]
     )
     assert result.returncode == 2, result.stderr[-3000:]
     assert "different numbers of steps per epoch (rank 0: 8, rank 1: 12)" in result.stderr

@@ -148,6 +148,20 @@ def test_a_set_after_the_script_is_noted_as_the_scripts_own_argument(
     assert capsys.readouterr().err == ""
 
 
+def test_hpc_ddp_locals_nproc_after_the_script_is_noted_before_any_rank_starts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`hpc-ddp local train.py --epochs 1 --nproc 2`: the script's own parser refuses
+    --nproc on every rank; the note says first where it goes."""
+    missing = str(tmp_path / "train.py")
+    assert cli_main(["local", missing, "--epochs", "1", "--nproc=2"]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(
+        f"note: --nproc after {missing} is passed to it as its own argument; hpc-ddp's --nproc "
+        f"goes before it: hpc-ddp local --nproc N {missing} ..."
+    ), said
+
+
 def test_only_a_command_that_starts_a_program_says_where_its_options_go(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

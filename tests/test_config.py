@@ -252,3 +252,26 @@ def test_hpc_ddp_config_lists_a_scripts_defaults_first_then_the_trainers(
     assert "run.name (the trainer's default 'digits-mlp')" in trainers.splitlines()
     assert "data." not in scripts and "\ndata.batch_size (default" in trainers
     assert "\nmonitor.every_s (default" in scripts and "monitor.every_s" not in trainers
+
+
+@pytest.mark.parametrize(
+    ("section", "said"),
+    [
+        (
+            {"every_step": 10},
+            "hpc_ddp.start(checkpoint=...): unknown key 'checkpoint.every_step' (did you mean "
+            "'checkpoint.every_steps'?)",
+        ),
+        ({"every_steps": "x"}, "hpc_ddp.start(checkpoint=...): checkpoint.every_steps: got 'x'"),
+    ],
+)
+def test_a_mistake_in_a_section_given_to_start_is_named_there(
+    section: dict[str, object], said: str, tmp_path: Path
+) -> None:
+    """Not '<defaults>' nor the YAML file's name: the keyword argument the key came from."""
+    from hpc_ddp.runtime.config import resolve_config
+
+    for config in (None, write(tmp_path, "checkpoint:\n  keep_last: 2\n")):
+        with pytest.raises(HpcDdpError) as caught:
+            resolve_config(config, [], {"checkpoint": section}, {})
+        assert said in str(caught.value)

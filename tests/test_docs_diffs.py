@@ -69,8 +69,18 @@ def test_the_count_treats_a_replaced_line_as_one_change() -> None:
                 "train(train_loader, model, criterion, optimizer, epoch, device, args)",
             ],
         ),
+        (
+            5,
+            50,
+            [
+                "optimizer = optim.Adadelta(model.parameters(), lr=args.lr)",
+                "scheduler = StepLR(optimizer, step_size=1, gamma=args.gamma)",
+                "loss = F.nll_loss(output, target)",
+                "pred = output.argmax(dim=1, keepdim=True)",
+            ],
+        ),
     ],
-    ids=["ddp-tutorial", "nanogpt", "mp-spawn", "fsdp2-example", "imagenet"],
+    ids=["ddp-tutorial", "nanogpt", "mp-spawn", "fsdp2-example", "imagenet", "mnist"],
 )
 def test_each_shape_converts_in_few_lines_keeping_its_structure(
     index: int, most: int, kept: list[str]

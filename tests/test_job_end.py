@@ -114,7 +114,7 @@ def test_a_suspension_is_no_gap_between_checks_and_the_end_is_read_again_after_i
     clock = HandClock(1000.0)
     slurm_end = [1300.0]
     job_end = JobEnd(lambda: slurm_end[0] - clock.now, every_s=None, clock=clock).start()
-    stops = ProcessStops(0.5, clock, cpu_clock=HandClock(0.0))  # no CPU time: stopped
+    stops = ProcessStops(0.5, clock, HandClock(0.0), HandClock(0.0))  # no CPU time: stopped
     stops.look()
     watch = StopBeforeEnd(job_end, lambda: 4.0, 60.0, clock=clock, stopped_s=stops.total_at)
 
@@ -234,3 +234,35 @@ def test_a_job_far_from_its_end_trains_on(tmp_path: Path) -> None:
     assert stopper.decide() == (False, False)
     assert not stopper.context.signals.requested
     stopper.close()
+
+
+@pytest.mark.parametrize("answered", ["as_asked", "as_returned"])
+def test_a_slow_read_of_the_time_left_does_not_move_the_end(
+    answered: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """squeue may take seconds on a busy machine, and its answer may come at any moment
+    of that: a read 8 s long whose end is the same within those 8 s moves nothing, and a
+    real change after it is still said."""
+    clock = HandClock(1000.0)
+    true_end = [1600.0]
+
+    def squeue(read_s: float) -> float:
+        left_when_asked = true_end[0] - clock.now
+        clock.now += read_s
+        return left_when_asked if answered == "as_asked" else true_end[0] - clock.now
+
+    reads = iter([0.0, 8.0, 0.0, 8.0])
+    job_end = JobEnd(lambda: squeue(next(reads)), every_s=None, clock=clock).start()
+    assert job_end.end == 1600.0
+    clock.now += 10
+    with caplog.at_level(logging.INFO, logger="hpc_ddp"):
+        job_end.refresh()  # slow, same end
+        clock.now += 10
+        job_end.refresh()  # quick, same end
+        assert "moved" not in caplog.text and job_end.end is not None
+        assert 1592.0 <= job_end.end <= 1600.0, "never later than it is"
+        true_end[0] = 1300.0  # scontrol update TimeLimit
+        clock.now += 10
+        job_end.refresh()  # slow, a new end
+    assert job_end.end is not None and 1292.0 <= job_end.end <= 1300.0
+    assert "the job's end moved -3" in caplog.text

@@ -134,6 +134,29 @@ def test_time_the_process_did_not_run_is_suspended_not_the_part_it_fell_in() -> 
     assert (total["suspended_s"], total["rank_hours"]) == (90.0, round(111.0 * 4 / 3600, 4))
 
 
+def test_a_pause_between_the_reading_and_the_end_falls_in_other() -> None:
+    """The end's wall time is read after the parts: a process descheduled between the two
+    reads adds that time to `other`, and the parts still add up to the allocation (read the
+    other way round, the pause would count in the stop and outgrow the allocation)."""
+    clock = HandClock(0.0)
+    times = AttemptTimes(clock=clock)
+    clock.now += 2.0
+    times.training_began()
+    began = times.mark()
+    clock.now += 10.0
+    times.begin_ending("stop")
+    clock.now += 1.0
+    times.add_steps(clock.now - 2.0, began)
+    reading = times.reading()
+    clock.now += 5.0  # descheduled between the two reads
+    timeline = {"entry_unix": 0.0, "training_unix": 2.0}
+    account = attempt_account(timeline, clock.now, times, 10, 0, reading)
+    assert (account["stop_s"], account["other_s"]) == (1.0, 5.0)
+    assert sum(account[f"{part}_s"] for part in PARTS) == account["allocation_s"] == 18.0
+    late = attempt_account(timeline, clock.now - 5.0, times, 10, 0)
+    assert sum(late[f"{part}_s"] for part in PARTS) > late["allocation_s"]
+
+
 def test_an_attempt_suspended_before_it_trained_counts_the_suspension_once() -> None:
     clock, suspended = HandClock(0.0), HandClock(0.0)
     times = AttemptTimes(clock=clock, suspended=suspended)
@@ -373,7 +396,9 @@ def test_a_record_that_cannot_be_kept_costs_one_warning_and_the_run_still_ends(
         raise ValueError("could not convert string to float: 'soon'")
 
     tracker = Tracker()
-    ending = Ending(StopSignals("USR1"), "0", tracker, lambda wait: None, Position(), damaged)
+    ending = Ending(
+        StopSignals("USR1"), "0", tracker, lambda wait: None, Position(), damaged, print
+    )
     ending("FAILED")
     assert finished == ["FAILED"], "MLflow still hears how the run ended"
     assert ending.account is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +19,8 @@ from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.tracking.base import NullTracker
 from hpc_ddp.runtime.tracking.journal import JournalTracker
 from hpc_ddp.runtime.tracking.record import read_status
-from hpc_ddp.view.plot import curves, plot_run
-from hpc_ddp.view.runs import find_run, find_runs, format_runs, load_run
+from hpc_ddp.view.plot import base_name, curves, plot_run
+from hpc_ddp.view.runs import find_run, find_runs, format_runs, load_run, metric_kind
 from tests.helpers import REPO, clean_environ, run_local_program
 
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
@@ -37,6 +38,33 @@ def hpc_ddp_command(*args: str, prelude: str = "") -> subprocess.CompletedProces
         timeout=60,
         check=False,
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "kind"),
+    [
+        ("interval/loss", "train"),
+        ("accuracy", "train"),
+        ("val_loss", "val"),
+        ("interval/val/accuracy", "val"),
+        ("eval_bleu", "val"),
+        ("test_loss", "val"),  # pytorch/examples' MNIST names its held-out metrics so
+        ("test_accuracy", "val"),
+        ("validation_loss", "val"),
+        ("valid_f1", "val"),
+        ("value_loss", "train"),  # a reinforcement learner's, not a split's
+        ("testing_time", "train"),
+        ("interval/samples_per_s", None),
+    ],
+)
+def test_a_held_out_splits_metrics_are_told_from_training_ones(name: str, kind: str | None) -> None:
+    assert metric_kind(name) == kind
+
+
+def test_a_metric_and_its_held_out_twin_share_a_curve_name() -> None:
+    names = ["loss", "val_loss", "test_loss", "eval/loss", "train_loss (epoch)", "valid_loss"]
+    assert {base_name(name) for name in names} == {"loss"}
+    assert base_name("value_loss") == "value_loss"
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +222,7 @@ def test_a_run_whose_process_is_gone_is_listed_as_lost(tmp_path: Path) -> None:
 
 
 def test_summaries_are_strict_json_even_with_a_metric_over_nothing(tmp_path: Path) -> None:
-    from hpc_ddp.runtime.session.summary import write_summary
+    from hpc_ddp.runtime.session.finishing import write_summary
 
     def refuse(constant: str) -> None:
         raise AssertionError(f"{constant} is not JSON")
@@ -337,3 +365,63 @@ def test_a_plot_to_a_file_matplotlib_cannot_write_is_one_line(tmp_path: Path, ou
         save_plot(find_run("name/id", tmp_path), tmp_path / output)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["folder", "name"]
     assert save_plot(find_run("name/id", tmp_path), tmp_path / "c.SVG").is_file()
+
+
+RANK_1_RAISES = """
+import torch
+import hpc_ddp
+
+
+def check(step):
+    if run.rank == 1 and step == 7:
+        raise ValueError(f"bad label in batch {step}")
+
+
+run = hpc_ddp.start(tracking={"enabled": False})
+model = run.wrap(torch.nn.Linear(2, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = run.train_loader(torch.randn(256, 2), batch_size=BATCH)
+for epoch in run.epochs(2):
+    for batch in run.steps(loader):
+        check(run.global_step)
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+run.finish()
+"""
+
+
+@pytest.mark.parametrize(
+    ("batch", "said"),
+    [
+        (
+            16,
+            "attempt 1 failed at step 7: rank 1 on {host}: ValueError: bad label in batch 7, "
+            "at {script}:8 in check; 1 other rank(s) ended after it",
+        ),
+        (
+            15,
+            "failed at step 0: rank {rank} on {host}: HpcDdpError: batch_size=15 "
+            "(global) does not divide over world_size=2 x grad_accum_steps=1, at {script}:14 in "
+            "<module>; 1 other rank(s) ended after it",
+        ),
+    ],
+    ids=["one-rank-raises", "refused-at-start"],
+)
+@pytest.mark.e2e
+def test_runs_names_what_ended_a_failed_attempt(batch: int, said: str, tmp_path: Path) -> None:
+    script = tmp_path / "fails.py"
+    script.write_text(RANK_1_RAISES.replace("BATCH", str(batch)))
+    result = run_local_program(2, ["--set", f"run.output_dir={tmp_path}", str(script)])
+    assert result.returncode in (1, 2), result.stderr[-3000:]
+    [run_dir] = (tmp_path / "fails").iterdir()
+    shown = hpc_ddp_command("runs", str(run_dir))
+    assert shown.returncode == 0, shown.stderr
+    [line] = [line for line in shown.stdout.splitlines() if " failed at step " in line]
+    host = socket.gethostname()
+    if batch == 16:
+        assert line.strip() == said.format(host=host, script=script)
+    else:  # every rank refuses it before training, and the first to say so is named
+        named = {said.format(rank=rank, host=host, script=script) for rank in (0, 1)}
+        start, _, rest = line.strip().partition(" failed at step ")
+        assert start.startswith("a start at ") and f"failed at step {rest}" in named, line

@@ -5,15 +5,19 @@ shows where it is stuck; dist.timeout_s is 600 s, so without the watchdog these 
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STALLED
-from hpc_ddp.runtime.preempt.liveness import ProcessStops
+from hpc_ddp.runtime.preempt.liveness import ProcessStops, RunQueueWaits
 from hpc_ddp.runtime.preempt.watchdog import (
     CHECK_PERIOD_S,
     INSIDE_TORCH,
@@ -248,11 +252,12 @@ def test_time_the_process_did_not_run_is_not_a_stall(caplog: pytest.LogCaptureFi
     that comes long after the one before with no CPU time used meanwhile (the process was
     stopped: SIGSTOP, `scontrol suspend`, a host that hung) leaves that time out, and says so
     once; the watch goes on counting from where it was, and a stall after it still fires. A
-    late look after CPU time was used (a thread held the interpreter) counts the time."""
-    clock, cpu = HandClock(), HandClock(0.0)
+    late look after CPU time was used (a thread held the interpreter) or after a wait for a
+    CPU (a busy machine) counts the time."""
+    clock, cpu, waited = HandClock(), HandClock(0.0), HandClock(0.0)
     watchdog = StallWatchdog(
         timeout_s=4, first_timeout_s=4, rank=1, where=str, end_run=lambda: None, clock=clock,
-        stops=ProcessStops(CHECK_PERIOD_S, clock, cpu),
+        stops=ProcessStops(CHECK_PERIOD_S, clock, cpu, waited),
     )  # fmt: skip
     try:
         watchdog.arm()
@@ -277,8 +282,71 @@ def test_time_the_process_did_not_run_is_not_a_stall(caplog: pytest.LogCaptureFi
         clock.now += 10.5
         cpu.now += 10.0  # the main thread held the interpreter: the process ran
         assert watchdog.check() == 10.5, "a long hold of the interpreter is a stall"
+        watchdog.beat()
+        clock.now += 8.5
+        cpu.now += 1.0
+        waited.now += 7.0  # runnable, waiting for a CPU the machine's other work held
+        assert watchdog.check() == 8.5, "a busy machine is no suspension"
+        assert caplog.text.count("did not run for") == 1
     finally:
         watchdog.close()
+
+
+def test_a_threads_wait_for_a_cpu_stays_counted_after_it_ends(tmp_path: Path) -> None:
+    """/proc/self/task as files written by hand: a thread that ends keeps its part, one
+    that begins counts from 0, a number used again by a new thread counts from 0 too."""
+
+    def threads(**run_delay_ns: int) -> None:
+        for old in tmp_path.iterdir():
+            (old / "schedstat").unlink()
+            old.rmdir()
+        for thread, waited in run_delay_ns.items():
+            (tmp_path / thread).mkdir()
+            (tmp_path / thread / "schedstat").write_text(f"5000 {waited} 7\n")
+
+    waits = RunQueueWaits(tmp_path)
+    threads(t1=1_000_000_000, t2=500_000_000)
+    assert waits() == 0.0, "counted from the first call"
+    threads(t1=3_000_000_000, t2=600_000_000, t3=250_000_000)
+    assert waits() == pytest.approx(2.0 + 0.1 + 0.25)
+    threads(t1=3_500_000_000)  # t2 and t3 ended
+    assert waits() == pytest.approx(2.85)
+    threads(t1=3_500_000_000, t2=100_000_000)  # t2's number, a new thread
+    assert waits() == pytest.approx(2.95)
+    assert RunQueueWaits(tmp_path / "none")() == 0.0
+
+
+@pytest.mark.skipif(
+    not Path("/proc/self/schedstat").exists(), reason="this kernel keeps no run_delay"
+)
+@pytest.mark.e2e
+def test_the_wait_for_a_cpu_on_a_busy_machine_is_read_from_the_kernel() -> None:
+    """What tells a busy machine from a stopped process: a thread of this process and a busy
+    process pinned to the same CPU take turns on it, so while the thread uses 0.3 s of CPU
+    time it waits, runnable, for about as long (at least 0.1 s, more on a busier machine)."""
+    cpu = min(os.sched_getaffinity(0))
+    spin = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nprint(flush=True)\nwhile True: pass"
+    busy = subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE, text=True)
+    waits = RunQueueWaits()
+    waited: list[float] = []
+
+    def share_the_cpu() -> None:
+        os.sched_setaffinity(0, {cpu})  # this thread only
+        before, used = waits(), time.thread_time()
+        while time.thread_time() - used < 0.3:
+            pass
+        waited.append(waits() - before)
+
+    try:
+        assert busy.stdout is not None and busy.stdout.readline() == "\n", "pinned, spinning"
+        sharing = threading.Thread(target=share_the_cpu)
+        sharing.start()
+        sharing.join()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert waited and waited[0] >= 0.1, waited
+    assert waits() >= waited[0], "the thread ended: its wait stays counted"
 
 
 @pytest.mark.parametrize("stopped", [1, 0], ids=["rank-1", "rank-0-holding-the-store"])
@@ -295,7 +363,6 @@ def test_a_stall_report_names_the_rank_that_stopped_answering(stopped: int, tmp_
             str(REPO / "tests/programs/stops_itself.py"),
             str(stopped),
         ],
-        timeout=120,
     )
     # The waiting rank waits inside torch: a consequence of the other's silence (exit 4).
     assert result.returncode == EXIT_PEER_LOST, result.stderr[-3000:]

@@ -68,6 +68,7 @@ def local(args: argparse.Namespace) -> int:
     from hpc_ddp.runtime.config import LOCAL_COMMAND_VARIABLE
 
     program = program_arguments(args, default_config=DEFAULT_CONFIG)
+    note_misplaced("--nproc", "hpc-ddp local --nproc N", program)
     check_settings(args.settings, program, os.environ)
     environ = with_settings(os.environ, args.settings)
     environ[LOCAL_COMMAND_VARIABLE] = shlex.join(local_words(args.nproc, args.settings, program))
@@ -80,6 +81,18 @@ def local_words(nproc: int, settings: Sequence[str], program: Program) -> list[s
     if program.kind == "builtin":
         return [*words, *(["--config", program.name] if program.name else []), *program.args]
     return [*words, *program.template_args()]
+
+
+def note_misplaced(option: str, before: str, program: Program) -> None:
+    """Say that hpc-ddp's ``option``, written after a script, goes to the script."""
+    if program.kind != "builtin" and any(
+        word == option or word.startswith(f"{option}=") for word in program.args
+    ):
+        print(
+            f"note: {option} after {program.name} is passed to it as its own argument; "
+            f"hpc-ddp's {option} goes before it: {before} {program.name} ...",
+            file=sys.stderr,
+        )
 
 
 def check_settings(
@@ -95,14 +108,7 @@ def check_settings(
     overrides after it last); where those fail without the ``--set`` ones, the ranks say so."""
     from hpc_ddp.runtime.config import environment_overrides, resolve_config
 
-    if program.kind != "builtin" and any(
-        word == "--set" or word.startswith("--set=") for word in program.args
-    ):
-        print(
-            f"note: --set after {program.name} is passed to it as its own argument; hpc-ddp's "
-            f"--set goes before it: hpc-ddp ... --set KEY=VALUE {program.name} ...",
-            file=sys.stderr,
-        )
+    note_misplaced("--set", "hpc-ddp ... --set KEY=VALUE", program)
     if not settings or (program.kind == "module" and program.name == "hpc_ddp.train"):
         return  # that module's config is in its own arguments: its ranks judge the whole
     earlier = environment_overrides(environ)

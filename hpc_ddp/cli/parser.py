@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         default="runs",
         help="run.output_dir (runs); or one run (its directory, or NAME/ID under runs): its "
-        "line, each attempt's code and environment, and where each attempt's time went",
+        "line, each attempt's code and environment, where each attempt's time went, and "
+        "what ended each attempt that failed (the rank, its error, where in your code)",
     )
     plot = _command(commands, "plot", results.plot, "write a PNG of a run's curves (matplotlib)")
     plot.add_argument("run", help="a run directory, or NAME/ID or ID as `hpc-ddp runs` shows")

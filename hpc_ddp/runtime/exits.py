@@ -11,6 +11,7 @@ import json
 import os
 import re
 import sys
+import sysconfig
 import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -113,6 +114,31 @@ def report_failure(
 
 #: gloo's words when a collective's partner never came within the group's timeout.
 _GLOO_TIMEOUT = re.compile(r"Timed out waiting (\d+)ms for (?:recv|send) operation")
+
+
+def failure_record(error: BaseException) -> dict[str, object]:
+    """What ended this rank, for the run's record of failures: the error in one line, the
+    innermost line of the user's code it came through (None: none did), and whether it only
+    followed another rank's end (a peer gone from a collective)."""
+    if lost_peer(error):
+        said = "another rank went away during a collective"
+    else:
+        text = error.message if isinstance(error, HpcDdpError) else str(error)
+        first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        said = f"{type(error).__name__}: {first}" if first else type(error).__name__
+    installed = tuple(
+        os.path.join(path, "")
+        for key, path in sysconfig.get_paths().items()
+        if key in ("stdlib", "platstdlib", "purelib", "platlib")
+    )
+    users = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)
+        if not toolkit_frame(frame.filename)
+        and not os.path.abspath(frame.filename).startswith(installed)
+    ]
+    at = f"{users[-1].filename}:{users[-1].lineno} in {users[-1].name}" if users else None
+    return {"error": said[:300], "at": at, "follows_another_rank": bool(lost_peer(error))}
 
 
 def collective_timeout(error: BaseException) -> str | None:

@@ -10,7 +10,7 @@ from hpc_ddp.runtime.monitor.account import is_number
 from hpc_ddp.runtime.preempt.progress import read_attempts
 from hpc_ddp.runtime.tracking.record import read_metrics
 from hpc_ddp.view.machines import draw_usage, usage_series
-from hpc_ddp.view.runs import RunView, metric_kind
+from hpc_ddp.view.runs import HELD_OUT, RunView, metric_kind
 from hpc_ddp.view.steptime import draw_step_time, step_time_series
 
 Series = dict[str, tuple[list[float], list[float]]]
@@ -62,8 +62,9 @@ def base_name(label: str) -> str:
     """The metric a series belongs to, the same for its interval, epoch and validation
     series: ``val_loss``, ``train_loss (epoch)`` and ``loss`` are all ``loss``."""
     name = label.removesuffix(" (epoch)")
-    for prefix in ("val_", "val/", "train_", "train/"):
-        name = name.removeprefix(prefix)
+    for split in (*HELD_OUT, "train"):
+        for separator in ("_", "/"):
+            name = name.removeprefix(split + separator)
     return name
 
 

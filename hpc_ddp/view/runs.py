@@ -14,7 +14,7 @@ from hpc_ddp.runtime.monitor.account import account_line, is_account, run_accoun
 from hpc_ddp.runtime.monitor.paces import PACE_METRICS
 from hpc_ddp.runtime.monitor.throughput import THROUGHPUT_METRICS
 from hpc_ddp.runtime.preempt.node_record import left_out_lines, node_failures
-from hpc_ddp.runtime.preempt.progress import read_attempts
+from hpc_ddp.runtime.preempt.progress import failure_lines, read_attempts, read_failures
 from hpc_ddp.runtime.safefiles import read_records
 from hpc_ddp.runtime.tracking.record import (
     PROVENANCE_FILE,
@@ -57,13 +57,23 @@ class RunView:
     code: tuple[str, ...] = ()
     #: Where each attempt's time went, one line each, and the run's (attempts.json).
     time: tuple[str, ...] = ()
+    #: What ended each attempt that failed, one line each (failures.jsonl).
+    failures: tuple[str, ...] = ()
     #: The productive steps' share of every attempt's allocation (%); None: no account.
     goodput: float | None = None
 
 
+#: The names a held-out split's metrics go by (``val_loss``, ``eval/accuracy``,
+#: ``test_loss`` as pytorch/examples' scripts name theirs).
+HELD_OUT = ("val", "valid", "validation", "eval", "test")
+
+
 def is_validation(name: str) -> bool:
+    """A metric of a held-out split: named ``<split>_...``, ``<split>/...`` or ``<split>``
+    for a split in :data:`HELD_OUT`."""
     base = name.removeprefix("interval/")
-    return base.startswith(("val_", "val/", "eval_", "eval/")) or base in ("val", "eval")
+    split = base.replace("/", "_").split("_", 1)[0]
+    return split in HELD_OUT
 
 
 def metric_kind(name: str) -> str | None:
@@ -124,6 +134,7 @@ def load_run(path: Path) -> RunView | None:
         left_out=tuple(left_out_lines(node_failures(path))),
         code=tuple(code_lines(read_records(path / PROVENANCE_FILE, "python"))),
         time=tuple(time_lines(attempts, _state(status) == "running")),
+        failures=tuple(failure_lines(attempts, read_failures(path))),
         goodput=run_account(attempts)["goodput_percent"] if accounted else None,
     )
 
@@ -184,9 +195,10 @@ def time_lines(attempts: list[dict[str, Any]], running: bool) -> list[str]:
 
 
 def format_run(run: RunView, now: float | None = None) -> str:
-    """`hpc-ddp runs NAME/ID`: the run's line, its failed hosts, each attempt's code and
-    where each attempt's time went."""
-    return "\n".join([format_runs([run], now), *(f"  {line}" for line in (*run.code, *run.time))])
+    """`hpc-ddp runs NAME/ID`: the run's line, its failed hosts, each attempt's code, where
+    each attempt's time went and what ended those that failed."""
+    lines = (*run.code, *run.time, *run.failures)
+    return "\n".join([format_runs([run], now), *(f"  {line}" for line in lines)])
 
 
 def find_runs(output_dir: Path, damaged: list[str] | None = None) -> list[RunView]:

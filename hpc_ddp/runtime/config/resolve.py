@@ -74,6 +74,19 @@ def environment_overrides(environ: Mapping[str, str]) -> list[str]:
         ) from None
 
 
+def check_keys(section: str, given: Mapping[str, object]) -> None:
+    """Refuse a key ``hpc_ddp.start(section={...})`` does not know, naming where it came from
+    (its values are judged with the rest, after the overrides)."""
+    known = [field.name for field in dataclasses.fields(getattr(RuntimeConfig(), section))]
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise HpcDdpError(
+            f"hpc_ddp.start({section}=...): unknown key '{section}.{unknown[0]}'"
+            f"{configfile.nearest(unknown[0], known, f'{section}.')}",
+            f"valid keys in '{section}': {', '.join(known)}",
+        )
+
+
 def resolve_config(
     config: RuntimeConfig | str | Path | None,
     overrides: Sequence[str],
@@ -117,7 +130,9 @@ def resolve_config(
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             raw[name] = dataclasses.asdict(value)
         else:
-            raw.setdefault(name, {}).update(dict(value))  # type: ignore[arg-type]
+            given = dict(value)  # type: ignore[arg-type]
+            check_keys(name, given)
+            raw.setdefault(name, {}).update(given)
     sections_known = configfile.section_names(RuntimeConfig)
     text = configfile.text_keys(RuntimeConfig)
     from_environ = environment_overrides(environ)
@@ -131,6 +146,10 @@ def resolve_config(
             f"set {OVERRIDES_VARIABLE} to space-separated section.key=value settings",
         ) from None
     configfile.apply_overrides(raw, overrides, sections_known, text)
+    keywords = [f"{name}=..." for name, value in sections.items() if value is not None]
+    if keywords:  # a wrong value may come from them: say so
+        start = f"hpc_ddp.start({', '.join(keywords)})"
+        source = start if config is None else f"{source} with {start}"
     settings = configfile.from_dict(RuntimeConfig, raw, source)
     if environ.get("SUBMITIT_EXECUTOR"):
         preempt = dataclasses.replace(settings.preempt, signal="USR2", stop_on_sigterm=False)

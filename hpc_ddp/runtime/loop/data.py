@@ -185,6 +185,16 @@ class TrainLoader(DeviceBatches):
         self._positioned = False
         self._warned = False
 
+    @property
+    def dataset(self) -> Dataset[Any]:
+        """The whole dataset, as a DataLoader's ``dataset`` (this rank reads its share)."""
+        return self.loader.dataset
+
+    @property
+    def batch_size(self) -> int:
+        """Samples per micro-batch on this rank, as a DataLoader's ``batch_size``."""
+        return self.micro_batch_size
+
     def __iter__(self) -> Iterator[Any]:
         if not self._positioned and not self._warned and self.rank == 0:
             self._warned = True

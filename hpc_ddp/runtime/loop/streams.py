@@ -24,6 +24,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+)
 
 from hpc_ddp.runtime.checkpoint.state import check_loadable
 from hpc_ddp.runtime.errors import HpcDdpError
@@ -201,6 +208,33 @@ def _sized(value: object) -> bool:
     return True
 
 
+def unsharded_sampler(batches: object, world_size: int) -> str | None:
+    """Why each of ``world_size`` ranks would read the whole dataset: ``batches`` is a
+    DataLoader over a map-style dataset that samples with torch's RandomSampler or
+    SequentialSampler, which do not split it by rank; None otherwise (a sampler of the
+    user's own, DistributedSampler, an IterableDataset, one rank)."""
+    if world_size < 2 or not isinstance(batches, DataLoader):
+        return None
+    if isinstance(batches.dataset, IterableDataset):
+        return None
+    batch_sampler = batches.batch_sampler  # None for batch_size=None: samples one by one
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return None  # a batch sampler of the user's own may shard
+    sampler = batches.sampler if batch_sampler is None else batch_sampler.sampler
+    torchs_own = (RandomSampler, SequentialSampler)  # a subclass may shard: the user's own
+    if not isinstance(sampler, torchs_own) or type(sampler) not in torchs_own:
+        return None
+    return (
+        f"run.steps() got a DataLoader whose {type(sampler).__name__} reads all "
+        f"{len(sampler)} samples of its dataset on each of the {world_size} ranks: every "
+        "rank trains on the whole dataset each epoch, not on a share of its own. HINT: "
+        "run.train_loader(dataset, batch_size=GLOBAL_BATCH) shards it (and a resume skips "
+        "what was trained on without loading it); or give your DataLoader "
+        "sampler=DistributedSampler(dataset, seed=...) and call sampler.set_epoch(epoch) each "
+        "epoch. A dataset that holds only this rank's own shard is right as it is"
+    )
+
+
 class StreamStates:
     """The user's iterable across checkpoints: each rank's state saved and given back to the
     next stream the loop takes, and how it resumes said once."""
@@ -212,10 +246,16 @@ class StreamStates:
         self._saved: list[Any] | None = None
         self._same_world = True
         self._said = False
+        self._sharding_checked = False
 
     def take(self, stream: BatchStream, resumed_from_step: int | None) -> None:
         """Step through ``stream`` from now on: it gets this rank's saved state, if any."""
         self.current = stream
+        if self.rank == 0 and not self._sharding_checked:
+            self._sharding_checked = True
+            unsharded = unsharded_sampler(stream.batches, self.world_size)
+            if unsharded is not None:
+                get_logger().warning(unsharded)
         saved, self._saved = self._saved, None
         if saved is not None and stream.stateful:
             if len(saved) == self.world_size:

@@ -52,6 +52,16 @@ def never_stopped() -> float:
 
 
 @dataclass(frozen=True)
+class EndingReading:
+    """The attempt's ending and suspended seconds read at one instant
+    (:meth:`AttemptTimes.reading`)."""
+
+    how: Ending
+    ending_s: float
+    suspended_s: float
+
+
+@dataclass(frozen=True)
 class StepsMark:
     """The paused and suspended seconds when ``run.steps`` began (:meth:`AttemptTimes.mark`)."""
 
@@ -105,13 +115,22 @@ class AttemptTimes:
             paused = self.checkpoint_s + self.evaluation_s
             self._ending = (how, self.clock(), paused, self.suspended())
 
-    def ending_s(self) -> tuple[Ending, float]:
-        """How the attempt is ending and the seconds since it began to (0 before)."""
+    def ending_s(self, suspended_now: float | None = None) -> tuple[Ending, float]:
+        """How the attempt is ending and the seconds since it began to (0 before);
+        ``suspended_now``: the suspended seconds read now (read here when not given)."""
         if self._ending is None:
             return "end", 0.0
         how, began, paused, suspended = self._ending
         spent = self.clock() - began - (self.checkpoint_s + self.evaluation_s - paused)
-        return how, max(0.0, spent - (self.suspended() - suspended))
+        now = self.suspended() if suspended_now is None else suspended_now
+        return how, max(0.0, spent - (now - suspended))
+
+    def reading(self) -> EndingReading:
+        """How the attempt is ending, for how long, and the suspended seconds, now: read
+        before the end's wall time, so a pause between the two reads is not counted twice."""
+        suspended = self.suspended()
+        how, ending = self.ending_s(suspended)
+        return EndingReading(how, ending, suspended)
 
     def mark(self) -> StepsMark:
         """Where the paused and suspended time stand as ``run.steps`` begins (for
@@ -163,19 +182,26 @@ def attempt_account(
     times: AttemptTimes,
     steps_taken: int,
     steps_redone: int,
+    reading: EndingReading | None = None,
 ) -> dict[str, float]:
     """One attempt's seconds per part (:data:`PARTS`, as ``<part>_s``), its allocation and
     goodput (%). ``timeline``: the attempt's marks (process_start_unix or entry_unix, and
     training_unix once it trained); ``steps_taken``: optimizer steps in this attempt, of
-    which ``steps_redone`` were taken before."""
+    which ``steps_redone`` were taken before; ``reading``: ``times.reading()`` taken before
+    ``end_unix`` (now, when not given)."""
     start = timeline.get("process_start_unix", timeline.get("entry_unix", end_unix))
     allocation = max(0.0, end_unix - start)
     training = timeline.get("training_unix", end_unix)
     redone = times.steps_s * steps_redone / steps_taken if steps_taken else 0.0
     before_training = times.paused_before_training_s
-    paused_before = times.paused_s if before_training is None else before_training
-    how, ending = times.ending_s()
-    suspended = min(times.suspended(), allocation)
+    reading = times.reading() if reading is None else reading
+    paused_before = (
+        times.checkpoint_s + times.evaluation_s + reading.ending_s
+        if before_training is None
+        else before_training
+    )
+    how, ending = reading.how, reading.ending_s
+    suspended = min(reading.suspended_s, allocation)
     suspended_before = suspended if before_training is None else times.suspended_before_training_s
     parts = {
         "startup_s": max(0.0, training - start - times.resume_s - paused_before - suspended_before),

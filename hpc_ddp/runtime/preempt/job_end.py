@@ -98,12 +98,19 @@ class JobEnd:
 
     def refresh(self) -> None:
         """Read the end again; a new end is kept and said, an unanswered read changes
-        nothing."""
+        nothing.
+
+        The answer counts from when the read began (Slurm's answer came at most the read's
+        length later), so a new end is not placed later than it is; a read that took long is
+        only as precise as its length, so it moves the end only by more than that (a smaller
+        move waits for the next, quicker read)."""
+        asked = self._clock()
         left = self._read_left()
         if left is None:
             return
-        end, before = self._clock() + left, self.end
-        if before is not None and abs(end - before) < SAME_END_S:
+        read_s = self._clock() - asked
+        end, before = asked + left, self.end
+        if before is not None and abs(end - before) < SAME_END_S + read_s:
             return
         self.end = end
         if before is not None:

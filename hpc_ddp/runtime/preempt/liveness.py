@@ -15,10 +15,13 @@ stopped is not a stall of its own."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 #: How long one store call may take before the store counts as not answering.
@@ -186,26 +189,82 @@ class Liveness:
         return {rank: store.get(key) if store.check([key]) else None for rank, key in keys.items()}
 
 
+class RunQueueWaits:
+    """Seconds this process's threads (``threads()``' ids; None: all) have waited, runnable,
+    for a CPU since the first call: each thread's growth of the kernel's ``run_delay``
+    (/proc/self/task/<id>/schedstat) added up, so a thread that ends keeps its part and one
+    that begins counts from 0; 0.0 where the kernel keeps none. Any thread may call it."""
+
+    def __init__(
+        self,
+        tasks: Path = Path("/proc/self/task"),
+        threads: Callable[[], Iterable[str]] | None = None,
+    ) -> None:
+        self._tasks = tasks
+        self._threads = threads
+        self._lock = threading.Lock()
+        #: Each live thread's run_delay at the last call (None: not called yet).
+        self._seen: dict[str, int] | None = None
+        self._total_ns = 0
+
+    def __call__(self) -> float:
+        with self._lock:
+            now = self._read()
+            seen = self._seen
+            if seen is not None:
+                for thread, waited in now.items():
+                    before = seen.get(thread, 0)
+                    self._total_ns += waited - before if waited >= before else waited
+            self._seen = now
+            return self._total_ns / 1e9
+
+    def _read(self) -> dict[str, int]:
+        waits: dict[str, int] = {}
+        with contextlib.suppress(OSError):
+            threads = os.listdir(self._tasks) if self._threads is None else self._threads()
+            for thread in threads:
+                try:
+                    waits[thread] = int((self._tasks / thread / "schedstat").read_text().split()[1])
+                except (OSError, ValueError, IndexError):  # a thread that ended meanwhile
+                    continue
+        return waits
+
+
 class ProcessStops:
     """The time in which this process did not run, as the looks of one thread that looks
     every ``period_s`` find it: a look more than NOT_RUNNING_S after the one before, with the
-    process's CPU time (``cpu_clock``) grown by less than half of that, finds the process
-    stopped in between (SIGSTOP, ``scontrol suspend``, a host that hung), for all but one
-    period of that time. A late look after CPU time was used is a thread that held the
-    interpreter that long: the process ran. Other threads read the total (:meth:`total_at`)."""
+    process's CPU time (``cpu_clock``) and the wait for a CPU (``waiting_clock``; by default
+    its main thread's, the likeliest to hold the interpreter, and the looking thread's: a
+    few microseconds a look) grown by less than half of that, finds the process stopped in
+    between (SIGSTOP, ``scontrol suspend``, a host that hung), for all but one period of
+    that time. A late look after CPU time was used is a thread that held the interpreter
+    that long, and one after a wait for a CPU is a busy machine: the process ran, or would
+    have. Other threads read the total (:meth:`total_at`)."""
 
     def __init__(
         self,
         period_s: float,
         clock: Callable[[], float] = time.monotonic,
         cpu_clock: Callable[[], float] = time.process_time,
+        waiting_clock: Callable[[], float] | None = None,
     ) -> None:
         self.period_s = period_s
         self._clock, self._cpu_clock = clock, cpu_clock
-        #: (the last look's time and CPU time, None when no thread looks; the seconds this
-        #: process did not run, in all): replaced whole by the looking thread, read whole by
-        #: others without a lock.
+        #: The looking thread's id (None before its first look).
+        self._looker: int | None = None
+        watched = RunQueueWaits(threads=self._watched_threads)
+        self._waiting_clock = watched if waiting_clock is None else waiting_clock
+        #: (the last look's time and CPU time plus wait for a CPU, None when no thread
+        #: looks; the seconds this process did not run, in all): replaced whole by the
+        #: looking thread, read whole by others without a lock.
         self._state: tuple[tuple[float, float] | None, float] = (None, 0.0)
+
+    def _watched_threads(self) -> list[str]:
+        looker = [] if self._looker is None else [str(self._looker)]
+        return list(dict.fromkeys([str(os.getpid()), *looker]))
+
+    def _wanted_cpu(self) -> float:
+        return self._cpu_clock() + self._waiting_clock()
 
     def _late(self, looked: tuple[float, float] | None, now: float) -> float:
         """Seconds this process did not run between the look ``looked`` and ``now``."""
@@ -214,15 +273,16 @@ class ProcessStops:
         late = now - looked[0] - self.period_s
         if late <= NOT_RUNNING_S - self.period_s:
             return 0.0
-        return late if self._cpu_clock() - looked[1] < late / 2 else 0.0
+        return late if self._wanted_cpu() - looked[1] < late / 2 else 0.0
 
     def look(self, now: float | None = None) -> float:
         """Seconds the process did not run between the last look and this one, at ``now``
         (the clock's time by default); 0.0: it ran, or this is the first look."""
         now = self._clock() if now is None else now
+        self._looker = threading.get_native_id()
         looked, total = self._state
         stopped = self._late(looked, now)
-        self._state = ((now, self._cpu_clock()), total + stopped)
+        self._state = ((now, self._wanted_cpu()), total + stopped)
         return stopped
 
     def stop_looking(self) -> None:

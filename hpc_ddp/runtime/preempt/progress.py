@@ -9,6 +9,7 @@ its last logged interval. Standard library only."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,10 +24,12 @@ from hpc_ddp.runtime.monitor.account import (
     run_account,
     unsplit_account,
 )
-from hpc_ddp.runtime.safefiles import read_records, write_records
+from hpc_ddp.runtime.safefiles import open_append, read_records, write_records
 from hpc_ddp.runtime.tracking.record import last_logged
 
 RECORD = "attempts.json"
+#: Every rank's failures, one JSON line each: any rank appends to it.
+FAILURES = "failures.jsonl"
 
 
 def record_attempt(
@@ -150,7 +153,8 @@ def end_attempt(
     index = found[-1]
     earlier = attempts[index - 1].get("last_step") if index > 0 else None
     redone = redone_steps(earlier if isinstance(earlier, int) else None, from_step, last_step)
-    end_unix = time.time()
+    reading = times.reading()
+    end_unix = time.time()  # after the reading: a pause between them falls in `other`
     attempts[index].update(
         status=(status or "stopped").lower(),
         start_unix=timeline.get("process_start_unix", timeline.get("entry_unix")),
@@ -158,7 +162,7 @@ def end_attempt(
         last_step=last_step,
         ranks=ranks,
         redone_steps=redone,
-        account=attempt_account(timeline, end_unix, times, last_step - from_step, redone),
+        account=attempt_account(timeline, end_unix, times, last_step - from_step, redone, reading),
     )
     with contextlib.suppress(OSError):
         write_records(run_dir / RECORD, attempts)
@@ -172,3 +176,89 @@ def forget_attempt(run_dir: Path, attempt_id: str) -> None:
     if len(kept) != len(attempts):
         with contextlib.suppress(OSError):
             write_records(run_dir / RECORD, kept)
+
+
+def record_failure(run_dir: Path, where: Mapping[str, Any], failure: Mapping[str, Any]) -> None:
+    """Add what ended a rank (``where``: its rank and host; ``failure``: the error, the step
+    and when) to the run's failures, one line written at once, so the ranks' lines do not
+    mix (appends are whole on a local or parallel file system; over NFS, ranks on different
+    hosts may damage each other's line, which is then left out); a record that cannot be
+    written is left out."""
+    line = json.dumps({**where, **failure}, default=str) + "\n"
+    with contextlib.suppress(OSError), open_append(run_dir / FAILURES) as record:
+        record.write(line)
+
+
+def read_failures(run_dir: Path) -> list[dict[str, Any]]:
+    """Every failure recorded in ``run_dir``, by time ([] without a record; a damaged line
+    is left out)."""
+    try:
+        lines = (run_dir / FAILURES).read_text().splitlines()
+    except OSError:
+        return []
+    failures = []
+    for line in lines:
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if isinstance(entry, dict) and is_number(entry.get("time")):
+                failures.append(entry)
+    return sorted(failures, key=lambda entry: float(entry["time"]))
+
+
+#: How long after its attempt's recorded end a rank's own failure may come (the ranks' clocks
+#: and ends differ by less); one later is a start that failed before its first step (which
+#: keeps no attempt record). A lost contact may come later still (a lost node, a timeout).
+FAILURE_AFTER_END_S = 10.0
+
+
+def attempt_of(attempts: Sequence[Mapping[str, Any]], failure: Mapping[str, Any]) -> int | None:
+    """The number (from 1) of the recorded attempt ``failure`` belongs to, or None: of the
+    attempts of its job and restart (a rerun by hand is another job), the last one begun
+    before it, unless that one had ended well before and the failure is a rank's own."""
+    when, found = float(failure["time"]), None
+    for number, attempt in enumerate(attempts, 1):
+        same = all(
+            attempt.get(key) == failure[key] for key in ("job", "restart_count") if key in failure
+        )
+        start = attempt.get("start_unix")
+        if same and (not is_number(start) or float(start) <= when):
+            found = number
+    if found is None:
+        return None
+    ended = attempts[found - 1].get("end_unix")
+    late = is_number(ended) and when > float(ended) + FAILURE_AFTER_END_S
+    return None if late and not failure.get("follows_another_rank") else found
+
+
+def failure_lines(
+    attempts: Sequence[Mapping[str, Any]], failures: Sequence[Mapping[str, Any]]
+) -> list[str]:
+    """One line per attempt that failed (or start that failed before its first step, which
+    keeps no attempt record), oldest first: the rank whose error came first (a rank that
+    only lost contact with another comes after any that did not), where in the user's code,
+    and how many ranks ended after it. ``failures``: :func:`read_failures`'s."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    unrecorded_since: float | None = None
+    for failure in failures:
+        number = attempt_of(attempts, failure)
+        if number is not None:
+            label = f"attempt {number}"
+        else:  # the starts that failed: apart when a minute or more lies between
+            if unrecorded_since is None or failure["time"] - unrecorded_since > 60.0:
+                unrecorded_since = failure["time"]
+            label = (
+                f"a start at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(unrecorded_since))}"
+            )
+        groups.setdefault(label, []).append(failure)
+    lines = []
+    for label, found in groups.items():
+        first = min(found, key=lambda f: (bool(f.get("follows_another_rank")), f["time"]))
+        at = f", at {first['at']}" if first.get("at") else ""
+        others = len({str(f.get("rank")) for f in found} - {str(first.get("rank"))})
+        after = f"; {others} other rank(s) ended after it" if others else ""
+        lines.append(
+            f"{label} failed at step {first.get('step', '?')}: rank "
+            f"{first.get('rank', '?')} on {first.get('host', '?')}: "
+            f"{first.get('error', '?')}{at}{after}"
+        )
+    return lines

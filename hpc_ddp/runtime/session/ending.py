@@ -15,6 +15,7 @@ from typing import Any
 
 from hpc_ddp.runtime.errors import EXIT_FAILURE
 from hpc_ddp.runtime.exits import (
+    failure_record,
     leave,
     process_group_alive,
     rank_label,
@@ -43,17 +44,20 @@ class Ending:
         close_loop: Callable[[bool], None],
         position: Position,
         record_end: Callable[[str | None, int, int], Mapping[str, Any] | None],
+        record_failure: Callable[[Mapping[str, Any]], None],
     ) -> None:
         """``close_loop(wait)``: the loop's displays and stop agreement ended (waiting for
         the agreement in flight only on a clean end); ``position``: the run's;
         ``record_end(status, last step, first step)``: the attempt's end put on record,
-        returning the run's time account (None where this rank keeps no record)."""
+        returning the run's time account (None where this rank keeps no record);
+        ``record_failure(failure)``: what ended this rank, added to the run's failures."""
         self.signals = signals
         self.label = label
         self.tracker = tracker
         self.close_loop = close_loop
         self.position = position
         self.record_end = record_end
+        self.record_failure = record_failure
         #: The run's time account over its attempts, once this one has ended (rank 0).
         self.account: Mapping[str, Any] | None = None
         self.done = False
@@ -86,6 +90,20 @@ class Ending:
                 # it while the interpreter finalizes, which aborts the process.
                 time.sleep(WORKER_RELEASE_S)
 
+    def fail(self, error: BaseException) -> None:
+        """End the run after ``error`` ended the script (Ctrl-C: KILLED, not a failure),
+        what ended it on record first."""
+        if isinstance(error, KeyboardInterrupt):
+            self("KILLED")
+            return
+        if not self.done:
+            try:
+                failure = {**failure_record(error), "step": self.position.global_step}
+                self.record_failure({**failure, "time": time.time()})
+            except Exception as unwritten:  # the run still ends whole
+                get_logger().warning(f"the failure was not recorded: {unwritten!r}")
+        self("FAILED")
+
     def _recorded(self, status: str | None) -> Mapping[str, Any] | None:
         """The attempt's end on record; the run's account, or None. A record that cannot be
         kept costs one warning, never the end itself."""
@@ -114,7 +132,7 @@ def end_active_run(error: BaseException) -> None:
     launcher ending the other ranks) must not cut its report and exit handlers short."""
     if _ACTIVE:
         ending = _ACTIVE[-1]
-        ending("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+        ending.fail(error)
         ending.signals.ignore_from_now_on()
 
 

@@ -25,26 +25,10 @@ from hpc_ddp.runtime.names import check_name
 from hpc_ddp.runtime.session.buckets import check_registrable, settle_own_ddp
 from hpc_ddp.runtime.session.ending import Ending
 from hpc_ddp.runtime.session.finishing import end_already_finished, finish_run
+from hpc_ddp.runtime.session.misuse import BreakNote, after_finish, nested_steps, registered_late
 from hpc_ddp.runtime.session.models import ModelView
 
 __all__ = ["Run"]
-
-
-def nested_steps() -> HpcDdpError:
-    return HpcDdpError(
-        "run.steps() inside a loop over run.steps() or run.iterations(): each optimizer step "
-        "would be counted, checkpointed and stopped on twice",
-        "loop over run.steps(loader) once per epoch; for micro-batches pass grad_accum_steps= "
-        "(or run.train_loader's) and call optimizer.step() when not run.accumulating",
-    )
-
-
-def after_finish(what: str) -> HpcDdpError:
-    return HpcDdpError(
-        f"{what} after run.finish(): the run has ended (its final checkpoint and summary are "
-        "written, the process group is down)",
-        "train before run.finish(); another run starts with its own hpc_ddp.start()",
-    )
 
 
 class Run(ModelView):
@@ -84,6 +68,7 @@ class Run(ModelView):
         self._finished = False
         #: Inside a loop over run.steps() (or run.iterations()).
         self._stepping = False
+        self._break_note = BreakNote(self.is_main)
         self._started = started
         self._timeline = timeline
         self.resumed: Resumed | None = None
@@ -127,10 +112,7 @@ class Run(ModelView):
         own). Register before :meth:`resume` (or the first :meth:`epochs`). A model you shard
         with your own ``fully_shard`` calls is registered as it is, without :meth:`wrap`."""
         if self._resume_done:
-            raise HpcDdpError(
-                f"register({', '.join(objects)}) after the run resumed or started training",
-                "register every object before run.resume() and run.epochs()",
-            )
+            raise registered_late(f"register({', '.join(objects)})")
         checkpoints = self._context.config.checkpoint
         check_registrable(objects, checkpoints.save_mode if checkpoints.enabled else None)
         # A DDP the script built sums gradients in the order run.wrap's does, from its first
@@ -145,11 +127,7 @@ class Run(ModelView):
         same names on every rank. A resume on another number of ranks is refused: such
         state cannot be split or merged."""
         if self._resume_done:
-            raise HpcDdpError(
-                f"register_per_rank({', '.join(objects)}) after the run resumed or started "
-                "training",
-                "register every object before run.resume() and run.epochs()",
-            )
+            raise registered_late(f"register_per_rank({', '.join(objects)})")
         self._context.registry.add(objects, per_rank=True)
 
     def resume(self) -> Resumed | None:
@@ -211,6 +189,7 @@ class Run(ModelView):
         self._refuse_after_finish("run.steps()")
         if self._stepping:
             raise nested_steps()
+        self._break_note.say()
         source = step_source(
             loader, optional_whole_number(grad_accum_steps, "run.steps(grad_accum_steps)")
         )
@@ -232,6 +211,9 @@ class Run(ModelView):
             yield from batches
         except Stopped:
             self._ending(None)
+            raise
+        except GeneratorExit:  # the loop was left at a batch (an exception ends the script)
+            self._break_note.left(self.epoch, self.global_step + 1)
             raise
         finally:
             self._stepping = False
@@ -304,6 +286,7 @@ class Run(ModelView):
         if self._finished:
             raise HpcDdpError("run.finish() was called twice", "call it once, after training")
         self._finished = True
+        self._break_note.say()
         return finish_run(
             self._context, self._loop.finish, self._ending, self._started, self._timeline, summary
         )
@@ -325,5 +308,5 @@ class Run(ModelView):
         if error is None:
             if not self._finished:
                 self.finish()
-        elif not isinstance(error, SystemExit):
-            self.close("KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
+        elif not isinstance(error, SystemExit):  # on record as a failure; Ctrl-C: KILLED
+            self._ending.fail(error)

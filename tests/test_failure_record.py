@@ -1,0 +1,119 @@
+"""What ended each attempt that failed, on record: every rank adds what ended it to the
+run's failures.jsonl (the error in one line, the line of the user's code it came through),
+and `hpc-ddp runs NAME/ID` names, per failed attempt, the rank whose error came first, not
+the ranks that only lost contact with it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.exits import failure_record
+from hpc_ddp.runtime.preempt.progress import (
+    FAILURES,
+    attempt_of,
+    failure_lines,
+    read_failures,
+    record_failure,
+)
+
+
+def check_label(label: int) -> None:
+    if label > 9:
+        raise ValueError(f"bad label {label}\nin batch 7")
+
+
+def test_a_users_error_is_kept_in_one_line_with_the_line_of_their_code() -> None:
+    with pytest.raises(ValueError) as caught:
+        check_label(12)
+    record = failure_record(caught.value)
+    assert record["error"] == "ValueError: bad label 12"
+    raised_at = check_label.__code__.co_firstlineno + 2
+    assert record["at"] == f"{__file__}:{raised_at} in check_label"
+    assert record["follows_another_rank"] is False
+
+
+def read_config(text: str) -> object:
+    return json.loads(text)
+
+
+def test_an_error_inside_an_installed_library_is_placed_at_the_users_call() -> None:
+    with pytest.raises(ValueError) as caught:
+        read_config("{")  # json's frames are the standard library's
+    called_at = read_config.__code__.co_firstlineno + 1
+    assert failure_record(caught.value)["at"] == f"{__file__}:{called_at} in read_config"
+
+
+def test_a_lost_peer_follows_another_rank_and_a_toolkit_error_says_its_message() -> None:
+    gone = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:50410")
+    assert failure_record(gone) == {
+        "error": "another rank went away during a collective",
+        "at": None,
+        "follows_another_rank": True,
+    }
+    refused = failure_record(HpcDdpError("batch 63 does not divide over 2 ranks", "use 64"))
+    assert refused["error"] == "HpcDdpError: batch 63 does not divide over 2 ranks"
+
+
+ATTEMPTS = [
+    {"job": "77", "restart_count": 0, "start_unix": 100.0, "end_unix": 200.0, "status": "stopped"},
+    {"job": "77", "restart_count": 1, "start_unix": 300.0, "end_unix": 400.0, "status": "failed"},
+]
+
+
+@pytest.mark.parametrize(
+    ("failure", "attempt"),
+    [
+        ({"time": 150.0, "restart_count": 0}, 1),
+        ({"time": 399.0, "restart_count": 1}, 2),
+        ({"time": 405.0, "restart_count": 1}, 2),
+        ({"time": 500.0, "restart_count": 1}, None),
+        ({"time": 500.0, "restart_count": 1, "follows_another_rank": True}, 2),
+        ({"time": 250.0, "restart_count": 0}, None),
+        ({"time": 250.0, "restart_count": 1}, None),
+        ({"time": 50.0, "restart_count": 0}, None),
+        ({"time": 350.0, "restart_count": 1, "job": "78"}, None),
+    ],
+    ids=[
+        "in-the-first", "in-the-second", "just-after-its-end", "a-later-start-with-no-record",
+        "a-lost-contact-said-late", "between-attempts", "before-its-restart-began",
+        "before-any", "another-job",
+    ],
+)  # fmt: skip
+def test_a_failure_belongs_to_its_jobs_attempt_running_then(
+    failure: dict[str, object], attempt: int | None
+) -> None:
+    assert attempt_of(ATTEMPTS, {"job": "77", **failure}) == attempt
+
+
+def test_the_first_rank_that_did_not_only_lose_contact_is_named(tmp_path: Path) -> None:
+    where = {"host": "node2", "job": "77", "restart_count": 1}
+    lost = {"error": "another rank went away during a collective", "at": "train.py:40 in main",
+            "follows_another_rank": True, "step": 30}  # fmt: skip
+    raised = {"error": "ValueError: bad label 12", "at": "train.py:25 in check_label",
+              "follows_another_rank": False, "step": 30}  # fmt: skip
+    record_failure(tmp_path, {**where, "rank": 0}, {**lost, "time": 380.0})
+    record_failure(tmp_path, {**where, "rank": 1}, {**raised, "time": 380.5})  # a clock behind
+    record_failure(tmp_path, {**where, "rank": 2}, {**lost, "time": 381.0})
+    refused = {"error": "HpcDdpError: batch_size=15 does not divide", "step": 0}
+    record_failure(tmp_path, {**where, "rank": [0]}, {**refused, "time": 900.0})  # damaged rank
+    with (tmp_path / FAILURES).open("a") as record:
+        record.write('{"torn')  # a writer killed mid-line
+    failures = read_failures(tmp_path)
+    assert [failure["rank"] for failure in failures] == [0, 1, 2, [0]]
+    lines = failure_lines(ATTEMPTS, failures)
+    assert lines[0] == (
+        "attempt 2 failed at step 30: rank 1 on node2: ValueError: bad label 12, at "
+        "train.py:25 in check_label; 2 other rank(s) ended after it"
+    )
+    assert re.fullmatch(
+        r"a start at \S+ \S+ failed at step 0: rank \[0\] on node2: HpcDdpError: "
+        r"batch_size=15 does not divide",
+        lines[1],
+    ), lines
+    assert len(lines) == 2
+    assert failure_lines(ATTEMPTS, []) == [] and read_failures(tmp_path / "none") == []
