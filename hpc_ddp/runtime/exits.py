@@ -120,7 +120,8 @@ def failure_record(error: BaseException) -> dict[str, object]:
     """What ended this rank, for the run's record of failures: the error in one line, the
     innermost line of the user's code it came through (None: none did), and whether it only
     followed another rank's end (a peer gone from a collective)."""
-    if lost_peer(error):
+    follows = bool(lost_peer(error))
+    if follows:
         said = "another rank went away during a collective"
     else:
         text = error.message if isinstance(error, HpcDdpError) else str(error)
@@ -138,7 +139,7 @@ def failure_record(error: BaseException) -> dict[str, object]:
         and not os.path.abspath(frame.filename).startswith(installed)
     ]
     at = f"{users[-1].filename}:{users[-1].lineno} in {users[-1].name}" if users else None
-    return {"error": said[:300], "at": at, "follows_another_rank": bool(lost_peer(error))}
+    return {"error": said[:300], "at": at, "follows_another_rank": follows}
 
 
 def collective_timeout(error: BaseException) -> str | None:

@@ -78,6 +78,11 @@ class RunContext:
         return torch.device(self.plan.device.device)
 
     @property
+    def node(self) -> str:
+        """This host as Slurm names it (``SLURMD_NODENAME``), else its hostname."""
+        return self.environ.get("SLURMD_NODENAME") or self.env.hostname
+
+    @property
     def run_dir(self) -> Path:
         return self.plan.run_dir
 

@@ -52,10 +52,9 @@ def system_monitor(context: RunContext) -> SystemMonitor | None:
     """This rank's readings of its GPU and processes (None: monitor.every_s=0)."""
     if context.config.monitor.every_s <= 0:
         return None
-    host = context.environ.get("SLURMD_NODENAME") or context.env.hostname
     return SystemMonitor(
-        context.config.monitor, context.device, host, context.control_group, context.env.is_main,
-        context.signals.stop_without_requeue,
+        context.config.monitor, context.device, context.node, context.control_group,
+        context.env.is_main, context.signals.stop_without_requeue,
     )  # fmt: skip
 
 

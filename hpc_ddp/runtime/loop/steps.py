@@ -89,7 +89,7 @@ def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | N
             env.rank,
             env.world_size,
             env.elastic_restarts,
-            node=context.environ.get("SLURMD_NODENAME") or env.hostname,
+            node=context.node,
         )
         if env.world_size > 1
         else None

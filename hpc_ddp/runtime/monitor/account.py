@@ -59,6 +59,8 @@ class EndingReading:
     how: Ending
     ending_s: float
     suspended_s: float
+    #: Checkpoint, evaluation and ending time (:attr:`AttemptTimes.paused_s`) then.
+    paused_s: float
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ class AttemptTimes:
         before the end's wall time, so a pause between the two reads is not counted twice."""
         suspended = self.suspended()
         how, ending = self.ending_s(suspended)
-        return EndingReading(how, ending, suspended)
+        paused = self.checkpoint_s + self.evaluation_s + ending
+        return EndingReading(how, ending, suspended, paused)
 
     def mark(self) -> StepsMark:
         """Where the paused and suspended time stand as ``run.steps`` begins (for
@@ -195,11 +198,7 @@ def attempt_account(
     redone = times.steps_s * steps_redone / steps_taken if steps_taken else 0.0
     before_training = times.paused_before_training_s
     reading = times.reading() if reading is None else reading
-    paused_before = (
-        times.checkpoint_s + times.evaluation_s + reading.ending_s
-        if before_training is None
-        else before_training
-    )
+    paused_before = reading.paused_s if before_training is None else before_training
     how, ending = reading.how, reading.ending_s
     suspended = min(reading.suspended_s, allocation)
     suspended_before = suspended if before_training is None else times.suspended_before_training_s

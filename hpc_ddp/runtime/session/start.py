@@ -221,7 +221,7 @@ def _failure_record(context: RunContext) -> Callable[[Mapping[str, Any]], None]:
     env = context.env
     where = {
         "rank": env.rank,
-        "host": context.environ.get("SLURMD_NODENAME") or env.hostname,
+        "host": context.node,
         "job": queue_job_id(context.environ),
         "restart_count": env.restart_count,
     }
