@@ -277,6 +277,13 @@ CASES: list[Case] = [
         "tests/programs/regression.py",
         says="HINT: hpc-ddp's options go before the program and the program's own after it",
     ),
+    cli(
+        "local",
+        "--nprocs",
+        "2",
+        "tests/programs/regression.py",
+        says="HINT: hpc-ddp local has --nproc, not --nprocs",
+    ),
     cli("render", "missing.py", says="script 'missing.py' does not exist"),
     cli(
         "render",
@@ -711,7 +718,11 @@ FAULTS: list[tuple[str, str, str]] = [
     ("tracking server killed mid-run", "one warning, exit 0, record whole; sync completes the "
      "same MLflow run", "test_tracking_outage.py::test_an_mlflow_server_killed_mid_run_leaves_training_and_its_record_whole"),
     ("stalled rank (sleeping in user code)", "job ends at the stall (not after dist.timeout_s), "
-     "the frame in the log, exit 5; the rank waiting for it inside torch exits 4", "test_watchdog.py::test_a_rank_sleeping_in_the_users_code_ends_the_job_and_shows_the_frame"),
+     "the frame in the log, exit 5; the rank waiting for it inside torch exits 4; "
+     "`hpc-ddp runs NAME/ID` names the stalled rank and its line", "test_watchdog.py::test_a_rank_sleeping_in_the_users_code_ends_the_job_and_shows_the_frame"),
+    ("one rank killed with kill -9 (hpc-ddp local)", "`hpc-ddp runs NAME/ID` names it as "
+     "the rank that left no line, before the rank that lost it",
+     "test_view.py::test_runs_names_what_ended_a_failed_attempt"),
     ("hung DataLoader worker", "named as such, job ends, worker killed",
      "test_watchdog.py::test_a_hung_dataloader_worker_is_named"),
     ("one rank stopped with SIGSTOP (rank 1, or rank 0 holding the store)", "the waiting "

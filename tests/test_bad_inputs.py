@@ -185,6 +185,34 @@ def test_only_a_command_that_starts_a_program_says_where_its_options_go(
     with pytest.raises(SystemExit):
         cli_main(["sweep", "submit", "s.yaml", "--concurency", "2", "--", "x.py"])
     said = capsys.readouterr().err
-    assert "unrecognized arguments: --concurency 2" in said and "HINT" not in said, (
-        "the program is after -- already"
-    )
+    assert "unrecognized arguments: --concurency 2" in said, said
+    assert "program" not in said, "the program is after -- already"
+    assert "HINT: hpc-ddp sweep submit has --concurrency, not --concurency" in said, said
+
+
+@pytest.mark.parametrize(
+    ("words", "hint"),
+    [
+        (["local", "--nprocs", "2", "x.py"], "hpc-ddp local has --nproc, not --nprocs"),
+        (["local", "--nprocs=2", "x.py"], "hpc-ddp local has --nproc, not --nprocs"),
+        (["submit", "--nodse=2", "--gpu-per-node=4", "x.py"],
+         "hpc-ddp submit has --nodes, not --nodse; --gpus-per-node, not --gpu-per-node"),
+        (["local", "--epochs", "3", "x.py"], "hpc-ddp's options go before the program"),
+        (["local", "--lrs", "3", "x.py"], "hpc-ddp's options go before the program"),
+        (["runs", "--bogus"], None),
+    ],
+    ids=["spaced", "with-equals", "two-in-one-line", "the-programs-own", "near-an-example-only",
+         "nothing-near"],
+)  # fmt: skip
+def test_a_misspelt_option_is_named_with_the_one_meant(
+    words: list[str], hint: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as ended:
+        cli_main(words)
+    assert ended.value.code == 2
+    said = capsys.readouterr().err
+    assert f"unrecognized arguments: {words[1]}" in said, said
+    if hint is None:
+        assert "HINT" not in said, said
+    else:
+        assert f"HINT: {hint}" in said, said

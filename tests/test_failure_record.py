@@ -117,3 +117,32 @@ def test_the_first_rank_that_did_not_only_lose_contact_is_named(tmp_path: Path) 
     ), lines
     assert len(lines) == 2
     assert failure_lines(ATTEMPTS, []) == [] and read_failures(tmp_path / "none") == []
+
+
+def test_ranks_killed_without_a_word_are_named_before_those_that_lost_them(
+    tmp_path: Path,
+) -> None:
+    """A rank killed outright (SIGKILL, the out-of-memory killer, a lost host) writes no line;
+    the ranks that lost contact with it do. Of an attempt whose lines all only lost contact,
+    the ranks with no line are the likely cause."""
+    four_ranks = [{**ATTEMPTS[0], "ranks": 4}]
+    lost = {"host": "node1", "job": "77", "restart_count": 0, "step": 12,
+            "error": "another rank went away during a collective", "at": "train.py:40 in main",
+            "follows_another_rank": True}  # fmt: skip
+    for rank in (0, 3):
+        record_failure(tmp_path, {"rank": rank}, {**lost, "time": 150.0 + rank})
+    assert failure_lines(four_ranks, read_failures(tmp_path)) == [
+        "attempt 1 failed at step 12: ranks 1, 2 left no line (killed outright: by SIGKILL, "
+        "the out-of-memory killer or with its host; or stopped before it could write; the "
+        "job's log says which), then "
+        "rank 0 on node1: another rank went away during a collective, at train.py:40 in main; "
+        "1 other rank(s) ended after it"
+    ]
+    # One rank's own error names that rank: the silent ones followed it.
+    record_failure(tmp_path, {"rank": 2}, {**lost, "follows_another_rank": False,
+                                           "error": "stalled: ...", "time": 152.0})  # fmt: skip
+    assert failure_lines(four_ranks, read_failures(tmp_path))[0].startswith(
+        "attempt 1 failed at step 12: rank 2 on node1: stalled: ..."
+    )
+    # An attempt that does not say how many ranks it had names none.
+    assert "left no line" not in failure_lines(ATTEMPTS, read_failures(tmp_path)[:1])[0]

@@ -628,10 +628,10 @@ def test_each_interval_is_drawn_over_the_steps_it_covers_a_lone_one_too(tmp_path
         run = load_run(run_with_metrics(tmp_path / str(len(entries)), entries))
         assert run is not None
         *_, panel = plot_run(run).axes
-        waiting = panel.collections[0]  # the bottom band: waiting for data
-        corners = waiting.get_paths()[0].vertices
-        assert (corners[:, 0].min(), corners[:, 0].max()) == (spans[0][0], spans[-1][1])
-        assert corners[:, 1].max() == 25.0
+        waiting = panel.containers[0]  # the bottom band's bars: waiting for data
+        drawn = [(bar.get_x(), bar.get_x() + bar.get_width()) for bar in waiting]
+        assert drawn == spans
+        assert [(bar.get_y(), bar.get_height()) for bar in waiting] == [(0.0, 25.0)] * len(spans)
         assert panel.get_xlim() == (0.0, spans[-1][1])
 
 

@@ -80,7 +80,7 @@ import torch
 import hpc_ddp
 from torch.utils.data import DataLoader, TensorDataset
 
-right = sys.argv[1] == "right"
+right = sys.argv[1] in ("right", "without-finish")
 run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False})
 model = run.wrap(torch.nn.Linear(2, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -99,12 +99,13 @@ for epoch in run.epochs(2):
         if not right and index == 2:  # a dry run's `break`, after the step
             break
 print(f"rank {run.rank}: global_step {run.global_step}")
-run.finish()
+if sys.argv[1] != "without-finish":
+    run.finish()
 """
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("way", ["converted-plainly", "right"])
+@pytest.mark.parametrize("way", ["converted-plainly", "right", "without-finish"])
 def test_a_plain_dataloader_and_a_break_are_each_said_once(way: str, tmp_path: Path) -> None:
     script = tmp_path / "converted.py"
     script.write_text(CONVERTED)
@@ -112,6 +113,11 @@ def test_a_plain_dataloader_and_a_break_are_each_said_once(way: str, tmp_path: P
     assert result.returncode == 0, result.stderr[-3000:]
     sampler = [line for line in result.stderr.splitlines() if "reads all 64 samples" in line]
     left = [line for line in result.stderr.splitlines() if "left by a break" in line]
+    unfinished = [line for line in result.stderr.splitlines() if "without run.finish()" in line]
+    if way == "without-finish":  # every rank ends the same way: said once
+        assert len(unfinished) == 1 and "[rank 0/2]" in unfinished[0], result.stderr[-3000:]
+        return
+    assert unfinished == []
     if way == "right":
         assert (sampler, left) == ([], [])
         assert "rank 0: dataset of 64, micro-batch 4" in result.stdout

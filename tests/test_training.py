@@ -23,7 +23,8 @@ from hpc_ddp.runtime.loop.metrics import PENDING_MAX, Sums
 from hpc_ddp.runtime.loop.replicas import replica_entries, replica_fingerprint
 from hpc_ddp.runtime.monitor.system import metric_part
 from hpc_ddp.runtime.preempt.liveness import STORE_TIMEOUT_S
-from hpc_ddp.runtime.preempt.watchdog import ENDING_GRACE_S, OUTPUT_TURN_WAIT_S
+from hpc_ddp.runtime.preempt.stall_report import OUTPUT_TURN_WAIT_S
+from hpc_ddp.runtime.preempt.watchdog import ENDING_GRACE_S
 from hpc_ddp.runtime.session.evaluation import ShardedEvalSampler
 from hpc_ddp.runtime.tracking.record import read_metrics
 from hpc_ddp.trainer.schedule import LrSchedule, lr_factor

@@ -21,6 +21,7 @@ from hpc_ddp.runtime.tracking.journal import JournalTracker
 from hpc_ddp.runtime.tracking.record import read_status
 from hpc_ddp.view.plot import base_name, curves, plot_run
 from hpc_ddp.view.runs import find_run, find_runs, format_runs, load_run, metric_kind
+from hpc_ddp.view.steptime import interval_starts
 from tests.helpers import REPO, clean_environ, run_local_program
 
 PROGRAM = str(REPO / "tests" / "programs" / "regression.py")
@@ -368,13 +369,13 @@ def test_a_plot_to_a_file_matplotlib_cannot_write_is_one_line(tmp_path: Path, ou
 
 
 RANK_1_RAISES = """
-import torch
+import os, signal, torch
 import hpc_ddp
 
 
 def check(step):
     if run.rank == 1 and step == 7:
-        raise ValueError(f"bad label in batch {step}")
+        FAULT
 
 
 run = hpc_ddp.start(tracking={"enabled": False})
@@ -391,37 +392,77 @@ run.finish()
 """
 
 
+RAISES = 'raise ValueError(f"bad label in batch {step}")'
+KILLED = "os.kill(os.getpid(), signal.SIGKILL)"
+
+
 @pytest.mark.parametrize(
-    ("batch", "said"),
+    ("batch", "fault", "said"),
     [
         (
             16,
+            RAISES,
             "attempt 1 failed at step 7: rank 1 on {host}: ValueError: bad label in batch 7, "
             "at {script}:8 in check; 1 other rank(s) ended after it",
         ),
         (
+            16,
+            KILLED,
+            "attempt 1 failed at step 7: rank 1 left no line (killed outright: by SIGKILL, the "
+            "out-of-memory killer or with its host; or stopped before it could write; the job's "
+            "log says which), then "
+            "rank 0 on {host}: another rank went away during a collective, at {script}:",
+        ),
+        (
             15,
+            RAISES,
             "failed at step 0: rank {rank} on {host}: HpcDdpError: batch_size=15 "
             "(global) does not divide over world_size=2 x grad_accum_steps=1, at {script}:14 in "
             "<module>; 1 other rank(s) ended after it",
         ),
     ],
-    ids=["one-rank-raises", "refused-at-start"],
+    ids=["one-rank-raises", "one-rank-killed", "refused-at-start"],
 )
 @pytest.mark.e2e
-def test_runs_names_what_ended_a_failed_attempt(batch: int, said: str, tmp_path: Path) -> None:
+def test_runs_names_what_ended_a_failed_attempt(
+    batch: int, fault: str, said: str, tmp_path: Path
+) -> None:
+    """A rank killed outright writes nothing: the rank that lost it does (it fails in its
+    next collective, before the launcher's stop could reach it: a stop needs that rank too),
+    and the killed rank is named as the one that left no line."""
     script = tmp_path / "fails.py"
-    script.write_text(RANK_1_RAISES.replace("BATCH", str(batch)))
+    script.write_text(RANK_1_RAISES.replace("BATCH", str(batch)).replace("FAULT", fault))
     result = run_local_program(2, ["--set", f"run.output_dir={tmp_path}", str(script)])
-    assert result.returncode in (1, 2), result.stderr[-3000:]
+    assert result.returncode in ((1, 2) if fault == RAISES else (-9, 137)), result.stderr[-3000:]
     [run_dir] = (tmp_path / "fails").iterdir()
     shown = hpc_ddp_command("runs", str(run_dir))
     assert shown.returncode == 0, shown.stderr
     [line] = [line for line in shown.stdout.splitlines() if " failed at step " in line]
     host = socket.gethostname()
-    if batch == 16:
+    if fault == KILLED:  # rank 0 lost it in the gradients' all-reduce or the stop's
+        assert line.strip().startswith(said.format(host=host, script=script)), line
+    elif batch == 16:
         assert line.strip() == said.format(host=host, script=script)
     else:  # every rank refuses it before training, and the first to say so is named
         named = {said.format(rank=rank, host=host, script=script) for rank in (0, 1)}
         start, _, rest = line.strip().partition(" failed at step ")
         assert start.startswith("a start at ") and f"failed at step {rest}" in named, line
+
+
+@pytest.mark.parametrize(
+    ("steps", "resumes", "starts"),
+    [
+        ([20.0, 40.0], [], [0.0, 20.0]),
+        # Stopped at 60 after the interval of step 20: steps 21-60 are in no interval.
+        ([20.0, 80.0, 100.0], [60], [0.0, 60.0, 80.0]),
+        # Crashed after step 12, resumed from 8 (the superseded interval of 12 left out).
+        ([4.0, 8.0, 16.0], [8], [0.0, 4.0, 8.0]),
+        # Two resumes between two intervals: the later one began it.
+        ([10.0, 50.0], [20, 30], [0.0, 30.0]),
+    ],
+    ids=["one-attempt", "stopped-and-resumed", "crashed-and-redone", "two-resumes"],
+)
+def test_an_interval_after_a_resume_begins_at_the_resume(
+    steps: list[float], resumes: list[int], starts: list[float]
+) -> None:
+    assert interval_starts(steps, resumes) == starts

@@ -18,14 +18,17 @@ import pytest
 
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STALLED
 from hpc_ddp.runtime.preempt.liveness import ProcessStops, RunQueueWaits
-from hpc_ddp.runtime.preempt.watchdog import (
-    CHECK_PERIOD_S,
+from hpc_ddp.runtime.preempt.progress import failure_lines, read_attempts, read_failures
+from hpc_ddp.runtime.preempt.stall_report import (
+    IN_OWN_CODE,
     INSIDE_TORCH,
-    StallWatchdog,
+    WAITS_FOR_DATA,
     stall_exit_code,
+    stuck_in,
     thread_stacks,
     where_stuck,
 )
+from hpc_ddp.runtime.preempt.watchdog import CHECK_PERIOD_S, StallWatchdog
 from tests.helpers import REPO, HandClock, run_local_program
 
 FAULTS = str(REPO / "tests" / "programs" / "faults.py")
@@ -73,6 +76,17 @@ def test_a_rank_sleeping_in_the_users_code_ends_the_job_and_shows_the_frame(
     assert re.search(r'faults\.py", line \d+ in wait_for_a_lock_that_never_comes', log), log
     status = json.loads((tmp_path / "faults" / "x" / "status.json").read_text())
     assert status["state"] == "failed"
+    # What ended each rank is on record, and `hpc-ddp runs` names the stalled one.
+    run_dir = tmp_path / "faults" / "x"
+    failures = {failure["rank"]: failure for failure in read_failures(run_dir)}
+    assert failures[1]["error"].startswith("stalled: no training step finished for"), failures
+    # (after "; " the silent ranks, when rank 0 had ended by then)
+    stalled = failures[1]["error"].split("; ")[0]
+    assert stalled.endswith(f"(dist.stall_timeout_s={STALL_S}), in its own code"), stalled
+    assert re.search(r"faults\.py:\d+ in wait_for_a_lock_that_never_comes$", failures[1]["at"])
+    assert failures[1]["step"] == 3 and not failures[1]["follows_another_rank"]
+    [said] = failure_lines(read_attempts(run_dir), list(failures.values()))
+    assert said.startswith("attempt 1 failed at step 3: rank 1 on "), said
 
 
 @pytest.mark.e2e
@@ -81,6 +95,9 @@ def test_a_hung_dataloader_worker_is_named(tmp_path: Path) -> None:
     assert "rank 1 exited with code 5" in log, log[-3000:]
     line = next(line for line in log.splitlines() if "rank 1 stalled" in line)
     assert "waiting for a DataLoader worker" in line and "step 3 of the run" in line, line
+    stalled = [f for f in read_failures(tmp_path / "faults" / "x") if f["rank"] == 1]
+    kinds = [f["error"].split("; ")[0].rsplit(", ", 1)[-1] for f in stalled]
+    assert kinds == [WAITS_FOR_DATA], stalled
 
 
 def test_where_stuck_names_the_users_frame_of_a_thread() -> None:
@@ -105,6 +122,7 @@ def test_where_stuck_names_the_users_frame_of_a_thread() -> None:
     assert text.startswith("in ") and "test_watchdog.py" in text, text
     assert "users_slow_function()" in text, text
     assert where_stuck(None) == "no Python frame"
+    assert stuck_in(None) == ("no Python frame", None)
 
 
 def test_the_watchdog_is_overdue_only_past_the_allowed_time_since_a_beat() -> None:
@@ -112,7 +130,7 @@ def test_the_watchdog_is_overdue_only_past_the_allowed_time_since_a_beat() -> No
     each beat restarts the count, and a watch at rest or disarmed is never overdue."""
     clock = HandClock()
     watchdog = StallWatchdog(
-        timeout_s=4, first_timeout_s=60, rank=0, where=str, end_run=lambda: None, clock=clock
+        timeout_s=4, first_timeout_s=60, rank=0, where=str, end_run=lambda _: None, clock=clock
     )
     try:
         assert watchdog.overdue() is None, "not armed yet"
@@ -184,11 +202,11 @@ def test_a_stall_report_goes_out_whole_in_one_turn(
         first_timeout_s=4,
         rank=1,
         where=lambda: "epoch 0, step 5",
-        end_run=lambda: None,
+        end_run=lambda failure: None,
         output=OutputTurns(str(lock_path)),
     )
     try:
-        watchdog.report_stall(7.0)
+        failure = watchdog.report_stall(7.0)
     finally:
         watchdog.close()
         os.close(other_rank)
@@ -197,6 +215,13 @@ def test_a_stall_report_goes_out_whole_in_one_turn(
     assert "rank 1 stalled: no training step finished for 7 s" in text, text
     assert re.search(r'test_watchdog\.py", line \d+ in test_a_stall_report_goes_out', text)
     assert "rank 1 ends the job" in text.splitlines()[-1], text
+    # The record of what ended the rank: the stall, and the line of the test it was in.
+    assert failure["error"] == (
+        "stalled: no training step finished for 7 s (dist.stall_timeout_s=4), in its own code"
+    ), failure
+    in_this_test = r".*test_watchdog\.py:\d+ in test_a_stall_report_goes_out_whole_in_one_turn"
+    assert re.fullmatch(in_this_test, str(failure["at"])), failure
+    assert failure["follows_another_rank"] is False
 
 
 def test_a_stall_report_shows_the_stacks_without_a_temporary_file(
@@ -217,7 +242,7 @@ def test_a_stall_report_shows_the_stacks_without_a_temporary_file(
         monkeypatch.setattr("sys.stderr", stderr)
         monkeypatch.setattr(get_logger(), "handlers", [])
         setup_logging(rank=0, world_size=1)
-        watchdog = StallWatchdog(4, 4, rank=0, where=lambda: "step 5", end_run=lambda: None)
+        watchdog = StallWatchdog(4, 4, rank=0, where=lambda: "step 5", end_run=lambda failure: None)
         try:
             watchdog.report_stall(9.0)
         finally:
@@ -230,11 +255,10 @@ def test_a_stall_report_shows_the_stacks_without_a_temporary_file(
 
 
 def test_a_rank_that_only_waits_inside_torch_exits_as_a_consequence() -> None:
-    inside_torch = f"{INSIDE_TORCH} (called from train.py:9 in step())"
-    assert stall_exit_code(inside_torch, other_ranks=True) == EXIT_PEER_LOST
-    assert stall_exit_code(inside_torch, other_ranks=False) == EXIT_STALLED, "alone: its own"
-    assert stall_exit_code("waiting for a DataLoader worker (called from x)", True) == 5
-    assert stall_exit_code("in train.py:9 in step()", True) == EXIT_STALLED
+    assert stall_exit_code(INSIDE_TORCH, other_ranks=True) == EXIT_PEER_LOST
+    assert stall_exit_code(INSIDE_TORCH, other_ranks=False) == EXIT_STALLED, "alone: its own"
+    assert stall_exit_code(WAITS_FOR_DATA, True) == EXIT_STALLED
+    assert stall_exit_code(IN_OWN_CODE, True) == EXIT_STALLED
 
 
 @pytest.mark.parametrize("value", ["0", "-1"])
@@ -256,7 +280,7 @@ def test_time_the_process_did_not_run_is_not_a_stall(caplog: pytest.LogCaptureFi
     CPU (a busy machine) counts the time."""
     clock, cpu, waited = HandClock(), HandClock(0.0), HandClock(0.0)
     watchdog = StallWatchdog(
-        timeout_s=4, first_timeout_s=4, rank=1, where=str, end_run=lambda: None, clock=clock,
+        timeout_s=4, first_timeout_s=4, rank=1, where=str, end_run=lambda _: None, clock=clock,
         stops=ProcessStops(CHECK_PERIOD_S, clock, cpu, waited),
     )  # fmt: skip
     try:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import io
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -67,6 +69,20 @@ def program_options_hint(
     return PROGRAM_OPTIONS_HINT.format(command=example)
 
 
+def misspelt_options(words: Sequence[str], command: argparse.ArgumentParser) -> dict[str, str]:
+    """Of ``words`` (unknown to ``command``), each option that is a misspelling of one of
+    its own, and that option (``--nprocs``: ``--nproc``; ``--epochs``: nothing of
+    hpc-ddp's). Its own are those its usage line lists, not the examples of its help."""
+    known = sorted(set(re.findall(r"(?<![\w-])--[A-Za-z][\w-]*", command.format_usage())))
+    meant = {}
+    for word in words:
+        name = word.partition("=")[0]
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        if name.startswith("--") and near:
+            meant[word] = near[0]
+    return meant
+
+
 #: Commands whose ranks or jobs start in the working directory.
 LAUNCHING_COMMANDS = ("local", "run", "train", "render", "submit", "sweep", "doctor")
 
@@ -85,7 +101,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     words, sweep_program = split_sweep_program(words)
     args, unknown = parser.parse_known_args(keep_programs_separator(parser, words))
     if unknown:
-        where = program_options_hint(words, args, sweep_program)
+        misspelt = misspelt_options(unknown, args.parser)
+        named = [f"{near}, not {word.partition('=')[0]}" for word, near in misspelt.items()]
+        where = f"\nHINT: {args.parser.prog} has {'; '.join(named)}" if misspelt else ""
+        if any(word.startswith("-") and word not in misspelt for word in unknown):
+            # the options not misspelt may be the program's own
+            where += program_options_hint(words, args, sweep_program)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{where}")
     if sweep_program is not None:
         args.program = sweep_program

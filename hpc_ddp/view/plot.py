@@ -159,7 +159,7 @@ def plot_run(run: RunView) -> Any:
         mark_attempts(axes, resumes)
     if time_parts:
         axes = figure.add_subplot(rows, columns, panels)
-        draw_step_time(axes, time_steps, time_parts)
+        draw_step_time(axes, time_steps, time_parts, [step for _, step in resumes])
         mark_attempts(axes, resumes)
     figure.suptitle(
         f"{run.name}/{run.run_id}: {run.state}, step {run.global_step}, "

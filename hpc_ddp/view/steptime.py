@@ -6,6 +6,7 @@ rest of the step (the backward, and what of the step was not timed)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +77,31 @@ def step_time_series(run_dir: Path) -> tuple[list[float], dict[str, list[float]]
     return steps, series
 
 
-def draw_step_time(axes: Any, steps: list[float], series: dict[str, list[float]]) -> None:
+def interval_starts(steps: Sequence[float], resumes: Sequence[int]) -> list[float]:
+    """The step each interval (closed at ``steps``, superseded ones already left out) began
+    at: where the one before it closed (the first: 0), or where an attempt resumed in
+    between (the steps from the last interval to the stop are in no interval)."""
+    starts, previous = [], 0.0
+    for step in steps:
+        begun = [float(resumed) for resumed in resumes if previous <= resumed < step]
+        starts.append(max(begun, default=previous))
+        previous = step
+    return starts
+
+
+def draw_step_time(
+    axes: Any, steps: list[float], series: dict[str, list[float]], resumes: Sequence[int] = ()
+) -> None:
     """The panel on ``axes``: the parts stacked to 100 %, each interval's over the steps it
-    covers (from the step the one before it closed at, the first from 0), so a run that
-    closed one interval shows it too."""
-    edges = [0.0, *steps]
-    held = [[values[0], *values] for values in series.values()]
-    axes.stackplot(edges, *held, labels=list(series), alpha=0.85, step="pre")
+    covers (:func:`interval_starts`, ``resumes`` the steps later attempts resumed from), so
+    a run that closed one interval shows it too."""
+    starts = interval_starts(steps, resumes)
+    widths = [end - start for start, end in zip(starts, steps, strict=True)]
+    below = [0.0] * len(steps)
+    for index, (label, values) in enumerate(series.items()):
+        axes.bar(starts, values, widths, below, align="edge", color=f"C{index}", alpha=0.85,
+                 linewidth=0, label=label)  # fmt: skip
+        below = [base + value for base, value in zip(below, values, strict=True)]
     axes.set_ylim(0, 100)
     axes.set_xlim(0, max(steps))
     axes.set_title("where each interval's time went (%)")

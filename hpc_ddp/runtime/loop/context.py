@@ -19,7 +19,9 @@ from hpc_ddp.runtime.monitor.forward.meter import ForwardMeter
 from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
 from hpc_ddp.runtime.place.env import DistEnv
 from hpc_ddp.runtime.place.plan import LaunchPlan
+from hpc_ddp.runtime.place.slurm import queue_job_id
 from hpc_ddp.runtime.preempt.liveness import ProcessStops
+from hpc_ddp.runtime.preempt.progress import record_failure
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.preempt.watchdog import CHECK_PERIOD_S
 from hpc_ddp.runtime.tracking.base import Tracker
@@ -85,6 +87,18 @@ class RunContext:
     @property
     def run_dir(self) -> Path:
         return self.plan.run_dir
+
+    def record_failure(self, failure: Mapping[str, Any]) -> None:
+        """Add what ended this rank (its error, step and time) to the run's failures, with
+        the rank, host, job and restart that say whose it is."""
+        env = self.env
+        where = {
+            "rank": env.rank,
+            "host": self.node,
+            "job": queue_job_id(self.environ),
+            "restart_count": env.restart_count,
+        }
+        record_failure(self.run_dir, where, failure)
 
     def models(self) -> list[nn.Module]:
         """The models trained: the wrapped ones, else the registered."""

@@ -26,12 +26,10 @@ from hpc_ddp.runtime.loop.checkpointer import Checkpointer, check_replicas
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.intervals import MetricLog
 from hpc_ddp.runtime.loop.position import Limits, Position
-from hpc_ddp.runtime.loop.stopper import Stopper
+from hpc_ddp.runtime.loop.stopper import Stopper, start_watchdog
 from hpc_ddp.runtime.loop.streams import BatchStream, StreamStates
 from hpc_ddp.runtime.place.dist import all_gather_object, same_on_all_ranks
-from hpc_ddp.runtime.preempt.liveness import Liveness
 from hpc_ddp.runtime.preempt.watchdog import StallWatchdog
-from hpc_ddp.runtime.turns import LOCK_VAR, OutputTurns
 
 _END = object()
 
@@ -66,44 +64,6 @@ def left_early(step: int, steps_left: float, ran_out: bool) -> str | None:
     if steps_left > 0:
         return f"after step {step}: it broke out of the loop (a break, or an exception)"
     return None
-
-
-def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | None:
-    """The stall watchdog for this rank's steps (None: ``dist.stall_timeout_s`` is off); its
-    looks find the time this process did not run (``context.stops``)."""
-    settings = context.config.dist
-    if settings.stall_timeout_s is None:
-        return None
-
-    def where() -> str:
-        return (
-            f"epoch {position.epoch}, step {position.global_step + 1} of the run "
-            f"({position.step_in_epoch + 1} of the epoch)"
-        )
-
-    env = context.env
-    liveness = (
-        Liveness(
-            env.master_addr,
-            env.master_port,
-            env.rank,
-            env.world_size,
-            env.elastic_restarts,
-            node=context.node,
-        )
-        if env.world_size > 1
-        else None
-    )
-    return StallWatchdog(
-        settings.stall_timeout_s,
-        settings.timeout_s,
-        env.rank,
-        where,
-        lambda: context.tracker.finish("FAILED"),
-        liveness,
-        output=OutputTurns(context.environ.get(LOCK_VAR)),
-        stops=context.stops,
-    ).start()
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """The stop all ranks agree on: every few steps the ranks exchange whether a stop signal
 came or the job's end is near (and whether a save is due by time); after the SAME step they
-checkpoint, requeue if asked and allowed, and end the run."""
+checkpoint, requeue if asked and allowed, and end the run. And the end no rank agrees to: the
+stall watchdog of a rank whose steps stopped coming (:func:`start_watchdog`)."""
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 import time
@@ -21,11 +23,14 @@ from hpc_ddp.runtime.monitor.timeline import this_process_start_unix
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.place.slurm import queue_job_id
 from hpc_ddp.runtime.preempt.job_end import StopBeforeEnd, job_end_for
+from hpc_ddp.runtime.preempt.liveness import Liveness
 from hpc_ddp.runtime.preempt.lost_rank import write_handoff
 from hpc_ddp.runtime.preempt.node_record import requeues_for_nodes
 from hpc_ddp.runtime.preempt.progress import no_progress_refusal, record_attempt
 from hpc_ddp.runtime.preempt.requeue import requeue_job
 from hpc_ddp.runtime.preempt.signals import StepAgreement
+from hpc_ddp.runtime.preempt.watchdog import StallWatchdog
+from hpc_ddp.runtime.turns import LOCK_VAR, OutputTurns
 
 
 def own_command() -> Sequence[str]:
@@ -214,3 +219,51 @@ class Stopper:
             self._before_end.close()
         if wait and self._agreement is not None:
             self._agreement.close()
+
+
+def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | None:
+    """The stall watchdog for this rank's steps (None: ``dist.stall_timeout_s`` is off); its
+    looks find the time this process did not run (``context.stops``)."""
+    settings = context.config.dist
+    if settings.stall_timeout_s is None:
+        return None
+
+    def where() -> str:
+        return (
+            f"epoch {position.epoch}, step {position.global_step + 1} of the run "
+            f"({position.step_in_epoch + 1} of the epoch)"
+        )
+
+    env = context.env
+    liveness = (
+        Liveness(
+            env.master_addr,
+            env.master_port,
+            env.rank,
+            env.world_size,
+            env.elastic_restarts,
+            node=context.node,
+        )
+        if env.world_size > 1
+        else None
+    )
+    return StallWatchdog(
+        settings.stall_timeout_s,
+        settings.timeout_s,
+        env.rank,
+        where,
+        functools.partial(_end_stalled, context, position),
+        liveness,
+        output=OutputTurns(context.environ.get(LOCK_VAR)),
+        stops=context.stops,
+    ).start()
+
+
+def _end_stalled(context: RunContext, position: Position, failure: Mapping[str, object]) -> None:
+    """End the run of a rank the watchdog found stalled, what ended it on record first."""
+    try:
+        context.record_failure({**failure, "step": position.global_step, "time": time.time()})
+    except Exception as unwritten:  # the run still ends FAILED
+        get_logger().warning(f"the stall was not recorded: {unwritten!r}")
+    finally:
+        context.tracker.finish("FAILED")

@@ -236,29 +236,49 @@ def failure_lines(
     """One line per attempt that failed (or start that failed before its first step, which
     keeps no attempt record), oldest first: the rank whose error came first (a rank that
     only lost contact with another comes after any that did not), where in the user's code,
-    and how many ranks ended after it. ``failures``: :func:`read_failures`'s."""
-    groups: dict[str, list[Mapping[str, Any]]] = {}
+    and how many ranks ended after it. Where every rank on record only lost contact, the
+    ranks of the attempt with no line of their own come first: killed outright (SIGKILL,
+    the out-of-memory killer) or with their host, they could not say so. ``failures``:
+    :func:`read_failures`'s."""
+    groups: dict[str, tuple[Mapping[str, Any], list[Mapping[str, Any]]]] = {}
     unrecorded_since: float | None = None
     for failure in failures:
         number = attempt_of(attempts, failure)
         if number is not None:
-            label = f"attempt {number}"
+            label, attempt = f"attempt {number}", attempts[number - 1]
         else:  # the starts that failed: apart when a minute or more lies between
             if unrecorded_since is None or failure["time"] - unrecorded_since > 60.0:
                 unrecorded_since = failure["time"]
-            label = (
-                f"a start at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(unrecorded_since))}"
-            )
-        groups.setdefault(label, []).append(failure)
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(unrecorded_since))
+            label, attempt = f"a start at {when}", {}
+        groups.setdefault(label, (attempt, []))[1].append(failure)
     lines = []
-    for label, found in groups.items():
+    for label, (attempt, found) in groups.items():
         first = min(found, key=lambda f: (bool(f.get("follows_another_rank")), f["time"]))
         at = f", at {first['at']}" if first.get("at") else ""
-        others = len({str(f.get("rank")) for f in found} - {str(first.get("rank"))})
+        ranks = {str(f.get("rank")) for f in found}
+        others = len(ranks - {str(first.get("rank"))})
         after = f"; {others} other rank(s) ended after it" if others else ""
-        lines.append(
-            f"{label} failed at step {first.get('step', '?')}: rank "
-            f"{first.get('rank', '?')} on {first.get('host', '?')}: "
+        said = (
+            f"rank {first.get('rank', '?')} on {first.get('host', '?')}: "
             f"{first.get('error', '?')}{at}{after}"
         )
+        silent = (
+            _silent_ranks(attempt.get("ranks"), ranks) if first.get("follows_another_rank") else []
+        )
+        if silent:
+            which = ", ".join(silent[:8]) + (", ..." if len(silent) > 8 else "")
+            said = (
+                f"rank{'s' if len(silent) > 1 else ''} {which} left no line (killed outright: "
+                "by SIGKILL, the out-of-memory killer or with its host; or stopped before it "
+                f"could write; the job's log says which), then {said}"
+            )
+        lines.append(f"{label} failed at step {first.get('step', '?')}: {said}")
     return lines
+
+
+def _silent_ranks(world_size: object, on_record: set[str]) -> list[str]:
+    """The ranks of an attempt of ``world_size`` ranks with no failure ``on_record``."""
+    if not isinstance(world_size, int):
+        return []
+    return [str(rank) for rank in range(world_size) if str(rank) not in on_record]

@@ -19,73 +19,36 @@ end in its next collective (a lost peer, as the others' reports name it).
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import multiprocessing
 import os
 import sys
-import sysconfig
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from types import FrameType
-
-import torch
+from collections.abc import Callable, Iterator, Mapping
 
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STALLED
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.preempt.liveness import Liveness, ProcessStops
+from hpc_ddp.runtime.preempt.stall_report import (
+    stall_exit_code,
+    stall_failure,
+    stuck_in,
+    stuck_words,
+    write_stall_report,
+)
 from hpc_ddp.runtime.turns import OutputTurns
 
 #: Seconds between the watchdog's looks at the heartbeat.
 CHECK_PERIOD_S = 0.5
 #: Seconds the run's end (MLflow FAILED, status.json) may take before the rank exits anyway.
 ENDING_GRACE_S = 15.0
-#: Seconds a stalled rank waits for its turn to write its stacks before it writes anyway.
-OUTPUT_TURN_WAIT_S = 5.0
-#: How :func:`where_stuck` says that a thread waits inside torch.
-INSIDE_TORCH = "inside torch, waiting for other ranks or the device"
-
-_TORCH = os.path.dirname(torch.__file__) + os.sep
-_TORCH_DATA = os.path.join(_TORCH, "utils", "data") + os.sep
-#: The package's own folder (hpc_ddp/), three levels above this file.
-_OWN = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
-_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
-_INSTALLED = tuple({sysconfig.get_paths()[key] + os.sep for key in ("purelib", "platlib")})
-
-
-def _is_library(path: str) -> bool:
-    if path.startswith((_TORCH, _OWN)):
-        return True
-    return path.startswith(_STDLIB) and not path.startswith(_INSTALLED)
-
-
-def where_stuck(frame: FrameType | None) -> str:
-    """What a thread whose innermost frame is ``frame`` waits for, in words: the innermost
-    frame of the user's code (outside torch, hpc_ddp and the standard library), and whether
-    it waits in torch's data loading or elsewhere inside torch (a collective, the device)."""
-    frames: list[FrameType] = []
-    while frame is not None:
-        frames.append(frame)
-        frame = frame.f_back
-    if not frames:
-        return "no Python frame"
-    user = next((f for f in frames if not _is_library(f.f_code.co_filename)), None)
-    called_from = (
-        f"{user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name}()" if user else "?"
-    )
-    below_user = frames[: frames.index(user)] if user is not None else frames
-    if any(f.f_code.co_filename.startswith(_TORCH_DATA) for f in below_user):
-        return f"waiting for a DataLoader worker (called from {called_from})"
-    if any(f.f_code.co_filename.startswith(_TORCH) for f in below_user):
-        return f"{INSIDE_TORCH} (called from {called_from})"
-    return f"in {called_from}"
 
 
 class StallWatchdog:
     """Ends this rank when :meth:`beat` is not called for ``timeout_s`` while armed (see the
-    module docstring). ``where``: the run's position in words; ``end_run``: ends the run
-    (MLflow FAILED) before the rank exits; ``output``: the turns this rank takes with others
+    module docstring). ``where``: the run's position in words; ``end_run(failure)``: ends the
+    run (MLflow FAILED) before the rank exits, what ended it (:func:`stall_failure`) on
+    record; ``output``: the turns this rank takes with others
     to write (its stacks go out whole). :meth:`start` begins the watch."""
 
     def __init__(
@@ -94,7 +57,7 @@ class StallWatchdog:
         first_timeout_s: float,
         rank: int,
         where: Callable[[], str],
-        end_run: Callable[[], None],
+        end_run: Callable[[Mapping[str, object]], None],
         liveness: Liveness | None = None,
         clock: Callable[[], float] = time.monotonic,
         output: OutputTurns | None = None,
@@ -213,10 +176,10 @@ class StallWatchdog:
             self.stops.stop_looking()
 
     def _fire(self, waited: float) -> None:
-        stuck = "in a place the report could not name"
+        failure: Mapping[str, object] = {}
         try:
-            stuck = self.report_stall(waited)
-            ending = threading.Thread(target=self._end_run, daemon=True)
+            failure = self.report_stall(waited)
+            ending = threading.Thread(target=self._end_run, args=(failure,), daemon=True)
             ending.start()
             ending.join(ENDING_GRACE_S)
             # A hung DataLoader worker would outlive the rank (holding its output open).
@@ -225,70 +188,18 @@ class StallWatchdog:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:  # whatever failed in the report, the stalled rank ends
-            os._exit(stall_exit_code(stuck, self._liveness is not None))
+            os._exit(EXIT_PEER_LOST if failure.get("follows_another_rank") else EXIT_STALLED)
 
-    def report_stall(self, waited: float) -> str:
-        """Write the stall's report (:func:`write_stall_report`); return where the main thread
-        is stuck, in words."""
-        frame = sys._current_frames().get(self._main.ident or -1)
-        stuck = where_stuck(frame)
+    def report_stall(self, waited: float) -> dict[str, object]:
+        """Write the stall's report (:func:`write_stall_report`); return what ended this rank
+        for the run's record (:func:`stall_failure`)."""
+        kind, at = stuck_in(sys._current_frames().get(self._main.ident or -1))
+        stuck = stuck_words(kind, at)
         others = self._liveness.silent_ranks() if self._liveness is not None else ""
         stalled = (
             f"no training step finished for {waited:.0f} s (dist.stall_timeout_s="
-            f"{self.timeout_s:g}) at {self._where()}"
+            f"{self.timeout_s:g})"
         )
-        write_stall_report(self.rank, stalled, stuck, others, self._output)
-        return stuck
-
-
-def write_stall_report(
-    rank: int, stalled: str, stuck: str, others: str, output: OutputTurns
-) -> None:
-    """The report of a rank that ``stalled`` (what, and where in the run) with its main thread
-    ``stuck`` (:func:`where_stuck`), and what its ``others`` say (the silent ranks): the line
-    naming the rank, every thread's stack, the line ending the job, in one turn."""
-    log = get_logger()
-    stacks = thread_stacks()
-    sys.stdout.flush()  # before the turn: a rank's labelled stdout takes turns itself
-    # The ranks stall together: each one's stacks go out whole, not woven into another's.
-    with output.turn(OUTPUT_TURN_WAIT_S):
-        log.error(
-            f"rank {rank} stalled: {stalled}; its main thread is {stuck}"
-            + (f"; {others}" if others else "")
-            + ". Every thread's stack follows."
-        )
-        for handler in log.handlers:
-            handler.flush()
-        if stacks is None:
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        else:
-            sys.stderr.write(stacks)
-        sys.stderr.flush()
-        log.error(
-            f"rank {rank} ends the job: stalled {stuck}"
-            + (f"; {others}" if others else "")
-            + ". HINT: the stack above shows "
-            "where; a rank inside torch waits for another one (look for the rank stalled "
-            "in its own code or in a DataLoader worker); raise dist.stall_timeout_s if a "
-            "step legitimately takes this long"
-        )
-
-
-def thread_stacks() -> str | None:
-    """Every thread's Python stack as faulthandler writes it (it writes only to a file
-    descriptor, in many small pieces: gathered here to go out in one turn); None when no
-    temporary file can be made (a full or missing TMPDIR)."""
-    try:
-        with tempfile.TemporaryFile("w+") as dump:
-            faulthandler.dump_traceback(file=dump, all_threads=True)
-            dump.seek(0)
-            return dump.read()
-    except OSError:
-        return None
-
-
-def stall_exit_code(stuck: str, other_ranks: bool) -> int:
-    """:data:`EXIT_PEER_LOST` for a rank of several that only waits inside torch
-    (:func:`where_stuck`), a consequence of another rank's stall; :data:`EXIT_STALLED` for one
-    stuck itself, or alone."""
-    return EXIT_PEER_LOST if other_ranks and stuck.startswith(INSIDE_TORCH) else EXIT_STALLED
+        write_stall_report(self.rank, f"{stalled} at {self._where()}", stuck, others, self._output)
+        follows = stall_exit_code(kind, self._liveness is not None) == EXIT_PEER_LOST
+        return stall_failure(f"{stalled}, {kind}", at, others, follows)

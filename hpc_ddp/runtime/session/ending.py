@@ -157,10 +157,11 @@ def _at_exit() -> None:
     while _ACTIVE:
         ending = _ACTIVE[-1]
         completed = ending.position.completed
-        get_logger().warning(
-            "the script ended without run.finish(): no final checkpoint or summary.json. "
-            "HINT: call run.finish() after training"
-        )
+        if ending.label == "0":  # every rank runs the same script: said once
+            get_logger().warning(
+                "the script ended without run.finish(): no final checkpoint or summary.json. "
+                "HINT: call run.finish() after training"
+            )
         ending("FINISHED" if completed else "FAILED")
 
 

@@ -38,9 +38,8 @@ from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
 from hpc_ddp.runtime.monitor.timeline import mark, new_timeline
 from hpc_ddp.runtime.place.checking import check_before_training, record_checks
 from hpc_ddp.runtime.place.plan import LaunchPlan
-from hpc_ddp.runtime.place.slurm import queue_job_id
 from hpc_ddp.runtime.preempt.exclusion import answer_failed_checks
-from hpc_ddp.runtime.preempt.progress import end_attempt, record_failure
+from hpc_ddp.runtime.preempt.progress import end_attempt
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.ending import Ending, end_active_run, install_excepthook, watch
 from hpc_ddp.runtime.session.joining import (
@@ -198,7 +197,7 @@ def start(
             record_end = _attempt_record(context, timeline)
             ending = Ending(
                 signals, str(plan.dist_env.rank), tracker, loop.close, position, record_end,
-                _failure_record(context),
+                context.record_failure,
             )  # fmt: skip
             handle = Run(context, loop, ending, resume, started, timeline)
         except BaseException:
@@ -214,18 +213,6 @@ def start(
     watch(ending)
     mark(timeline, "started")
     return handle
-
-
-def _failure_record(context: RunContext) -> Callable[[Mapping[str, Any]], None]:
-    """How what ended this rank goes on record: every rank adds it to failures.jsonl."""
-    env = context.env
-    where = {
-        "rank": env.rank,
-        "host": context.node,
-        "job": queue_job_id(context.environ),
-        "restart_count": env.restart_count,
-    }
-    return functools.partial(record_failure, context.run_dir, where)
 
 
 def _attempt_record(
