@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import re
+import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
-from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.exits import failure_record
+import hpc_ddp
+from hpc_ddp.runtime.errors import EXIT_FAILURE, HpcDdpError
+from hpc_ddp.runtime.exits import failure_record, innermost_user_frame, report_failure
 from hpc_ddp.runtime.preempt.progress import (
     FAILURES,
     attempt_of,
@@ -46,6 +49,59 @@ def test_an_error_inside_an_installed_library_is_placed_at_the_users_call() -> N
         read_config("{")  # json's frames are the standard library's
     called_at = read_config.__code__.co_firstlineno + 1
     assert failure_record(caught.value)["at"] == f"{__file__}:{called_at} in read_config"
+
+
+TORCH_FILE = str(Path(torch.__file__).parent / "nn" / "parallel" / "distributed.py")
+TOOLKIT_FILE = str(Path(hpc_ddp.__file__).parent / "runtime" / "loop" / "steps.py")
+STDLIB_FILE = str(Path(sysconfig.get_paths()["stdlib"]) / "json" / "decoder.py")
+INSTALLED = Path(sysconfig.get_paths()["purelib"])
+
+
+@pytest.mark.parametrize(
+    ("files", "users"),
+    [
+        # innermost first: torch's and hpc_ddp's frames below the script's
+        ([TORCH_FILE, TOOLKIT_FILE, "/home/u/train.py", "/home/u/main.py"], 2),
+        # a library the script calls is not the script
+        ([str(INSTALLED / "transformers" / "trainer.py"), "/home/u/train.py"], 1),
+        # the interpreter's own frames are never the user's file
+        (["<frozen importlib._bootstrap>", "<string>", "/home/u/train.py"], 2),
+        # a script installed as a package: its own frame, not the standard library's
+        ([STDLIB_FILE, str(INSTALLED / "myproject" / "train.py"), TOOLKIT_FILE], 1),
+        ([TORCH_FILE, TOOLKIT_FILE, STDLIB_FILE, "<frozen runpy>"], None),
+    ],
+    ids=["under-torch", "under-a-library", "frozen", "installed-script", "none"],
+)
+def test_the_users_frame_is_the_innermost_outside_the_toolkit_torch_and_libraries(
+    files: list[str], users: int | None
+) -> None:
+    assert innermost_user_frame(files) == users
+
+
+class UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("the user's __str__ failed")
+
+
+def raise_unprintable() -> None:
+    raise UnprintableError()
+
+
+def test_an_error_whose_message_cannot_be_read_is_recorded_by_its_type(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    try:
+        raise_unprintable()
+    except UnprintableError as error:
+        record = failure_record(error)
+        assert report_failure(error, "3") == EXIT_FAILURE
+    raised_at = raise_unprintable.__code__.co_firstlineno + 1
+    assert "[rank 3] failed:" in capsys.readouterr().err
+    assert record == {
+        "error": "UnprintableError",
+        "at": f"{__file__}:{raised_at} in raise_unprintable",
+        "follows_another_rank": False,
+    }
 
 
 def test_a_lost_peer_follows_another_rank_and_a_toolkit_error_says_its_message() -> None:

@@ -38,6 +38,7 @@ from hpc_ddp.runtime.loop.streams import (
     no_samples,
 )
 from hpc_ddp.runtime.monitor.account import AttemptTimes
+from hpc_ddp.runtime.preempt.progress import read_failures
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.evaluation import EvalBatches, eval_loader
 from hpc_ddp.runtime.session.joining import resolve_launch
@@ -1065,3 +1066,19 @@ def test_a_closing_log_leaves_no_global_optimizer_hook_behind(tmp_path: Path) ->
         len(optimizer._global_optimizer_post_hooks),
     )
     assert after == before, "a later run in this process would be timed twice"
+
+
+def test_what_ended_a_rank_is_recorded_once_the_first_cause_standing(tmp_path: Path) -> None:
+    """A rank the watchdog found stalled inside a collective, whose collective then fails as
+    its peer leaves, ended once: the second thread's record is not a second failure."""
+    context = context_in(tmp_path)
+    stalled = {"error": "stalled: no training step finished", "at": None,
+               "follows_another_rank": True}  # fmt: skip
+    lost = {"error": "another rank went away during a collective", "at": None,
+            "follows_another_rank": True}  # fmt: skip
+    context.record_failure(stalled, 7)
+    context.record_failure(lost, 8)
+    recorded = read_failures(context.run_dir)
+    assert [(line["error"], line["step"], line["rank"]) for line in recorded] == [
+        ("stalled: no training step finished", 7, 0)
+    ]

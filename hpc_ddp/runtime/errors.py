@@ -64,6 +64,14 @@ CONSEQUENTIAL_FAILURE_MARKERS = (
 )
 
 
+def message_of(error: BaseException) -> str:
+    """``str(error)``; "" where the exception's own ``__str__`` fails (it is the user's)."""
+    try:
+        return str(error)
+    except Exception:
+        return ""
+
+
 def _line_with(error: BaseException, markers: tuple[str, ...]) -> str | None:
     """The first line of ``error`` (or of an exception it came from) holding one of
     ``markers``, or None."""
@@ -71,7 +79,7 @@ def _line_with(error: BaseException, markers: tuple[str, ...]) -> str | None:
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        for line in str(current).splitlines():
+        for line in message_of(current).splitlines():
             if any(marker in line for marker in markers):
                 return line
         current = current.__cause__ or current.__context__

@@ -13,7 +13,7 @@ import re
 import sys
 import sysconfig
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import NoReturn
@@ -26,6 +26,7 @@ from hpc_ddp.runtime.errors import (
     HpcDdpError,
     device_failure,
     lost_peer,
+    message_of,
     no_deterministic_kernel,
 )
 
@@ -69,6 +70,43 @@ _PACKAGE = str(Path(__file__).resolve().parent.parent) + os.sep
 def toolkit_frame(path: str) -> bool:
     """A frame of hpc_ddp itself (or of runpy, which starts it), not of the user's code."""
     return "runpy" in path or path.startswith(_PACKAGE)
+
+
+#: Where the interpreter's own modules and installed packages live.
+_INSTALLED = tuple(
+    {
+        os.path.join(path, "")
+        for key, path in sysconfig.get_paths().items()
+        if key in ("stdlib", "platstdlib", "purelib", "platlib")
+    }
+)
+_PACKAGE_FOLDERS = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def innermost_user_frame(files: Sequence[str]) -> int | None:
+    """Which of a stack's frames, given by their files innermost first, is the innermost of
+    the user's code: outside hpc_ddp, torch, the standard library and installed packages;
+    else (a script installed as a package) outside the first three. None where none is."""
+    torch = sys.modules.get("torch")
+    torch_folder = os.path.join(os.path.dirname(torch.__file__ or ""), "") if torch else None
+
+    def toolkit_or_torch(path: str) -> bool:
+        # "<frozen importlib._bootstrap>", "<string>": the interpreter's, never the user's file
+        frozen = path.startswith("<")
+        return frozen or toolkit_frame(path) or bool(torch_folder and path.startswith(torch_folder))
+
+    def installed(path: str) -> bool:
+        return path.startswith(_INSTALLED) or any(part in path for part in _PACKAGE_FOLDERS)
+
+    paths = [path if path.startswith("<") else os.path.abspath(path) for path in files]
+    for index, path in enumerate(paths):
+        if not toolkit_or_torch(path) and not installed(path):
+            return index
+    stdlib = os.path.join(sysconfig.get_paths()["stdlib"], "")
+    for index, path in enumerate(paths):
+        if not toolkit_or_torch(path) and not path.startswith(stdlib):
+            return index
+    return None
 
 
 def report_failure(
@@ -124,38 +162,30 @@ def failure_record(error: BaseException) -> dict[str, object]:
     if follows:
         said = "another rank went away during a collective"
     else:
-        text = error.message if isinstance(error, HpcDdpError) else str(error)
+        text = error.message if isinstance(error, HpcDdpError) else message_of(error)
         first = next((line.strip() for line in text.splitlines() if line.strip()), "")
         said = f"{type(error).__name__}: {first}" if first else type(error).__name__
-    installed = tuple(
-        os.path.join(path, "")
-        for key, path in sysconfig.get_paths().items()
-        if key in ("stdlib", "platstdlib", "purelib", "platlib")
-    )
-    users = [
-        frame
-        for frame in traceback.extract_tb(error.__traceback__)
-        if not toolkit_frame(frame.filename)
-        and not os.path.abspath(frame.filename).startswith(installed)
-    ]
-    at = f"{users[-1].filename}:{users[-1].lineno} in {users[-1].name}" if users else None
-    return {"error": said[:300], "at": at, "follows_another_rank": follows}
+    return {"error": said[:300], "at": _user_line(error), "follows_another_rank": follows}
+
+
+def _user_line(error: BaseException) -> str | None:
+    """The innermost line of the user's code ``error`` came through, as file:line in name."""
+    frames = traceback.extract_tb(error.__traceback__)[::-1]
+    index = innermost_user_frame([frame.filename for frame in frames])
+    if index is None:
+        return None
+    return f"{frames[index].filename}:{frames[index].lineno} in {frames[index].name}"
 
 
 def collective_timeout(error: BaseException) -> str | None:
     """What a gloo collective that timed out waited for, in words, with where the script
     called it (None for another error): every rank makes the same collectives, so one that
     never came means a rank skipped it, made another, or ran out of data sooner."""
-    match = _GLOO_TIMEOUT.search(str(error)) if isinstance(error, RuntimeError) else None
+    match = _GLOO_TIMEOUT.search(message_of(error)) if isinstance(error, RuntimeError) else None
     if match is None:
         return None
-    torch_files = f"{os.sep}torch{os.sep}"
-    called = [
-        frame
-        for frame in traceback.extract_tb(error.__traceback__)
-        if not toolkit_frame(frame.filename) and torch_files not in frame.filename
-    ]
-    where = f", called at {called[-1].filename}:{called[-1].lineno}" if called else ""
+    called = _user_line(error)
+    where = f", called at {called.rsplit(' in ', 1)[0]}" if called else ""
     return (
         f"a collective waited {int(match.group(1)) / 1000:g} s (dist.timeout_s) for the other "
         f"ranks{where}: another rank did not make the same call in that time (it is stuck "

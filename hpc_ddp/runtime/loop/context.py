@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -13,6 +15,7 @@ from torch import nn
 
 from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.config import RuntimeConfig
+from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.streams import map_tensors
 from hpc_ddp.runtime.monitor.account import AttemptTimes
 from hpc_ddp.runtime.monitor.forward.meter import ForwardMeter
@@ -67,6 +70,8 @@ class RunContext:
     )
     #: Names this attempt's entry in the run's attempts.json.
     attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    _failure_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _failure_recorded: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.times = AttemptTimes(suspended=self.stops.so_far)
@@ -88,9 +93,15 @@ class RunContext:
     def run_dir(self) -> Path:
         return self.plan.run_dir
 
-    def record_failure(self, failure: Mapping[str, Any]) -> None:
-        """Add what ended this rank (its error, step and time) to the run's failures, with
-        the rank, host, job and restart that say whose it is."""
+    def record_failure(self, failure: Mapping[str, Any], step: int) -> None:
+        """Add what ended this rank at ``step`` to the run's failures, with the time and the
+        rank, host, job and restart that say whose it is. Once per attempt: the first cause
+        stands (a stalled rank whose collective then fails is one failure, whichever thread
+        is first). A record that cannot be written costs one warning: the rank still ends."""
+        with self._failure_lock:
+            if self._failure_recorded:
+                return
+            self._failure_recorded = True
         env = self.env
         where = {
             "rank": env.rank,
@@ -98,7 +109,10 @@ class RunContext:
             "job": queue_job_id(self.environ),
             "restart_count": env.restart_count,
         }
-        record_failure(self.run_dir, where, failure)
+        try:
+            record_failure(self.run_dir, where, {**failure, "step": step, "time": time.time()})
+        except Exception as unwritten:
+            get_logger().warning(f"what ended this rank was not recorded: {unwritten!r}")
 
     def models(self) -> list[nn.Module]:
         """The models trained: the wrapped ones, else the registered."""

@@ -261,9 +261,5 @@ def start_watchdog(context: RunContext, position: Position) -> StallWatchdog | N
 
 def _end_stalled(context: RunContext, position: Position, failure: Mapping[str, object]) -> None:
     """End the run of a rank the watchdog found stalled, what ended it on record first."""
-    try:
-        context.record_failure({**failure, "step": position.global_step, "time": time.time()})
-    except Exception as unwritten:  # the run still ends FAILED
-        get_logger().warning(f"the stall was not recorded: {unwritten!r}")
-    finally:
-        context.tracker.finish("FAILED")
+    context.record_failure(failure, position.global_step)
+    context.tracker.finish("FAILED")

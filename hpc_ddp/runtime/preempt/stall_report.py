@@ -7,13 +7,13 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
-import sysconfig
 import tempfile
 from types import FrameType
 
 import torch
 
 from hpc_ddp.runtime.errors import EXIT_PEER_LOST, EXIT_STALLED
+from hpc_ddp.runtime.exits import innermost_user_frame
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.turns import OutputTurns
 
@@ -28,30 +28,22 @@ IN_OWN_CODE = "in its own code"
 
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _TORCH_DATA = os.path.join(_TORCH, "utils", "data") + os.sep
-#: The package's own folder (hpc_ddp/), three levels above this file.
-_OWN = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
-_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
-_INSTALLED = tuple({sysconfig.get_paths()[key] + os.sep for key in ("purelib", "platlib")})
-
-
-def _is_library(path: str) -> bool:
-    if path.startswith((_TORCH, _OWN)):
-        return True
-    return path.startswith(_STDLIB) and not path.startswith(_INSTALLED)
 
 
 def stuck_in(frame: FrameType | None) -> tuple[str, str | None]:
     """What a thread whose innermost frame is ``frame`` waits for: :data:`WAITS_FOR_DATA`,
     :data:`INSIDE_TORCH` (a collective, the device), :data:`IN_OWN_CODE` or "no Python
-    frame"; and the innermost frame of the user's code (outside torch, hpc_ddp and the
-    standard library) as ``file:line in function``, None where there is none."""
+    frame"; and the innermost frame of the user's code
+    (:func:`~hpc_ddp.runtime.exits.innermost_user_frame`) as ``file:line in function``, None
+    where there is none."""
     frames: list[FrameType] = []
     while frame is not None:
         frames.append(frame)
         frame = frame.f_back
     if not frames:
         return "no Python frame", None
-    user = next((f for f in frames if not _is_library(f.f_code.co_filename)), None)
+    index = innermost_user_frame([f.f_code.co_filename for f in frames])
+    user = frames[index] if index is not None else None
     at = f"{user.f_code.co_filename}:{user.f_lineno} in {user.f_code.co_name}" if user else None
     below_user = frames[: frames.index(user)] if user is not None else frames
     if any(f.f_code.co_filename.startswith(_TORCH_DATA) for f in below_user):

@@ -44,13 +44,14 @@ class Ending:
         close_loop: Callable[[bool], None],
         position: Position,
         record_end: Callable[[str | None, int, int], Mapping[str, Any] | None],
-        record_failure: Callable[[Mapping[str, Any]], None],
+        record_failure: Callable[[Mapping[str, Any], int], None],
     ) -> None:
         """``close_loop(wait)``: the loop's displays and stop agreement ended (waiting for
         the agreement in flight only on a clean end); ``position``: the run's;
         ``record_end(status, last step, first step)``: the attempt's end put on record,
         returning the run's time account (None where this rank keeps no record);
-        ``record_failure(failure)``: what ended this rank, added to the run's failures."""
+        ``record_failure(failure, step)``: what ended this rank, added to the run's
+        failures."""
         self.signals = signals
         self.label = label
         self.tracker = tracker
@@ -97,11 +98,7 @@ class Ending:
             self("KILLED")
             return
         if not self.done:
-            try:
-                failure = {**failure_record(error), "step": self.position.global_step}
-                self.record_failure({**failure, "time": time.time()})
-            except Exception as unwritten:  # the run still ends whole
-                get_logger().warning(f"the failure was not recorded: {unwritten!r}")
+            self.record_failure(failure_record(error), self.position.global_step)
         self("FAILED")
 
     def _recorded(self, status: str | None) -> Mapping[str, Any] | None:
