@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, RESUMABLE, run_local
 from tests.slurm_cluster import DEFAULT_CONF, SlurmCluster, cluster_unavailable_reason
 
 #: Set to 1 to run the tests marked slow (as ``--slow`` does).
@@ -171,6 +171,16 @@ def slurm_conf_in_environ(slurm: SlurmCluster) -> Iterator[None]:
         del os.environ["SLURM_CONF"]
     else:
         os.environ["SLURM_CONF"] = previous
+
+
+@pytest.fixture(scope="session")
+def resumable_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of RESUMABLE trained uninterrupted on 2 local ranks (run id
+    "reference", tracking off): trained once, the resume tests compare with it."""
+    output = tmp_path_factory.mktemp("resumable")
+    reference = run_local(2, output, [*RESUMABLE, "run.id=reference", "tracking.enabled=false"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    return output
 
 
 #: DDP models that outlived their test's group (a failed test's traceback holds its own):

@@ -474,10 +474,9 @@ def test_the_job_requeued_is_the_array_task_where_there_is_one() -> None:
 
 
 @pytest.mark.e2e
-def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(tmp_path: Path) -> None:
-    reference = run_local(2, tmp_path, [*RESUMABLE, "run.id=reference"])
-    assert reference.returncode == 0, reference.stderr[-2000:]
-
+def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(
+    tmp_path: Path, resumable_reference: Path
+) -> None:
     # Stopped as on the warning signal at step 50, mid-epoch, whatever the machine's pace.
     stopping = run_local(2, tmp_path, [*RESUMABLE, "run.id=interrupted", "preempt.stop_at_step=50"])
     log = stopping.stderr
@@ -491,7 +490,7 @@ def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(tmp_path: Path) -> N
     position = f"(epoch {stop_step // 200}, step {stop_step % 200} of the epoch)"
     assert "resumed from" in resumed.stderr and f"at step {stop_step} {position}" in resumed.stderr
     expected, actual = (
-        read_summary(tmp_path, "synthetic-mlp", "reference"),
+        read_summary(resumable_reference, "synthetic-mlp", "reference"),
         read_summary(tmp_path, "synthetic-mlp", "interrupted"),
     )
     assert actual["weights_sha256"] == expected["weights_sha256"]
@@ -517,14 +516,11 @@ def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(tmp_path: Path) -> N
 
 @pytest.mark.e2e
 def test_the_trainer_stopped_on_4_ranks_resumes_on_2_as_an_uninterrupted_2_rank_run(
-    tmp_path: Path,
+    tmp_path: Path, resumable_reference: Path
 ) -> None:
     """The built-in trainer's side of a world-size change: the global batch (64) is split over
     2 ranks instead of 4, training goes on from the stop, and the weights agree with an
     uninterrupted 2-rank run to rounding (the all-reduce sums in another order)."""
-    reference = run_local(2, tmp_path, [*RESUMABLE, "run.id=reference", "tracking.enabled=false"])
-    assert reference.returncode == 0, reference.stderr[-2000:]
-
     moved = [*RESUMABLE, "run.id=moved", "tracking.enabled=false"]
     stopping = run_local(4, tmp_path, [*moved, "preempt.stop_at_step=50"])
     assert stopping.returncode == EXIT_STOPPED, stopping.stderr[-3000:]
@@ -535,11 +531,11 @@ def test_the_trainer_stopped_on_4_ranks_resumes_on_2_as_an_uninterrupted_2_rank_
     assert "checkpoint was written by 4 ranks, this run has 2" in resumed.stderr
     facts, expected = (
         read_summary(tmp_path, "synthetic-mlp", "moved"),
-        read_summary(tmp_path, "synthetic-mlp", "reference"),
+        read_summary(resumable_reference, "synthetic-mlp", "reference"),
     )
     assert (facts["world_size"], facts["resumed_from_world_size"]) == (2, 4)
     assert (facts["resumed_from_step"], facts["global_step"]) == (stop_step, 600)
-    for name, tensor in final_weights(tmp_path, "synthetic-mlp", "reference").items():
+    for name, tensor in final_weights(resumable_reference, "synthetic-mlp", "reference").items():
         torch.testing.assert_close(
             final_weights(tmp_path, "synthetic-mlp", "moved")[name], tensor, rtol=1e-4, atol=1e-5
         )

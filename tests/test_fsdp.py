@@ -47,6 +47,23 @@ def trained(nproc: int, output: Path, run_id: str, *extra: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of the uninterrupted 2-rank DDP run (run id "reference"): trained
+    once, the tests that compare with it share it."""
+    output = tmp_path_factory.mktemp("ddp")
+    trained(2, output, "reference")
+    return output
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of the uninterrupted 2-rank FSDP2 run (run id "reference")."""
+    output = tmp_path_factory.mktemp("fsdp")
+    trained(2, output, "reference", *FSDP)
+    return output
+
+
 def stopped(nproc: int, output: Path, run_id: str, *extra: str, hold: int = IN_EPOCH_1) -> int:
     """Started, held after step ``hold`` (mid-epoch) until SIGUSR1 reached every rank, so
     stopped one step later; the step of the stop's checkpoint."""
@@ -66,34 +83,29 @@ def assert_close_weights(
         torch.testing.assert_close(actual[name], tensor, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_fsdp_trains_as_ddp_does_at_2_and_3_ranks(tmp_path: Path) -> None:
+def test_fsdp_trains_as_ddp_does_at_2_and_3_ranks(
+    tmp_path: Path, ddp_reference: Path, fsdp_reference: Path
+) -> None:
     """Same global batch, same updates: the sharded runs end where DDP ends, to rounding
     (reduce-scatter sums in another order than all-reduce)."""
-    trained(2, tmp_path, "ddp")
-    trained(2, tmp_path, "fsdp2", *FSDP)
     trained(3, tmp_path, "fsdp3", *FSDP)
-    expected = final_weights(tmp_path, "regression", "ddp")
-    assert_close_weights(final_weights(tmp_path, "regression", "fsdp2"), expected)
-    assert_close_weights(final_weights(tmp_path, "regression", "fsdp3"), expected)
-    for run_id in ("fsdp2", "fsdp3"):
-        assert (
-            abs(
-                float(read_summary(tmp_path, "regression", run_id)["val_mse"])
-                - float(read_summary(tmp_path, "regression", "ddp")["val_mse"])
-            )
-            < 1e-5
-        )
-    assert read_summary(tmp_path, "regression", "fsdp2")["global_step"] == 40
+    expected = final_weights(ddp_reference, "regression", "reference")
+    expected_mse = float(read_summary(ddp_reference, "regression", "reference")["val_mse"])
+    fsdp_runs = ((fsdp_reference, "reference"), (tmp_path, "fsdp3"))
+    for output, run_id in fsdp_runs:
+        assert_close_weights(final_weights(output, "regression", run_id), expected)
+        val_mse = float(read_summary(output, "regression", run_id)["val_mse"])
+        assert abs(val_mse - expected_mse) < 1e-5, run_id
+    fsdp2 = read_summary(fsdp_reference, "regression", "reference")
+    assert fsdp2["global_step"] == 40
     newest = list_checkpoints(tmp_path / "regression" / "fsdp3" / "checkpoints")[0]
     shards = read_metadata(newest).state_dict_metadata["objects.model.0.weight"]
     assert len(shards.chunks) == 3, "each of 3 ranks wrote its own shard"  # type: ignore[union-attr]
-    assert read_summary(tmp_path, "regression", "fsdp2")["weights_sha256"] is not None, (
-        "whole weights, on rank 0"
-    )
+    assert fsdp2["weights_sha256"] is not None, "whole weights, on rank 0"
 
 
 def test_a_model_built_on_the_meta_device_starts_as_the_one_built_whole_and_resumes_bitwise(
-    tmp_path: Path,
+    tmp_path: Path, fsdp_reference: Path
 ) -> None:
     """FSDP2's idiom for a model larger than a host: built on the meta device, run.wrap
     shards it, gives each rank storage for its shards and sets them module by module from a
@@ -101,17 +113,16 @@ def test_a_model_built_on_the_meta_device_starts_as_the_one_built_whole_and_resu
     does, and stopped mid-epoch by SIGUSR1 and resumed, ends bitwise there too. (DTensor's
     own random ops would draw the same numbers for every CPU rank's shard: other weights.
     tests/test_exact_at_scale.py: at 3 ranks, uneven shards.)"""
-    trained(2, tmp_path, "reference", *FSDP)
     stop_step = stopped(2, tmp_path, "interrupted", *FSDP, "--meta")
     trained(2, tmp_path, "interrupted", *FSDP, "--meta")
     expected, actual = (
-        read_summary(tmp_path, "regression", "reference"),
+        read_summary(fsdp_reference, "regression", "reference"),
         read_summary(tmp_path, "regression", "interrupted"),
     )
     assert actual["resumed_from_step"] == stop_step
     assert actual["weights_sha256"] == expected["weights_sha256"], "bitwise equal"
     assert actual["val_mse"] == expected["val_mse"]
-    newest = list_checkpoints(tmp_path / "regression" / "reference" / "checkpoints")[0]
+    newest = list_checkpoints(fsdp_reference / "regression" / "reference" / "checkpoints")[0]
     shards = read_metadata(newest).state_dict_metadata["objects.model.0.weight"]
     assert len(shards.chunks) == 2, "each rank wrote its own shard"  # type: ignore[union-attr]
     assert not list(newest.parent.glob(".writing-*")), "each save's mark goes at its commit"
@@ -137,18 +148,17 @@ def test_a_meta_model_with_the_script_s_init_weights_has_a_different_shard_on_ea
 
 
 def test_a_script_that_shards_its_model_itself_stops_and_resumes_as_run_wrap_s_does(
-    tmp_path: Path,
+    tmp_path: Path, fsdp_reference: Path
 ) -> None:
     """The script calls fully_shard on its layers and its model itself and registers the
     model without run.wrap: no replica check of its shards at the end, accumulation without
     the reduce-scatter and clipping over the whole gradient, as for the model run.wrap
     shards, so it trains bitwise as run.wrap's sharded run; stopped mid-epoch and resumed,
     bitwise again."""
-    trained(2, tmp_path, "wrapped", *FSDP)
     stop_step = stopped(2, tmp_path, "by_hand", "--shard-by-hand")
     trained(2, tmp_path, "by_hand", "--shard-by-hand")
     expected, actual = (
-        read_summary(tmp_path, "regression", "wrapped"),
+        read_summary(fsdp_reference, "regression", "reference"),
         read_summary(tmp_path, "regression", "by_hand"),
     )
     assert actual["resumed_from_step"] == stop_step
@@ -177,29 +187,29 @@ def test_an_fsdp_checkpoint_of_4_ranks_goes_on_at_2_and_at_3(tmp_path: Path) -> 
         )
 
 
-def test_a_ddp_checkpoint_goes_on_under_fsdp_and_back(tmp_path: Path) -> None:
-    trained(2, tmp_path, "reference")
+def test_a_ddp_checkpoint_goes_on_under_fsdp_and_back(tmp_path: Path, ddp_reference: Path) -> None:
     stopped(2, tmp_path, "mixed", hold=IN_EPOCH_0)
     first = stopped(2, tmp_path, "mixed", *FSDP)  # resumed from DDP's, stopped again
     trained(2, tmp_path, "mixed")  # and on under DDP from FSDP2's
     assert read_summary(tmp_path, "regression", "mixed")["resumed_from_step"] == first
     assert_close_weights(
         final_weights(tmp_path, "regression", "mixed"),
-        final_weights(tmp_path, "regression", "reference"),
+        final_weights(ddp_reference, "regression", "reference"),
     )
 
 
-def test_a_ddp_single_file_checkpoint_goes_on_under_fsdp(tmp_path: Path) -> None:
+def test_a_ddp_single_file_checkpoint_goes_on_under_fsdp(
+    tmp_path: Path, ddp_reference: Path
+) -> None:
     """A DDP run's single-file checkpoint holds whole states, the optimizer's numbered by
     parameter: under FSDP2 each rank takes its part of every tensor (it was refused with
     "got mixed torch.Tensor and DTensor"), and the weights end as an uninterrupted run's."""
-    trained(2, tmp_path, "reference")
     stop_step = stopped(2, tmp_path, "mixed", "checkpoint.save_mode=single_file", hold=IN_EPOCH_0)
     trained(2, tmp_path, "mixed", *FSDP)
     assert read_summary(tmp_path, "regression", "mixed")["resumed_from_step"] == stop_step
     assert_close_weights(
         final_weights(tmp_path, "regression", "mixed"),
-        final_weights(tmp_path, "regression", "reference"),
+        final_weights(ddp_reference, "regression", "reference"),
     )
 
 

@@ -22,11 +22,12 @@ from mlflow import MlflowClient
 import hpc_ddp
 from hpc_ddp.runtime.checkpoint.export import model_weights
 from hpc_ddp.runtime.checkpoint.files import list_checkpoints, load_checkpoint
-from hpc_ddp.runtime.errors import EXIT_STOPPED
+from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
 from hpc_ddp.runtime.loop.data import TrainLoader
 from hpc_ddp.runtime.loop.streams import move_to
 from hpc_ddp.runtime.monitor.account import PARTS
 from hpc_ddp.runtime.preempt.progress import read_attempts
+from hpc_ddp.runtime.preempt.requeue import JOB_SIGNAL_VARIABLE, check_job_signal
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
 from hpc_ddp.view.plot import curves
 from hpc_ddp.view.runs import load_run
@@ -590,13 +591,20 @@ def test_without_epochs_every_steps_call_is_an_epoch(tmp_path: Path) -> None:
     assert json.loads(result.stdout.splitlines()[-1]) == [[1, 4, 4.0], [2, 8, 4.0], [3, 12, 4.0]]
 
 
-@pytest.mark.parametrize("declared", ["USR1", "B:USR1@90", "SIGUSR1"])
+@pytest.mark.parametrize("declared", ["USR1", "B:USR1@90", "SIGUSR1", "usr1"])
+def test_each_spelling_of_the_job_s_warning_signal_is_read(declared: str) -> None:
+    """#SBATCH --signal's forms, as slurm/train.sh exports them, against preempt.signal."""
+    with pytest.raises(HpcDdpError, match="the job's warning signal is 'USR1'"):
+        check_job_signal({JOB_SIGNAL_VARIABLE: declared}, "USR2")
+    check_job_signal({JOB_SIGNAL_VARIABLE: declared}, "USR1")
+    check_job_signal({}, "USR2")
+
+
 @pytest.mark.e2e
-def test_a_job_whose_warning_signal_the_ranks_do_not_handle_is_refused(
-    declared: str, tmp_path: Path
-) -> None:
-    """What slurm/train.sh exports for its #SBATCH --signal, against preempt.signal."""
-    environment = clean_environ(HPC_DDP_JOB_SIGNAL=declared)
+def test_a_job_whose_warning_signal_the_ranks_do_not_handle_is_refused(tmp_path: Path) -> None:
+    """What slurm/train.sh exports for its #SBATCH --signal, against preempt.signal, as the
+    ranks see it."""
+    environment = clean_environ(HPC_DDP_JOB_SIGNAL="B:USR1@90")
     result = run_local_program(
         2, [FAULTS, "none", f"run.output_dir={tmp_path}", "preempt.signal=USR2"], 60, environment
     )
