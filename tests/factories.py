@@ -250,3 +250,72 @@ def rank3_killed_once_checkpointed(config: Any, num_features: int, num_classes: 
     checkpoint is whole."""
     return _ActsAtForward(config, num_features, num_classes, KILL_AT_FORWARD,
                           _killed_once_checkpointed(config, 3))  # fmt: skip
+
+
+def _in_attempt(restart: int) -> bool:
+    """In the Slurm job's attempt after ``restart`` requeues."""
+    return "SLURM_JOB_ID" in os.environ and os.environ.get("SLURM_RESTART_COUNT", "0") == str(
+        restart
+    )
+
+
+def _newest_checkpoint_step(output_dir: str) -> int:
+    """The step of the newest whole checkpoint of the runs under ``output_dir`` (-1: none)."""
+    from hpc_ddp.runtime.checkpoint.files import checkpoint_step, list_checkpoints
+
+    found = [list_checkpoints(folder) for folder in Path(output_dir).glob("*/*/checkpoints")]
+    return max((checkpoint_step(path) for paths in found for path in paths), default=-1)
+
+
+def _killed_once_a_newer_checkpoint_is_whole(config: Any, rank: int) -> Callable[[], None]:
+    """Rank ``rank`` waits until a checkpoint newer than those there now (as the model is
+    built: the one its attempt resumes from) is whole, then is killed (SIGKILL, as by a
+    failing host)."""
+    resumed = _newest_checkpoint_step(config.run.output_dir)
+
+    def kill() -> None:
+        if _rank() != rank:
+            return
+        deadline = time.monotonic() + 300
+        while _newest_checkpoint_step(config.run.output_dir) <= resumed:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"rank {rank}: no checkpoint after step {resumed} in 300 s")
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return kill
+
+
+class _HeldThenKilled(nn.Module):
+    """The built-in trainer's MLP whose every rank holds at step 60 of a job's first attempt
+    until a warning signal reached it, and whose rank 1 is killed in the second attempt,
+    on its 31st training forward, once a checkpoint of that attempt is whole."""
+
+    def __init__(self, config: Any, num_features: int, num_classes: int) -> None:
+        super().__init__()
+        from hpc_ddp.trainer.models import MLP
+        from tests.programs.holding import StopSignalSeen
+
+        model = config.model
+        self.mlp = MLP(num_features, list(model.hidden_sizes), num_classes, model.dropout)
+        seen = StopSignalSeen()
+        warnings = (signal.SIGUSR1, signal.SIGUSR2)
+        self.acts = {
+            0: (HOLD_AT_FORWARD, lambda: seen.hold(_rank(), HOLD_AT_FORWARD - 1, warnings)),
+            1: (KILL_AT_FORWARD, _killed_once_a_newer_checkpoint_is_whole(config, 1)),
+        }
+        self.calls = 0
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            for restart, (on_call, act) in self.acts.items():
+                if self.calls == on_call and _in_attempt(restart):
+                    act()
+        return self.mlp(features)  # type: ignore[no-any-return]
+
+
+def held_then_rank1_killed(config: Any, num_features: int, num_classes: int) -> nn.Module:
+    """A job's first attempt holds at step 60 for a warning signal; in its second, rank 1 is
+    killed outright once that attempt's first checkpoint is whole."""
+    return _HeldThenKilled(config, num_features, num_classes)

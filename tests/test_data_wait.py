@@ -50,6 +50,25 @@ def test_only_the_time_inside_next_is_counted_and_taking_it_starts_again() -> No
     assert wait.next_of(iter(()), end) is end
 
 
+def test_a_timed_call_counts_its_own_time_even_when_it_raises() -> None:
+    """The stop agreement's exchange, timed as the data wait is."""
+    now = [0.0]
+
+    def exchange() -> tuple[bool, bool]:
+        now[0] += 0.5  # waiting for the slowest rank
+        return True, False
+
+    def refused() -> None:
+        now[0] += 0.25
+        raise RuntimeError("a peer went away")
+
+    agreement = DataWait(lambda: now[0])
+    assert agreement.timed(exchange) == (True, False)
+    with pytest.raises(RuntimeError):
+        agreement.timed(refused)
+    assert agreement.take() == 0.75
+
+
 def test_each_ranks_share_of_the_interval_and_the_rank_that_waited_most() -> None:
     assert data_wait_shares([0.5, 3.0, 1.0, 3.0], 10.0) == DataWaitShares(18.75, 1, 30.0)
     # More waiting than the interval (rank 0's clock measured it) is the whole of it.

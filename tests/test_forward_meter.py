@@ -208,6 +208,19 @@ def test_the_meter_counts_once_on_the_first_training_forward(
         f"training forward of Keeper and its backward is {expected / 1e3:.4g} kFLOP" in (counted[0])
     )
     assert meter.take() == (0.0, 2, 2 * expected), "two training forwards, 0 s on the hand clock"
+    assert meter.compute_dtype == "fp32", "the MFU's peak: the first training forward's format"
+
+
+def test_the_format_of_the_first_training_forward_is_kept_for_the_mfu() -> None:
+    meter = ForwardMeter(CPU, False, map_tensors, HandClock())
+    model = Keeper()
+    meter.attach(model)
+    assert meter.compute_dtype is None, "no forward yet"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(4, 3, 8, 8))
+    model(torch.randn(4, 3, 8, 8))
+    assert meter.compute_dtype == "bf16"
+    meter.detach()
 
 
 def test_each_wrapped_model_is_counted_for_its_own_forwards() -> None:
@@ -571,6 +584,8 @@ def test_an_intervals_parts_are_shares_of_its_length() -> None:
     assert metrics["data_wait_percent"] == 20.0 and metrics["data_wait_percent_max"] == 30.0
     assert metrics["slowest_rank"] == 1.0 and metrics["slowest_rank_ratio"] == 4.0 / 3.0
     assert said == [], "said only after several intervals in a row"
+    agreeing = RankTimes(10.0, None, None, None, 0.0, 0.0, stop_agreement_s=[0.25, 0.75])
+    assert step_time_percent(agreeing)["stop_agreement_percent"] == 5.0, "the ranks' mean"
     untimed = RankTimes(10.0, None, None, None, checkpoint_s=0.0, evaluation_s=0.0)
     metrics, said = IntervalPaces(resolve_config(None, [], {}, {}).monitor).read(untimed, "", None)
     assert metrics == {"checkpoint_percent": 0.0, "evaluation_percent": 0.0} and said == []
@@ -598,11 +613,13 @@ def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
     assert [text.get_text() for text in panel.get_legend().get_texts()] == list(series)
     # The optimizer's steps timed too: the rest of the step is the backward and the waits.
     both = parts(10, 30, 0) | {"interval/optimizer_percent": 15.0}
+    both |= {"interval/stop_agreement_percent": 5.0}
     assert step_time_series(run_with_metrics(tmp_path / "both", [both]))[1] == {
         "waiting for data": [10.0],
         "forward": [30.0],
-        "backward, waits for ranks": [45.0],
+        "backward, waits for ranks": [40.0],
         "optimizer": [15.0],
+        "agreeing on a stop": [5.0],
     }, "the checkpoints took no time: not drawn"
     # Without the forward timed (a script's own DDP, FSDP), the step is one part.
     other = run_with_metrics(tmp_path / "other", [parts(10, None, 0)])
@@ -806,6 +823,8 @@ def test_each_ranks_optimizer_steps_are_a_part_of_the_interval(tmp_path: Path) -
             3 * metrics["interval/forward_percent"], rel=1e-9
         )
         assert 0 < metrics["interval/optimizer_percent"] < 100
+        # The ranks agreed on a stop at every step (the real clock): a share of the interval.
+        assert 0 <= metrics["interval/stop_agreement_percent"] <= 100
 
 
 class TwoSeconds(nn.Module):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hpc_ddp.runtime.errors import EXIT_STOPPED
+from hpc_ddp.runtime.monitor.throughput import ComputeDtype, table_peak_tflops
 from tests.helpers import RESUMABLE as MID_EPOCH_STOPPABLE
 from tests.helpers import clean_environ, read_summary, run_local, run_local_program
 
@@ -135,3 +136,24 @@ def test_the_gpu_a_rank_trains_on_is_read_through_nvml_and_recorded(tmp_path: Pa
              for name in json.loads(line).get("metrics", {})}  # fmt: skip
     assert any(name.endswith(f"/gpu{source.gpu_name}/utilization_percent") for name in names)
     assert "system/idle_gpus" in names
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16", "bf16"), ("fp32", "fp32")])
+def test_the_mfu_is_against_the_gpus_peak_for_the_format_it_trains_in(
+    tmp_path: Path, precision: str, dtype: ComputeDtype
+) -> None:
+    """train.precision=bf16 autocasts the forward: the MFU is over the GPU's bf16 peak;
+    fp32 (TF32 not allowed, torch's default) over its fp32 peak."""
+    name = torch.cuda.get_device_name(0)
+    peak = table_peak_tflops(name, dtype)
+    if peak is None:
+        pytest.skip(f"{name} is not in the peak table")
+    result = run_local(1, tmp_path, [*SMALL, f"train.precision={precision}", "run.id=mfu"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    [record] = tmp_path.glob("*/mfu/metrics.jsonl")
+    logged = [json.loads(line).get("metrics", {}) for line in record.read_text().splitlines()]
+    intervals = [metrics for metrics in logged if "interval/tflops" in metrics]
+    assert intervals, "the FLOPs were counted"
+    for metrics in intervals:
+        expected = 100 * metrics["interval/tflops"] / peak
+        assert metrics["interval/mfu_percent"] == pytest.approx(expected, rel=1e-9)

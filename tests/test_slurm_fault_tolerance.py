@@ -211,6 +211,50 @@ def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
     assert total["queued_s"] == pytest.approx(queued, abs=1e-3) and queued > 0
 
 
+@pytest.mark.slow
+def test_a_job_preempted_then_losing_a_rank_accounts_for_its_three_attempts(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """Preempted (USR1 while the ranks hold at step 60), requeued, then rank 1 of the second
+    attempt killed outright (SIGKILL) after that attempt's first checkpoint, left out with
+    its node and requeued: the run's record has three attempts, each one's parts adding up
+    to its allocation, the steps the killed attempt took past its checkpoint charged to the
+    third as redone, and the time the job waited in the queue between them."""
+    work = prepare_workdir(tmp_path / "slurm")
+    factory = ["model.kind=custom", "model.factory=tests.factories:held_then_rank1_killed"]
+    job = slurm.sbatch(
+        ["--nodes=1", "--ntasks-per-node=2", TRAIN, "configs/synthetic.yaml",
+         f"run.output_dir={work / 'runs'}", "tracking.enabled=false",
+         "checkpoint.every_steps=20", *LONG, *factory],
+        work,
+    )  # fmt: skip
+    log_path = work / f"hpc-ddp-{job}.out"
+    for rank in (0, 1):
+        slurm.wait_for_log(log_path, rf"HOLDING at step 60 \(rank {rank}\)")
+    assert slurm.run(["scancel", "--signal=USR1", job], work).returncode == 0
+    state = slurm.wait(job, timeout=300)
+    log = log_path.read_text()
+    assert state == "COMPLETED", log[-4000:]
+    assert slurm.job_field(job, "Restarts") == "2", log[-4000:]
+    assert re.search(r"srun: error: \S+: task 1: Killed", log), log[-4000:]
+
+    stopped, killed, finished = attempts_of(work / "runs")  # each: parts == allocation
+    assert (stopped["status"], stopped["last_step"]) == ("stopped", HELD_STOP_STEP)
+    assert killed["from_step"] == HELD_STOP_STEP and killed["status"] != "finished", killed
+    assert finished["status"] == "finished" and finished["from_step"] > HELD_STOP_STEP
+    # What the killed attempt did past the checkpoint the third resumed from is lost work.
+    assert finished["redone_steps"] == max(0, killed["last_step"] - finished["from_step"])
+    gaps = [later["start_unix"] - earlier["end_unix"]
+            for earlier, later in ((stopped, killed), (killed, finished))]  # fmt: skip
+    assert all(gap > 0 for gap in gaps), gaps
+    summary = read_summary(work / "runs")
+    assert summary["global_step"] == 400 and summary["resumed_from_step"] == finished["from_step"]
+    total = summary["time_account"]
+    assert (total["attempts"], total["attempts_unaccounted"]) == (3, 0)
+    assert total["queued_s"] == pytest.approx(sum(gaps), abs=1e-3)
+    assert total["redone_s"] > 0 or finished["redone_steps"] == 0
+
+
 def minutes_from_now(run_time: str, minutes: int) -> int:
     """A time limit (whole minutes) ``minutes`` beyond a job's RunTime ("[D-]HH:MM:SS")."""
     days, _, clock = run_time.rpartition("-")

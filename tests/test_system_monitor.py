@@ -24,8 +24,18 @@ import torch
 
 from hpc_ddp.runtime.config import resolve_config
 from hpc_ddp.runtime.errors import EXIT_STOPPED, HpcDdpError
-from hpc_ddp.runtime.monitor.nvml import gpu_number, gpu_source, read_gpu
-from hpc_ddp.runtime.monitor.system import IdleGpuAlarm, Place, gpu_text, system_metrics
+from hpc_ddp.runtime.monitor import system
+from hpc_ddp.runtime.monitor.nvml import GpuSource, gpu_number, gpu_source, read_gpu
+from hpc_ddp.runtime.monitor.system import (
+    IDLE_GPUS_METRIC,
+    IDLE_GPUS_TAG,
+    IDLE_GPUS_TAG_CHARS,
+    IdleGpuAlarm,
+    Place,
+    SystemMonitor,
+    gpu_text,
+    system_metrics,
+)
 from hpc_ddp.runtime.monitor.usage import (
     CPU_READ_EVERY_S,
     UNKNOWN,
@@ -258,6 +268,38 @@ def test_an_idle_gpu_is_named_once_and_counted_while_it_stays_idle() -> None:
     )
     assert "HINT:" in lines[0]
     assert alarm.observe([busy, idle], places) == (1, []), "said once"
+    assert alarm.named == "node1 GPU 1 (rank 1)", "the run's tag"
+    alarm.observe([idle, idle], places)
+    assert alarm.named == "node1 GPU 1 (rank 1), node1 GPU 0 (rank 0)"
+    many = [Place(f"node{n:03d}", "0") for n in range(100)]
+    alarm.observe([idle] * 100, many)
+    assert len(alarm.named) <= IDLE_GPUS_TAG_CHARS
+    assert re.search(r", node\d+ GPU 0 \(rank \d+\) and \d+ more$", alarm.named), alarm.named
+
+
+def test_the_idle_gpu_is_told_once_to_the_run_s_tag_and_the_stop(
+    one_rank: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0's monitor, its one GPU a stand-in (no GPU here): the interval that finds it idle
+    past the limit tags the run with it and asks for the stop, once."""
+    reading = GpuReading(1.0, 1000.0, 250.0, 60.0)
+    monkeypatch.setattr(system, "gpu_source", lambda _device: GpuSource(lambda: reading, "3", ""))
+    tags: list[tuple[str, str]] = []
+    stops: list[None] = []
+    settings = resolve_config(None, ["monitor.idle_after_s=60", "monitor.idle_stop=true"], {}, {})
+    monitor = SystemMonitor(
+        settings.monitor, torch.device("cpu"), "node1", None, True,
+        lambda: stops.append(None), lambda key, value: tags.append((key, value)),
+    )  # fmt: skip
+    try:
+        busy, idle = (0.0,) * 6 + (NAN,), (0.0,) * 6 + (120.0,)
+        assert monitor.metrics([busy])[IDLE_GPUS_METRIC] == 0.0
+        assert (tags, stops) == ([], [])
+        assert monitor.metrics([idle])[IDLE_GPUS_METRIC] == 1.0
+        assert monitor.metrics([idle])[IDLE_GPUS_METRIC] == 1.0, "still idle: counted"
+        assert tags == [(IDLE_GPUS_TAG, "node1 GPU 3 (rank 0)")] and stops == [None]
+    finally:
+        monitor.close()
 
 
 def test_without_a_gpu_or_nvml_no_reader_is_made_and_why_is_said(

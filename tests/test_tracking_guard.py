@@ -66,6 +66,9 @@ class RecordingStore:
     def log_text_artifact(self, name: str, text: str) -> None:
         self.record(("log_text_artifact", name))
 
+    def set_tag(self, key: str, value: str) -> None:
+        self.record(("set_tag", (key, value)))
+
     def finish(self, status: str, end_time_ms: int | None = None) -> None:
         self.answer.wait(30)
         self.ended_ms = end_time_ms

@@ -158,11 +158,14 @@ def test_bf16_and_three_ranks_with_workers(tmp_path: Path) -> None:
             "tracking.enabled=false",
             "optim.schedule=cosine",
             "optim.warmup_steps=3",
+            "monitor.tokens_per_sample=10",
         ],
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_summary(tmp_path)
     assert summary["world_size"] == 3 and summary["val_samples"] == 1001
+    # The run's rates (from its training time in ms: to 0.1 % on this second-long run).
+    assert summary["tokens_per_s"] == pytest.approx(10 * summary["samples_per_s"], rel=1e-3)
     assert math.isfinite(summary["val_loss"]) and summary["global_step"] == 12
     # The machine's side, recorded per host: the CPU and memory of 3 ranks and their
     # workers; on CPU no GPU metrics, said once.
@@ -180,7 +183,8 @@ def test_bf16_and_three_ranks_with_workers(tmp_path: Path) -> None:
     # model counted once on the meta device, so the TFLOP/s need no setting.
     intervals = [metrics for metrics in logged if "interval/samples_per_s" in metrics]
     for metrics in intervals:
-        for part in ("data_wait", "forward", "optimizer", "checkpoint", "evaluation"):
+        parts = ("data_wait", "forward", "optimizer", "stop_agreement", "checkpoint", "evaluation")
+        for part in parts:
             assert 0 <= metrics[f"interval/{part}_percent"] <= 100, metrics
         assert metrics["interval/forward_percent"] > 0
         assert metrics["interval/slowest_rank"] in (0.0, 1.0, 2.0)

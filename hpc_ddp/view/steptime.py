@@ -1,7 +1,8 @@
 """The step-time panel of `hpc-ddp plot`: where each log interval's time went, stacked to
-100 %: waiting for data, the forward, the wait for the gradients' all-reduce and the
-optimizer's steps (the ranks' means), checkpoint stalls and evaluation (rank 0's), and the
-rest of the step (the backward, and what of the step was not timed)."""
+100 %: waiting for data, the forward, the wait for the gradients' all-reduce, the
+optimizer's steps and the agreement on a stop (the ranks' means), checkpoint stalls and
+evaluation (rank 0's), and the rest of the step (the backward, and what of the step was not
+timed)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ RECORDED = (
     ("interval/forward_percent", "forward"),
     ("interval/gradient_sync_percent", "waiting for the gradients' all-reduce"),
     ("interval/optimizer_percent", "optimizer"),
+    ("interval/stop_agreement_percent", "agreeing on a stop"),
     ("interval/checkpoint_percent", "checkpoint stalls"),
     ("interval/evaluation_percent", "evaluation"),
 )

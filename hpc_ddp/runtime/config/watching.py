@@ -99,8 +99,10 @@ class MonitorConfig:
     )
     peak_tflops: float = setting(
         0.0,
-        "Peak TFLOP/s of one device, for the MFU. 0: a GPU's dense bf16 peak from the table "
-        "of common GPUs (none on CPU: only the TFLOP/s achieved is logged).",
+        "Peak TFLOP/s of one device, for the MFU. 0: a GPU's dense peak from the table of "
+        "common GPUs, for the format the wrapped model's training forward runs in "
+        "(autocast's, else its parameters'; bf16 where not known); none on CPU: only the "
+        "TFLOP/s achieved is logged.",
     )
     count_flops: bool = setting(
         True,
@@ -137,7 +139,8 @@ class MonitorConfig:
     idle_after_s: float = setting(
         900.0,
         "Seconds a GPU may stay idle before rank 0 names it (host, GPU, rank) in one "
-        "warning; system/idle_gpus counts the GPUs idle that long in each interval.",
+        "warning and the run's hpc_ddp.idle_gpus tag; system/idle_gpus counts the GPUs idle "
+        "that long in each interval.",
     )
     idle_stop: bool = setting(
         False,

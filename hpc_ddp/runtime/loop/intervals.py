@@ -32,9 +32,10 @@ from hpc_ddp.runtime.monitor.throughput import (
 )
 from hpc_ddp.runtime.monitor.usage import USAGE_FIELDS, from_slot, to_slot
 
-#: A rank's slot begins with its seconds waiting for data, in forward, in optimizer steps and
-#: waiting for the gradients' all-reduce; its machine's figures (:data:`USAGE_FIELDS`) follow.
-SLOT_TIMES = 4
+#: A rank's slot begins with its seconds waiting for data, in forward, in optimizer steps,
+#: waiting for the gradients' all-reduce and agreeing on a stop; its machine's figures
+#: (:data:`USAGE_FIELDS`) follow.
+SLOT_TIMES = 5
 
 
 def run_throughput(context: RunContext) -> Throughput:
@@ -54,7 +55,7 @@ def system_monitor(context: RunContext) -> SystemMonitor | None:
         return None
     return SystemMonitor(
         context.config.monitor, context.device, context.node, context.control_group,
-        context.env.is_main, context.signals.stop_without_requeue,
+        context.env.is_main, context.signals.stop_without_requeue, context.tracker.set_tag,
     )  # fmt: skip
 
 
@@ -62,7 +63,8 @@ def system_monitor(context: RunContext) -> SystemMonitor | None:
 class IntervalReport:
     """One log interval's metrics, summed across ranks in the background, followed by a
     slot per rank: its seconds of waiting for data, in its model's forward, in optimizer
-    steps and waiting for the gradients' all-reduce (:data:`SLOT_TIMES`), then (with the
+    steps, waiting for the gradients' all-reduce and agreeing on a stop
+    (:data:`SLOT_TIMES`), then (with the
     system monitor on) its figures in :data:`USAGE_FIELDS` order."""
 
     sums: PendingSums
@@ -222,7 +224,9 @@ class MetricLog:
         if self.context.env.is_main and not report.suspended_s:
             metrics.update(self._paces_of(report, rows))
         flops_per_s = counted_flops_per_s(report.flops, self.context.env.world_size, report.seconds)
-        rate, pace = rate_of(report, self.global_batch_size, self._throughput, flops_per_s)
+        steps_per_s = report.steps / max(1e-9, report.seconds)
+        dtype = self.context.forward.compute_dtype
+        rate, pace = self._throughput.rates(steps_per_s, self.global_batch_size, flops_per_s, dtype)
         metrics.update(pace)
         if self.system and self.context.env.is_main:
             system = self.system.metrics([from_slot(row[SLOT_TIMES:]) for row in rows])
@@ -246,6 +250,7 @@ class MetricLog:
             report.checkpoint_s,
             report.evaluation_s,
             timed_per_rank([float(row[3]) for row in rows]),
+            [float(row[4]) for row in rows],
         )
         hosts = [place.host for place in self.system.places] if self.system else None
         found, said = self._paces.read(times, self._loader_settings, hosts)
@@ -281,24 +286,6 @@ class MetricLog:
         carrier = self.context.env.is_main
         restore_sums(self.interval, saved["interval"], carrier=carrier)
         restore_sums(self.epoch, saved["epoch"], carrier=carrier)
-
-
-def rate_of(
-    report: IntervalReport, global_batch: int, worth: Throughput, counted_flops_per_s: float | None
-) -> tuple[str, dict[str, float]]:
-    """The interval's rate for the progress line, and its metrics: samples/s (with what
-    they are ``worth``: tokens/s, TFLOP/s, MFU) over a ``global_batch`` of known size, else
-    steps/s."""
-    steps_per_s = report.steps / max(1e-9, report.seconds)
-    if not global_batch:  # a user's batches of no known size
-        found = {"steps_per_s": steps_per_s, **worth.metrics(None, counted_flops_per_s)}
-        return f"{steps_per_s:,.2f} steps/s", {f"interval/{k}": v for k, v in found.items()}
-    samples_per_s = steps_per_s * global_batch
-    found = {"samples_per_s": samples_per_s, **worth.metrics(samples_per_s, counted_flops_per_s)}
-    rate = f"{samples_per_s:,.0f} samples/s"
-    if "tokens_per_s" in found:
-        rate += f", {found['tokens_per_s']:,.0f} tokens/s"
-    return rate, {f"interval/{name}": value for name, value in found.items()}
 
 
 def metric_text(values: dict[str, float]) -> str:

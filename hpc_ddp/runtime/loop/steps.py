@@ -204,7 +204,7 @@ class StepLoop:
             self._close_interval()
         stop, save_now = False, False
         if position.global_step % cadence.check_every == 0:
-            stop, save_now = self.stopper.decide()
+            stop, save_now = self.stopper.decide(self.metrics.timers.stop_agreement)
             self.metrics.progress.reach(position.global_step)
         if stop or self.stopper.rehearsal_due():
             self.stopper.stop()
@@ -250,8 +250,7 @@ class StepLoop:
     # -- ending ------------------------------------------------------------------------------
 
     def finish(self) -> dict[str, Any]:
-        """After the last step: the final checkpoint and replica check; what the run's
-        summary says of the loop."""
+        """After the last step: the final checkpoint, the replica check and the loop's summary."""
         self.metrics.publish()
         self.checkpointer.save("end of training")
         if self.position.last_checkpoint_step != self.position.global_step:

@@ -19,6 +19,7 @@ from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.checkpointer import Checkpointer
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
+from hpc_ddp.runtime.monitor.datawait import DataWait
 from hpc_ddp.runtime.monitor.timeline import this_process_start_unix
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.place.slurm import queue_job_id
@@ -100,17 +101,22 @@ class Stopper:
             )
             self._before_end.say_when()
 
-    def decide(self) -> tuple[bool, bool]:
+    def decide(self, stopwatch: DataWait | None = None) -> tuple[bool, bool]:
         """(stop, save now), the same on every rank: a stop signal on any rank, or rank 0
         seeing the job's end near, stops all; rank 0's clock decides a save by
-        ``checkpoint.every_minutes``."""
-        if self._agreement is None:
+        ``checkpoint.every_minutes``. ``stopwatch`` times the ranks' exchange alone (where a
+        rank waits for the slowest), not rank 0's reading of the job's end."""
+        agreement = self._agreement
+        if agreement is None:
             return False, False
         stop = self.context.signals.requested
         if not stop and self._before_end is not None and self._before_end.due():
             self.context.signals.rehearse()  # the warning signal's stop: requeue included
             stop = True
-        return self._agreement.exchange(stop, self._save_due())
+        save = self._save_due()
+        if stopwatch is None:
+            return agreement.exchange(stop, save)
+        return stopwatch.timed(lambda: agreement.exchange(stop, save))
 
     def _record_the_attempt(self) -> None:
         """Rank 0 records this attempt and where it resumed (the run's time account); in a

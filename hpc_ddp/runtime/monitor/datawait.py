@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: Intervals in a row above ``monitor.data_wait_percent`` before it is said (the first ones
 #: after start or after an epoch begins hold the workers' start).
@@ -20,7 +22,8 @@ INTERVALS_BEFORE_SAYING = 3
 
 
 class DataWait:
-    """This rank's seconds inside the loader's ``next`` since the last :meth:`take`."""
+    """This rank's seconds inside the loader's ``next`` (or another wait it times) since the
+    last :meth:`take`."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.seconds = 0.0
@@ -32,6 +35,14 @@ class DataWait:
         batch = next(batches, end)
         self.seconds += self._clock() - started
         return batch
+
+    def timed(self, call: Callable[[], T]) -> T:
+        """``call()``, timed (the ranks' agreement on a stop: a wait for the slowest)."""
+        started = self._clock()
+        try:
+            return call()
+        finally:
+            self.seconds += self._clock() - started
 
     def take(self) -> float:
         """The seconds waited since the last take (and start counting again)."""

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from hpc_ddp.runtime.logs import get_logger
+from hpc_ddp.runtime.monitor.throughput import ComputeDtype
 
 #: The hook tables of a module that are walked on the copy: hooks of torch's own (old-style
 #: weight_norm's, for one) are part of the model and stay; others (a script's, this
@@ -116,6 +117,58 @@ def training_flops(
             # weights and reentrant activation checkpointing.
             torch.stack([leaf.sum() for leaf in needing]).sum().backward()
     return int(counter.get_total_flops())
+
+
+def compute_dtype(
+    autocast_dtype: torch.dtype | None, parameter_dtype: torch.dtype | None, tf32: bool
+) -> ComputeDtype | None:
+    """The format a forward's matrix multiplies run in: autocast's where it is on
+    (``autocast_dtype``), else the parameters' (fp32 as TF32 where ``tf32`` allows it);
+    None where neither says (no floating-point parameter, or a format not in the table)."""
+    formats: dict[torch.dtype, ComputeDtype] = {
+        torch.bfloat16: "bf16", torch.float16: "fp16",
+        torch.float32: "tf32" if tf32 else "fp32",
+    }  # fmt: skip
+    chosen = autocast_dtype if autocast_dtype is not None else parameter_dtype
+    return formats.get(chosen) if chosen is not None else None
+
+
+def dtype_in_use(module: nn.Module, device_type: str) -> ComputeDtype | None:
+    """:func:`compute_dtype` of a forward of ``module`` starting now on ``device_type``:
+    autocast as the script has set it around the forward, the first floating-point
+    parameter, and whether its fp32 matrix multiplies (or, for a model with convolutions,
+    cuDNN's) may use TF32. None where torch cannot say (an older torch): the MFU then
+    assumes bf16, and the forward is never the worse for asking."""
+    try:
+        autocast = (
+            torch.get_autocast_dtype(device_type)
+            if torch.is_autocast_enabled(device_type)
+            else None
+        )
+        parameter = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+        tf32 = device_type == "cuda" and (
+            _tf32_allowed(torch.backends.cuda.matmul)
+            or (_has_convolutions(module) and _tf32_allowed(torch.backends.cudnn.conv))  # type: ignore[attr-defined]
+        )
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+    return compute_dtype(autocast, parameter, tf32)
+
+
+def _tf32_allowed(backend: Any) -> bool:
+    """Whether a backend (``torch.backends.cuda.matmul``, ``torch.backends.cudnn.conv``)
+    may compute fp32 as TF32: its ``fp32_precision`` (torch 2.9 and later; "none" leaves it
+    to the older switch), else ``allow_tf32`` (which raises once the new one is set)."""
+    precision = getattr(backend, "fp32_precision", "none")
+    if precision != "none":
+        return bool(precision == "tf32")
+    if backend is torch.backends.cuda.matmul:
+        return torch.get_float32_matmul_precision() != "highest"
+    return bool(torch.backends.cudnn.allow_tf32)
+
+
+def _has_convolutions(module: nn.Module) -> bool:
+    return any(isinstance(part, nn.modules.conv._ConvNd) for part in module.modules())
 
 
 def flop_text(flops: float) -> str:

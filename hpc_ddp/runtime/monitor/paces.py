@@ -96,7 +96,9 @@ STRAGGLER_METRICS = ("slowest_rank", "slowest_rank_ratio")
 
 #: The interval's parts (as ``interval/<part>_percent``) besides the data wait, in the order
 #: a step's time passes; what they leave of 100 % is the rest of the step.
-STEP_TIME_PARTS = ("forward", "gradient_sync", "optimizer", "checkpoint", "evaluation")
+STEP_TIME_PARTS = (
+    "forward", "gradient_sync", "optimizer", "stop_agreement", "checkpoint", "evaluation",
+)  # fmt: skip
 
 #: A rank's seconds in its slot for a part it did not time in the interval (no optimizer
 #: step taken, no gradient all-reduce timed).
@@ -115,8 +117,8 @@ def timed_per_rank(per_rank: Sequence[float]) -> list[float] | None:
 @dataclass(frozen=True)
 class RankTimes:
     """One interval as rank 0 sees it: its length, each rank's seconds waiting for data, in
-    forward, waiting for the gradients' all-reduce and in optimizer steps (None: not timed),
-    rank 0's seconds in checkpoint stalls and evaluation."""
+    forward, waiting for the gradients' all-reduce, in optimizer steps and agreeing on a
+    stop (None: not timed), rank 0's seconds in checkpoint stalls and evaluation."""
 
     seconds: float
     data_wait_s: Sequence[float] | None
@@ -125,18 +127,21 @@ class RankTimes:
     checkpoint_s: float
     evaluation_s: float
     gradient_sync_s: Sequence[float] | None = None
+    #: Each rank's seconds agreeing on a stop (a wait for the slowest rank at each check).
+    stop_agreement_s: Sequence[float] | None = None
 
 
 def step_time_percent(times: RankTimes) -> dict[str, float]:
     """``<part>_percent`` of :data:`STEP_TIME_PARTS` (without ``interval/``): forward, the
-    gradients' all-reduce and optimizer as the ranks' mean shares, checkpoints and evaluation
-    as rank 0's, each at most 100."""
+    gradients' all-reduce, optimizer and the stop agreement as the ranks' mean shares,
+    checkpoints and evaluation as rank 0's, each at most 100."""
     length = max(times.seconds, 1e-9)
     found = {}
     for part, per_rank in (
         ("forward", times.forward_s),
         ("gradient_sync", times.gradient_sync_s),
         ("optimizer", times.optimizer_s),
+        ("stop_agreement", times.stop_agreement_s),
     ):
         if per_rank:
             mean = sum(per_rank) / len(per_rank)

@@ -109,14 +109,18 @@ class StepTimers:
         self, forward: ForwardMeter, gradient_sync: GradientSyncMeter, device: torch.device
     ) -> None:
         self.data_wait = DataWait()
+        #: The ranks' agreement on a stop (each check's exchange, where a rank waits for
+        #: the slowest to reach the step).
+        self.stop_agreement = DataWait()
         self.forward = forward
         self.gradient_sync = gradient_sync
         self.optimizer = OptimizerMeter(device)
         self.optimizer.attach()
 
-    def take(self) -> tuple[tuple[float, float, float, float], ForwardTake]:
+    def take(self) -> tuple[tuple[float, float, float, float, float], ForwardTake]:
         """The seconds since the last take, in slot order (data wait, forward, optimizer,
-        gradient sync; :data:`NOT_TIMED` for a part not timed), and the forward's take."""
+        gradient sync, stop agreement; :data:`NOT_TIMED` for a part not timed), and the
+        forward's take."""
         forward = self.forward.take()
         optimizer, sync = self.optimizer.take(), self.gradient_sync.take()
         seconds = (
@@ -124,6 +128,7 @@ class StepTimers:
             forward.seconds,
             NOT_TIMED if optimizer is None else optimizer,
             NOT_TIMED if sync is None else sync,
+            self.stop_agreement.take(),
         )
         return seconds, forward
 

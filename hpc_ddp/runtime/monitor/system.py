@@ -19,6 +19,11 @@ from hpc_ddp.runtime.place.dist import gather_object_to_main
 
 #: The metric counting the job's GPUs idle for longer than ``monitor.idle_after_s``.
 IDLE_GPUS_METRIC = "system/idle_gpus"
+#: The run's tag naming each GPU of the job found idle that long ("node1 GPU 1 (rank 1), ...").
+IDLE_GPUS_TAG = "hpc_ddp.idle_gpus"
+#: The longest value of that tag: the GPUs beyond are counted, not named (MLflow takes a few
+#: thousand characters a tag).
+IDLE_GPUS_TAG_CHARS = 1000
 #: Metric names per GPU, from the slot's fields.
 GPU_METRICS = {
     "gpu_utilization_percent": "utilization_percent",
@@ -86,7 +91,19 @@ class IdleGpuAlarm:
 
     def __init__(self, idle_percent: float, idle_after_s: float) -> None:
         self.idle_percent, self.idle_after_s = idle_percent, idle_after_s
-        self.said: set[Place] = set()
+        #: Each GPU named so far, in the order they were, as "node1 GPU 1 (rank 1)".
+        self.said: dict[Place, str] = {}
+
+    @property
+    def named(self) -> str:
+        """Every GPU named so far, for the run's tag ("" for none); past
+        :data:`IDLE_GPUS_TAG_CHARS`, the rest counted ("... and 40 more")."""
+        names = list(self.said.values())
+        shown = 0
+        while shown < len(names) and len(", ".join(names[: shown + 1])) <= IDLE_GPUS_TAG_CHARS - 20:
+            shown += 1
+        more = f" and {len(names) - shown} more" if shown < len(names) else ""
+        return ", ".join(names[:shown]) + more
 
     def observe(
         self, rows: Sequence[Sequence[float]], places: Sequence[Place]
@@ -101,7 +118,7 @@ class IdleGpuAlarm:
         lines = []
         for place, (rank, seconds) in idle.items():
             if place not in self.said:
-                self.said.add(place)
+                self.said[place] = f"{place.host} GPU {place.gpu} (rank {rank})"
                 lines.append(
                     f"GPU {place.gpu} on {place.host} (rank {rank}) has been below "
                     f"monitor.idle_gpu_percent={self.idle_percent:g}% for {seconds / 60:.0f} "
@@ -124,6 +141,7 @@ class SystemMonitor:
         group: Any,
         main: bool,
         stop: Callable[[], None],
+        tag: Callable[[str, str], None],
     ) -> None:
         source = gpu_source(device)
         self.sampler = UsageSampler(settings.every_s, settings.idle_gpu_percent, source.read)
@@ -132,6 +150,8 @@ class SystemMonitor:
         self.alarm = IdleGpuAlarm(settings.idle_gpu_percent, settings.idle_after_s)
         #: Called once a GPU is idle past the limit, with monitor.idle_stop (None: not asked).
         self.stop = stop if settings.idle_stop else None
+        #: Tags the run (its tracker's set_tag) with the GPUs found idle.
+        self.tag = tag
         if main and source.read is None:
             get_logger().info(
                 f"monitor: each host's CPU and memory are recorded; no GPU metrics ({source.why})"
@@ -145,13 +165,16 @@ class SystemMonitor:
 
     def metrics(self, rows: Sequence[Sequence[float]]) -> dict[str, float]:
         """Rank 0: the interval's ``system/`` metrics; a GPU idle past the limit is warned of
-        once and counted in ``system/idle_gpus``."""
+        once, named in the run's ``hpc_ddp.idle_gpus`` tag and counted in
+        ``system/idle_gpus``."""
         metrics = system_metrics(rows, self.places)
         if any(place.gpu is not None for place in self.places):
             idle, lines = self.alarm.observe(rows, self.places)
             metrics[IDLE_GPUS_METRIC] = float(idle)
             for line in lines:
                 get_logger().warning(line)
+            if lines:
+                self.tag(IDLE_GPUS_TAG, self.alarm.named)
             if lines and self.stop is not None:
                 get_logger().warning(
                     "monitor.idle_stop=true: stopping the run with a checkpoint at the ranks' "

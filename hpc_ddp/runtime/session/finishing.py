@@ -20,6 +20,7 @@ from hpc_ddp.runtime.errors import AlreadyFinished
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.replicas import weights_sha256
+from hpc_ddp.runtime.monitor.throughput import run_tokens_per_s
 from hpc_ddp.runtime.monitor.timeline import durations, process_resources, rank_spread
 from hpc_ddp.runtime.preempt.lost_rank import withdraw_handoff
 from hpc_ddp.runtime.preempt.progress import forget_attempt
@@ -51,6 +52,11 @@ def run_facts(
         "device": str(context.device),
         "backend": context.plan.device.backend,
         **loop_facts,
+        "tokens_per_s": run_tokens_per_s(
+            loop_facts.get("samples_seen"),
+            loop_facts.get("train_time_s", 0.0),
+            context.config.monitor.tokens_per_sample,
+        ),
         "wall_time_s": round(time.perf_counter() - started, 3),
         "weights_sha256": _weights_sha256(context, models),
         "torch_threads": torch.get_num_threads(),

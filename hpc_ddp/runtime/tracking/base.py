@@ -37,6 +37,9 @@ class Tracker(Protocol):
 
     def log_text_artifact(self, name: str, text: str) -> None: ...
 
+    def set_tag(self, key: str, value: str) -> None:
+        """Tag the run (a finding made while it trains, such as an idle GPU)."""
+
     def finish(self, status: str) -> None: ...
 
     def suspend(self) -> None: ...
@@ -71,6 +74,9 @@ class NullTracker:
         pass
 
     def log_text_artifact(self, name: str, text: str) -> None:
+        pass
+
+    def set_tag(self, key: str, value: str) -> None:
         pass
 
     def finish(self, status: str) -> None:

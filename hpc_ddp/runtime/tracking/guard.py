@@ -271,6 +271,9 @@ class GuardedTracker:
     def log_text_artifact(self, name: str, text: str) -> None:
         self._submit(f"storing {name}", "log_text_artifact", name, text)
 
+    def set_tag(self, key: str, value: str) -> None:
+        self._submit(f"tagging the run {key}", "set_tag", key, value)
+
     def finish(self, status: str) -> None:
         # The run ends now, not when the background thread and MLflow get to it.
         self._submit("ending the run", "finish", status, int(time.time() * 1000))

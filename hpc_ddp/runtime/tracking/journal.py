@@ -233,6 +233,9 @@ class JournalTracker:
     def log_text_artifact(self, name: str, text: str) -> None:
         self._hand_on(lambda: self._inner.log_text_artifact(name, text))
 
+    def set_tag(self, key: str, value: str) -> None:
+        self._hand_on(lambda: self._inner.set_tag(key, value))
+
     def finish(self, status: str) -> None:
         self._write_status(END_STATES.get(status, status.lower()))
         self._end_inner(lambda: self._inner.finish(status))

@@ -138,6 +138,9 @@ class MlflowTracker:
     def log_text_artifact(self, name: str, text: str) -> None:
         self._client.log_text(self._run, text, name)
 
+    def set_tag(self, key: str, value: str) -> None:
+        self._client.set_tag(self._run, key, value)
+
     def finish(self, status: str, end_time_ms: int | None = None) -> None:
         """End the run: FINISHED, FAILED or KILLED (stopped and not requeued), at
         ``end_time_ms`` (Unix ms; default now)."""

@@ -188,6 +188,9 @@ class WorkerTracker:
     def log_text_artifact(self, name: str, text: str) -> None:
         self._call("log_text_artifact", name, text)
 
+    def set_tag(self, key: str, value: str) -> None:
+        self._call("set_tag", key, value)
+
     def finish(self, status: str, end_time_ms: int | None = None) -> None:
         try:
             self._call("finish", status, end_time_ms)

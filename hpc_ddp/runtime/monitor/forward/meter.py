@@ -20,6 +20,7 @@ from hpc_ddp.runtime.monitor.forward.timed import (
     TimedForward,
     release_copies,
 )
+from hpc_ddp.runtime.monitor.throughput import ComputeDtype
 
 
 class ForwardTake(NamedTuple):
@@ -97,6 +98,12 @@ class ForwardMeter:
             timed.remove()
         self._timed = []  # the meter keeps no model alive
         release_copies()
+
+    @property
+    def compute_dtype(self) -> ComputeDtype | None:
+        """The format the first timed model's training forward ran in (autocast's, else its
+        parameters'), for the MFU's peak; None before one ran."""
+        return next((timed.dtype for timed in self._timed if timed.dtype), None)
 
     def flops_of(self, module: nn.Module) -> float | None:
         """The FLOPs counted for a training forward of ``module`` and its backward (None:

@@ -13,6 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hpc_ddp.runtime.monitor.flops import dtype_in_use
+from hpc_ddp.runtime.monitor.throughput import ComputeDtype
+
 #: CUDA event pairs kept unread at most (a script that wraps a model and never closes a
 #: log interval): past it the oldest are read or dropped.
 MOST_EVENTS = 4096
@@ -137,6 +140,10 @@ class TimedForward:
             module, tally, clock, cuda, count
         )  # fmt: skip
         self.flops: Any = NOT_YET if count is not None else None
+        #: The format of its first training forward's matrix multiplies (None: not seen yet,
+        #: or not one the peak table has).
+        self.dtype: ComputeDtype | None = None
+        self._dtype_seen = False
         function = getattr(self.call, "__func__", None)
         if function is not None:
             self.__func__ = functools.wraps(function)(self._function_of(function))
@@ -166,6 +173,9 @@ class TimedForward:
                 return self.call(*args, **kwargs)
             finally:
                 tally.depth -= 1
+        if not self._dtype_seen:
+            self._dtype_seen = True
+            self.dtype = dtype_in_use(self.module, "cuda" if self.cuda else "cpu")
         flops = self.flops
         if flops is NOT_YET:
             flops = self.flops = self.count(self.module, args, kwargs)  # type: ignore[misc]
