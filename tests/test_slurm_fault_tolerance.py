@@ -211,7 +211,6 @@ def test_preemption_requeues_resumes_exactly_in_one_mlflow_run(
     assert total["queued_s"] == pytest.approx(queued, abs=1e-3) and queued > 0
 
 
-@pytest.mark.slow
 def test_a_job_preempted_then_losing_a_rank_accounts_for_its_three_attempts(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
