@@ -20,15 +20,18 @@ _DENSE = ("fp32", "tf32", "bf16", "fp16", "fp8")
 #: whole words of the name torch.cuda.get_device_name gives ("NVIDIA A100-SXM4-80GB" is an
 #: A100, "NVIDIA RTX A1000" is not): the first match wins, so a longer name comes before a
 #: name it begins with. A GPU without TF32 (V100) multiplies fp32 as fp32.
+#: Hopper's figures, the same for the SXM parts (H100, H200, GH200) and for the NVL cards.
+_HOPPER_SXM = (67.0, 494.0, 989.0, 989.0, 1979.0)
+_HOPPER_NVL = (60.0, 418.0, 835.0, 835.0, 1671.0)
 PEAK_TFLOPS: tuple[tuple[str, Mapping[str, float]], ...] = tuple(
     (part, {dtype: peak for dtype, peak in zip(_DENSE, peaks, strict=True) if peak})
     for part, peaks in (
-        ("GH200", (67.0, 494.0, 989.0, 989.0, 1979.0)),
-        ("H200 NVL", (60.0, 418.0, 835.0, 835.0, 1671.0)),
-        ("H200", (67.0, 494.0, 989.0, 989.0, 1979.0)),
-        ("H100 NVL", (60.0, 418.0, 835.0, 835.0, 1671.0)),
+        ("GH200", _HOPPER_SXM),
+        ("H200 NVL", _HOPPER_NVL),
+        ("H200", _HOPPER_SXM),
+        ("H100 NVL", _HOPPER_NVL),
         ("H100 PCIe", (51.0, 378.0, 756.0, 756.0, 1513.0)),
-        ("H100", (67.0, 494.0, 989.0, 989.0, 1979.0)),
+        ("H100", _HOPPER_SXM),
         ("A100", (19.5, 156.0, 312.0, 312.0, 0.0)),
         ("A10", (31.2, 62.5, 125.0, 125.0, 0.0)),
         ("L40S", (91.6, 183.0, 362.0, 362.0, 733.0)),
