@@ -102,6 +102,22 @@ class SlurmCluster:
             f"job {job_id} did not finish within {timeout:.0f} s (state {self.state(job_id)})"
         )
 
+    def job_starts(self, job_id: str, count: int, timeout: float = 60) -> list[float]:
+        """When the job started each time (Unix; one start a requeue), from Slurm's
+        accounting once it lists ``count`` of them (its records arrive after the job's)."""
+        deadline = time.monotonic() + timeout
+        command = ["sacct", "--duplicates", "--allocations", "--noheader", "--parsable2",
+                   "--jobs", job_id, "--format", "Start"]  # fmt: skip
+        starts: list[str] = []
+        while time.monotonic() < deadline:
+            result = self.run(command, REPO, timeout=20, SLURM_TIME_FORMAT="%s")
+            starts = [line for line in result.stdout.split() if line.isdigit()]
+            if len(starts) >= count:
+                return [float(start) for start in starts]
+            time.sleep(0.5)
+        pytest.fail(f"Slurm's accounting listed {len(starts)} of job {job_id}'s {count} starts "
+                    f"within {timeout:.0f} s: {starts}")  # fmt: skip
+
     def wait_for_log(self, path: Path, pattern: str, timeout: float = 120, since: int = 0) -> str:
         """The log once ``pattern`` appears in it after its first ``since`` characters."""
         deadline = time.monotonic() + timeout

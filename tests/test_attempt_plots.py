@@ -18,9 +18,10 @@ from matplotlib.image import imread
 from hpc_ddp.cli import main
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.monitor.account import PARTS, AttemptTimes, attempt_account, unsplit_account
+from hpc_ddp.view.attempt_marks import HEADROOM, mark_attempts, resume_steps
 from hpc_ddp.view.goodput import DRAWN, PART_COLOURS, attempt_bars, plot_goodput
 from hpc_ddp.view.machines import broken_at, draw_usage
-from hpc_ddp.view.plot import mark_attempts, plot_run, resume_steps
+from hpc_ddp.view.plot import plot_run
 from hpc_ddp.view.runs import load_run
 from tests.helpers import HandClock
 
@@ -201,3 +202,27 @@ def test_a_machines_line_is_broken_where_another_attempt_took_over() -> None:
     (line,) = axes.lines
     heights = np.asarray(line.get_ydata(), dtype=float)
     assert bool(np.isnan(heights[2])), "the line stops at step 25 and starts again"
+
+
+def test_the_machines_and_step_time_readings_stay_below_the_attempts_names(tmp_path: Path) -> None:
+    """A host's CPU near 200 % in attempt 2 was drawn on the panel's top edge, under the
+    frame and the name "attempt 2": every reading must sit below the band kept for the names."""
+    run_dir = run_with(tmp_path, three_attempts())
+    points = [
+        {"step": step, "global_step": step, "epoch": 0, "time": 1000.0 + step,
+         "metrics": {"system/node1/cpu_percent": 186.8 if step <= 100 else 194.1,
+                     "interval/data_wait_percent": 10.0, "interval/forward_percent": 30.0,
+                     "interval/checkpoint_percent": 1.0}}
+        for step in range(10, 241, 10)
+    ]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(p) + "\n" for p in points))
+    run = load_run(run_dir)
+    assert run is not None
+    figure = plot_run(run)
+    assert [axes.get_title() for axes in figure.axes] == [
+        "CPU of each host (%, 100 = one core)", "where each interval's time went (%)"
+    ]  # fmt: skip
+    for axes, highest in zip(figure.axes, (194.1, 100.0), strict=True):
+        bottom, top = axes.get_ylim()
+        assert bottom == 0 and highest <= (1 - HEADROOM) * top + 1e-9, axes.get_title()
+        assert [text.get_text() for text in axes.texts] == [" attempts 2, 3"]

@@ -216,9 +216,10 @@ def test_a_job_preempted_then_losing_a_rank_accounts_for_its_three_attempts(
 ) -> None:
     """Preempted (USR1 while the ranks hold at step 60), requeued, then rank 1 of the second
     attempt killed outright (SIGKILL) after that attempt's first checkpoint, left out with
-    its node and requeued: the run's record has three attempts, each one's parts adding up
-    to its allocation, the steps the killed attempt took past its checkpoint charged to the
-    third as redone, and the time the job waited in the queue between them."""
+    its node and requeued: the run's record has three attempts, each one charged from
+    Slurm's start of it and its parts adding up to its allocation, the steps the killed
+    attempt took past its checkpoint charged to the third as redone, and the time the job
+    waited in the queue between them."""
     work = prepare_workdir(tmp_path / "slurm")
     factory = ["model.kind=custom", "model.factory=tests.factories:held_then_rank1_killed"]
     job = slurm.sbatch(
@@ -243,6 +244,9 @@ def test_a_job_preempted_then_losing_a_rank_accounts_for_its_three_attempts(
     assert finished["status"] == "finished" and finished["from_step"] > HELD_STOP_STEP
     # What the killed attempt did past the checkpoint the third resumed from is lost work.
     assert finished["redone_steps"] == max(0, killed["last_step"] - finished["from_step"])
+    # The batch script before srun holds the allocation too (Slurm 22.05 here: from squeue).
+    slurm_starts = slurm.job_starts(job, 3)
+    assert [attempt["start_unix"] for attempt in (stopped, killed, finished)] == slurm_starts
     gaps = [later["start_unix"] - earlier["end_unix"]
             for earlier, later in ((stopped, killed), (killed, finished))]  # fmt: skip
     assert all(gap > 0 for gap in gaps), gaps

@@ -19,6 +19,7 @@ from hpc_ddp.runtime.monitor.account import (
     redone_steps,
     run_account,
 )
+from hpc_ddp.runtime.monitor.timeline import mark_allocation_start, slurm_job_start_unix
 from hpc_ddp.runtime.preempt.progress import (
     end_attempt,
     forget_attempt,
@@ -68,6 +69,49 @@ def test_an_attempts_parts_add_up_to_its_allocation_and_redone_steps_are_not_goo
         "100.0 s: startup 10.0, resume 2.0, steps 45.0, redone 15.0, checkpoint 4.0, "
         "evaluation 6.0, stop 0.0, end 0.0, other 18.0; goodput 45%"
     )
+
+
+def test_an_attempt_in_the_job_s_first_step_is_charged_from_slurm_s_start_of_the_job() -> None:
+    """The batch script before ``srun`` (modules, environments, data staging) holds the
+    allocation too: the start-up runs from the job's start, not from the process's."""
+    timeline = {"allocation_start_unix": 970.0, "process_start_unix": 1000.0,
+                "entry_unix": 1003.0, "training_unix": 1012.0}  # fmt: skip
+    account = attempt_account(timeline, 1100.0, AttemptTimes(steps_s=60.0), 60, 0)
+    assert (account["allocation_s"], account["startup_s"]) == (130.0, 42.0)
+    del timeline["allocation_start_unix"]
+    account = attempt_account(timeline, 1100.0, AttemptTimes(steps_s=60.0), 60, 0)
+    assert (account["allocation_s"], account["startup_s"]) == (100.0, 12.0)
+
+
+def test_the_job_s_start_is_slurm_s_only_where_all_of_the_job_so_far_was_this_attempt() -> None:
+    asked: list[str] = []
+
+    def squeue(job: str) -> float | None:
+        asked.append(job)
+        return 900.0
+
+    step = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0"}
+    assert slurm_job_start_unix({**step, "SLURM_JOB_START_TIME": "950"}, 0, squeue) == 950.0
+    assert asked == [], "Slurm 23.02 and later say it: squeue is not asked"
+    assert slurm_job_start_unix(step, 0, squeue) == 900.0 and asked == ["41"]
+    array_task = {**step, "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3"}
+    assert slurm_job_start_unix(array_task, 0, squeue) == 900.0 and asked[-1] == "40_3"
+    asked.clear()
+    assert slurm_job_start_unix({"SLURM_JOB_ID": "41"}, 0, squeue) is None, "the batch step"
+    assert slurm_job_start_unix({**step, "SLURM_STEP_ID": "1"}, 0, squeue) is None, "a later step"
+    assert slurm_job_start_unix(step, 1, squeue) is None, "torchrun restarted the workers"
+    assert slurm_job_start_unix({"SLURM_STEP_ID": "0"}, 0, squeue) is None, "not Slurm"
+    assert asked == []
+
+
+def test_a_job_start_after_the_process_start_is_another_clock_and_left_out() -> None:
+    timeline = {"process_start_unix": 1000.0, "entry_unix": 1003.0}
+    mark_allocation_start(timeline, 1001.0)
+    assert "allocation_start_unix" not in timeline
+    mark_allocation_start(timeline, None)
+    assert "allocation_start_unix" not in timeline
+    mark_allocation_start(timeline, 990.0)
+    assert timeline["allocation_start_unix"] == 990.0
 
 
 def test_a_stop_agreed_inside_the_steps_is_the_stop_less_its_checkpoint() -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.tracking.record import read_metrics
+from hpc_ddp.view.attempt_marks import with_headroom
 
 Series = dict[str, tuple[list[float], list[float]]]
 
@@ -58,7 +59,8 @@ def draw_usage(axes: Any, title: str, series: Series, breaks: Sequence[int] = ()
         dots = 3 if len(steps) > 2 else 8  # a reading or two must still be seen
         axes.plot(*broken_at(steps, values, breaks), ".-", markersize=dots, linewidth=1,
                   label=label)  # fmt: skip
-    axes.set_ylim(bottom=0)
+    readings = (value for _, values in series.values() for value in values)
+    axes.set_ylim(0, with_headroom(max(filter(math.isfinite, readings), default=0.0)))
     axes.set_title(title)
     axes.set_xlabel("step")
     axes.grid(alpha=0.3)

@@ -6,9 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.monitor.account import is_number
-from hpc_ddp.runtime.preempt.progress import read_attempts
 from hpc_ddp.runtime.tracking.record import read_metrics
+from hpc_ddp.view.attempt_marks import mark_attempts, resume_steps
 from hpc_ddp.view.machines import draw_usage, usage_series
 from hpc_ddp.view.runs import HELD_OUT, RunView, metric_kind
 from hpc_ddp.view.steptime import draw_step_time, step_time_series
@@ -66,40 +65,6 @@ def base_name(label: str) -> str:
         for separator in ("_", "/"):
             name = name.removeprefix(split + separator)
     return name
-
-
-def resume_steps(run_dir: Path) -> list[tuple[int, int]]:
-    """(attempt number, step it resumed from) of every attempt after the first."""
-    attempts = read_attempts(run_dir)
-    return [
-        (number, attempt["from_step"])
-        for number, attempt in enumerate(attempts, 1)
-        if number > 1 and is_number(attempt["from_step"]) and isinstance(attempt["from_step"], int)
-    ]
-
-
-def mark_attempts(axes: Any, resumes: list[tuple[int, int]]) -> None:
-    """A dotted line where later attempts took over, named at the top of the panel (one
-    line for attempts that resumed from the same step: a crash before the next checkpoint).
-    The panel's step range reaches every line; a name near its right edge sits to its left."""
-    at_step: dict[int, list[int]] = {}
-    for number, step in resumes:
-        at_step.setdefault(step, []).append(number)
-    if not at_step:
-        return
-    left, right = axes.get_xlim()
-    left, right = min(left, *at_step), max(right, *at_step)
-    axes.set_xlim(left, right)
-    for step, numbers in at_step.items():
-        plural = "s" if len(numbers) > 1 else ""
-        named = f"attempt{plural} {', '.join(map(str, numbers))}"
-        near_right = step > left + 0.8 * (right - left)
-        axes.axvline(step, color="0.45", linestyle=":", linewidth=1, zorder=1)
-        axes.text(
-            step, 0.99, f"{named} " if near_right else f" {named}",
-            transform=axes.get_xaxis_transform(), fontsize="x-small", color="0.35", va="top",
-            ha="right" if near_right else "left",
-        )  # fmt: skip
 
 
 def plot_run(run: RunView) -> Any:

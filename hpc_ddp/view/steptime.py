@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hpc_ddp.runtime.tracking.record import read_metrics
+from hpc_ddp.view.attempt_marks import with_headroom
 
 #: The recorded parts, bottom to top, with their labels; the rest of the step (the
 #: backward) goes between the forward and the wait for the gradients.
@@ -104,7 +105,8 @@ def draw_step_time(
         axes.bar(starts, values, widths, below, align="edge", color=f"C{index}", alpha=0.85,
                  linewidth=0, label=label)  # fmt: skip
         below = [base + value for base, value in zip(below, values, strict=True)]
-    axes.set_ylim(0, 100)
+    axes.set_ylim(0, with_headroom(100.0))
+    axes.set_yticks(range(0, 101, 20))
     axes.set_xlim(0, max(steps))
     axes.set_title("where each interval's time went (%)")
     axes.set_xlabel("step")

@@ -68,6 +68,9 @@ class RunContext:
     gradient_sync: GradientSyncMeter = field(
         default_factory=lambda: GradientSyncMeter(torch.device("cpu"))
     )
+    #: When this attempt's allocation began (its job's start or its process's): the
+    #: start a later attempt charges it from if it is killed outright.
+    attempt_start_unix: float = field(default_factory=time.time)
     #: Names this attempt's entry in the run's attempts.json.
     attempt_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     _failure_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)

@@ -20,7 +20,6 @@ from hpc_ddp.runtime.loop.checkpointer import Checkpointer
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.monitor.datawait import DataWait
-from hpc_ddp.runtime.monitor.timeline import this_process_start_unix
 from hpc_ddp.runtime.place.dist import broadcast_object
 from hpc_ddp.runtime.place.slurm import queue_job_id
 from hpc_ddp.runtime.preempt.job_end import StopBeforeEnd, job_end_for
@@ -128,7 +127,7 @@ class Stopper:
             start_step = self.position.resumed_from_step or 0
             attempts = record_attempt(
                 context.run_dir, job, context.env.restart_count, start_step, context.attempt_id,
-                this_process_start_unix() or time.time(), context.env.world_size,
+                context.attempt_start_unix, context.env.world_size,
             )  # fmt: skip
             limit = context.config.preempt.max_attempts_without_progress
             refusal = no_progress_refusal(attempts, limit)

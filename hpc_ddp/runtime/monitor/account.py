@@ -188,11 +188,11 @@ def attempt_account(
     reading: EndingReading | None = None,
 ) -> dict[str, float]:
     """One attempt's seconds per part (:data:`PARTS`, as ``<part>_s``), its allocation and
-    goodput (%). ``timeline``: the attempt's marks (process_start_unix or entry_unix, and
-    training_unix once it trained); ``steps_taken``: optimizer steps in this attempt, of
+    goodput (%). ``timeline``: the attempt's marks (its start, :func:`attempt_start_unix`,
+    and training_unix once it trained); ``steps_taken``: optimizer steps in this attempt, of
     which ``steps_redone`` were taken before; ``reading``: ``times.reading()`` taken before
     ``end_unix`` (now, when not given)."""
-    start = timeline.get("process_start_unix", timeline.get("entry_unix", end_unix))
+    start = attempt_start_unix(timeline, end_unix)
     allocation = max(0.0, end_unix - start)
     training = timeline.get("training_unix", end_unix)
     redone = times.steps_s * steps_redone / steps_taken if steps_taken else 0.0
@@ -219,6 +219,15 @@ def attempt_account(
         "allocation_s": round(allocation, 3),
         "goodput_percent": goodput_percent(parts["steps_s"], allocation),
     }
+
+
+def attempt_start_unix(timeline: Mapping[str, float], default: float) -> float:
+    """When the attempt's allocation began: the job's start where Slurm's is this attempt's,
+    else its process's start, else the toolkit's entry (``default`` with none of them)."""
+    for mark in ("allocation_start_unix", "process_start_unix", "entry_unix"):
+        if mark in timeline:
+            return timeline[mark]
+    return default
 
 
 def goodput_percent(steps_s: float, allocation_s: float) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hpc_ddp.runtime.place.dist import several_ranks
+from hpc_ddp.runtime.place.slurm import queue_job_id
 
 #: The marks, in the order a rank passes them (the trainer's or script's own work between
 #: ``started`` and ``training``: data, model, optimizer).
@@ -55,6 +56,24 @@ def this_process_start_unix() -> float | None:
         return None
 
 
+def slurm_job_start_unix(
+    environ: Mapping[str, str], restart_count: int, ask: Callable[[str], float | None]
+) -> float | None:
+    """When Slurm started the job this attempt runs in, where all of the job so far was this
+    run's: in the job's first ``srun`` step (SLURM_STEP_ID 0: ``slurm/train.sh``, the
+    torchrun template, submitit) and torchrun's first start of its workers. From
+    SLURM_JOB_START_TIME (Slurm 23.02 and later), else ``ask(job)`` (squeue). None outside
+    Slurm, in the batch script's own step, in a later step (the job ran something else
+    first) and after a restart (the time before it was an earlier attempt's)."""
+    job = queue_job_id(environ)
+    if job is None or environ.get("SLURM_STEP_ID", "").strip() != "0" or restart_count:
+        return None
+    given = environ.get("SLURM_JOB_START_TIME", "").strip()
+    if given.isdigit() and int(given) > 0:
+        return float(given)
+    return ask(job)
+
+
 def new_timeline(entry_unix: float) -> dict[str, float]:
     """The marks known when the toolkit starts: the process start and ``entry``."""
     started = this_process_start_unix()
@@ -62,6 +81,15 @@ def new_timeline(entry_unix: float) -> dict[str, float]:
     if started is not None and started <= entry_unix:
         timeline["process_start_unix"] = started
     return timeline
+
+
+def mark_allocation_start(timeline: dict[str, float], job_start_unix: float | None) -> None:
+    """Record where the attempt's allocation began before its process
+    (:func:`slurm_job_start_unix`); a start after the process's (another host's clock
+    running ahead) is left out."""
+    first = timeline.get("process_start_unix", timeline["entry_unix"])
+    if job_start_unix is not None and job_start_unix <= first:
+        timeline["allocation_start_unix"] = job_start_unix
 
 
 def mark(timeline: dict[str, float], name: str) -> None:

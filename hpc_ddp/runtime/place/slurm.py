@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -196,19 +197,36 @@ def queue_job_id(environ: Mapping[str, str]) -> str | None:
     return environ.get("SLURM_JOB_ID")
 
 
-def ask_slurm(words: Sequence[str], timeout_s: float) -> SlurmAnswer:
-    """Run a Slurm client (``words[0]``: scontrol, squeue) for at most ``timeout_s``; a missing
-    client or a timeout is a failure, not an exception."""
+def ask_slurm(
+    words: Sequence[str], timeout_s: float, environ: Mapping[str, str] | None = None
+) -> SlurmAnswer:
+    """Run a Slurm client (``words[0]``: scontrol, squeue) for at most ``timeout_s``, in
+    ``environ`` (default: this process's); a missing client or a timeout is a failure, not
+    an exception."""
     try:
         result = subprocess.run(
-            list(words), capture_output=True, text=True, timeout=timeout_s, check=False
-        )
+            list(words), capture_output=True, text=True, timeout=timeout_s, check=False,
+            env=None if environ is None else dict(environ),
+        )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as error:
         return SlurmAnswer("", str(error))
     failure = (
         None if result.returncode == 0 else result.stderr.strip() or f"exit {result.returncode}"
     )
     return SlurmAnswer(result.stdout, failure)
+
+
+def squeue_job_start(job: str, timeout_s: float = 5.0) -> float | None:
+    """When Slurm started ``job`` (Unix time, as squeue gives it with SLURM_TIME_FORMAT=%s),
+    or None when squeue does not answer or has no start."""
+    environ = {**os.environ, "SLURM_TIME_FORMAT": "%s"}
+    answer = ask_slurm(
+        ["squeue", "--noheader", "--jobs", job, "--format", "%S"], timeout_s, environ
+    )
+    lines = answer.output.strip().splitlines()
+    if answer.failure is not None or not lines or not lines[0].strip().isdigit():
+        return None
+    return float(lines[0].strip()) or None
 
 
 def show_job(job_id: str, timeout_s: float) -> str | None:

@@ -19,6 +19,7 @@ from hpc_ddp.runtime.errors import EXIT_NO_PROGRESS, HpcDdpError
 from hpc_ddp.runtime.monitor.account import (
     AttemptTimes,
     attempt_account,
+    attempt_start_unix,
     is_number,
     redone_steps,
     run_account,
@@ -157,7 +158,7 @@ def end_attempt(
     end_unix = time.time()  # after the reading: a pause between them falls in `other`
     attempts[index].update(
         status=(status or "stopped").lower(),
-        start_unix=timeline.get("process_start_unix", timeline.get("entry_unix")),
+        start_unix=attempt_start_unix(timeline, end_unix),
         end_unix=end_unix,
         last_step=last_step,
         ranks=ranks,

@@ -33,11 +33,18 @@ from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.loop.steps import StepLoop
 from hpc_ddp.runtime.loop.streams import map_tensors
+from hpc_ddp.runtime.monitor.account import attempt_start_unix
 from hpc_ddp.runtime.monitor.forward.meter import ForwardMeter
 from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
-from hpc_ddp.runtime.monitor.timeline import mark, new_timeline
+from hpc_ddp.runtime.monitor.timeline import (
+    mark,
+    mark_allocation_start,
+    new_timeline,
+    slurm_job_start_unix,
+)
 from hpc_ddp.runtime.place.checking import check_before_training, record_checks
 from hpc_ddp.runtime.place.plan import LaunchPlan
+from hpc_ddp.runtime.place.slurm import squeue_job_start
 from hpc_ddp.runtime.preempt.exclusion import answer_failed_checks
 from hpc_ddp.runtime.preempt.progress import end_attempt
 from hpc_ddp.runtime.preempt.signals import StopSignals
@@ -144,6 +151,11 @@ def start(
     try:
         joined = join_ranks(plan, settings, environment, timeline)
         plan = joined.plan
+        if plan.dist_env.is_main:  # the restarts torchrun's agents agree on are known now
+            restarts = plan.dist_env.elastic_restarts
+            mark_allocation_start(
+                timeline, slurm_job_start_unix(environment, restarts, squeue_job_start)
+            )
         checks = None
         if settings.checks.enabled:  # before anything of the run is read or opened
             shared = settings.checkpoint.enabled
@@ -191,6 +203,7 @@ def start(
             gradient_sync=GradientSyncMeter(
                 torch.device(plan.device.device), settings.monitor.time_gradient_sync
             ),
+            attempt_start_unix=attempt_start_unix(timeline, time.time()),
         )
         loop = StepLoop(context, position)
         try:
