@@ -482,3 +482,18 @@ def test_a_double_dash_after_the_script_reaches_it(
     result = hpc_ddp_cli("local", "--nproc", "1", *command, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"ARGV {argv}" in result.stdout, result.stdout
+
+
+@pytest.mark.e2e
+def test_a_bad_setting_in_the_script_is_said_once_not_once_a_rank(tmp_path: Path) -> None:
+    """Every rank reads the same settings and fails alike: one rank of the host says it."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import hpc_ddp\n"
+        'run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"every_steps": -3})\n'
+    )
+    result = hpc_ddp_cli("local", "--nproc", "3", str(script), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    said = "checkpoint.every_steps=-3 is invalid: expected > 0"
+    assert result.stderr.count(said) == 1, result.stderr
+    assert result.stderr.count("HINT: fix checkpoint.every_steps") == 1, result.stderr

@@ -108,14 +108,22 @@ class HpcDdpError(Exception):
     """A problem with the user's input or environment that the user can fix.
 
     The entry points print it as ``error: <message>`` followed by ``HINT: <hint>`` and exit
-    with ``exit_code`` (2), without a traceback.
+    with ``exit_code`` (2), without a traceback. One that ``same_on_every_rank`` (a setting
+    every rank read alike) is printed by one rank of each host.
     """
 
-    def __init__(self, message: str, hint: str = "", exit_code: int = EXIT_USER_ERROR) -> None:
+    def __init__(
+        self,
+        message: str,
+        hint: str = "",
+        exit_code: int = EXIT_USER_ERROR,
+        same_on_every_rank: bool = False,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
         self.exit_code = exit_code
+        self.same_on_every_rank = same_on_every_rank
 
     def __str__(self) -> str:
         if self.hint:

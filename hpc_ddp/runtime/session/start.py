@@ -28,6 +28,7 @@ from hpc_ddp.runtime.config import (
     default_run_name,
     resolve_config,
 )
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
 from hpc_ddp.runtime.loop.position import Position
@@ -134,10 +135,13 @@ def start(
     install_excepthook()
     environment = os.environ if environ is None else environ
     refuse_a_start_that_cannot_join(environment)
-    log_interval = optional_whole_number(log_interval, "hpc_ddp.start(log_interval)")
     sections = {"run": run, "dist": dist, "checkpoint": checkpoint, "preempt": preempt,
                 "tracking": tracking, "checks": checks, "monitor": monitor}  # fmt: skip
-    settings = resolve_config(config, overrides, sections, environment)
+    try:
+        log_interval = optional_whole_number(log_interval, "hpc_ddp.start(log_interval)")
+        settings = resolve_config(config, overrides, sections, environment)
+    except HpcDdpError as error:  # every rank read the same settings: said once a host
+        raise HpcDdpError(error.message, error.hint, error.exit_code, True) from None
     run_name = name or settings.run.name or default_run_name()
     log_interval = log_interval or settings.run.log_interval
     plan = resolve_launch(settings, run_name, environment)
