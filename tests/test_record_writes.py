@@ -41,6 +41,9 @@ class Recording(NullTracker):
     def finish(self, status: str) -> None:
         self.handed_on.append(("finish", status))
 
+    def set_tag(self, key: str, value: str) -> None:
+        self.handed_on.append(("set_tag", key, value))
+
 
 def returns_without_waiting(call: Callable[[], None]) -> bool:
     returned = threading.Event()
@@ -210,3 +213,26 @@ def test_a_json_artifact_is_sent_as_it_was_when_logged(tmp_path: Path) -> None:
         ("log_json_artifact", "summary.json", {"loss": 1.0}),
         ("finish", "FINISHED"),
     ]
+
+
+def test_a_tag_set_is_kept_in_the_record_and_sent_again_by_the_next_attempt(
+    tmp_path: Path,
+) -> None:
+    """A tag set while MLflow was away reaches it with the run's recovery, its sync, or the
+    next attempt, which starts with the earlier attempts' tags."""
+    run_dir = tmp_path / "name" / "id"
+    tracking = {"uri": "sqlite:///x.db", "tags": {"hpc_ddp.world_size": "2"}}
+    first = Recording()
+    journal = JournalTracker(first, run_dir, lambda: (5, 0), "7", 2, tracking)
+    journal.set_tag("hpc_ddp.idle_gpus", "node1 GPU 1 (rank 1)")
+    journal.flush()
+    assert first.handed_on == [("set_tag", "hpc_ddp.idle_gpus", "node1 GPU 1 (rank 1)")]
+    record = json.loads((run_dir / "tracking.json").read_text())
+    assert record["tags_set"] == {"hpc_ddp.idle_gpus": "node1 GPU 1 (rank 1)"}
+    assert record["tags"] == {"hpc_ddp.world_size": "2"}, "the run's own tags are left as they were"
+
+    second = Recording()
+    JournalTracker(second, run_dir, lambda: (5, 0), "8", 2, tracking).flush()
+    assert second.handed_on == [("set_tag", "hpc_ddp.idle_gpus", "node1 GPU 1 (rank 1)")]
+    again = json.loads((run_dir / "tracking.json").read_text())
+    assert again["tags_set"] == record["tags_set"]

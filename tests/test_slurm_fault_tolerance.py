@@ -245,7 +245,7 @@ def test_a_job_preempted_then_losing_a_rank_accounts_for_its_three_attempts(
     # What the killed attempt did past the checkpoint the third resumed from is lost work.
     assert finished["redone_steps"] == max(0, killed["last_step"] - finished["from_step"])
     # The batch script before srun holds the allocation too (Slurm 22.05 here: from squeue).
-    slurm_starts = slurm.job_starts(job, 3)
+    slurm_starts = sorted(slurm.job_starts(job, 3))
     assert [attempt["start_unix"] for attempt in (stopped, killed, finished)] == slurm_starts
     gaps = [later["start_unix"] - earlier["end_unix"]
             for earlier, later in ((stopped, killed), (killed, finished))]  # fmt: skip

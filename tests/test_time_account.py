@@ -90,17 +90,23 @@ def test_the_job_s_start_is_slurm_s_only_where_all_of_the_job_so_far_was_this_at
         asked.append(job)
         return 900.0
 
-    step = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0"}
+    step = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0", "ENVIRONMENT": "BATCH"}
     assert slurm_job_start_unix({**step, "SLURM_JOB_START_TIME": "950"}, 0, squeue) == 950.0
     assert asked == [], "Slurm 23.02 and later say it: squeue is not asked"
     assert slurm_job_start_unix(step, 0, squeue) == 900.0 and asked == ["41"]
     array_task = {**step, "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3"}
     assert slurm_job_start_unix(array_task, 0, squeue) == 900.0 and asked[-1] == "40_3"
     asked.clear()
-    assert slurm_job_start_unix({"SLURM_JOB_ID": "41"}, 0, squeue) is None, "the batch step"
+    batch_step = {"SLURM_JOB_ID": "41", "ENVIRONMENT": "BATCH"}
+    assert slurm_job_start_unix(batch_step, 0, squeue) is None, "the batch step"
+    salloc = {"SLURM_JOB_ID": "41", "SLURM_STEP_ID": "0"}
+    assert slurm_job_start_unix(salloc, 0, squeue) is None, "salloc, then srun: a person's"
+    shell = {**step, "SLURM_PTY_PORT": "40123"}
+    assert slurm_job_start_unix(shell, 0, squeue) is None, "srun --pty bash in a batch job"
     assert slurm_job_start_unix({**step, "SLURM_STEP_ID": "1"}, 0, squeue) is None, "a later step"
     assert slurm_job_start_unix(step, 1, squeue) is None, "torchrun restarted the workers"
-    assert slurm_job_start_unix({"SLURM_STEP_ID": "0"}, 0, squeue) is None, "not Slurm"
+    not_slurm = {"SLURM_STEP_ID": "0", "ENVIRONMENT": "BATCH"}
+    assert slurm_job_start_unix(not_slurm, 0, squeue) is None, "not Slurm"
     assert asked == []
 
 

@@ -308,3 +308,26 @@ def test_a_sqlite_uri_in_a_missing_folder_creates_no_folders(tmp_path: Path) -> 
     assert read_summary(tmp_path / "runs", "regression", "a")["tracking"].startswith(
         "failed: could not start"
     )
+
+
+def test_a_tag_set_while_mlflow_was_away_reaches_it_with_the_sync(tmp_path: Path) -> None:
+    """The idle-GPU alarm tagged the run while MLflow did not answer (a tracker that keeps
+    nothing stands for it): the sync (`hpc-ddp tracking sync`, and a running run's recovery)
+    sends the tag from the run's record."""
+    from hpc_ddp.runtime.tracking.base import NullTracker
+    from hpc_ddp.runtime.tracking.journal import JournalTracker
+    from hpc_ddp.runtime.tracking.sync import sync_run
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_dir = tmp_path / "regression" / "away"
+    tracking = {"uri": uri, "experiment": "regression", "run_name": "regression",
+                "artifact_root": str(tmp_path / "mlartifacts"), "params": {},
+                "tags": {"hpc_ddp.world_size": "2"}}  # fmt: skip
+    journal = JournalTracker(NullTracker(), run_dir, lambda: (5, 0), "7", 2, tracking)
+    journal.log_metrics({"loss": 0.5}, 5)
+    journal.set_tag("hpc_ddp.idle_gpus", "node1 GPU 1 (rank 1)")
+    journal.finish("FINISHED")
+    report = sync_run(run_dir)
+    run = MlflowClient(tracking_uri=uri).get_run(report.run_id)
+    assert run.data.tags["hpc_ddp.idle_gpus"] == "node1 GPU 1 (rank 1)"
+    assert run.data.tags["hpc_ddp.world_size"] == "2" and run.data.metrics["loss"] == 0.5

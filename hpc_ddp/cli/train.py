@@ -20,7 +20,7 @@ import torch
 from hpc_ddp.launch.doctor import plan_report
 from hpc_ddp.launch.shipped import find_config
 from hpc_ddp.runtime.config import OVERRIDES_VARIABLE, environment_overrides
-from hpc_ddp.runtime.errors import Stopped
+from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.exits import rank_label, report_failure, toolkit_frame
 from hpc_ddp.runtime.place.rundir import check_creatable
 from hpc_ddp.runtime.session.ending import end_active_run
@@ -72,6 +72,18 @@ def dry_run(config: Config, environ: Mapping[str, str]) -> dict[str, Any]:
     }
 
 
+def _settings(name: str | None, overrides: Sequence[str], environ: Mapping[str, str]) -> Config:
+    """The trainer's settings: the config file ``name`` names, then $HPC_DDP_OVERRIDES
+    (hpc-ddp local --set, a job's environment; every section, the trainer's own too), then
+    ``overrides`` (which win). start() is then given an environment without the first, so
+    they are not applied twice. A mistake in them is the same on every rank."""
+    try:
+        config_file = find_config(name, Path.cwd()) if name else None
+        return load_config(config_file, [*environment_overrides(environ), *overrides])
+    except HpcDdpError as error:
+        raise HpcDdpError(error.message, error.hint, error.exit_code, True) from None
+
+
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Parse, train and return the exit code (README: the exit codes)."""
     from hpc_ddp.trainer.loop import train
@@ -79,12 +91,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     args = build_parser().parse_args(argv)
     environment = os.environ if environ is None else environ
     try:
-        config_file = find_config(args.config, Path.cwd()) if args.config else None
-        # $HPC_DDP_OVERRIDES (hpc-ddp local --set, a job's environment) reach every section
-        # here, the trainer's own too, before the command line's (which win); start() is then
-        # given an environment without them, so they are not applied twice.
-        from_environ = environment_overrides(environment)
-        config = load_config(config_file, [*from_environ, *args.overrides])
+        config = _settings(args.config, args.overrides, environment)
         if args.dry_run:
             print(json.dumps(dry_run(config, environment), indent=2))
             return 0

@@ -122,7 +122,7 @@ def report_failure(
     if isinstance(error, HpcDdpError):
         line = f"[rank {label}] error: {error}"
         if error.same_on_every_rank:
-            say_once_on_this_host(lambda: print(line, file=sys.stderr, flush=True))
+            say_once_on_this_host(lambda: print(line, file=sys.stderr, flush=True), str(error))
         else:
             print(line, file=sys.stderr)
         return error.exit_code

@@ -60,13 +60,16 @@ def slurm_job_start_unix(
     environ: Mapping[str, str], restart_count: int, ask: Callable[[str], float | None]
 ) -> float | None:
     """When Slurm started the job this attempt runs in, where all of the job so far was this
-    run's: in the job's first ``srun`` step (SLURM_STEP_ID 0: ``slurm/train.sh``, the
-    torchrun template, submitit) and torchrun's first start of its workers. From
+    run's: a batch job's (``sbatch``) first ``srun`` step (SLURM_STEP_ID 0: ``slurm/train.sh``,
+    the torchrun template, submitit) and torchrun's first start of its workers. From
     SLURM_JOB_START_TIME (Slurm 23.02 and later), else ``ask(job)`` (squeue). None outside
-    Slurm, in the batch script's own step, in a later step (the job ran something else
-    first) and after a restart (the time before it was an earlier attempt's)."""
+    Slurm, in an allocation a person holds (``salloc``, ``srun --pty bash``: its idle time
+    is not the run's), in the batch script's own step, in a later step (the job ran
+    something else first) and after a restart (the time before it was an earlier attempt's)."""
     job = queue_job_id(environ)
-    if job is None or environ.get("SLURM_STEP_ID", "").strip() != "0" or restart_count:
+    if job is None or environ.get("ENVIRONMENT") != "BATCH" or "SLURM_PTY_PORT" in environ:
+        return None
+    if environ.get("SLURM_STEP_ID", "").strip() != "0" or restart_count:
         return None
     given = environ.get("SLURM_JOB_START_TIME", "").strip()
     if given.isdigit() and int(given) > 0:

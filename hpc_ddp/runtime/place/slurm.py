@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import re
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -216,13 +215,11 @@ def ask_slurm(
     return SlurmAnswer(result.stdout, failure)
 
 
-def squeue_job_start(job: str, timeout_s: float = 5.0) -> float | None:
-    """When Slurm started ``job`` (Unix time, as squeue gives it with SLURM_TIME_FORMAT=%s),
-    or None when squeue does not answer or has no start."""
-    environ = {**os.environ, "SLURM_TIME_FORMAT": "%s"}
-    answer = ask_slurm(
-        ["squeue", "--noheader", "--jobs", job, "--format", "%S"], timeout_s, environ
-    )
+def squeue_job_start(job: str, environ: Mapping[str, str], timeout_s: float = 5.0) -> float | None:
+    """When Slurm started ``job`` (Unix time, as squeue gives it with SLURM_TIME_FORMAT=%s;
+    squeue run in ``environ``), or None when squeue does not answer or has no start."""
+    words = ["squeue", "--noheader", "--jobs", job, "--format", "%S"]
+    answer = ask_slurm(words, timeout_s, {**environ, "SLURM_TIME_FORMAT": "%s"})
     lines = answer.output.strip().splitlines()
     if answer.failure is not None or not lines or not lines[0].strip().isdigit():
         return None

@@ -157,9 +157,8 @@ def start(
         plan = joined.plan
         if plan.dist_env.is_main:  # the restarts torchrun's agents agree on are known now
             restarts = plan.dist_env.elastic_restarts
-            mark_allocation_start(
-                timeline, slurm_job_start_unix(environment, restarts, squeue_job_start)
-            )
+            ask = functools.partial(squeue_job_start, environ=environment)
+            mark_allocation_start(timeline, slurm_job_start_unix(environment, restarts, ask))
         checks = None
         if settings.checks.enabled:  # before anything of the run is read or opened
             shared = settings.checkpoint.enabled

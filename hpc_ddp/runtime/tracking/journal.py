@@ -8,6 +8,7 @@ delays the record, not the next step of every rank.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -24,9 +25,11 @@ from hpc_ddp.runtime.tracking.base import Tracker
 from hpc_ddp.runtime.tracking.record import (
     METRICS_FILE,
     STATUS_FILE,
+    TAGS_SET,
     TRACKING_FILE,
     parsed_object,
     replace_json,
+    tags_set,
 )
 
 #: The longest the training thread waits for the record's files to be written, where it
@@ -95,9 +98,16 @@ class JournalTracker:
         self._previous_text = text_or_none(run_dir / STATUS_FILE)
         self._status = attempt_status(parsed_object(self._previous_text), job_id, world_size)
         self._write_status()
-        self._tracking = dict(tracking) if tracking is not None else None
         self._previous_tracking = text_or_none(run_dir / TRACKING_FILE)
+        # The tags earlier attempts set are kept, and sent again: one may have been set
+        # while MLflow was away.
+        earlier_tags = tags_set(parsed_object(self._previous_tracking))
+        self._tracking = dict(tracking) if tracking is not None else None
+        if self._tracking is not None and earlier_tags:
+            self._tracking[TAGS_SET] = {**tags_set(self._tracking), **earlier_tags}
         self._write_tracking()
+        for key, value in earlier_tags.items() if self._tracking is not None else ():
+            self._hand_on(functools.partial(inner.set_tag, key, value))
         self.flush()
 
     def _write_tracking(self) -> None:
@@ -234,6 +244,11 @@ class JournalTracker:
         self._hand_on(lambda: self._inner.log_text_artifact(name, text))
 
     def set_tag(self, key: str, value: str) -> None:
+        """Kept in tracking.json too: a recovery from an outage or `hpc-ddp tracking sync`
+        sends it again, and so does the next attempt."""
+        if self._tracking is not None:
+            self._tracking[TAGS_SET] = {**tags_set(self._tracking), key: value}
+            self._write_tracking()
         self._hand_on(lambda: self._inner.set_tag(key, value))
 
     def finish(self, status: str) -> None:

@@ -11,8 +11,9 @@ Rank 0 keeps two small files in ``<output_dir>/<name>/<run id>/``:
   readers drop the points earlier attempts logged after that step (a run restarted from an
   earlier checkpoint, or from nothing, supersedes them);
 - ``tracking.json`` (when tracking is on): where the run is tracked (MLflow URI, experiment,
-  run name, params, tags, and the MLflow run's id once known), so that
-  ``hpc-ddp tracking sync`` can replay the record into MLflow after an outage.
+  run name, params, tags, the MLflow run's id once known, and ``tags_set``: the tags set
+  while it trained, such as ``hpc_ddp.idle_gpus``, kept over its attempts), so that
+  ``hpc-ddp tracking sync`` and a run whose MLflow answers again can replay the record.
 
 ``hpc-ddp runs`` and ``hpc-ddp plot`` read them with the functions here; rank 0 writes
 them (:class:`hpc_ddp.runtime.tracking.journal.JournalTracker`).
@@ -34,6 +35,19 @@ METRICS_FILE = "metrics.jsonl"
 TRACKING_FILE = "tracking.json"
 #: Each attempt's code and environment (:mod:`hpc_ddp.runtime.tracking.provenance`).
 PROVENANCE_FILE = "provenance.json"
+
+
+#: tracking.json's tags set while the run trained.
+TAGS_SET = "tags_set"
+
+
+def tags_set(tracking: Mapping[str, Any]) -> dict[str, str]:
+    """The tags a run set while it trained, from its tracking.json (a record edited by hand
+    keeps only its string pairs)."""
+    found = tracking.get(TAGS_SET)
+    if not isinstance(found, dict):
+        return {}
+    return {k: v for k, v in found.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def parsed_object(text: str | None) -> dict[str, Any]:

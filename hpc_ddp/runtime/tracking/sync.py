@@ -23,6 +23,7 @@ from hpc_ddp.runtime.tracking.record import (
     read_metrics,
     read_status,
     replace_json,
+    tags_set,
 )
 
 #: MLflow takes at most 1000 metrics per log_batch call.
@@ -118,6 +119,9 @@ def sync_run(run_dir: Path, uri: str | None = None, live: bool = False) -> SyncR
                 client.log_batch(run_id, params=params[start : start + 100])
             tags = {**tracking.get("tags", {}), "hpc_ddp.synced_from": str(run_dir.resolve())}
             client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        later_tags = tags_set(tracking)  # setting one again changes nothing: sent every time
+        if later_tags:
+            client.log_batch(run_id, tags=[RunTag(k, v) for k, v in later_tags.items()])
         summary = run_dir / "summary.json"
         if summary.is_file():
             client.log_text(run_id, summary.read_text(), "summary.json")
