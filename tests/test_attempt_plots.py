@@ -17,7 +17,8 @@ from matplotlib.image import imread
 
 from hpc_ddp.cli import main
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.monitor.account import PARTS, AttemptTimes, attempt_account, unsplit_account
+from hpc_ddp.runtime.monitor.account import PARTS, attempt_account, unsplit_account
+from hpc_ddp.runtime.monitor.attempt_times import AttemptTimes
 from hpc_ddp.view.attempt_marks import HEADROOM, mark_attempts, resume_steps
 from hpc_ddp.view.goodput import DRAWN, PART_COLOURS, attempt_bars, plot_goodput
 from hpc_ddp.view.machines import broken_at, draw_usage

@@ -37,7 +37,7 @@ from hpc_ddp.runtime.loop.streams import (
     batch_length,
     no_samples,
 )
-from hpc_ddp.runtime.monitor.account import AttemptTimes
+from hpc_ddp.runtime.monitor.attempt_times import AttemptTimes
 from hpc_ddp.runtime.preempt.progress import read_failures
 from hpc_ddp.runtime.preempt.signals import StopSignals
 from hpc_ddp.runtime.session.evaluation import EvalBatches, eval_loader

@@ -12,13 +12,12 @@ import pytest
 
 from hpc_ddp.runtime.monitor.account import (
     PARTS,
-    AttemptTimes,
-    StepsMark,
     account_line,
     attempt_account,
     redone_steps,
     run_account,
 )
+from hpc_ddp.runtime.monitor.attempt_times import AttemptTimes, StepsMark
 from hpc_ddp.runtime.monitor.timeline import mark_allocation_start, slurm_job_start_unix
 from hpc_ddp.runtime.preempt.progress import (
     end_attempt,

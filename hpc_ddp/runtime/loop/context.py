@@ -17,7 +17,7 @@ from hpc_ddp.runtime.checkpoint.state import Registry
 from hpc_ddp.runtime.config import RuntimeConfig
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.streams import map_tensors
-from hpc_ddp.runtime.monitor.account import AttemptTimes
+from hpc_ddp.runtime.monitor.attempt_times import AttemptTimes
 from hpc_ddp.runtime.monitor.forward.meter import ForwardMeter
 from hpc_ddp.runtime.monitor.gradsync import GradientSyncMeter
 from hpc_ddp.runtime.place.env import DistEnv

@@ -1,6 +1,7 @@
 """Where an attempt's time went, and the run's goodput over its attempts.
 
-Each attempt's allocation (from its process's start to its end) is split into start-up
+Each attempt's allocation (from its start, its batch job's or its process's, to its end; see
+:func:`attempt_start_unix`) is split into start-up
 (imports, rendezvous, checks, building the model and data), the resume (loading the
 checkpoint), productive steps, steps computed again after a crash (an earlier attempt had
 taken them past its last checkpoint), checkpoint stalls, evaluation, the stop (from the
@@ -25,11 +26,10 @@ checkpoint count as redone in the next.
 from __future__ import annotations
 
 import itertools
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Literal, TypeGuard
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeGuard
+
+from hpc_ddp.runtime.monitor.attempt_times import AttemptTimes, EndingReading
 
 #: The parts of an attempt, in the order its time passes.
 PARTS = (
@@ -41,134 +41,6 @@ PARTS = (
 #: parts of their own have them in ``other`` or the part they fell in (:func:`part_s` reads
 #: them as 0).
 KEPT_SINCE_FIRST = ("startup", "resume", "steps", "redone", "checkpoint", "evaluation", "other")
-
-#: How an attempt's ending is charged: an agreed stop, or the end after the last step.
-Ending = Literal["stop", "end"]
-
-
-def never_stopped() -> float:
-    """No time in which the process did not run (no looks find any)."""
-    return 0.0
-
-
-@dataclass(frozen=True)
-class EndingReading:
-    """The attempt's ending and suspended seconds read at one instant
-    (:meth:`AttemptTimes.reading`)."""
-
-    how: Ending
-    ending_s: float
-    suspended_s: float
-    #: Checkpoint, evaluation and ending time (:attr:`AttemptTimes.paused_s`) then.
-    paused_s: float
-
-
-@dataclass(frozen=True)
-class StepsMark:
-    """The paused and suspended seconds when ``run.steps`` began (:meth:`AttemptTimes.mark`)."""
-
-    paused_s: float
-    suspended_s: float
-
-
-@dataclass
-class AttemptTimes:
-    """Seconds this rank spent in each part the run itself can see (the loop, the
-    checkpointer and the evaluation loaders add to it)."""
-
-    resume_s: float = 0.0
-    checkpoint_s: float = 0.0
-    evaluation_s: float = 0.0
-    #: Time inside ``run.steps`` without the checkpoints and evaluations made there.
-    steps_s: float = 0.0
-    #: Checkpoint and evaluation time before the first ``run.steps`` (None: not yet).
-    paused_before_training_s: float | None = None
-    clock: Callable[[], float] = time.perf_counter
-    #: Seconds this process did not run so far (:meth:`ProcessStops.so_far
-    #: <hpc_ddp.runtime.preempt.liveness.ProcessStops.so_far>`): out of every part it fell in.
-    suspended: Callable[[], float] = never_stopped
-    #: Spans being counted now: only the outermost counts (an evaluation that saves, two
-    #: evaluation loaders zipped), so no second counts twice.
-    _open: int = field(default=0, init=False, repr=False)
-    #: Once the attempt began to end: how (stop or end), when, and the checkpoint,
-    #: evaluation and suspended time then.
-    _ending: tuple[Ending, float, float, float] | None = field(default=None, init=False, repr=False)
-    #: Suspended seconds before training began (a part of the start-up's wall time).
-    suspended_before_training_s: float = field(default=0.0, init=False)
-
-    @property
-    def paused_s(self) -> float:
-        """Checkpoint, evaluation and ending time so far (the steps' own time leaves it
-        out: a stop agreed inside ``run.steps`` is not a step)."""
-        return self.checkpoint_s + self.evaluation_s + self.ending_s()[1]
-
-    def training_began(self) -> None:
-        """Training begins (the first ``run.epochs``/``run.steps``): the checkpoints and
-        evaluations so far were part of the start, those after are not."""
-        if self.paused_before_training_s is None:
-            self.paused_before_training_s = self.checkpoint_s + self.evaluation_s
-            self.suspended_before_training_s = self.suspended()
-
-    def begin_ending(self, how: Ending) -> None:
-        """The attempt begins to end (the ranks agreed to stop, or ``run.finish()``); what
-        follows is charged to ``how``, less its checkpoints and evaluations. Only the first
-        call counts: a stop's end is part of the stop."""
-        if self._ending is None:
-            paused = self.checkpoint_s + self.evaluation_s
-            self._ending = (how, self.clock(), paused, self.suspended())
-
-    def ending_s(self, suspended_now: float | None = None) -> tuple[Ending, float]:
-        """How the attempt is ending and the seconds since it began to (0 before);
-        ``suspended_now``: the suspended seconds read now (read here when not given)."""
-        if self._ending is None:
-            return "end", 0.0
-        how, began, paused, suspended = self._ending
-        spent = self.clock() - began - (self.checkpoint_s + self.evaluation_s - paused)
-        now = self.suspended() if suspended_now is None else suspended_now
-        return how, max(0.0, spent - (now - suspended))
-
-    def reading(self) -> EndingReading:
-        """How the attempt is ending, for how long, and the suspended seconds, now: read
-        before the end's wall time, so a pause between the two reads is not counted twice."""
-        suspended = self.suspended()
-        how, ending = self.ending_s(suspended)
-        paused = self.checkpoint_s + self.evaluation_s + ending
-        return EndingReading(how, ending, suspended, paused)
-
-    def mark(self) -> StepsMark:
-        """Where the paused and suspended time stand as ``run.steps`` begins (for
-        :meth:`add_steps`)."""
-        return StepsMark(self.paused_s, self.suspended())
-
-    def add_steps(self, seconds: float, began: StepsMark) -> float:
-        """``seconds`` inside ``run.steps`` as steps, less the checkpoints and evaluations
-        made there and the time the process did not run (``began``: :meth:`mark` then);
-        returns the seconds it ran."""
-        if self.paused_before_training_s is None:
-            self.paused_before_training_s = began.paused_s
-            self.suspended_before_training_s = began.suspended_s
-        paused = self.paused_s - began.paused_s
-        ran = max(0.0, seconds - max(0.0, self.suspended() - began.suspended_s))
-        self.steps_s += max(0.0, ran - paused)
-        return ran
-
-    @contextmanager
-    def counting(
-        self,
-        part: Literal["resume", "checkpoint", "evaluation"],
-    ) -> Iterator[None]:
-        """The time inside counted as ``part``, unless it is inside another span."""
-        clock = self.clock
-        started, suspended, outermost = clock(), self.suspended(), self._open == 0
-        self._open += 1
-        try:
-            yield
-        finally:
-            self._open -= 1
-            if outermost:
-                name = f"{part}_s"
-                spent = clock() - started - (self.suspended() - suspended)
-                setattr(self, name, getattr(self, name) + max(0.0, spent))
 
 
 def redone_steps(earlier_last_step: int | None, from_step: int, last_step: int) -> int:

@@ -17,7 +17,6 @@ from typing import Any
 
 from hpc_ddp.runtime.errors import EXIT_NO_PROGRESS, HpcDdpError
 from hpc_ddp.runtime.monitor.account import (
-    AttemptTimes,
     attempt_account,
     attempt_start_unix,
     is_number,
@@ -25,6 +24,7 @@ from hpc_ddp.runtime.monitor.account import (
     run_account,
     unsplit_account,
 )
+from hpc_ddp.runtime.monitor.attempt_times import AttemptTimes
 from hpc_ddp.runtime.safefiles import open_append, read_records, write_records
 from hpc_ddp.runtime.tracking.record import last_logged
 

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.loop.data import DeviceBatches, loader_options, mixed_seed
 from hpc_ddp.runtime.loop.streams import no_samples
-from hpc_ddp.runtime.monitor.account import AttemptTimes
+from hpc_ddp.runtime.monitor.attempt_times import AttemptTimes
 
 
 class ShardedEvalSampler(Sampler[int]):
