@@ -112,6 +112,12 @@ def test_a_rerun_without_a_checkpoint_says_so_and_stays_one_mlflow_run(tmp_path:
         "local", "--nproc", "1", *program, "--max-iters", "20", "checkpoint.enabled=false"
     )
     assert first.returncode == 0, first.stderr[-2000:]
+    # An idle-GPU tag the first attempt set while MLflow was away (no GPU here: written as
+    # the tracker keeps it): the second attempt's opening of MLflow sends it.
+    tracking_file = tmp_path / "lm_loop" / "again" / "tracking.json"
+    tracking = json.loads(tracking_file.read_text())
+    tracking["tags_set"] = {"hpc_ddp.idle_gpus": "node1 GPU 1 (rank 1)"}
+    tracking_file.write_text(json.dumps(tracking))
     second = hpc_ddp_cli("local", "--nproc", "1", *program, "--max-iters", "10")
     assert second.returncode == 0, second.stderr[-2000:]
     assert "ran before but left no checkpoint: it starts again at step 0" in second.stderr
@@ -120,6 +126,7 @@ def test_a_rerun_without_a_checkpoint_says_so_and_stays_one_mlflow_run(tmp_path:
     assert experiment is not None
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.data.tags["hpc_ddp.attempts"] == "2" and run.info.status == "FINISHED"
+    assert run.data.tags["hpc_ddp.idle_gpus"] == "node1 GPU 1 (rank 1)"
     run_dir = tmp_path / "lm_loop" / "again"
     written = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(entry.get("step", 0) for entry in written) == 20  # the first attempt's are there
@@ -486,7 +493,9 @@ def test_a_double_dash_after_the_script_reaches_it(
 
 @pytest.mark.e2e
 def test_a_bad_setting_in_the_script_is_said_once_not_once_a_rank(tmp_path: Path) -> None:
-    """Every rank reads the same settings and fails alike: one rank of the host says it."""
+    """Every rank reads the same settings and fails alike: the host's first rank says it. A
+    rank that waited past the limit for it says it too, saying why (the machine's pace
+    decides whether any did, so only the plain copies are counted)."""
     script = tmp_path / "train.py"
     script.write_text(
         "import hpc_ddp\n"
@@ -495,5 +504,7 @@ def test_a_bad_setting_in_the_script_is_said_once_not_once_a_rank(tmp_path: Path
     result = hpc_ddp_cli("local", "--nproc", "3", str(script), cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-2000:]
     said = "checkpoint.every_steps=-3 is invalid: expected > 0"
-    assert result.stderr.count(said) == 1, result.stderr
-    assert result.stderr.count("HINT: fix checkpoint.every_steps") == 1, result.stderr
+    plain = re.findall(rf"^\[rank (\d+)\] error: .*{re.escape(said)}", result.stderr, re.M)
+    late = re.findall(rf"^\[rank \d+\] error \(its host's first rank .*{re.escape(said)}",
+                      result.stderr, re.M)  # fmt: skip
+    assert plain in (["0"], []) and (plain or late), result.stderr

@@ -123,6 +123,11 @@ def test_a_finished_run_started_again_is_left_as_it_was_and_more_epochs_continue
     run_dir = tmp_path / "synthetic-mlp" / "f"
     first = run_local(2, tmp_path, ["run.id=f", "train.epochs=1"])
     assert first.returncode == 0, first.stderr[-3000:]
+    # A tag set while it trained (the idle-GPU alarm's; no GPU here): still not sent by a
+    # start that finds the run finished, which leaves its MLflow run as it ended.
+    tracking = json.loads((run_dir / "tracking.json").read_text())
+    tracking["tags_set"] = {"hpc_ddp.idle_gpus": "node1 GPU 1 (rank 1)"}
+    (run_dir / "tracking.json").write_text(json.dumps(tracking))
     files = {
         path: path.read_bytes()
         for path in run_dir.rglob("*")
@@ -142,6 +147,7 @@ def test_a_finished_run_started_again_is_left_as_it_was_and_more_epochs_continue
     [mlflow_run] = client.search_runs(experiment_ids=["1"])
     assert mlflow_run.info.status == "FINISHED"
     assert mlflow_run.data.tags["hpc_ddp.attempts"] == "1"
+    assert "hpc_ddp.idle_gpus" not in mlflow_run.data.tags
 
     more = run_local(2, tmp_path, ["run.id=f", "train.epochs=2"])
     assert more.returncode == 0, more.stderr[-3000:]

@@ -11,7 +11,7 @@ import pytest
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.exits import report_failure
-from hpc_ddp.runtime.said_once import SAID_WAIT_S, say_once, siblings_mark
+from hpc_ddp.runtime.said_once import SAID_WAIT_S, mark_path, say_once
 from tests.helpers import HandClock
 
 
@@ -22,16 +22,21 @@ def waited_on(clock: HandClock) -> Callable[[float], None]:
     return wait
 
 
+def saying(said: list[str], what: str) -> Callable[[], None]:
+    return lambda: said.append(what)
+
+
 def test_the_hosts_first_rank_says_it_and_the_others_end_quietly_once_it_is_said(
     tmp_path: Path,
 ) -> None:
     said: list[str] = []
     mark = tmp_path / "mark"
     clock = HandClock(0.0)
-    assert say_once(lambda: said.append("first"), mark, True)
+    assert say_once(saying(said, "first"), saying(said, "late"), mark, True)
     assert mark.exists()
-    assert not say_once(lambda: said.append("second"), mark, False, clock, waited_on(clock))
-    assert said == ["first"] and clock.now == 0.0, "it was said already: no wait"
+    later = say_once(saying(said, "second"), saying(said, "late"), mark, False, clock,
+                     waited_on(clock))  # fmt: skip
+    assert not later and said == ["first"] and clock.now == 0.0, "said already: no wait"
 
 
 def test_a_first_rank_says_it_even_where_an_earlier_mark_is_left(tmp_path: Path) -> None:
@@ -40,41 +45,48 @@ def test_a_first_rank_says_it_even_where_an_earlier_mark_is_left(tmp_path: Path)
     mark = tmp_path / "mark"
     said: list[str] = []
     for _run in range(2):
-        assert say_once(lambda: said.append("again"), mark, True)
+        assert say_once(saying(said, "again"), saying(said, "late"), mark, True)
     assert said == ["again", "again"]
 
 
-def test_a_mark_that_never_comes_is_waited_for_then_said(tmp_path: Path) -> None:
+def test_a_mark_that_never_comes_is_waited_for_then_said_late(tmp_path: Path) -> None:
     """The host's first rank was killed before it could say it: nothing is lost."""
     said: list[str] = []
     clock = HandClock(0.0)
-    assert say_once(lambda: said.append("late"), tmp_path / "mark", False, clock, waited_on(clock))
+    assert say_once(saying(said, "first"), saying(said, "late"), tmp_path / "mark", False,
+                    clock, waited_on(clock))  # fmt: skip
     assert said == ["late"] and clock.now >= SAID_WAIT_S
 
 
 def test_without_a_mark_or_a_folder_to_write_in_it_is_still_said(tmp_path: Path) -> None:
     said: list[str] = []
-    assert say_once(lambda: said.append("no mark"), None, False)
-    assert say_once(lambda: said.append("no folder"), tmp_path / "missing" / "mark", True)
+    assert say_once(saying(said, "no mark"), saying(said, "late"), None, False)
+    assert say_once(saying(said, "no folder"), saying(said, "late"), tmp_path / "no" / "m", True)
     assert said == ["no mark", "no folder"]
 
 
-def test_the_mark_names_the_parent_the_launch_and_the_message(tmp_path: Path) -> None:
-    local = {"LOCAL_RANK": "1", "MASTER_PORT": "29500"}
-    mine = siblings_mark(tmp_path, os.getpid(), local, "bad setting")
-    assert mine is not None and mine.parent == tmp_path
-    assert mine.name.startswith(f"hpc_ddp-said-{os.getuid()}-")
-    assert siblings_mark(tmp_path, os.getpid(), {**local, "LOCAL_RANK": "0"}, "bad setting") == mine
-    assert siblings_mark(tmp_path, os.getpid(), local, "another") != mine, "another message"
-    again = {**local, "MASTER_PORT": "29501"}
-    assert siblings_mark(tmp_path, os.getpid(), again, "bad setting") != mine, "a later launch"
-    restarted = {**local, "TORCHELASTIC_RESTART_COUNT": "1"}
-    assert siblings_mark(tmp_path, os.getpid(), restarted, "bad setting") != mine
-    slurm = {"SLURM_LOCALID": "3", "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
-    assert siblings_mark(tmp_path, os.getpid(), slurm, "bad setting") is not None
-    assert siblings_mark(tmp_path, os.getpid(), {"MASTER_PORT": "1"}, "x") is None, "no launcher"
-    beyond_any_pid = 4_194_305  # Linux's PID_MAX_LIMIT + 1
-    assert siblings_mark(tmp_path, beyond_any_pid, local, "x") is None, "no such process"
+def test_a_link_in_the_marks_place_is_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "someone's file"
+    target.write_text("kept\n")
+    mark = tmp_path / "mark"
+    mark.symlink_to(target)
+    assert say_once(lambda: None, lambda: None, mark, True)
+    assert target.read_text() == "kept\n"
+
+
+def test_the_mark_names_the_host_the_launch_and_the_message(tmp_path: Path) -> None:
+    local = {"LOCAL_RANK": "1", "MASTER_PORT": "29500", "HPC_DDP_LOCAL_RUN_ID": "r1"}
+    mine = mark_path(tmp_path, "node1", local, "bad setting")
+    assert mine.parent == tmp_path and mine.name.startswith(f"hpc_ddp-said-{os.getuid()}-")
+    assert mark_path(tmp_path, "node1", {**local, "LOCAL_RANK": "0"}, "bad setting") == mine
+    others = [
+        mark_path(tmp_path, "node2", local, "bad setting"),
+        mark_path(tmp_path, "node1", local, "another"),
+        mark_path(tmp_path, "node1", {**local, "MASTER_PORT": "29501"}, "bad setting"),
+        mark_path(tmp_path, "node1", {**local, "TORCHELASTIC_RESTART_COUNT": "1"}, "bad setting"),
+        mark_path(tmp_path, "node1", {**local, "SLURM_STEP_ID": "1"}, "bad setting"),
+    ]
+    assert mine not in others and len(set(others)) == len(others)
 
 
 @pytest.mark.parametrize("local_rank", ["0", "1"])

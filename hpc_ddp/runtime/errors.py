@@ -109,7 +109,7 @@ class HpcDdpError(Exception):
 
     The entry points print it as ``error: <message>`` followed by ``HINT: <hint>`` and exit
     with ``exit_code`` (2), without a traceback. One that ``same_on_every_rank`` (a setting
-    every rank read alike) is printed by one rank of each host.
+    every rank read alike) is printed by each host's first rank.
     """
 
     def __init__(

@@ -29,7 +29,7 @@ from hpc_ddp.runtime.errors import (
     message_of,
     no_deterministic_kernel,
 )
-from hpc_ddp.runtime.said_once import say_once_on_this_host
+from hpc_ddp.runtime.said_once import SAID_WAIT_S, say_once_on_this_host
 
 #: Exit code of a rank stopped with Ctrl-C (128 + SIGINT), as shells report it.
 EXIT_INTERRUPTED = 130
@@ -114,17 +114,25 @@ def report_failure(
     error: BaseException, label: str, hidden: Callable[[str], bool] | None = None
 ) -> int:
     """Print what ends this rank and return its exit code: its own (2) and one line for an
-    HpcDdpError (one the same on every rank: by one rank of each host), 4 and one line when
+    HpcDdpError (one the same on every rank: by each host's first rank), 4 and one line when
     another rank went away, 130 for Ctrl-C, 8 and the traceback when the device failed, 2
     and the traceback with a HINT for an operation with no deterministic kernel under
     run.deterministic, else 1 and the traceback (without the leading frames ``hidden``
     names)."""
     if isinstance(error, HpcDdpError):
         line = f"[rank {label}] error: {error}"
-        if error.same_on_every_rank:
-            say_once_on_this_host(lambda: print(line, file=sys.stderr, flush=True), str(error))
-        else:
+        if not error.same_on_every_rank:
             print(line, file=sys.stderr)
+            return error.exit_code
+        late = (
+            f"[rank {label}] error (its host's first rank had not said it within "
+            f"{SAID_WAIT_S:.0f} s): {error}"
+        )
+        say_once_on_this_host(
+            lambda: print(line, file=sys.stderr, flush=True),
+            lambda: print(late, file=sys.stderr, flush=True),
+            str(error),
+        )
         return error.exit_code
     if isinstance(error, KeyboardInterrupt):
         print(f"[rank {label}] interrupted", file=sys.stderr)

@@ -8,7 +8,6 @@ delays the record, not the next step of every rank.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import math
 import os
@@ -99,15 +98,13 @@ class JournalTracker:
         self._status = attempt_status(parsed_object(self._previous_text), job_id, world_size)
         self._write_status()
         self._previous_tracking = text_or_none(run_dir / TRACKING_FILE)
-        # The tags earlier attempts set are kept, and sent again: one may have been set
-        # while MLflow was away.
+        # The tags earlier attempts set are kept for a sync (the opening sends them with the
+        # run's own tags: one may have been set while MLflow was away).
         earlier_tags = tags_set(parsed_object(self._previous_tracking))
         self._tracking = dict(tracking) if tracking is not None else None
         if self._tracking is not None and earlier_tags:
-            self._tracking[TAGS_SET] = {**tags_set(self._tracking), **earlier_tags}
+            self._tracking[TAGS_SET] = {**earlier_tags, **tags_set(self._tracking)}
         self._write_tracking()
-        for key, value in earlier_tags.items() if self._tracking is not None else ():
-            self._hand_on(functools.partial(inner.set_tag, key, value))
         self.flush()
 
     def _write_tracking(self) -> None:

@@ -30,7 +30,7 @@ from hpc_ddp.runtime.tracking.journal import JournalTracker
 from hpc_ddp.runtime.tracking.membership import read_membership
 from hpc_ddp.runtime.tracking.mlflow_tracker import MlflowTracker
 from hpc_ddp.runtime.tracking.provenance import AttemptCode
-from hpc_ddp.runtime.tracking.record import read_tracked_run_id
+from hpc_ddp.runtime.tracking.record import read_tags_set, read_tracked_run_id
 from hpc_ddp.runtime.tracking.sync import sync_run
 from hpc_ddp.runtime.tracking.worker import (
     WorkerTracker,
@@ -66,6 +66,9 @@ def open_tracker(
             **(membership.params() if membership else {}),
         },
         tags={
+            # Set by earlier attempts (an idle GPU), perhaps while MLflow was away: sent
+            # again whenever MLflow opens the run.
+            **read_tags_set(plan.run_dir),
             **run_tags(
                 env.launcher,
                 env.world_size,

@@ -50,6 +50,14 @@ def tags_set(tracking: Mapping[str, Any]) -> dict[str, str]:
     return {k: v for k, v in found.items() if isinstance(k, str) and isinstance(v, str)}
 
 
+def read_tags_set(run_dir: Path) -> dict[str, str]:
+    """The tags the run set while it trained, from its tracking.json ({} for none)."""
+    try:
+        return tags_set(parsed_object((run_dir / TRACKING_FILE).read_text()))
+    except OSError:
+        return {}
+
+
 def parsed_object(text: str | None) -> dict[str, Any]:
     """``text`` as a JSON object; {} for none, a damaged one or another JSON value."""
     try:
