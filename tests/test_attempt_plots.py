@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -142,17 +143,25 @@ def test_plot_goodput_writes_a_png_and_refuses_a_run_with_no_account(
     assert "HINT: each attempt writes its account" in capsys.readouterr().err
 
 
-def test_the_curves_mark_where_each_later_attempt_resumed(tmp_path: Path) -> None:
+def plotted_over_three_attempts(tmp_path: Path, metrics: Callable[[int], dict[str, float]]) -> Any:
+    """The figure of :func:`three_attempts`' run whose record logged ``metrics(step)`` every
+    10 steps up to 240."""
     run_dir = run_with(tmp_path, three_attempts())
     points = [
         {"step": step, "global_step": step, "epoch": 0, "time": 1000.0 + step,
-         "metrics": {"interval/loss": 1.0 / step, "interval/accuracy": step / 300}}
+         "metrics": metrics(step)}
         for step in range(10, 241, 10)
     ]  # fmt: skip
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(p) + "\n" for p in points))
     run = load_run(run_dir)
     assert run is not None
-    figure = plot_run(run)
+    return plot_run(run)
+
+
+def test_the_curves_mark_where_each_later_attempt_resumed(tmp_path: Path) -> None:
+    figure = plotted_over_three_attempts(
+        tmp_path, lambda step: {"interval/loss": 1.0 / step, "interval/accuracy": step / 300}
+    )
     assert len(figure.axes) == 2, "losses and scores"
     for axes in figure.axes:
         dotted = [line.get_xdata() for line in axes.lines if line.get_linestyle() == ":"]
@@ -208,18 +217,12 @@ def test_a_machines_line_is_broken_where_another_attempt_took_over() -> None:
 def test_the_machines_and_step_time_readings_stay_below_the_attempts_names(tmp_path: Path) -> None:
     """A host's CPU near 200 % in attempt 2 was drawn on the panel's top edge, under the
     frame and the name "attempt 2": every reading must sit below the band kept for the names."""
-    run_dir = run_with(tmp_path, three_attempts())
-    points = [
-        {"step": step, "global_step": step, "epoch": 0, "time": 1000.0 + step,
-         "metrics": {"system/node1/cpu_percent": 186.8 if step <= 100 else 194.1,
-                     "interval/data_wait_percent": 10.0, "interval/forward_percent": 30.0,
-                     "interval/checkpoint_percent": 1.0}}
-        for step in range(10, 241, 10)
-    ]  # fmt: skip
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(p) + "\n" for p in points))
-    run = load_run(run_dir)
-    assert run is not None
-    figure = plot_run(run)
+    figure = plotted_over_three_attempts(
+        tmp_path,
+        lambda step: {"system/node1/cpu_percent": 186.8 if step <= 100 else 194.1,
+                      "interval/data_wait_percent": 10.0, "interval/forward_percent": 30.0,
+                      "interval/checkpoint_percent": 1.0},
+    )  # fmt: skip
     assert [axes.get_title() for axes in figure.axes] == [
         "CPU of each host (%, 100 = one core)", "where each interval's time went (%)"
     ]  # fmt: skip
