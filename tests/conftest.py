@@ -81,6 +81,14 @@ def no_process_started(item: pytest.Item) -> Iterator[None]:
         pytest.fail(f"this test started a process ({started[0]}): {NOT_FAST}", pytrace=False)
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """matplotlib's first import on a machine builds its font cache by running ``fc-list``:
+    built here, before any fast test, so a plot test's verdict does not depend on whether an
+    earlier command on the machine drew something."""
+    with contextlib.suppress(ImportError):
+        import matplotlib.font_manager  # noqa: F401
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     with no_process_started(item):

@@ -34,6 +34,7 @@ from hpc_ddp.runtime.monitor.system import (
     Place,
     SystemMonitor,
     gpu_text,
+    idle_gpus_tag,
     system_metrics,
 )
 from hpc_ddp.runtime.monitor.usage import (
@@ -48,9 +49,11 @@ from hpc_ddp.runtime.monitor.usage import (
     process_tree,
     to_slot,
 )
+from hpc_ddp.runtime.tracking.base import default_tracking_uri
+from hpc_ddp.runtime.tracking.record import read_tags_set
 from hpc_ddp.view.plot import plot_run
 from hpc_ddp.view.runs import load_run
-from tests.helpers import HandClock, run_local_program, run_with_metrics
+from tests.helpers import HandClock, clean_environ, run_local_program, run_with_metrics
 
 NAN = math.nan
 
@@ -277,6 +280,26 @@ def test_an_idle_gpu_is_named_once_and_counted_while_it_stays_idle() -> None:
     assert re.search(r", node\d+ GPU 0 \(rank \d+\) and \d+ more$", alarm.named), alarm.named
 
 
+def test_a_later_attempt_s_idle_gpus_are_added_to_the_earlier_attempts_tag() -> None:
+    alarm = IdleGpuAlarm(5.0, 900.0, earlier="node1 GPU 1 (rank 1)")
+    assert alarm.named == "node1 GPU 1 (rank 1)", "as the earlier attempts left it"
+    idle = (0.0,) * 6 + (960.0,)
+    alarm.observe([idle, idle], [Place("node2", "0"), Place("node1", "1")])
+    assert alarm.named == "node1 GPU 1 (rank 1), node2 GPU 0 (rank 0)", "each GPU once"
+    assert idle_gpus_tag("a GPU 0 (rank 0) and 3 more", ["b GPU 0 (rank 1)"]) == (
+        "a GPU 0 (rank 0), b GPU 0 (rank 1) and 3 more"
+    ), "the count of earlier GPUs not named is kept"
+    many = [f"node{n:03d} GPU 0 (rank {n})" for n in range(100)]
+    full = idle_gpus_tag("", many)
+    assert len(full) <= IDLE_GPUS_TAG_CHARS and full.endswith(" more")
+    later = idle_gpus_tag(full, ["node999 GPU 7 (rank 7)"])
+    assert later.startswith(full.rsplit(" and ", 1)[0]) and len(later) <= IDLE_GPUS_TAG_CHARS
+    assert (
+        int(later.rsplit(" and ", 1)[1].split()[0])
+        == int(full.rsplit(" and ", 1)[1].split()[0]) + 1
+    )
+
+
 def test_the_idle_gpu_is_told_once_to_the_run_s_tag_and_the_stop(
     one_rank: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -366,7 +389,8 @@ def test_a_bad_monitor_setting_is_refused_naming_it(override: str) -> None:
     assert override.split("=")[0] in str(refused.value)
 
 
-#: Two ranks whose GPUs are stand-ins: rank 0's busy, rank 1's idle (no GPU exists here;
+#: Two ranks whose GPUs are stand-ins: rank 0's busy, rank 1's idle (IDLE_RANK: the other way
+#: round; no GPU exists here;
 #: the readings enter where NVML's would, and all after them is the real path).
 IDLE_GPU_ON_RANK_1 = """
 import torch
@@ -376,7 +400,7 @@ from hpc_ddp.runtime.monitor.nvml import GpuSource
 
 def stand_in(device):
     rank = int(__import__("os").environ["RANK"])
-    busy = 90.0 if rank == 0 else 1.0
+    busy = 1.0 if rank == int(__import__("os").environ.get("IDLE_RANK", "1")) else 90.0
     reading = usage.GpuReading(busy, 1000.0 + rank, 250.0, 60.0 + rank)
     return GpuSource(lambda: reading, str(rank), "")
 
@@ -448,6 +472,35 @@ def test_with_idle_stop_an_idle_gpu_stops_the_run_with_a_checkpoint_and_no_reque
         f"step-{int(stopped.group(1)):09d}"
     ]
     assert "the job was requeued" not in result.stderr
+
+
+@pytest.mark.e2e
+def test_the_gpus_each_attempt_found_idle_add_up_in_the_run_s_tag(tmp_path: Path) -> None:
+    """Attempt 1 finds rank 1's GPU idle and stops (monitor.idle_stop); attempt 2 resumes
+    and finds rank 0's idle: the MLflow run's tag names both, attempt 1's first."""
+    script = tmp_path / "idle_gpu.py"
+    script.write_text(IDLE_GPU_ON_RANK_1.replace('tracking={"enabled": False}, ', ""))
+    settings = [f"run.output_dir={tmp_path}", "run.id=twice", "monitor.idle_after_s=0",
+                "monitor.every_s=3600", "preempt.check_every_steps=1"]  # fmt: skip
+    options = [arg for s in settings for arg in ("--set", s)]
+    first = run_local_program(2, [*options, "--set", "monitor.idle_stop=true", str(script)])
+    assert first.returncode == EXIT_STOPPED, first.stderr[-3000:]
+    second = run_local_program(
+        2, [*options, str(script)], environment={**clean_environ(), "IDLE_RANK": "0"}
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resum" in second.stderr.lower(), second.stderr[-3000:]
+    host = re.search(r"GPU 0 on (\S+) \(rank 0\) has been below", second.stderr)
+    assert host, second.stderr[-3000:]
+    tag = f"{host[1]} GPU 1 (rank 1), {host[1]} GPU 0 (rank 0)"
+    assert read_tags_set(tmp_path / "idle_gpu" / "twice") == {IDLE_GPUS_TAG: tag}
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=default_tracking_uri(tmp_path))
+    [mlflow_run] = client.search_runs(
+        [experiment.experiment_id for experiment in client.search_experiments()]
+    )
+    assert mlflow_run.data.tags[IDLE_GPUS_TAG] == tag
 
 
 @pytest.mark.parametrize("with_gpus", [True, False])

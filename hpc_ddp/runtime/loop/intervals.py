@@ -24,13 +24,14 @@ from hpc_ddp.runtime.loop.streams import Ticks, batch_length
 from hpc_ddp.runtime.monitor.datawait import loader_settings
 from hpc_ddp.runtime.monitor.paces import IntervalPaces, RankTimes, timed_per_rank
 from hpc_ddp.runtime.monitor.steptimers import StepTimers
-from hpc_ddp.runtime.monitor.system import SystemMonitor, gpu_text
+from hpc_ddp.runtime.monitor.system import IDLE_GPUS_TAG, SystemMonitor, gpu_text
 from hpc_ddp.runtime.monitor.throughput import (
     Throughput,
     counted_flops_per_s,
     throughput,
 )
 from hpc_ddp.runtime.monitor.usage import USAGE_FIELDS, from_slot, to_slot
+from hpc_ddp.runtime.tracking.record import read_tags_set
 
 #: A rank's slot begins with its seconds waiting for data, in forward, in optimizer steps,
 #: waiting for the gradients' all-reduce and agreeing on a stop; its machine's figures
@@ -53,9 +54,12 @@ def system_monitor(context: RunContext) -> SystemMonitor | None:
     """This rank's readings of its GPU and processes (None: monitor.every_s=0)."""
     if context.config.monitor.every_s <= 0:
         return None
+    # The GPUs earlier attempts found idle stay in the run's tag (kept in its tracking.json).
+    earlier = read_tags_set(context.run_dir).get(IDLE_GPUS_TAG, "") if context.env.is_main else ""
     return SystemMonitor(
         context.config.monitor, context.device, context.node, context.control_group,
         context.env.is_main, context.signals.stop_without_requeue, context.tracker.set_tag,
+        earlier,
     )  # fmt: skip
 
 

@@ -85,25 +85,37 @@ def mig_slice_names(places: Sequence[Place]) -> str:
     return ", ".join(named)
 
 
+def idle_gpus_tag(earlier: str, names: Sequence[str]) -> str:
+    """The run's ``hpc_ddp.idle_gpus`` tag: the GPUs ``earlier`` (the tag as earlier attempts
+    left it) names, then those of ``names`` not among them; past :data:`IDLE_GPUS_TAG_CHARS`,
+    the rest counted ("... and 40 more", earlier attempts' uncounted ones too)."""
+    entries = [entry for entry in earlier.split(", ") if entry]
+    uncounted = 0
+    if entries and (counted := re.fullmatch(r"(.*) and (\d+) more", entries[-1])):
+        entries[-1], uncounted = counted[1], int(counted[2])
+    entries += [name for name in dict.fromkeys(names) if name not in entries]
+    shown = 0
+    while shown < len(entries) and len(", ".join(entries[: shown + 1])) <= IDLE_GPUS_TAG_CHARS - 20:
+        shown += 1
+    more = uncounted + len(entries) - shown
+    return ", ".join(entries[:shown]) + (f" and {more} more" if more else "")
+
+
 class IdleGpuAlarm:
     """Names, once each, a GPU of the job below ``idle_percent`` for ``idle_after_s``
     without a break, and counts the GPUs idle that long in each interval."""
 
-    def __init__(self, idle_percent: float, idle_after_s: float) -> None:
+    def __init__(self, idle_percent: float, idle_after_s: float, earlier: str = "") -> None:
         self.idle_percent, self.idle_after_s = idle_percent, idle_after_s
+        #: The run's tag as earlier attempts left it ("" for none): this attempt's GPUs add to it.
+        self.earlier = earlier
         #: Each GPU named so far, in the order they were, as "node1 GPU 1 (rank 1)".
         self.said: dict[Place, str] = {}
 
     @property
     def named(self) -> str:
-        """Every GPU named so far, for the run's tag ("" for none); past
-        :data:`IDLE_GPUS_TAG_CHARS`, the rest counted ("... and 40 more")."""
-        names = list(self.said.values())
-        shown = 0
-        while shown < len(names) and len(", ".join(names[: shown + 1])) <= IDLE_GPUS_TAG_CHARS - 20:
-            shown += 1
-        more = f" and {len(names) - shown} more" if shown < len(names) else ""
-        return ", ".join(names[:shown]) + more
+        """Every GPU named so far in the run (earlier attempts' first), for the run's tag."""
+        return idle_gpus_tag(self.earlier, list(self.said.values()))
 
     def observe(
         self, rows: Sequence[Sequence[float]], places: Sequence[Place]
@@ -131,7 +143,8 @@ class IdleGpuAlarm:
 
 
 class SystemMonitor:
-    """This rank's sampler and, on rank 0, every rank's place and the idle alarm."""
+    """This rank's sampler and, on rank 0, every rank's place and the idle alarm
+    (``earlier_idle``: the run's idle-GPU tag as earlier attempts left it)."""
 
     def __init__(
         self,
@@ -142,12 +155,13 @@ class SystemMonitor:
         main: bool,
         stop: Callable[[], None],
         tag: Callable[[str, str], None],
+        earlier_idle: str = "",
     ) -> None:
         source = gpu_source(device)
         self.sampler = UsageSampler(settings.every_s, settings.idle_gpu_percent, source.read)
         self.sampler.start()
         self.places = gather_object_to_main(Place(host, source.gpu_name), group)
-        self.alarm = IdleGpuAlarm(settings.idle_gpu_percent, settings.idle_after_s)
+        self.alarm = IdleGpuAlarm(settings.idle_gpu_percent, settings.idle_after_s, earlier_idle)
         #: Called once a GPU is idle past the limit, with monitor.idle_stop (None: not asked).
         self.stop = stop if settings.idle_stop else None
         #: Tags the run (its tracker's set_tag) with the GPUs found idle.
