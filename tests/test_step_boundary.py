@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from hpc_ddp.runtime.checkpoint.state import describe_load_error
 from hpc_ddp.runtime.errors import HpcDdpError
-from hpc_ddp.runtime.loop.data import TrainLoader
-from hpc_ddp.runtime.loop.streams import BatchStream, batch_length, step_source
+from hpc_ddp.runtime.loop.data import TrainLoader, step_source
+from hpc_ddp.runtime.loop.streams import BatchStream, batch_length
 from hpc_ddp.runtime.session.evaluation import eval_loader
 from hpc_ddp.runtime.session.joining import refuse_nested_start
 from tests.helpers import run_python

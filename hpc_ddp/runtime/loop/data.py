@@ -1,11 +1,13 @@
 """Per-rank loaders over a user's Dataset: sharded, resumable training micro-batches, with
 batches of any structure moved to the rank's device (the evaluation split is in
-:mod:`hpc_ddp.runtime.session.evaluation`)."""
+:mod:`hpc_ddp.runtime.session.evaluation`), and what run.steps iterates: a loader positioned
+by step as it is, any other iterable as a stream (:mod:`hpc_ddp.runtime.loop.streams`)."""
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import operator
 import random
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
@@ -15,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.logs import get_logger
-from hpc_ddp.runtime.loop.streams import move_to
+from hpc_ddp.runtime.loop.streams import BatchStream, move_to
 from hpc_ddp.runtime.place.plan import micro_batch_size
 
 #: Said once when a run.train_loader is iterated without run.steps.
@@ -209,3 +211,43 @@ class TrainLoader(DeviceBatches):
         # Worker seeds come from this generator: fixed by the position, never by the global
         # random streams, which a fresh iterator would otherwise draw from.
         self._generator.manual_seed(mixed_seed(self.seed, epoch, step, self.rank))
+
+
+def _whole(value: object) -> bool:
+    """An integer of any kind (numpy's too), not a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return True
+
+
+#: What a loader positioned by step holds beside ``set_position`` (see StepLoader).
+STEP_LOADER_FIELDS = ("steps_per_epoch", "grad_accum_steps", "global_batch_size")
+
+
+def step_source(loader: Any, grad_accum_steps: int | None) -> Any:
+    """What :meth:`hpc_ddp.Run.steps` iterates: a loader positioned by step (``set_position``
+    and the sizes, as run.train_loader's) as it is, any other iterable as a
+    :class:`BatchStream`. An iterable with a ``set_position`` of its own and none of the
+    sizes is any other; one with some of them is refused, naming those it lacks."""
+    holds = [name for name in STEP_LOADER_FIELDS if _whole(getattr(loader, name, None))]
+    if not callable(getattr(loader, "set_position", None)) or not holds:
+        return BatchStream(loader, 1 if grad_accum_steps is None else grad_accum_steps)
+    if len(holds) < len(STEP_LOADER_FIELDS):
+        lacks = [name for name in STEP_LOADER_FIELDS if name not in holds]
+        raise HpcDdpError(
+            f"run.steps got a {type(loader).__name__} with set_position() and "
+            f"{', '.join(holds)}, but no whole {', '.join(lacks)}: it is neither a loader "
+            "positioned by step nor a plain iterable",
+            f"give it {', '.join(lacks)} (see hpc_ddp.StepLoader), or take "
+            f"{', '.join(holds)} off it to have it iterated as any other",
+        )
+    if grad_accum_steps is not None:
+        raise HpcDdpError(
+            "run.steps(loader, grad_accum_steps=...) with a run.train_loader()",
+            "give grad_accum_steps to run.train_loader(); it shapes the loader's micro-batches",
+        )
+    return loader

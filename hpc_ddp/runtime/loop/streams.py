@@ -18,7 +18,6 @@ restored by the kind of iterable, and said once when it matters:
 from __future__ import annotations
 
 import dataclasses
-import operator
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -296,43 +295,3 @@ class Ticks:
 
     def __next__(self) -> None:
         return None
-
-
-def _whole(value: object) -> bool:
-    """An integer of any kind (numpy's too), not a bool."""
-    if isinstance(value, bool):
-        return False
-    try:
-        operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return False
-    return True
-
-
-#: What a loader positioned by step holds beside ``set_position`` (see StepLoader).
-STEP_LOADER_FIELDS = ("steps_per_epoch", "grad_accum_steps", "global_batch_size")
-
-
-def step_source(loader: Any, grad_accum_steps: int | None) -> Any:
-    """What :meth:`hpc_ddp.Run.steps` iterates: a loader positioned by step (``set_position``
-    and the sizes, as run.train_loader's) as it is, any other iterable as a
-    :class:`BatchStream`. An iterable with a ``set_position`` of its own and none of the
-    sizes is any other; one with some of them is refused, naming those it lacks."""
-    holds = [name for name in STEP_LOADER_FIELDS if _whole(getattr(loader, name, None))]
-    if not callable(getattr(loader, "set_position", None)) or not holds:
-        return BatchStream(loader, 1 if grad_accum_steps is None else grad_accum_steps)
-    if len(holds) < len(STEP_LOADER_FIELDS):
-        lacks = [name for name in STEP_LOADER_FIELDS if name not in holds]
-        raise HpcDdpError(
-            f"run.steps got a {type(loader).__name__} with set_position() and "
-            f"{', '.join(holds)}, but no whole {', '.join(lacks)}: it is neither a loader "
-            "positioned by step nor a plain iterable",
-            f"give it {', '.join(lacks)} (see hpc_ddp.StepLoader), or take "
-            f"{', '.join(holds)} off it to have it iterated as any other",
-        )
-    if grad_accum_steps is not None:
-        raise HpcDdpError(
-            "run.steps(loader, grad_accum_steps=...) with a run.train_loader()",
-            "give grad_accum_steps to run.train_loader(); it shapes the loader's micro-batches",
-        )
-    return loader

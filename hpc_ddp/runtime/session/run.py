@@ -14,12 +14,12 @@ from hpc_ddp.runtime.checkpoint.loading import Resumed
 from hpc_ddp.runtime.errors import HpcDdpError, Stopped
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.loop.context import RunContext
-from hpc_ddp.runtime.loop.data import StepLoader
+from hpc_ddp.runtime.loop.data import StepLoader, step_source
 from hpc_ddp.runtime.loop.intervals import metric_text
 from hpc_ddp.runtime.loop.logged import logged_step
 from hpc_ddp.runtime.loop.metrics import Sum, Sums, scalar_metrics
 from hpc_ddp.runtime.loop.steps import StepLoop
-from hpc_ddp.runtime.loop.streams import Ticks, step_source
+from hpc_ddp.runtime.loop.streams import Ticks
 from hpc_ddp.runtime.monitor.timeline import mark
 from hpc_ddp.runtime.names import check_name
 from hpc_ddp.runtime.session.buckets import check_registrable, settle_own_ddp
