@@ -241,6 +241,50 @@ def test_every_fires_once_per_step_and_save_and_state_resume(tmp_path: Path) -> 
     assert "resuming the batches at step 7: generator is an iterator" in resumed.stderr
 
 
+SEEKING = """
+import json, sys, time
+import torch
+import hpc_ddp
+
+class Seeking:
+    \"\"\"A store positioned by step whose seek takes a second (a remote shard's, say).\"\"\"
+    steps_per_epoch, grad_accum_steps, global_batch_size = 4, 1, 8
+
+    def set_position(self, epoch, step):
+        time.sleep(1.0)
+
+    def __iter__(self):
+        return iter([torch.ones(8, 2)] * 4)
+
+run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False},
+                    run={"output_dir": sys.argv[1], "id": "x"})
+model = run.wrap(torch.nn.Linear(2, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(3):
+    for batch in run.steps(Seeking()):
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+run.finish()
+"""
+
+
+@pytest.mark.e2e
+def test_an_epochs_start_inside_run_steps_is_steps_time_not_the_scripts_own(
+    tmp_path: Path,
+) -> None:
+    """Each of the 3 epochs' loaders takes a second to seek, as run.steps positions it: the
+    time account has those seconds in ``steps`` (not in ``other``, the script's own work),
+    while the samples' rate counts the steps' loop only."""
+    result = run_script(SEEKING, str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    [run_dir] = tmp_path.glob("*/x")
+    [attempt] = json.loads((run_dir / "attempts.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["global_step"] == 12
+    assert attempt["account"]["steps_s"] >= summary["train_time_s"] + 3.0 - 0.002, attempt
+
+
 REFUSALS = {
     "reserved": ("run.log('lr', 1.0, 1)", "run logs interval/lr itself"),
     "unloadable": (

@@ -141,7 +141,12 @@ class StepLoop:
 
     def steps(self, loader: Any) -> Iterator[Any]:
         """The rest of the current epoch's micro-batches (see :meth:`hpc_ddp.Run.steps`):
-        ``loader`` is a TrainLoader or a :class:`BatchStream` over the user's iterable."""
+        ``loader`` is a TrainLoader or a :class:`BatchStream` over the user's iterable.
+        The time account counts all of it as steps, the epoch's start and end (the ranks'
+        check of its length, its metrics summed) too, less its checkpoints and evaluations;
+        the samples' rate counts the steps' loop only."""
+        times = self.context.times
+        entered, entered_mark = times.clock(), times.mark()
         position, accum = self.position, loader.grad_accum_steps
         if isinstance(loader, BatchStream):
             self.streams.take(loader, position.resumed_from_step)
@@ -153,7 +158,7 @@ class StepLoop:
         left = self.limits.steps_left(position, loader.steps_per_epoch)
         loader.set_position(position.epoch, position.step_in_epoch)
         self.metrics.use_loader(loader)
-        started, began = time.perf_counter(), self.context.times.mark()
+        started, began = time.perf_counter(), times.mark()
         self._interval = IntervalStart(started, position.global_step, began.suspended_s)
         self._micro, self._stepping = 0, True
         watchdog = self._watchdog
@@ -185,14 +190,16 @@ class StepLoop:
                 watchdog.disarm(left_early(position.global_step, left, ran_out))
             if self.context.device.type == "cuda":
                 torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
-            elapsed = time.perf_counter() - started
-            position.train_time_s += self.context.times.add_steps(elapsed, began)
+            position.train_time_s += times.ran_s(time.perf_counter() - started, began)
+            times.add_steps(times.clock() - entered, entered_mark)
         if fresh_epoch and not yielded:
             raise no_step_refusal(loader, accum, position.epoch)
+        closing, closing_mark = times.clock(), times.mark()
         self.metrics.progress.reach(position.global_step, final=True)
         self.metrics.end_epoch(position.epoch, position.global_step)
         if not self._in_epochs:
             self._next_epoch()
+        times.add_steps(times.clock() - closing, closing_mark)
 
     def _after_step(self) -> None:
         position, cadence = self.position, self.cadence

@@ -108,17 +108,19 @@ class AttemptTimes:
         :meth:`add_steps`)."""
         return StepsMark(self.paused_s, self.suspended())
 
-    def add_steps(self, seconds: float, began: StepsMark) -> float:
+    def ran_s(self, seconds: float, began: StepsMark) -> float:
+        """``seconds`` since ``began`` (:meth:`mark` then) less the time the process did not
+        run meanwhile."""
+        return max(0.0, seconds - max(0.0, self.suspended() - began.suspended_s))
+
+    def add_steps(self, seconds: float, began: StepsMark) -> None:
         """``seconds`` inside ``run.steps`` as steps, less the checkpoints and evaluations
-        made there and the time the process did not run (``began``: :meth:`mark` then);
-        returns the seconds it ran."""
+        made there and the time the process did not run (``began``: :meth:`mark` then)."""
         if self.paused_before_training_s is None:
             self.paused_before_training_s = began.paused_s
             self.suspended_before_training_s = began.suspended_s
         paused = self.paused_s - began.paused_s
-        ran = max(0.0, seconds - max(0.0, self.suspended() - began.suspended_s))
-        self.steps_s += max(0.0, ran - paused)
-        return ran
+        self.steps_s += max(0.0, self.ran_s(seconds, began) - paused)
 
     @contextmanager
     def counting(
