@@ -17,6 +17,7 @@ from hpc_ddp.runtime.tracking.background import BackgroundWrites
 from hpc_ddp.runtime.tracking.base import NullTracker
 from hpc_ddp.runtime.tracking.journal import JournalTracker
 from hpc_ddp.runtime.tracking.record import read_status, read_tags_set
+from hpc_ddp.runtime.tracking.sync import remember_run
 
 #: How long a call that must not wait for the file system is given before the test says it
 #: did wait (it returns at once when right; it never returns when wrong).
@@ -234,3 +235,19 @@ def test_a_tag_set_is_kept_in_the_record_over_the_attempts(tmp_path: Path) -> No
     JournalTracker(second, run_dir, lambda: (5, 0), "8", 2, tracking).flush()
     assert second.handed_on == [], "nothing reaches MLflow before the run has a call for it"
     assert read_tags_set(run_dir) == record["tags_set"], "kept for a sync of this attempt"
+
+
+def test_a_sync_keeps_what_the_run_added_to_its_record_since_the_sync_read_it(
+    tmp_path: Path,
+) -> None:
+    """A running run's recovery read tracking.json, then the idle-GPU alarm tagged the run;
+    the recovery's new MLflow run id goes into the record as it is now, the tag kept."""
+    record = tmp_path / "tracking.json"
+    read_by_the_sync = {"uri": "sqlite:///mlflow.db", "experiment": "e", "run_id": "old"}
+    record.write_text(json.dumps({**read_by_the_sync, "tags_set": {"hpc_ddp.idle_gpus": "a"}}))
+    remember_run(tmp_path, read_by_the_sync, "sqlite:///mlflow.db", "new")
+    assert json.loads(record.read_text()) == {
+        **read_by_the_sync,
+        "run_id": "new",
+        "tags_set": {"hpc_ddp.idle_gpus": "a"},
+    }

@@ -289,6 +289,10 @@ def test_a_later_attempt_s_idle_gpus_are_added_to_the_earlier_attempts_tag() -> 
     assert idle_gpus_tag("a GPU 0 (rank 0) and 3 more", ["b GPU 0 (rank 1)"]) == (
         "a GPU 0 (rank 0), b GPU 0 (rank 1) and 3 more"
     ), "the count of earlier GPUs not named is kept"
+    assert idle_gpus_tag("node1 GPU 1 (rank 1)", ["node1 GPU 1 (rank 3)"]) == (
+        "node1 GPU 1 (rank 1)"
+    ), "a GPU another attempt numbered differently is the same GPU"
+    assert idle_gpus_tag(" and 1 more", ["a GPU 0 (rank 0)"]) == "a GPU 0 (rank 0) and 1 more"
     many = [f"node{n:03d} GPU 0 (rank {n})" for n in range(100)]
     full = idle_gpus_tag("", many)
     assert len(full) <= IDLE_GPUS_TAG_CHARS and full.endswith(" more")

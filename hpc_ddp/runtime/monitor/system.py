@@ -85,15 +85,27 @@ def mig_slice_names(places: Sequence[Place]) -> str:
     return ", ".join(named)
 
 
+def gpu_of(name: str) -> str:
+    """The GPU a name of the tag gives: "node1 GPU 1" of "node1 GPU 1 (rank 1)"."""
+    return name.split(" (rank ")[0]
+
+
 def idle_gpus_tag(earlier: str, names: Sequence[str]) -> str:
     """The run's ``hpc_ddp.idle_gpus`` tag: the GPUs ``earlier`` (the tag as earlier attempts
-    left it) names, then those of ``names`` not among them; past :data:`IDLE_GPUS_TAG_CHARS`,
-    the rest counted ("... and 40 more", earlier attempts' uncounted ones too)."""
-    entries = [entry for entry in earlier.split(", ") if entry]
+    left it) names, then those of ``names`` not among them (whatever rank they name); past
+    :data:`IDLE_GPUS_TAG_CHARS`, the rest counted ("... and 40 more", earlier attempts'
+    uncounted ones too)."""
+    entries = earlier.split(", ")
     uncounted = 0
-    if entries and (counted := re.fullmatch(r"(.*) and (\d+) more", entries[-1])):
+    if counted := re.fullmatch(r"(.*) and (\d+) more", entries[-1]):
         entries[-1], uncounted = counted[1], int(counted[2])
-    entries += [name for name in dict.fromkeys(names) if name not in entries]
+    entries = [entry for entry in entries if entry]
+    # A GPU is its host and number: a later attempt may have given it another rank.
+    named = {gpu_of(entry) for entry in entries}
+    for name in names:
+        if gpu_of(name) not in named:
+            named.add(gpu_of(name))
+            entries.append(name)
     shown = 0
     while shown < len(entries) and len(", ".join(entries[: shown + 1])) <= IDLE_GPUS_TAG_CHARS - 20:
         shown += 1

@@ -134,7 +134,7 @@ def sync_run(run_dir: Path, uri: str | None = None, live: bool = False) -> SyncR
             "check that the tracking server is up (or pass --uri), then sync again: points "
             "already there are skipped",
         ) from None
-    _remember(run_dir, tracking, uri, run_id)
+    remember_run(run_dir, tracking, uri, run_id)
     replayed = {(point.key, point.step) for point in points}
     return SyncReport(
         run_id,
@@ -180,12 +180,14 @@ def _find_or_create(
     return str(run.info.run_id), True
 
 
-def _remember(run_dir: Path, tracking: dict[str, Any], uri: str, run_id: str) -> None:
-    """Write the run id into tracking.json, so that the next sync finds the same run."""
+def remember_run(run_dir: Path, tracking: dict[str, Any], uri: str, run_id: str) -> None:
+    """Write the run id into tracking.json, so that the next sync finds the same run. Into
+    the file as it is now: a live run may have added to it (a tag) since it was read."""
     if _known_run(tracking, uri) == run_id:
         return
+    current = _read_tracking(run_dir)
     if uri == tracking["uri"]:
-        tracking["run_id"] = run_id
+        current["run_id"] = run_id
     else:
-        tracking["synced"] = {**dict(tracking.get("synced", {})), uri: run_id}
-    replace_json(run_dir / TRACKING_FILE, tracking)
+        current["synced"] = {**dict(current.get("synced", {})), uri: run_id}
+    replace_json(run_dir / TRACKING_FILE, current)
