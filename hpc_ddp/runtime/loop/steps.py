@@ -146,60 +146,56 @@ class StepLoop:
         check of its length, its metrics summed) too, less its checkpoints and evaluations;
         the samples' rate counts the steps' loop only."""
         times = self.context.times
-        entered, entered_mark = times.clock(), times.mark()
-        position, accum = self.position, loader.grad_accum_steps
-        if isinstance(loader, BatchStream):
-            self.streams.take(loader, position.resumed_from_step)
-        else:
-            micro = loader.global_batch_size // (accum * self.context.env.world_size)
-            self.metrics.set_batch(micro, accum)
-        check_same_steps(loader.steps_per_epoch, self.context.control_group)
-        self.metrics.progress.total_steps = self.limits.total_steps(loader.steps_per_epoch)
-        left = self.limits.steps_left(position, loader.steps_per_epoch)
-        loader.set_position(position.epoch, position.step_in_epoch)
-        self.metrics.use_loader(loader)
-        started, began = time.perf_counter(), times.mark()
-        self._interval = IntervalStart(started, position.global_step, began.suspended_s)
-        self._micro, self._stepping = 0, True
-        watchdog = self._watchdog
-        if watchdog is not None:
-            watchdog.arm()
-        wanted = left > 0 or loader.steps_per_epoch == 0  # 0: a sized iterable, empty
-        fresh_epoch, yielded, ran_out = wanted and position.step_in_epoch == 0, False, False
-        try:
-            batches = iter(loader) if left > 0 else iter(())
-            while left > 0:
-                batch = self.metrics.timers.data_wait.next_of(batches, _END)
-                if batch is _END:
-                    ran_out = True
-                    break
-                yielded = True
-                if not self.metrics.global_batch_size:
-                    self.metrics.measure_batch(batch, accum)
-                self.accumulating = self._micro < accum - 1
-                yield batch
-                if watchdog is not None:
-                    watchdog.beat()
-                self._micro = (self._micro + 1) % accum
-                if self._micro == 0:
-                    left -= 1
-                    self._after_step()
-        finally:
-            self._stepping, self.accumulating = False, False
+        with times.in_steps():
+            position, accum = self.position, loader.grad_accum_steps
+            if isinstance(loader, BatchStream):
+                self.streams.take(loader, position.resumed_from_step)
+            else:
+                micro = loader.global_batch_size // (accum * self.context.env.world_size)
+                self.metrics.set_batch(micro, accum)
+            check_same_steps(loader.steps_per_epoch, self.context.control_group)
+            self.metrics.progress.total_steps = self.limits.total_steps(loader.steps_per_epoch)
+            left = self.limits.steps_left(position, loader.steps_per_epoch)
+            loader.set_position(position.epoch, position.step_in_epoch)
+            self.metrics.use_loader(loader)
+            started, began = time.perf_counter(), times.mark()
+            self._interval = IntervalStart(started, position.global_step, began.suspended_s)
+            self._micro, self._stepping, watchdog = 0, True, self._watchdog
             if watchdog is not None:
-                watchdog.disarm(left_early(position.global_step, left, ran_out))
-            if self.context.device.type == "cuda":
-                torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
-            position.train_time_s += times.ran_s(time.perf_counter() - started, began)
-            times.add_steps(times.clock() - entered, entered_mark)
-        if fresh_epoch and not yielded:
-            raise no_step_refusal(loader, accum, position.epoch)
-        closing, closing_mark = times.clock(), times.mark()
-        self.metrics.progress.reach(position.global_step, final=True)
-        self.metrics.end_epoch(position.epoch, position.global_step)
-        if not self._in_epochs:
-            self._next_epoch()
-        times.add_steps(times.clock() - closing, closing_mark)
+                watchdog.arm()
+            wanted = left > 0 or loader.steps_per_epoch == 0  # 0: a sized iterable, empty
+            fresh_epoch, yielded, ran_out = wanted and position.step_in_epoch == 0, False, False
+            try:
+                batches = iter(loader) if left > 0 else iter(())
+                while left > 0:
+                    batch = self.metrics.timers.data_wait.next_of(batches, _END)
+                    if batch is _END:
+                        ran_out = True
+                        break
+                    yielded = True
+                    if not self.metrics.global_batch_size:
+                        self.metrics.measure_batch(batch, accum)
+                    self.accumulating = self._micro < accum - 1
+                    yield batch
+                    if watchdog is not None:
+                        watchdog.beat()
+                    self._micro = (self._micro + 1) % accum
+                    if self._micro == 0:
+                        left -= 1
+                        self._after_step()
+            finally:
+                self._stepping, self.accumulating = False, False
+                if watchdog is not None:
+                    watchdog.disarm(left_early(position.global_step, left, ran_out))
+                if self.context.device.type == "cuda":
+                    torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
+                position.train_time_s += times.ran_s(time.perf_counter() - started, began)
+            if fresh_epoch and not yielded:
+                raise no_step_refusal(loader, accum, position.epoch)
+            self.metrics.progress.reach(position.global_step, final=True)
+            self.metrics.end_epoch(position.epoch, position.global_step)
+            if not self._in_epochs:
+                self._next_epoch()
 
     def _after_step(self) -> None:
         position, cadence = self.position, self.cadence

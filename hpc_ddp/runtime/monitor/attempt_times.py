@@ -123,6 +123,15 @@ class AttemptTimes:
         self.steps_s += max(0.0, self.ran_s(seconds, began) - paused)
 
     @contextmanager
+    def in_steps(self) -> Iterator[None]:
+        """The time inside as steps (:meth:`add_steps`), however it is left."""
+        began, started = self.mark(), self.clock()
+        try:
+            yield
+        finally:
+            self.add_steps(self.clock() - started, began)
+
+    @contextmanager
     def counting(
         self,
         part: Literal["resume", "checkpoint", "evaluation"],
