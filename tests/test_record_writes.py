@@ -16,7 +16,12 @@ import pytest
 from hpc_ddp.runtime.tracking.background import BackgroundWrites
 from hpc_ddp.runtime.tracking.base import NullTracker
 from hpc_ddp.runtime.tracking.journal import JournalTracker
-from hpc_ddp.runtime.tracking.record import read_status, read_tags_set
+from hpc_ddp.runtime.tracking.record import (
+    mlflow_behind,
+    read_earlier_metrics,
+    read_status,
+    read_tags_set,
+)
 from hpc_ddp.runtime.tracking.sync import remember_run
 
 #: How long a call that must not wait for the file system is given before the test says it
@@ -251,3 +256,62 @@ def test_a_sync_keeps_what_the_run_added_to_its_record_since_the_sync_read_it(
         "run_id": "new",
         "tags_set": {"hpc_ddp.idle_gpus": "a"},
     }
+
+
+class Failing(Recording):
+    """MLflow that failed during the attempt (GuardedTracker's status then)."""
+
+    status = "failed: suspending the run: no answer within 30 s"
+
+    def suspend(self) -> None:
+        self.handed_on.append(("suspend",))
+
+
+@pytest.mark.parametrize(
+    ("inner", "behind"), [(Recording(), True), (Failing(), True)], ids=["off", "failed"]
+)
+def test_an_attempt_leaves_what_became_of_its_tracking_for_the_next(
+    tmp_path: Path, inner: Recording, behind: bool
+) -> None:
+    """The next attempt replays what this one left out of MLflow when its tracking failed
+    (or was off); an attempt killed outright says nothing, which counts as behind too."""
+    run_dir = tmp_path / "name" / "id"
+    journal = JournalTracker(inner, run_dir, lambda: (5, 0), "7", 2)
+    assert mlflow_behind(read_status(run_dir)) is True, "running: nothing said yet"
+    journal.suspend()
+    status = read_status(run_dir)
+    assert status is not None and status["state"] == "requeued"
+    assert status["tracking"] == inner.status
+    assert mlflow_behind(status) is behind
+
+
+def test_only_a_new_run_or_tracking_that_ended_whole_leaves_mlflow_up_to_date() -> None:
+    assert mlflow_behind(None) is False and mlflow_behind({}) is False
+    assert mlflow_behind({"state": "requeued", "tracking": "ok"}) is False
+    assert mlflow_behind({"state": "stopped", "tracking": "recovered after: x"}) is False
+    assert mlflow_behind({"state": "running"}) is True, "killed outright"
+    assert mlflow_behind({"state": "stopped", "tracking": "failed: could not start"}) is True
+    assert mlflow_behind({"state": "requeued", "tracking": "off"}) is True
+
+
+def test_a_catch_up_takes_the_earlier_attempts_points_up_to_the_resume(tmp_path: Path) -> None:
+    """Attempt 1 logged steps 10 to 40 and was killed; attempt 2 (begun at t=100) resumed
+    from its checkpoint at step 20 and logged step 30 again before its MLflow caught up.
+    The catch-up replays what the run's final history holds of attempt 1: steps 10 and 20,
+    not its 30 and 40 (computed again), nor attempt 2's own 30 (sent by attempt 2)."""
+    lines = [
+        {"attempt": 1, "from_step": 0, "time": 1.0},
+        *(
+            {"step": step, "time": 1.0 + step, "metrics": {"loss": step / 10}}
+            for step in (10, 20, 30, 40)
+        ),
+        {"attempt": 2, "from_step": 20, "time": 101.0},
+        {"step": 30, "time": 101.0, "metrics": {"loss": 9.0}},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    earlier = read_earlier_metrics(tmp_path, 100.0, 20)
+    assert [(entry["step"], entry["metrics"]) for entry in earlier] == [
+        (10, {"loss": 1.0}),
+        (20, {"loss": 2.0}),
+    ]
+    assert read_earlier_metrics(tmp_path / "none", 100.0, 20) == []

@@ -5,6 +5,7 @@ but for the refused call, which a real SQLite store refuses."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -184,20 +185,27 @@ def test_the_end_gives_up_on_a_tracking_process_that_does_no_work() -> None:
     ("ending", "doing"),
     [("suspend", "suspending the run"), ("KILLED", "ending the run"), ("FAILED", "ending the run")],
 )
-def test_a_stop_or_a_failure_never_waits_past_the_limit(ending: str, doing: str) -> None:
+def test_a_stop_or_a_failure_never_waits_past_the_limit(
+    ending: str, doing: str, caplog: pytest.LogCaptureFixture
+) -> None:
     """Before a requeue or at a stop the job's warning time runs, and a failure's report and
-    the other ranks wait: a working but slow process is not waited for past the limit."""
+    the other ranks wait: a working but slow process is not waited for past the limit. The
+    warning says where the points MLflow missed are and what brings them to it."""
     go, answer = threading.Event(), threading.Event()
     go.set()
     working = WorkingProcess(answer, answer_at=0)
     tracker = GuardedTracker(
         RecordingStore(go, answer).started, "stand-in", wait_limit_s=0.01, cpu_seconds=working
     )
-    if ending == "suspend":
-        tracker.suspend()
-    else:
-        tracker.finish(ending)
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp"):
+        if ending == "suspend":
+            tracker.suspend()
+        else:
+            tracker.finish(ending)
     assert tracker.status == f"failed: {doing}: TimeoutError: no answer within 0 s"
+    [warning] = [record.message for record in caplog.records if "MLflow at" in record.message]
+    assert f"failed {doing}" in warning and "training goes on" not in warning, warning
+    assert "next attempt sends MLflow what it lacks" in warning and "tracking sync" in warning
     answer.set()
 
 

@@ -210,6 +210,45 @@ def test_an_mlflow_server_killed_mid_run_leaves_training_and_its_record_whole(
     assert run.info.status == "FINISHED"
 
 
+def test_the_attempt_after_one_whose_mlflow_was_down_puts_its_points_in_mlflow(
+    tmp_path: Path,
+) -> None:
+    """Attempt 1 trains to step 30 with the server down, then is stopped; attempt 2 finds
+    the server up, resumes, and its MLflow run holds both attempts' points, each once.
+    Before, attempt 1's points stayed in metrics.jsonl only (until a `tracking sync`)."""
+    port = closed_port()
+    uri = f"http://127.0.0.1:{port}"
+    program = [
+        PROGRAM, "--epochs", "2", "--log-interval", "5", f"run.output_dir={tmp_path}",
+        "run.id=behind", f"tracking.uri={uri}", "preempt.check_every_steps=1",
+    ]  # fmt: skip
+    process = start_program(2, [*program, "--hold-at-step", "30"])
+    log = signal_after(process, r"HOLDING at step 30 \(rank 0\)", signal.SIGUSR1)
+    assert process.returncode == EXIT_STOPPED, log[-3000:]
+    run_dir = tmp_path / "regression" / "behind"
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["tracking"].startswith("failed: could not start"), status
+    stopped_at = status["global_step"]
+
+    server = start_mlflow_server(tmp_path, port)
+    try:
+        resumed = run_local_program(2, program)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        facts = read_summary(tmp_path, "regression", "behind")
+        client = MlflowClient(tracking_uri=uri)
+        run = client.get_run(str(facts["mlflow_run_id"]))
+        history = client.get_metric_history(run.info.run_id, "interval/mse")
+    finally:
+        stop_mlflow_server(server)
+    assert "resumed" in resumed.stderr.lower() and "MLflow at" not in resumed.stderr
+    assert sorted(metric.step for metric in history) == list(range(5, 101, 5)), "each once"
+    assert run.info.status == "FINISHED" and facts["tracking"] == "ok"
+    assert run.data.tags["hpc_ddp.attempts"] == "2", "MLflow was away for attempt 1, not unaware"
+    assert run.data.tags["hpc_ddp.attempt.1.start_step"] == str(stopped_at)
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["attempts"] == 2 and status["tracking"] == "ok"
+
+
 def test_a_server_that_comes_back_mid_run_gets_the_whole_run_in_the_background(
     tmp_path: Path,
 ) -> None:

@@ -20,9 +20,8 @@ from hpc_ddp.runtime.tracking.base import (
     RunRecord,
     default_tracking_uri,
 )
-from hpc_ddp.runtime.tracking.mlflow_import import LEFT_OUT
+from hpc_ddp.runtime.tracking.mlflow_import import LEFT_OUT, MLFLOW_HTTP_SETTINGS
 from hpc_ddp.runtime.tracking.worker import (
-    MLFLOW_HTTP_SETTINGS,
     STEADY_NICE,
     WorkerTracker,
     _prestarted,

@@ -109,6 +109,9 @@ class RunRecord:
     #: When the run started (Unix ms): MLflow's run begins then, not when its tracking process
     #: got round to creating it, so its duration is the run's.
     start_time_ms: int | None = None
+    #: The attempts of the run before this one (status.json's count): this attempt's tags
+    #: follow theirs, also where MLflow was away for some of them.
+    earlier_attempts: int = 0
 
 
 @contextlib.contextmanager

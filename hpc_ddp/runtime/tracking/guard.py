@@ -5,7 +5,6 @@ in its own record (metrics.jsonl), and the summary says what happened to trackin
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -15,7 +14,7 @@ from typing import Any
 from hpc_ddp.runtime.errors import error_line
 from hpc_ddp.runtime.logs import get_logger
 from hpc_ddp.runtime.tracking.base import LoggedMetrics, StoreTracker
-from hpc_ddp.runtime.tracking.worker import mlflow_http_settings
+from hpc_ddp.runtime.tracking.mlflow_import import export_mlflow_http_settings
 
 #: The longest the training thread waits for MLflow at any one point (the run's id for a
 #: checkpoint, the run's end); past it, the run goes on without.
@@ -25,6 +24,8 @@ WAIT_LIMIT_S = 30.0
 #: no CPU): at least this much CPU time in each WAIT_LIMIT_S, and PATIENT_LIMIT_S in all.
 WORKING_CPU_S = 0.05
 PATIENT_LIMIT_S = 600.0
+#: What a tracker fails at when the run stops or ends (no training goes on after it).
+ENDINGS = ("ending the run", "suspending the run")
 #: How often a tracker that failed is tried again (in the background, never in the way).
 RETRY_S = 60.0
 #: How long the background thread holds logged metrics for more to send with them: one MLflow
@@ -33,12 +34,19 @@ RETRY_S = 60.0
 GATHER_S = 1.0
 
 
-def export_mlflow_http_settings(environ: Any = os.environ) -> dict[str, str]:
-    """Write :func:`mlflow_http_settings` into ``environ`` (MLflow reads them only from the
-    environment); returns what was written."""
-    written = mlflow_http_settings(environ)
-    environ.update(written)
-    return written
+def after_failing(doing: str) -> str:
+    """What a warning that MLflow failed ``doing`` says next: what happens now, and the fix."""
+    if doing in ENDINGS:
+        return (
+            "the run's metrics are whole in metrics.jsonl in its directory. HINT: the run's "
+            "next attempt sends MLflow what it lacks; for a run that ends here, `hpc-ddp "
+            "tracking sync NAME/ID` does, once the server answers"
+        )
+    return (
+        "training goes on without it, and the run's metrics stay in metrics.jsonl in its "
+        "directory. HINT: check tracking.uri and that the server is up, or set "
+        "tracking.enabled=false"
+    )
 
 
 def wait_for_answer(
@@ -232,9 +240,7 @@ class GuardedTracker:
             return
         self._status = f"failed: {doing}: {error_line(error)}"
         get_logger().warning(
-            f"MLflow at {self._uri} failed {doing} ({error_line(error)}); training goes on "
-            "without it, and the run's metrics stay in metrics.jsonl in its directory. HINT: "
-            "check tracking.uri and that the server is up, or set tracking.enabled=false"
+            f"MLflow at {self._uri} failed {doing} ({error_line(error)}); {after_failing(doing)}"
         )
 
     def _submit(self, doing: str, method: str, *args: Any) -> None:

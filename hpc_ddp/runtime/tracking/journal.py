@@ -26,6 +26,7 @@ from hpc_ddp.runtime.tracking.record import (
     STATUS_FILE,
     TAGS_SET,
     TRACKING_FILE,
+    TRACKING_OUTCOME,
     parsed_object,
     replace_json,
     tags_set,
@@ -263,5 +264,8 @@ class JournalTracker:
         self._inner_ended = not written
         end()
         self._note_run_id()
+        # The next attempt replays what this one left out of MLflow (record.mlflow_behind).
+        self._status[TRACKING_OUTCOME] = self._inner.status
+        self._write_status()
         if written:
             self.flush()

@@ -1,4 +1,4 @@
-"""mlflow imported lean, for rank 0's tracking process.
+"""mlflow imported lean, and its HTTP client's settings, for rank 0's tracking process.
 
 The full mlflow install brings the data-science stack (pandas, numpy, scipy, pyarrow) and
 imports it at ``import mlflow``, though logging a run's params, metrics, tags and files
@@ -13,7 +13,9 @@ Standard library only.
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping, MutableMapping
 
 from hpc_ddp.runtime.import_gc import freeze_imports, hold_collection
 
@@ -52,3 +54,27 @@ def let_in() -> bool:
 def _import() -> None:
     import mlflow
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+
+
+#: MLflow's HTTP client retries 7 times with a doubling backoff, minutes against a server
+#: that is down; with these (unless the user set them) a failing call gives up in seconds.
+MLFLOW_HTTP_SETTINGS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
+
+
+def mlflow_http_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """:data:`MLFLOW_HTTP_SETTINGS` that ``environ`` does not set (the user's values win)."""
+    return {key: value for key, value in MLFLOW_HTTP_SETTINGS.items() if key not in environ}
+
+
+def export_mlflow_http_settings(
+    environ: MutableMapping[str, str] = os.environ,
+) -> dict[str, str]:
+    """Write :func:`mlflow_http_settings` into ``environ`` (MLflow reads them only from the
+    environment); returns what was written."""
+    written = mlflow_http_settings(environ)
+    environ.update(written)
+    return written

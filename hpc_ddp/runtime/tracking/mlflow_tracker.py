@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -9,12 +10,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.tracking.base import (
     MAX_METRICS_PER_CALL,
     LoggedMetrics,
     RunRecord,
     experiment_folder,
+    store_lock,
 )
+from hpc_ddp.runtime.tracking.mlflow_import import let_in
 
 #: The run's code tags each attempt keeps a copy of, under hpc_ddp.attempt.N.<name>.
 ATTEMPT_CODE_TAGS = {
@@ -57,7 +61,8 @@ class MlflowTracker:
         else:
             self._run, resumed_tags = resumed
         self.run_id: str | None = self._run
-        attempt = sum(1 for key in resumed_tags if key.endswith(".start_step"))
+        tagged = sum(1 for key in resumed_tags if key.endswith(".start_step"))
+        attempt = max(tagged, record.earlier_attempts)
         for key, value in resumed_tags.items():
             if record.attempt_token and key.endswith(".token") and value == record.attempt_token:
                 self._attempt_prefix = key.removesuffix(".token")  # this attempt, again
@@ -151,3 +156,26 @@ class MlflowTracker:
     def suspend(self) -> None:
         """The job was requeued: leave the run RUNNING for the next attempt to continue."""
         self._client.set_tag(self._run, f"{self._attempt_prefix}.end", "requeued")
+
+
+def open_mlflow_run(
+    uri: str, experiment: str, artifact_root: Path, record: RunRecord, catch_up: str | None
+) -> MlflowTracker:
+    """The run's MLflow run, created or reopened; with ``catch_up`` (the run's directory)
+    after the points the attempts before left out of MLflow were replayed from its record."""
+    from hpc_ddp.runtime.tracking.sync import sync_run
+
+    try:
+        if catch_up is not None:
+            began = ((record.start_time_ms or time.time() * 1000) / 1000, record.start_step)
+            report = sync_run(Path(catch_up), uri, live=True, resumed=began)
+            record = dataclasses.replace(record, resume_run_id=report.run_id)
+        with store_lock(uri):
+            return MlflowTracker(uri, experiment, artifact_root, record)
+    except ImportError as error:
+        if let_in():  # mlflow wanted a package this process left out
+            raise
+        raise HpcDdpError(
+            f"tracking.enabled=true but mlflow cannot be imported ({error})",
+            "pip install mlflow, or run with tracking.enabled=false",
+        ) from None

@@ -30,7 +30,12 @@ from hpc_ddp.runtime.tracking.journal import JournalTracker
 from hpc_ddp.runtime.tracking.membership import read_membership
 from hpc_ddp.runtime.tracking.mlflow_tracker import MlflowTracker
 from hpc_ddp.runtime.tracking.provenance import AttemptCode
-from hpc_ddp.runtime.tracking.record import read_tags_set, read_tracked_run_id
+from hpc_ddp.runtime.tracking.record import (
+    mlflow_behind,
+    read_status,
+    read_tags_set,
+    read_tracked_run_id,
+)
 from hpc_ddp.runtime.tracking.sync import sync_run
 from hpc_ddp.runtime.tracking.worker import (
     WorkerTracker,
@@ -57,6 +62,7 @@ def open_tracker(
     env = plan.dist_env
     saved = resume[1] if resume else None
     membership = read_membership(plan.run_dir)
+    previous = read_status(plan.run_dir)  # before this attempt's journal rewrites it
     record = RunRecord(
         # NAME/ID, as `hpc-ddp runs` shows it: runs of one script are told apart in the UI.
         name=f"{run_name}/{plan.run_dir.name}",
@@ -90,10 +96,16 @@ def open_tracker(
         start_step=int(saved["global_step"]) if saved else 0,
         attempt_token=f"{env.hostname}:{os.getpid()}:{entry_unix:.0f}",
         start_time_ms=int(entry_unix * 1000),
+        earlier_attempts=int((previous or {}).get("attempts", 0)),
     )
     tracker = JournalTracker(
         start_tracker(
-            settings.tracking, settings.run.output_dir, record, plan.run_dir, env.world_size
+            settings.tracking,
+            settings.run.output_dir,
+            record,
+            plan.run_dir,
+            env.world_size,
+            catch_up=mlflow_behind(previous),
         ),
         plan.run_dir,
         progress,
@@ -128,13 +140,16 @@ def start_tracker(
     record: RunRecord,
     run_dir: Path | None = None,
     world_size: int = 1,
+    catch_up: bool = False,
 ) -> Tracker:
     """An MLflow run (rank 0 only: other ranks use a NullTracker) driven from a child process
     started now (see tracking_worker), the run created or reopened on first use; a failing
     MLflow never stops training (see GuardedTracker). A ``record`` with a ``resume_run_id``
     continues that run. With ``run_dir``, a tracker that failed is tried again now and then:
     the run's record is replayed into MLflow and tracking goes on. ``world_size``: the
-    run's, for the tracking process's log lines."""
+    run's, for the tracking process's log lines. ``catch_up``: the attempts before may have
+    left points out of MLflow (record.mlflow_behind): the tracking process replays them
+    from ``run_dir``'s record before it tracks."""
     if not config.enabled:
         return NullTracker()
     uri = tracking_uri(config, output_dir)
@@ -144,7 +159,15 @@ def start_tracker(
     worker = take_prestarted() or spawn_worker()
 
     def start() -> StoreTracker:
-        return WorkerTracker(uri, config.experiment, artifacts, record, (0, world_size), worker)
+        return WorkerTracker(
+            uri,
+            config.experiment,
+            artifacts,
+            record,
+            (0, world_size),
+            worker,
+            catch_up=run_dir if catch_up else None,
+        )
 
     def recover() -> tuple[StoreTracker, set[tuple[str, int]]]:
         assert run_dir is not None

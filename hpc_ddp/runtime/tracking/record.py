@@ -76,6 +76,20 @@ def read_status(run_dir: Path) -> dict[str, Any] | None:
     return parsed_object(text) or None
 
 
+#: status.json's key for what became of the attempt's tracking: its tracker's status.
+TRACKING_OUTCOME = "tracking"
+
+
+def mlflow_behind(previous_status: Mapping[str, Any] | None) -> bool:
+    """Whether the attempts before, by ``previous_status`` (the run's status.json as the
+    next attempt finds it), may have left points out of MLflow: the last one ended with
+    tracking failed or off, or never said how it ended (killed outright)."""
+    if not previous_status:
+        return False  # a new run
+    outcome = str(previous_status.get(TRACKING_OUTCOME, ""))
+    return not outcome.startswith(("ok", "recovered"))
+
+
 def read_tracked_run_id(run_dir: Path) -> str | None:
     """The MLflow run named in the run's tracking.json (None: none known)."""
     try:
@@ -93,6 +107,26 @@ def read_metrics(run_dir: Path) -> Iterator[dict[str, Any]]:
     except OSError:
         return
     yield from current_points(lines)
+
+
+def read_earlier_metrics(run_dir: Path, began_unix: float, from_step: int) -> list[dict[str, Any]]:
+    """What the run's final history holds of the attempts before one that began at
+    ``began_unix`` from ``from_step``: their points after ``from_step`` are left out, as that
+    attempt's start line drops them, and so is every point the attempt logged itself."""
+    try:
+        lines = (run_dir / METRICS_FILE).read_text().splitlines()
+    except OSError:
+        return []
+    earlier = [line for line in lines if _logged_before(line, began_unix)]
+    return current_points([*earlier, json.dumps({"from_step": from_step})])
+
+
+def _logged_before(line: str, unix: float) -> bool:
+    try:
+        logged = json.loads(line).get("time")
+    except (ValueError, AttributeError):
+        return False
+    return is_number(logged) and logged < unix
 
 
 def last_logged(

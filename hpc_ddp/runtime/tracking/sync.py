@@ -20,6 +20,7 @@ from hpc_ddp.runtime.tracking.base import experiment_folder, store_lock
 from hpc_ddp.runtime.tracking.record import (
     TRACKING_FILE,
     pid_alive,
+    read_earlier_metrics,
     read_metrics,
     read_status,
     replace_json,
@@ -74,15 +75,23 @@ def _refuse_live(run_dir: Path, status: dict[str, Any]) -> None:
     )
 
 
-def sync_run(run_dir: Path, uri: str | None = None, live: bool = False) -> SyncReport:
+def sync_run(
+    run_dir: Path,
+    uri: str | None = None,
+    live: bool = False,
+    resumed: tuple[float, int] | None = None,
+) -> SyncReport:
     """Replay ``run_dir``'s record into MLflow at ``uri`` (default: the run's own).
-    ``live``: the run itself catching up after an outage (it is running, of course)."""
+    ``live``: the run itself catching up after an outage (it is running, of course: its
+    MLflow run is left RUNNING). ``resumed``: (its start, Unix s; the step it resumed from):
+    an attempt catching up with what the attempts before it left out of MLflow, which
+    replays their points only."""
     tracking = _read_tracking(run_dir)
     status = read_status(run_dir) or {}
     if not live:
         _refuse_live(run_dir, status)
     uri = uri or str(tracking["uri"])
-    from hpc_ddp.runtime.tracking.guard import export_mlflow_http_settings
+    from hpc_ddp.runtime.tracking.mlflow_import import export_mlflow_http_settings
 
     export_mlflow_http_settings()
     import mlflow
@@ -98,7 +107,8 @@ def sync_run(run_dir: Path, uri: str | None = None, live: bool = False) -> SyncR
         existing: dict[str, set[int]] = {}
         points = []
         refused: set[str] = set()
-        for entry in read_metrics(run_dir):
+        entries = read_earlier_metrics(run_dir, *resumed) if resumed else read_metrics(run_dir)
+        for entry in entries:
             for key, value in entry["metrics"].items():
                 if value is None:
                     continue
@@ -125,7 +135,7 @@ def sync_run(run_dir: Path, uri: str | None = None, live: bool = False) -> SyncR
         summary = run_dir / "summary.json"
         if summary.is_file():
             client.log_text(run_id, summary.read_text(), "summary.json")
-        final = FINAL_STATUS.get(str(status.get("state")))
+        final = None if live else FINAL_STATUS.get(str(status.get("state")))
         if final is not None:
             client.set_terminated(run_id, status=final)
     except Exception as error:  # MLflow's and its HTTP client's many ways of failing

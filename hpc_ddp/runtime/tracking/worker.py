@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hpc_ddp.runtime.exits import rank_label
-from hpc_ddp.runtime.tracking.mlflow_import import import_mlflow, let_in
+from hpc_ddp.runtime.tracking.mlflow_import import import_mlflow, let_in, mlflow_http_settings
 
 if TYPE_CHECKING:
     from hpc_ddp.runtime.tracking.base import LoggedMetrics, RunRecord
@@ -43,19 +43,6 @@ JOB_SIGNALS = tuple(
     getattr(signal, name)
     for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGURG")
 )
-
-#: MLflow's HTTP client retries 7 times with a doubling backoff, minutes against a server
-#: that is down; with these (unless the user set them) a failing call gives up in seconds.
-MLFLOW_HTTP_SETTINGS = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
-}
-
-
-def mlflow_http_settings(environ: Mapping[str, str]) -> dict[str, str]:
-    """:data:`MLFLOW_HTTP_SETTINGS` that ``environ`` does not set (the user's values win)."""
-    return {key: value for key, value in MLFLOW_HTTP_SETTINGS.items() if key not in environ}
 
 
 @dataclass
@@ -151,11 +138,18 @@ class WorkerTracker:
         record: RunRecord,
         log_prefix: tuple[int, int] = (0, 1),
         worker: Worker | None = None,
+        catch_up: Path | None = None,
     ) -> None:
         worker = worker or spawn_worker()
         self._process, self._connection = worker.process, worker.connection
         self.run_id: str | None = self._call(
-            "start", tracking_uri, experiment, str(artifact_root), record, log_prefix
+            "start",
+            tracking_uri,
+            experiment,
+            str(artifact_root),
+            record,
+            log_prefix,
+            str(catch_up) if catch_up else None,
         )
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -204,24 +198,18 @@ class WorkerTracker:
 
 
 def _start(
-    uri: str, experiment: str, artifacts: str, record: RunRecord, log_prefix: tuple[int, int]
+    uri: str,
+    experiment: str,
+    artifacts: str,
+    record: RunRecord,
+    log_prefix: tuple[int, int],
+    catch_up: str | None,
 ) -> Any:
-    from hpc_ddp.runtime.errors import HpcDdpError
     from hpc_ddp.runtime.logs import setup_logging
-    from hpc_ddp.runtime.tracking.base import store_lock
-    from hpc_ddp.runtime.tracking.mlflow_tracker import MlflowTracker
+    from hpc_ddp.runtime.tracking.mlflow_tracker import open_mlflow_run
 
     setup_logging(*log_prefix)
-    try:
-        with store_lock(uri):
-            return MlflowTracker(uri, experiment, Path(artifacts), record)
-    except ImportError as error:
-        if let_in():  # mlflow wanted a package this process left out
-            raise
-        raise HpcDdpError(
-            f"tracking.enabled=true but mlflow cannot be imported ({error})",
-            "pip install mlflow, or run with tracking.enabled=false",
-        ) from None
+    return open_mlflow_run(uri, experiment, Path(artifacts), record, catch_up)
 
 
 #: The tracking process's niceness above the rank's once its MLflow run exists.
