@@ -717,6 +717,9 @@ FAULTS: list[tuple[str, str, str]] = [
      "later adds every point once", "test_tracking_outage.py::test_a_tracking_server_that_is_down_costs_one_warning_and_nothing_else"),
     ("tracking server killed mid-run", "one warning, exit 0, record whole; sync completes the "
      "same MLflow run", "test_tracking_outage.py::test_an_mlflow_server_killed_mid_run_leaves_training_and_its_record_whole"),
+    ("tracking server down for a stopped attempt, up for the next", "the next attempt's MLflow "
+     "run holds both attempts' points, each once, and counts 2 attempts",
+     "test_tracking_outage.py::test_the_attempt_after_one_whose_mlflow_was_down_puts_its_points_in_mlflow"),
     ("stalled rank (sleeping in user code)", "job ends at the stall (not after dist.timeout_s), "
      "the frame in the log, exit 5; the rank waiting for it inside torch exits 4; "
      "`hpc-ddp runs NAME/ID` names the stalled rank and its line", "test_watchdog.py::test_a_rank_sleeping_in_the_users_code_ends_the_job_and_shows_the_frame"),

@@ -108,9 +108,13 @@ def test_the_end_waits_for_the_record_only_so_long_and_says_so(
     with open(run_dir / "metrics.jsonl") as reader:  # lets the writer go
         assert json.loads(reader.read().splitlines()[-1])["metrics"] == {"loss": 0.5}
     journal.flush()
-    assert read_status(run_dir)["state"] == "finished"  # type: ignore[index]
+    status = read_status(run_dir)
+    assert status is not None and status["state"] == "finished"
     assert inner.handed_on == [("finish", "FINISHED")], (
         "MLflow's run ended at the limit; the point that was still waiting is not sent after it"
+    )
+    assert status["tracking"].startswith("behind: ") and mlflow_behind(status), (
+        "the next attempt replays the point MLflow never got"
     )
 
 
@@ -258,23 +262,32 @@ def test_a_sync_keeps_what_the_run_added_to_its_record_since_the_sync_read_it(
     }
 
 
-class Failing(Recording):
-    """MLflow that failed during the attempt (GuardedTracker's status then)."""
+class Tracking(Recording):
+    """MLflow that took every call."""
 
-    status = "failed: suspending the run: no answer within 30 s"
+    status = "ok"
 
     def suspend(self) -> None:
         self.handed_on.append(("suspend",))
 
 
+class Failing(Tracking):
+    """MLflow that failed during the attempt (GuardedTracker's status then)."""
+
+    status = "failed: suspending the run: no answer within 30 s"
+
+
 @pytest.mark.parametrize(
-    ("inner", "behind"), [(Recording(), True), (Failing(), True)], ids=["off", "failed"]
+    ("inner", "behind"),
+    [(Tracking(), False), (Recording(), True), (Failing(), True)],
+    ids=["ok", "off", "failed"],
 )
 def test_an_attempt_leaves_what_became_of_its_tracking_for_the_next(
     tmp_path: Path, inner: Recording, behind: bool
 ) -> None:
     """The next attempt replays what this one left out of MLflow when its tracking failed
-    (or was off); an attempt killed outright says nothing, which counts as behind too."""
+    (or was off), not when it took every call; an attempt killed outright says nothing,
+    which counts as behind too."""
     run_dir = tmp_path / "name" / "id"
     journal = JournalTracker(inner, run_dir, lambda: (5, 0), "7", 2)
     assert mlflow_behind(read_status(run_dir)) is True, "running: nothing said yet"

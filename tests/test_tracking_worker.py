@@ -3,6 +3,7 @@ call before it answers, and leaves nothing behind."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -236,3 +237,30 @@ print(answer_call(WantsNumpy(), "log_metrics", ({"loss": 0.5}, 4))[1])
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["2.0"]
+
+
+@pytest.mark.e2e
+def test_a_catch_up_that_fails_is_said_once_and_tracking_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An attempt after another whose record cannot be replayed (its tracking.json is gone):
+    one warning names the sync that sends the points later; the MLflow run tracks on."""
+    record = RunRecord(name="worker", params={}, tags={}, start_step=20, earlier_attempts=1)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with caplog.at_level(logging.WARNING, logger="hpc_ddp"):
+        tracker = WorkerTracker(
+            default_tracking_uri(tmp_path),
+            "worker-test",
+            tmp_path / "artifacts",
+            record,
+            (0, 1),
+            catch_up=run_dir,
+        )
+    [said] = [r.message for r in caplog.records if "earlier attempts left out" in r.message]
+    assert "has no tracking.json" in said and f"hpc-ddp tracking sync {run_dir}" in said, said
+    tracker.log_metrics({"loss": 0.5}, 21)
+    tracker.finish("FINISHED")
+    run = MlflowClient(tracking_uri=default_tracking_uri(tmp_path)).get_run(str(tracker.run_id))
+    assert run.info.status == "FINISHED" and run.data.metrics == {"loss": 0.5}
+    assert run.data.tags["hpc_ddp.attempts"] == "2"

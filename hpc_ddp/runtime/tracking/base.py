@@ -1,6 +1,8 @@
 """What every tracker layer shares: the Tracker protocol, the record of a run's attempt, the
 tags every run carries, where the store is and the lock that guards its creation. MLflow is
-imported only by :mod:`hpc_ddp.runtime.tracking.mlflow_tracker`, on rank 0's tracking process.
+imported only by :mod:`hpc_ddp.runtime.tracking.mlflow_tracker` and
+:mod:`hpc_ddp.runtime.tracking.sync`: on rank 0 (its tracking process; after an outage, its
+tracking thread) and in `hpc-ddp tracking sync`.
 """
 
 from __future__ import annotations

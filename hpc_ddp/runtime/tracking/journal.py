@@ -265,7 +265,8 @@ class JournalTracker:
         end()
         self._note_run_id()
         # The next attempt replays what this one left out of MLflow (record.mlflow_behind).
-        self._status[TRACKING_OUTCOME] = self._inner.status
+        outcome = self._inner.status if written else "behind: its record was written late"
+        self._status[TRACKING_OUTCOME] = outcome
         self._write_status()
         if written:
             self.flush()

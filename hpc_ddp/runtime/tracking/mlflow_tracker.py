@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -45,6 +44,7 @@ class MlflowTracker:
         # Creating a new store's tables is routine, not news: two lines on every first run.
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
         self._mlflow = mlflow
+        self._uri = tracking_uri
         self._client = mlflow.MlflowClient(tracking_uri=tracking_uri)
         resumed = self._reopen(record.resume_run_id) if record.resume_run_id else None
         tags, params, start_step = record.tags, record.params, record.start_step
@@ -61,6 +61,11 @@ class MlflowTracker:
         else:
             self._run, resumed_tags = resumed
         self.run_id: str | None = self._run
+        #: Whether this made the MLflow run (none was named, or the one named is gone).
+        self.created = resumed is None
+        #: This attempt's start (Unix s) and the step it began from; the attempts before it.
+        self._began = ((record.start_time_ms or time.time() * 1000) / 1000, start_step)
+        self._earlier_attempts = record.earlier_attempts
         tagged = sum(1 for key in resumed_tags if key.endswith(".start_step"))
         attempt = max(tagged, record.earlier_attempts)
         for key, value in resumed_tags.items():
@@ -123,6 +128,18 @@ class MlflowTracker:
                 raise
             return str(again.experiment_id)
 
+    def catch_up(self, run_dir: str, behind: bool) -> int:
+        """Replay into this run the points of the run's earlier attempts that MLflow lacks,
+        from ``run_dir``'s record up to the step this attempt began from: where ``behind``
+        (tracking.record.mlflow_behind) or where this made the MLflow run though attempts
+        came before. The number of points added."""
+        if not self._earlier_attempts or not (behind or self.created):
+            return 0
+        from hpc_ddp.runtime.tracking.sync import sync_run
+
+        report = sync_run(Path(run_dir), self._uri, live=True, resumed=self._began, into=self._run)
+        return report.added
+
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         self.log_metric_steps([LoggedMetrics(metrics, step, int(time.time() * 1000))])
 
@@ -159,17 +176,11 @@ class MlflowTracker:
 
 
 def open_mlflow_run(
-    uri: str, experiment: str, artifact_root: Path, record: RunRecord, catch_up: str | None
+    uri: str, experiment: str, artifact_root: Path, record: RunRecord
 ) -> MlflowTracker:
-    """The run's MLflow run, created or reopened; with ``catch_up`` (the run's directory)
-    after the points the attempts before left out of MLflow were replayed from its record."""
-    from hpc_ddp.runtime.tracking.sync import sync_run
-
+    """The run's MLflow run, created or reopened (the store's lock held: a new SQLite store
+    gets its tables once); mlflow's import failing is said as such."""
     try:
-        if catch_up is not None:
-            began = ((record.start_time_ms or time.time() * 1000) / 1000, record.start_step)
-            report = sync_run(Path(catch_up), uri, live=True, resumed=began)
-            record = dataclasses.replace(record, resume_run_id=report.run_id)
         with store_lock(uri):
             return MlflowTracker(uri, experiment, artifact_root, record)
     except ImportError as error:

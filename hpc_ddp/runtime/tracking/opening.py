@@ -105,7 +105,7 @@ def open_tracker(
             record,
             plan.run_dir,
             env.world_size,
-            catch_up=mlflow_behind(previous),
+            behind=mlflow_behind(previous),
         ),
         plan.run_dir,
         progress,
@@ -140,16 +140,17 @@ def start_tracker(
     record: RunRecord,
     run_dir: Path | None = None,
     world_size: int = 1,
-    catch_up: bool = False,
+    behind: bool = False,
 ) -> Tracker:
     """An MLflow run (rank 0 only: other ranks use a NullTracker) driven from a child process
     started now (see tracking_worker), the run created or reopened on first use; a failing
     MLflow never stops training (see GuardedTracker). A ``record`` with a ``resume_run_id``
     continues that run. With ``run_dir``, a tracker that failed is tried again now and then:
     the run's record is replayed into MLflow and tracking goes on. ``world_size``: the
-    run's, for the tracking process's log lines. ``catch_up``: the attempts before may have
-    left points out of MLflow (record.mlflow_behind): the tracking process replays them
-    from ``run_dir``'s record before it tracks."""
+    run's, for the tracking process's log lines. ``behind``: the attempts before may have left
+    points out of MLflow (tracking.record.mlflow_behind): the tracking process replays
+    them from ``run_dir``'s record before it tracks, as it does where it makes a new MLflow
+    run for a run that had attempts before."""
     if not config.enabled:
         return NullTracker()
     uri = tracking_uri(config, output_dir)
@@ -166,7 +167,8 @@ def start_tracker(
             record,
             (0, world_size),
             worker,
-            catch_up=run_dir if catch_up else None,
+            catch_up=run_dir,
+            behind=behind,
         )
 
     def recover() -> tuple[StoreTracker, set[tuple[str, int]]]:

@@ -22,6 +22,7 @@ them (:class:`hpc_ddp.runtime.tracking.journal.JournalTracker`).
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
@@ -117,16 +118,7 @@ def read_earlier_metrics(run_dir: Path, began_unix: float, from_step: int) -> li
         lines = (run_dir / METRICS_FILE).read_text().splitlines()
     except OSError:
         return []
-    earlier = [line for line in lines if _logged_before(line, began_unix)]
-    return current_points([*earlier, json.dumps({"from_step": from_step})])
-
-
-def _logged_before(line: str, unix: float) -> bool:
-    try:
-        logged = json.loads(line).get("time")
-    except (ValueError, AttributeError):
-        return False
-    return is_number(logged) and logged < unix
+    return current_points([*lines, json.dumps({"from_step": from_step})], began_unix)
 
 
 def last_logged(
@@ -162,10 +154,11 @@ def _newest_interval(lines: list[str], before_unix: float) -> tuple[float, int] 
     return None
 
 
-def current_points(lines: Iterable[str]) -> list[dict[str, Any]]:
+def current_points(lines: Iterable[str], logged_before: float = math.inf) -> list[dict[str, Any]]:
     """The metric entries of ``lines`` that the run's final history holds: at an attempt's
     start line, the earlier attempts' points after its ``from_step`` are dropped, and at
-    ``from_step`` itself a metric the new attempt logs again replaces the old value."""
+    ``from_step`` itself a metric the new attempt logs again replaces the old value. Lines
+    timed at ``logged_before`` (Unix s) or later are left out."""
     kept: list[dict[str, Any]] = []
     earlier = 0  # kept[:earlier] are the earlier attempts' points
     restart: int | None = None  # the current attempt's from_step
@@ -175,6 +168,8 @@ def current_points(lines: Iterable[str]) -> list[dict[str, Any]]:
         except ValueError:
             continue
         if not isinstance(entry, dict):
+            continue
+        if is_number(entry.get("time")) and entry["time"] >= logged_before:
             continue
         if isinstance(entry.get("metrics"), dict):
             entry = _whole_entry(entry)

@@ -80,12 +80,13 @@ def sync_run(
     uri: str | None = None,
     live: bool = False,
     resumed: tuple[float, int] | None = None,
+    into: str | None = None,
 ) -> SyncReport:
     """Replay ``run_dir``'s record into MLflow at ``uri`` (default: the run's own).
     ``live``: the run itself catching up after an outage (it is running, of course: its
     MLflow run is left RUNNING). ``resumed``: (its start, Unix s; the step it resumed from):
     an attempt catching up with what the attempts before it left out of MLflow, which
-    replays their points only."""
+    replays their points only, ``into`` the MLflow run it tracks in."""
     tracking = _read_tracking(run_dir)
     status = read_status(run_dir) or {}
     if not live:
@@ -101,8 +102,12 @@ def sync_run(
         # Its constructor opens the store: an unknown scheme or a damaged database fails here.
         client = mlflow.MlflowClient(tracking_uri=uri)
         with store_lock(uri):  # a fresh SQLite store gets its tables once
-            run_id, created = _find_or_create(
-                client, tracking, _known_run(tracking, uri), mlflow.exceptions.MlflowException
+            run_id, created = (
+                (into, False)
+                if into
+                else _find_or_create(
+                    client, tracking, _known_run(tracking, uri), mlflow.exceptions.MlflowException
+                )
             )
         existing: dict[str, set[int]] = {}
         points = []
@@ -138,13 +143,16 @@ def sync_run(
         final = None if live else FINAL_STATUS.get(str(status.get("state")))
         if final is not None:
             client.set_terminated(run_id, status=final)
+    except ImportError:
+        raise  # a package the tracking process left out (mlflow_import): it lets it in
     except Exception as error:  # MLflow's and its HTTP client's many ways of failing
         raise HpcDdpError(
             f"MLflow at {uri} failed: {str(error).strip().splitlines()[0][:300]}",
             "check that the tracking server is up (or pass --uri), then sync again: points "
             "already there are skipped",
         ) from None
-    remember_run(run_dir, tracking, uri, run_id)
+    if into is None:  # else the running attempt's record names it
+        remember_run(run_dir, tracking, uri, run_id)
     replayed = {(point.key, point.step) for point in points}
     return SyncReport(
         run_id,

@@ -139,6 +139,7 @@ class WorkerTracker:
         log_prefix: tuple[int, int] = (0, 1),
         worker: Worker | None = None,
         catch_up: Path | None = None,
+        behind: bool = False,
     ) -> None:
         worker = worker or spawn_worker()
         self._process, self._connection = worker.process, worker.connection
@@ -149,8 +150,23 @@ class WorkerTracker:
             str(artifact_root),
             record,
             log_prefix,
-            str(catch_up) if catch_up else None,
         )
+        if catch_up is not None:
+            self._catch_up(catch_up, behind)
+
+    def _catch_up(self, run_dir: Path, behind: bool) -> None:
+        """Best effort: MLflow tracks on without the earlier attempts' points, which a sync
+        after the run sends."""
+        try:
+            self._call("catch_up", str(run_dir), behind)
+        except RuntimeError as error:
+            from hpc_ddp.runtime.logs import get_logger
+
+            get_logger().warning(
+                f"MLflow did not take the points earlier attempts left out of it ({error}); "
+                f"they are in {run_dir}/metrics.jsonl. HINT: `hpc-ddp tracking sync "
+                f"{run_dir}` sends them once the run ended"
+            )
 
     def _call(self, method: str, *args: Any) -> Any:
         try:
@@ -203,13 +219,12 @@ def _start(
     artifacts: str,
     record: RunRecord,
     log_prefix: tuple[int, int],
-    catch_up: str | None,
 ) -> Any:
     from hpc_ddp.runtime.logs import setup_logging
     from hpc_ddp.runtime.tracking.mlflow_tracker import open_mlflow_run
 
     setup_logging(*log_prefix)
-    return open_mlflow_run(uri, experiment, Path(artifacts), record, catch_up)
+    return open_mlflow_run(uri, experiment, Path(artifacts), record)
 
 
 #: The tracking process's niceness above the rank's once its MLflow run exists.
