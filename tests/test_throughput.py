@@ -10,6 +10,7 @@ import torch
 
 from hpc_ddp.runtime.config import MonitorConfig
 from hpc_ddp.runtime.errors import HpcDdpError
+from hpc_ddp.runtime.loop.position import Position
 from hpc_ddp.runtime.monitor.flops import compute_dtype, dtype_in_use
 from hpc_ddp.runtime.monitor.throughput import (
     ComputeDtype,
@@ -125,6 +126,16 @@ def test_the_runs_tokens_per_second_follow_from_its_samples_per_second() -> None
     assert run_tokens_per_s(1000, 3.0, 512) == 170666.7, "from the samples, rounded once"
     assert run_tokens_per_s(2560, 2.0, 0.0) is None, "what a sample is was not said"
     assert run_tokens_per_s(None, 2.0, 512) is None, "batches of no known size"
+
+
+def test_the_summarys_rates_agree_whatever_the_run_lasted() -> None:
+    # 12 steps of 96 in 0.21949 s: the summary states 0.219 s, and both of its rates follow
+    # from that, not one from the stated time and one from the unrounded.
+    summary = Position(global_step=12, train_time_s=0.21949).summary(96)
+    assert summary["train_time_s"] == 0.219
+    assert summary["samples_per_s"] == round(1152 / 0.219, 1)
+    tokens_per_s = run_tokens_per_s(summary["samples_seen"], summary["train_time_s"], 10)
+    assert tokens_per_s == pytest.approx(10 * summary["samples_per_s"], abs=0.5 + 0.05)
 
 
 def test_fp32_counts_as_tf32_where_torch_lets_a_gpu_use_it() -> None:

@@ -164,8 +164,9 @@ def test_bf16_and_three_ranks_with_workers(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_summary(tmp_path)
     assert summary["world_size"] == 3 and summary["val_samples"] == 1001
-    # The run's rates (from its training time in ms: to 0.1 % on this second-long run).
-    assert summary["tokens_per_s"] == pytest.approx(10 * summary["samples_per_s"], rel=1e-3)
+    # The run's rates, both from its stated training time: equal but for their rounding
+    # to 0.1 (samples/s, times 10 tokens) and 0.1 (tokens/s).
+    assert summary["tokens_per_s"] == pytest.approx(10 * summary["samples_per_s"], abs=0.55)
     assert math.isfinite(summary["val_loss"]) and summary["global_step"] == 12
     # The machine's side, recorded per host: the CPU and memory of 3 ranks and their
     # workers; on CPU no GPU metrics, said once.

@@ -44,16 +44,19 @@ class Position:
         optimizer step over all ranks; 0: unknown, batches that hold no tensor, whose
         samples are then null rather than 0)."""
         samples = self.global_step * global_batch_size if global_batch_size > 0 else None
+        # The rates derive from the time as the summary states it, so that every rate
+        # computed from the summary (tokens/s too) agrees with them.
+        train_time_s = round(self.train_time_s, 3)
         return {
             "resumed_from_step": self.resumed_from_step,
             "resumed_from_world_size": self.resumed_from_world_size,
             "epochs": self.epoch,
             "global_step": self.global_step,
             "samples_seen": samples,
-            "train_time_s": round(self.train_time_s, 3),
+            "train_time_s": train_time_s,
             "samples_per_s": None
             if samples is None
-            else round(samples / max(1e-9, self.train_time_s), 1),
+            else round(samples / max(1e-9, train_time_s), 1),
             "replicas_in_sync": self.replicas_diverged_at is None,
             "replicas_diverged_at": self.replicas_diverged_at,
             "first_step_unix": self.first_step_unix,
