@@ -251,11 +251,12 @@ def test_a_single_file_checkpoint_goes_on_as_a_folder_run(
 
 @pytest.mark.e2e
 def test_a_background_save_is_timed_to_its_commit_not_to_the_next_save(tmp_path: Path) -> None:
-    """Saves of 1 MB at least 6 s apart (a paused step each second), against a warning of 3 s:
-    no warning (timed to the next save, each would read 6 s)."""
+    """Saves of 1 MB at least 12 s apart (a step paused 2 s), against a warning of 9 s: no
+    warning (timed to the next save, each would read 12 s). The 9 s leave the commit of the
+    run's first background save room on a busy machine."""
     result = run_local_program(2, ballast(tmp_path, "--steps=13", "--save-every=6",
-                                          "--ballast-mb=1", "--step-pause=1",
-                                          "preempt.warning_s=3"))  # fmt: skip
+                                          "--ballast-mb=1", "--step-pause=2",
+                                          "preempt.warning_s=9"))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("checkpoint (requested) step") == 3
     assert "longer than the" not in result.stderr

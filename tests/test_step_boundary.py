@@ -350,11 +350,11 @@ import hpc_ddp
 
 where, output = sys.argv[1:3]
 run = hpc_ddp.start(tracking={"enabled": False}, checkpoint={"enabled": False},
-                    dist={"stall_timeout_s": 5, "timeout_s": 30}, run={"output_dir": output})
+                    dist={"stall_timeout_s": 15, "timeout_s": 60}, run={"output_dir": output})
 for iter_num in run.iterations(max_steps=6):
     if run.every(3):
         if where == "evaluation" and iter_num == 3:
-            time.sleep(7)  # an evaluation longer than the stall timeout: no stall
+            time.sleep(17)  # an evaluation longer than the stall timeout: no stall
     if where == "step" and iter_num == 4:
         time.sleep(600)  # a step that hangs: the watchdog ends the rank long before
 print("RESULT", run.global_step)

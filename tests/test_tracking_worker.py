@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -109,10 +108,8 @@ def test_a_parent_that_goes_away_leaves_the_run_running(tmp_path: Path) -> None:
     tracker = _start(tmp_path)
     tracker.log_metrics({"loss": 0.25}, 1)
     tracker._connection.close()
-    deadline = time.monotonic() + 30
-    while tracker._process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert tracker._process.returncode == 0
+    # (a hang guard: the process ends by itself once its parent's end of the pipe is closed)
+    assert tracker._process.wait(timeout=300) == 0
     run = MlflowClient(tracking_uri=default_tracking_uri(tmp_path)).get_run(str(tracker.run_id))
     assert run.info.status == "RUNNING"
     assert run.data.metrics == {"loss": 0.25}

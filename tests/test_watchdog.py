@@ -32,7 +32,8 @@ from hpc_ddp.runtime.preempt.watchdog import CHECK_PERIOD_S, StallWatchdog
 from tests.helpers import REPO, HandClock, run_local_program
 
 FAULTS = str(REPO / "tests" / "programs" / "faults.py")
-STALL_S = 4
+#: Long enough that a healthy rank starved of the CPU on a busy machine never reaches it.
+STALL_S = 15
 
 
 def run_stalling(fault: str, tmp_path: Path) -> str:
@@ -435,6 +436,8 @@ def test_the_silent_ranks_are_found_on_this_rank_s_own_clock() -> None:
     assert "rank 2" not in report
 
 
+#: dist.timeout_s for a collective one rank never makes: well past a busy machine's pauses.
+COLLECTIVE_TIMEOUT_S = 20
 ALONE_IN_A_COLLECTIVE = """
 import threading
 import hpc_ddp
@@ -461,11 +464,22 @@ def test_a_collective_only_one_rank_makes_ends_in_dist_timeout_s_naming_the_call
     script.write_text(ALONE_IN_A_COLLECTIVE)
     result = run_local_program(
         2,
-        ["--set", f"run.output_dir={tmp_path}", "--set", "dist.timeout_s=5", str(script)],
+        [
+            "--set",
+            f"run.output_dir={tmp_path}",
+            "--set",
+            f"dist.timeout_s={COLLECTIVE_TIMEOUT_S}",
+            # (no checks: rank 0 alone writes the run directory's check; on a busy machine
+            # the other rank's check all-reduce could wait that long for it)
+            "--set",
+            "checks.enabled=false",
+            str(script),
+        ],
     )
     assert result.returncode == 1, result.stderr[-3000:]
     assert (
-        f"[rank 0] stopped: a collective waited 5 s (dist.timeout_s) for the other ranks, "
+        f"[rank 0] stopped: a collective waited {COLLECTIVE_TIMEOUT_S} s (dist.timeout_s) for "
+        f"the other ranks, "
         f"called at {script}:9: another rank did not make the same call in that time"
         in result.stderr
     ), result.stderr[-3000:]

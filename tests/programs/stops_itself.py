@@ -13,7 +13,7 @@ stopped_rank = int(sys.argv[1])
 run = hpc_ddp.start(
     tracking={"enabled": False},
     checkpoint={"enabled": False},
-    dist={"stall_timeout_s": 6},
+    dist={"stall_timeout_s": 15},  # past a busy machine's pauses
 )
 model = run.wrap(torch.nn.Linear(2, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

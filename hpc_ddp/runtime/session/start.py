@@ -131,7 +131,9 @@ def start(
     ``export_env`` writes RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ... into os.environ
     for code that reads them (each overwrite is logged).
     """
-    started, entry_unix = time.perf_counter(), time.time()
+    # The wall clock first: the run's MLflow duration (from entry_unix) is never shorter
+    # than its wall_time_s (from started), however long the process waits between the two.
+    entry_unix, started = time.time(), time.perf_counter()
     install_excepthook()
     environment = os.environ if environ is None else environ
     refuse_a_start_that_cannot_join(environment)
