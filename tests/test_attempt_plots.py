@@ -20,7 +20,13 @@ from hpc_ddp.cli import main
 from hpc_ddp.runtime.errors import HpcDdpError
 from hpc_ddp.runtime.monitor.account import PARTS, attempt_account, unsplit_account
 from hpc_ddp.runtime.monitor.attempt_times import AttemptTimes
-from hpc_ddp.view.attempt_marks import HEADROOM, mark_attempts, resume_steps
+from hpc_ddp.view.attempt_marks import (
+    HEADROOM,
+    mark_attempts,
+    name_rows,
+    resume_steps,
+    with_headroom,
+)
 from hpc_ddp.view.goodput import DRAWN, PART_COLOURS, attempt_bars, plot_goodput
 from hpc_ddp.view.machines import broken_at, draw_usage
 from hpc_ddp.view.plot import plot_run
@@ -175,6 +181,29 @@ def mark_texts(resumes: list[tuple[int, int]]) -> list[str]:
     axes = figure.add_subplot(1, 1, 1)
     mark_attempts(axes, resumes)
     return [text.get_text() for text in axes.texts]
+
+
+def test_names_of_attempts_that_resumed_close_together_do_not_cover_each_other() -> None:
+    """Attempts 2 and 3 resumed 5 steps apart on a 1,000-step panel (a stop, then a crash
+    soon after the resume): their names go on rows of their own, inside the band above the
+    readings; a third name far away goes back to the top row."""
+    figure = Figure(figsize=(5.5, 4.2))
+    axes = figure.add_subplot(1, 1, 1)
+    axes.plot([0, 1000], [0.0, 100.0])
+    axes.set_ylim(0, with_headroom(100.0))
+    mark_attempts(axes, [(2, 615), (3, 620), (4, 90)])
+    figure.canvas.draw()
+    names = {text.get_text().strip(): text for text in axes.texts}
+    boxes = {name: text.get_window_extent() for name, text in names.items()}
+    assert not boxes["attempt 2"].overlaps(boxes["attempt 3"]), "close names on rows of their own"
+    assert names["attempt 4"].get_position()[1] == names["attempt 2"].get_position()[1]
+    top_reading = axes.transData.transform((0, 100.0))[1]
+    assert all(box.y0 >= top_reading for box in boxes.values()), "inside the band"
+    assert name_rows([10, 12, 14, 16], 0, 100) == [0, 1, 2, 0], "past 3, the farthest row"
+    # A name near the right edge sits to the left of its line: 25 steps from one to its left
+    # still covers it.
+    assert name_rows([60, 85], 0, 100) == [0, 1]
+    assert name_rows([40, 85], 0, 100) == [0, 0]
 
 
 def test_a_panel_that_ends_before_an_attempt_began_reaches_its_line_and_names_it_inside() -> None:
