@@ -126,7 +126,9 @@ def discard_prestarted() -> None:
 
 class WorkerTracker:
     """An MLflow run driven from a child process (see the module docstring): created, or
-    reopened, when this is made."""
+    reopened, when this is made. ``catch_up``: the run directory whose earlier attempts'
+    points the child then sends to the run where MLflow lacks them (``behind``: the last
+    attempt's tracking did not end whole), best effort."""
 
     status = "ok"
 
