@@ -34,6 +34,7 @@ from hpc_ddp.runtime.place.slurm import queue_job_id
 from hpc_ddp.runtime.preempt.requeue import agent_signal_gap
 from hpc_ddp.runtime.preempt.signals import StepAgreement, StopSignals
 from hpc_ddp.runtime.tracking.base import default_tracking_uri
+from hpc_ddp.runtime.tracking.record import read_metrics
 from hpc_ddp.trainer.config import load_config, resume_fingerprint
 from tests.helpers import (
     REPO,
@@ -484,6 +485,15 @@ def test_stopped_mid_epoch_and_resumed_equals_uninterrupted(
     stop_step = int(re.search(r"checkpoint \(stop signal\) step (\d+)", log).group(1))  # type: ignore[union-attr]
     assert stop_step == 50
     assert "to continue, run the same command with run.id=interrupted" in log
+    # The stop's checkpoint holds the time trained so far though its epoch had not ended
+    # (the resume's samples/s count it), at least the intervals logged before it.
+    checkpoints = tmp_path / "synthetic-mlp" / "interrupted" / "checkpoints"
+    saved = load_checkpoint(list_checkpoints(checkpoints)[0])
+    logged = [row["metrics"] for row in read_metrics(checkpoints.parent)]
+    rates = [m["interval/samples_per_s"] for m in logged if "interval/samples_per_s" in m]
+    interval_s = sum(8 * 64 / rate for rate in rates)
+    assert len(rates) == 6 and saved["global_step"] == 50, logged
+    assert saved["train_time_s"] >= interval_s * (1 - 1e-9) > 0, (saved["train_time_s"], rates)
 
     resumed = run_local(2, tmp_path, [*RESUMABLE, "run.id=interrupted"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]

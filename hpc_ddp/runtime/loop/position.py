@@ -6,7 +6,36 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpc_ddp.runtime.monitor.attempt_times import AttemptTimes, StepsMark
+
+
+class TrainClock:
+    """The time the ``run.steps`` loop in progress has trained, less the time the process
+    did not run: part of the position that a checkpoint written mid-epoch records."""
+
+    def __init__(self) -> None:
+        self._since: tuple[float, StepsMark, AttemptTimes] | None = None
+
+    def start(self, times: AttemptTimes) -> tuple[float, StepsMark]:
+        """Start at an epoch's loop; returns the clock's reading and ``times``' mark then."""
+        started, began = time.perf_counter(), times.mark()
+        self._since = (started, began, times)
+        return started, began
+
+    def running_s(self) -> float:
+        """The seconds trained since :meth:`start` (0 between loops)."""
+        if self._since is None:
+            return 0.0
+        started, began, times = self._since
+        return times.ran_s(time.perf_counter() - started, began)
+
+    def stop(self) -> float:
+        """The seconds trained since :meth:`start`, as the loop ends."""
+        seconds, self._since = self.running_s(), None
+        return seconds
 
 
 @dataclass
@@ -29,14 +58,17 @@ class Position:
     first_step_unix: float | None = None
     #: The first step after which some rank's weights differed from rank 0's (None: never).
     replicas_diverged_at: int | None = None
+    #: The epoch in progress's training time, not yet in ``train_time_s``.
+    clock: TrainClock = field(default_factory=TrainClock, compare=False, repr=False)
 
     def saved(self) -> dict[str, int | float]:
-        """The numbers a checkpoint keeps."""
+        """The numbers a checkpoint keeps (mid-epoch, the epoch's time so far too: a resume
+        goes on from there)."""
         return {
             "epoch": self.epoch,
             "step_in_epoch": self.step_in_epoch,
             "global_step": self.global_step,
-            "train_time_s": self.train_time_s,
+            "train_time_s": self.train_time_s + self.clock.running_s(),
         }
 
     def summary(self, global_batch_size: int) -> dict[str, Any]:

@@ -158,7 +158,7 @@ class StepLoop:
             left = self.limits.steps_left(position, loader.steps_per_epoch)
             loader.set_position(position.epoch, position.step_in_epoch)
             self.metrics.use_loader(loader)
-            started, began = time.perf_counter(), times.mark()
+            started, began = position.clock.start(times)
             self._interval = IntervalStart(started, position.global_step, began.suspended_s)
             self._micro, self._stepping, watchdog = 0, True, self._watchdog
             if watchdog is not None:
@@ -189,7 +189,7 @@ class StepLoop:
                     watchdog.disarm(left_early(position.global_step, left, ran_out))
                 if self.context.device.type == "cuda":
                     torch.cuda.synchronize(self.context.device)  # the epoch's kernels count too
-                position.train_time_s += times.ran_s(time.perf_counter() - started, began)
+                position.train_time_s += position.clock.stop()
             if fresh_epoch and not yielded:
                 raise no_step_refusal(loader, accum, position.epoch)
             self.metrics.progress.reach(position.global_step, final=True)
