@@ -253,7 +253,8 @@ def test_the_machines_and_step_time_readings_stay_below_the_attempts_names(tmp_p
                       "interval/checkpoint_percent": 1.0},
     )  # fmt: skip
     assert [axes.get_title() for axes in figure.axes] == [
-        "CPU of each host (%, 100 = one core)", "where each interval's time went (%)"
+        "CPU of each host (%, 100 = one core)",
+        "where each interval's time went (%, the ranks' mean)",
     ]  # fmt: skip
     for axes, highest in zip(figure.axes, (194.1, 100.0), strict=True):
         bottom, top = axes.get_ylim()

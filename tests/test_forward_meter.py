@@ -603,13 +603,13 @@ def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
     assert series == {
         "waiting for data": [10.0, 5.0, 0.0],
         "forward": [30.0, 25.0, 50.0],
-        "backward, optimizer, waits for ranks": [60.0, 30.0, 50.0],
+        "backward, optimizer, waits for ranks and the rest": [60.0, 30.0, 50.0],
         "checkpoint stalls": [0.0, 40.0, 0.0],
     }, "evaluation never took time: not drawn"
     run = load_run(run_dir)
     assert run is not None
     *_, panel = plot_run(run).axes
-    assert panel.get_title() == "where each interval's time went (%)"
+    assert panel.get_title() == "where each interval's time went (%, the ranks' mean)"
     assert [text.get_text() for text in panel.get_legend().get_texts()] == list(series)
     # The optimizer's steps timed too: the rest of the step is the backward and the waits.
     both = parts(10, 30, 0) | {"interval/optimizer_percent": 15.0}
@@ -617,7 +617,7 @@ def test_the_plot_stacks_where_each_intervals_time_went(tmp_path: Path) -> None:
     assert step_time_series(run_with_metrics(tmp_path / "both", [both]))[1] == {
         "waiting for data": [10.0],
         "forward": [30.0],
-        "backward, waits for ranks": [40.0],
+        "backward, waits for ranks and the rest": [40.0],
         "optimizer": [15.0],
         "agreeing on a stop": [5.0],
     }, "the checkpoints took no time: not drawn"
@@ -662,7 +662,7 @@ def test_a_run_that_logs_no_metric_of_its_own_still_plots_its_step_time(tmp_path
     run = load_run(run_dir)
     assert run is not None
     (panel,) = plot_run(run).axes
-    assert panel.get_title() == "where each interval's time went (%)"
+    assert panel.get_title() == "where each interval's time went (%, the ranks' mean)"
     (run_dir / "metrics.jsonl").write_text("")
     with pytest.raises(HpcDdpError, match="has no metrics yet"):
         plot_run(run)

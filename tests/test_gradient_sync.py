@@ -24,7 +24,8 @@ from hpc_ddp.runtime.monitor.paces import (
     step_time_percent,
     timed_per_rank,
 )
-from hpc_ddp.view.steptime import rest_label, step_time_series
+from hpc_ddp.view.runs import format_run, load_run
+from hpc_ddp.view.steptime import rest_label, step_time_series, steps_split_line
 from tests.helpers import ran_on_ranks, run_with_metrics
 
 #: The timer reads the clock and changes nothing: the same model through run.wrap (timed) and
@@ -193,11 +194,11 @@ def test_a_part_no_rank_timed_is_left_out_and_the_mean_is_of_the_ranks_that_time
 
 
 def test_the_rest_of_the_step_is_named_by_what_was_not_timed() -> None:
-    assert rest_label(True, True, True) == "backward"
-    assert rest_label(True, False, True) == "backward, waits for ranks"
-    assert rest_label(True, False, False) == "backward, optimizer, waits for ranks"
-    assert rest_label(False, False, True) == "forward, backward, waits for ranks"
-    assert rest_label(False, True, False) == "forward, backward, optimizer"
+    assert rest_label(True, True, True) == "backward and the rest"
+    assert rest_label(True, False, True) == "backward, waits for ranks and the rest"
+    assert rest_label(True, False, False) == "backward, optimizer, waits for ranks and the rest"
+    assert rest_label(False, False, True) == "forward, backward, waits for ranks and the rest"
+    assert rest_label(False, True, False) == "forward, backward, optimizer and the rest"
     assert rest_label(False, False, False) == "the step"
 
 
@@ -212,7 +213,7 @@ def test_the_plot_draws_the_wait_for_the_gradients_after_the_backward(tmp_path: 
     assert series == {
         "waiting for data": [5.0],
         "forward": [20.0],
-        "backward": [35.0],
+        "backward and the rest": [35.0],
         "waiting for the gradients' all-reduce": [30.0],
         "optimizer": [10.0],
     }
@@ -328,3 +329,30 @@ def test_two_models_in_one_backward_are_timed_once(one_rank: None) -> None:
     assert meter.take() == 5.0  # one pair of readings around both reducers' waits
     meter.detach()
     assert meter.take() is None
+
+
+def test_the_runs_view_says_where_the_steps_time_went_and_who_waited(tmp_path: Path) -> None:
+    """`hpc-ddp runs NAME/ID`: the parts' means over the intervals that recorded them (the
+    one without parts, suspended, left out), the most one rank waited for data, and the
+    rank most often the slowest, from metrics.jsonl."""
+    first = {
+        "interval/data_wait_percent": 40.0, "interval/data_wait_percent_max": 93.0,
+        "interval/forward_percent": 20.0, "interval/gradient_sync_percent": 30.0,
+        "interval/checkpoint_percent": 0.0, "interval/evaluation_percent": 0.0,
+        "interval/slowest_rank": 1.0, "interval/slowest_rank_ratio": 1.1,
+    }  # fmt: skip
+    second = {**first, "interval/data_wait_percent": 50.0, "interval/data_wait_percent_max": 91.0,
+              "interval/slowest_rank_ratio": 1.15}  # fmt: skip
+    third = {**second, "interval/slowest_rank": 0.0, "interval/slowest_rank_ratio": 1.05,
+             "interval/optimizer_percent": 0.9}  # fmt: skip
+    suspended = {"interval/samples_per_s": 10.0}
+    run_dir = run_with_metrics(tmp_path, [first, second, suspended, third])
+    assert steps_split_line(run_dir) == (
+        "steps' time (a mean of 3 log intervals): waiting for data 47%, forward 20%, "
+        "waiting for the gradients' all-reduce 30%, optimizer <1%; the most a rank waited "
+        "for data: 93% of an interval; the slowest forward: rank 1 in 2 of 3 (at most 1.15x "
+        "the median rank's)"
+    )
+    run = load_run(run_dir)
+    assert run is not None and "steps' time (a mean of 3 log intervals)" in format_run(run)
+    assert steps_split_line(run_with_metrics(tmp_path / "none", [suspended])) is None

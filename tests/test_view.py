@@ -114,7 +114,7 @@ def test_plot_writes_a_png_with_the_training_and_validation_curves(
     # CPU) and where each interval's time went
     losses, machines, parts = figure.axes
     assert machines.get_title() == "CPU of each host (%, 100 = one core)"
-    assert parts.get_title() == "where each interval's time went (%)"
+    assert parts.get_title() == "where each interval's time went (%, the ranks' mean)"
     assert losses.get_title() == "losses" and losses.get_yscale() == "log"
     lines = {line.get_label(): line for line in losses.get_lines()}
     assert set(lines) == {"mse", "mse (epoch)", "val_mse"}

@@ -23,6 +23,7 @@ from hpc_ddp.runtime.tracking.record import (
     read_metrics,
     read_status,
 )
+from hpc_ddp.view.steptime import steps_split_line
 
 #: The machines' metrics (each host's CPU and memory, each GPU's), not the model's.
 SYSTEM_PREFIX = "system/"
@@ -196,8 +197,10 @@ def time_lines(attempts: list[dict[str, Any]], running: bool) -> list[str]:
 
 def format_run(run: RunView, now: float | None = None) -> str:
     """`hpc-ddp runs NAME/ID`: the run's line, its failed hosts, each attempt's code, where
-    each attempt's time went and what ended those that failed."""
-    lines = (*run.code, *run.time, *run.failures)
+    each attempt's time went, where the steps' time went and what ended the attempts that
+    failed."""
+    split = steps_split_line(run.path)
+    lines = (*run.code, *run.time, *([split] if split else []), *run.failures)
     return "\n".join([format_runs([run], now), *(f"  {line}" for line in lines)])
 
 

@@ -7,10 +7,13 @@ timed)."""
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hpc_ddp.runtime.monitor.account import is_number
+from hpc_ddp.runtime.monitor.paces import STRAGGLER_METRICS
 from hpc_ddp.runtime.tracking.record import read_metrics
 from hpc_ddp.view.attempt_marks import with_headroom
 
@@ -39,7 +42,7 @@ def rest_label(forward: bool, gradient_sync: bool, optimizer: bool) -> str:
     untimed.append("backward")
     untimed += [] if optimizer else ["optimizer"]
     untimed += [] if gradient_sync else ["waits for ranks"]
-    return ", ".join(untimed)
+    return ", ".join(untimed) + " and the rest"
 
 
 def step_time_series(run_dir: Path) -> tuple[list[float], dict[str, list[float]]]:
@@ -80,6 +83,53 @@ def step_time_series(run_dir: Path) -> tuple[list[float], dict[str, list[float]]
     return steps, series
 
 
+def steps_split_line(run_dir: Path) -> str | None:
+    """`hpc-ddp runs NAME/ID`'s line on where the steps' time went: each recorded part's
+    mean over the log intervals that recorded their parts (each interval's figure the ranks'
+    mean), the most one rank waited for data in an interval, and the rank whose forward was
+    most often the slowest (None: no interval recorded its parts)."""
+    intervals, sums = 0, {name: 0.0 for name, _label in RECORDED}
+    worst_wait: float | None = None
+    slowest: Counter[int] = Counter()
+    slowest_ratio = 0.0
+    for entry in read_metrics(run_dir):
+        metrics = entry["metrics"]
+        if "interval/checkpoint_percent" not in metrics:
+            continue
+        intervals += 1
+        for name in sums:
+            sums[name] += finite(metrics.get(name)) or 0.0
+        most = finite(metrics.get("interval/data_wait_percent_max"))
+        if most is not None:
+            worst_wait = max(most, worst_wait or 0.0)
+        rank, ratio = (finite(metrics.get(f"interval/{n}")) for n in STRAGGLER_METRICS)
+        if rank is not None and ratio is not None:
+            slowest[int(rank)] += 1
+            slowest_ratio = max(slowest_ratio, ratio)
+    if not intervals:
+        return None
+    means = {label: sums[name] / intervals for name, label in RECORDED if sums[name]}
+    parts = [
+        f"{label} {mean:.0f}%" if mean >= 0.5 else f"{label} <1%" for label, mean in means.items()
+    ]
+    said = f"steps' time (a mean of {intervals} log interval{'s' if intervals != 1 else ''}): "
+    said += ", ".join(parts) if parts else "no part timed"
+    if worst_wait is not None:
+        said += f"; the most a rank waited for data: {worst_wait:.0f}% of an interval"
+    if slowest:
+        rank, times = slowest.most_common(1)[0]
+        said += (
+            f"; the slowest forward: rank {rank} in {times} of {intervals} "
+            f"(at most {slowest_ratio:.2f}x the median rank's)"
+        )
+    return said
+
+
+def finite(value: Any) -> float | None:
+    """``value`` as a float where it is a finite number (a record's value may be anything)."""
+    return float(value) if is_number(value) and math.isfinite(value) else None
+
+
 def interval_starts(steps: Sequence[float], resumes: Sequence[int]) -> list[float]:
     """The step each interval (closed at ``steps``, superseded ones already left out) began
     at: where the one before it closed (the first: 0), or where an attempt resumed in
@@ -108,7 +158,7 @@ def draw_step_time(
     axes.set_ylim(0, with_headroom(100.0))
     axes.set_yticks(range(0, 101, 20))
     axes.set_xlim(0, max(steps))
-    axes.set_title("where each interval's time went (%)")
+    axes.set_title("where each interval's time went (%, the ranks' mean)")
     axes.set_xlabel("step")
     axes.grid(alpha=0.3)
     # Below the panel: the bands fill it to 100 %, so a legend inside would hide one.
