@@ -60,9 +60,8 @@ def step_time_series(run_dir: Path) -> tuple[list[float], dict[str, list[float]]
         steps.append(float(entry["step"]))
         split.append(parts)
         for name in recorded:
-            value = metrics.get(name)
-            ok = parts and isinstance(value, int | float) and math.isfinite(value)
-            recorded[name].append(float(value) if ok else 0.0)
+            value = finite(metrics.get(name)) if parts else None
+            recorded[name].append(0.0 if value is None else value)
     if not steps:
         return [], {}
     rest = [
